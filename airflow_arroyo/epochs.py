@@ -1,0 +1,368 @@
+"""The model: life cycles of pipelines and epochs, and the pure decisions over them.
+
+Nothing in this module does I/O. The store reads facts, hands them to these functions and writes
+what they decide; the tests drive them exhaustively.
+
+Epoch life cycle (one table, :data:`EPOCH_TRANSITIONS`)::
+
+    triggered ──> completed ──> pruning ──> pruned
+        │                          ^
+        ├──> failed ───────────────┤
+        └──> expired ──────────────┘
+
+Pipeline life cycle (:data:`PIPELINE_TRANSITIONS`)::
+
+    registered ──> running ──> stopping ──> stopped ──> registered (a new run)
+         │            │           │
+         └────────────┴───────────┴──> failed ──> registered (a new run)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from airflow_arroyo.exceptions import ConfigurationError, IllegalTransitionError
+
+__all__ = [
+    "EPOCH_TRANSITIONS",
+    "PIPELINE_TRANSITIONS",
+    "CheckpointPolicy",
+    "CleanupLease",
+    "EpochFacts",
+    "EpochState",
+    "PipelineState",
+    "RetentionPolicy",
+    "TriggerAction",
+    "TriggerDecision",
+    "TriggerFacts",
+    "check_epoch_transition",
+    "check_pipeline_transition",
+    "consecutive_failures",
+    "decide_trigger",
+    "select_prunable",
+    "validate_pipeline_id",
+]
+
+
+class EpochState(enum.StrEnum):
+    TRIGGERED = "triggered"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    PRUNING = "pruning"
+    PRUNED = "pruned"
+
+    @property
+    def in_flight(self) -> bool:
+        return self is EpochState.TRIGGERED
+
+    @property
+    def ended_unsuccessfully(self) -> bool:
+        return self in (EpochState.FAILED, EpochState.EXPIRED)
+
+
+class PipelineState(enum.StrEnum):
+    REGISTERED = "registered"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (PipelineState.STOPPED, PipelineState.FAILED)
+
+
+EPOCH_TRANSITIONS: dict[EpochState, frozenset[EpochState]] = {
+    EpochState.TRIGGERED: frozenset({EpochState.COMPLETED, EpochState.FAILED, EpochState.EXPIRED}),
+    EpochState.COMPLETED: frozenset({EpochState.PRUNING}),
+    EpochState.FAILED: frozenset({EpochState.PRUNING}),
+    EpochState.EXPIRED: frozenset({EpochState.PRUNING}),
+    EpochState.PRUNING: frozenset({EpochState.PRUNED}),
+    EpochState.PRUNED: frozenset(),
+}
+
+PIPELINE_TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
+    PipelineState.REGISTERED: frozenset({PipelineState.RUNNING, PipelineState.STOPPED, PipelineState.FAILED}),
+    PipelineState.RUNNING: frozenset({PipelineState.STOPPING, PipelineState.STOPPED, PipelineState.FAILED}),
+    PipelineState.STOPPING: frozenset({PipelineState.STOPPED, PipelineState.FAILED}),
+    PipelineState.STOPPED: frozenset({PipelineState.REGISTERED}),
+    PipelineState.FAILED: frozenset({PipelineState.REGISTERED}),
+}
+
+
+def epoch_states_from(target: EpochState) -> list[str]:
+    """States from which ``target`` may be reached (used in guarded UPDATEs)."""
+    return sorted(s.value for s, nxt in EPOCH_TRANSITIONS.items() if target in nxt)
+
+
+def pipeline_states_from(target: PipelineState) -> list[str]:
+    return sorted(s.value for s, nxt in PIPELINE_TRANSITIONS.items() if target in nxt)
+
+
+def check_epoch_transition(current: EpochState, target: EpochState, *, subject: str = "") -> None:
+    if target not in EPOCH_TRANSITIONS[current]:
+        raise IllegalTransitionError("epoch", current.value, target.value, subject=subject)
+
+
+def check_pipeline_transition(current: PipelineState, target: PipelineState, *, subject: str = "") -> None:
+    if target not in PIPELINE_TRANSITIONS[current]:
+        raise IllegalTransitionError("pipeline", current.value, target.value, subject=subject)
+
+
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def validate_pipeline_id(pipeline_id: str) -> str:
+    """Pipeline ids name folders and URLs: 1-200 characters of ``[A-Za-z0-9_.-]``."""
+    if not isinstance(pipeline_id, str) or not 1 <= len(pipeline_id) <= 200:
+        raise ConfigurationError(
+            f"pipeline id {pipeline_id!r} must be a string of 1 to 200 characters; "
+            "use letters, digits, '_', '.' or '-'"
+        )
+    bad = sorted(set(pipeline_id) - _ID_CHARS)
+    if bad or pipeline_id in (".", ".."):
+        raise ConfigurationError(
+            f"pipeline id {pipeline_id!r} has characters {''.join(bad)!r} that cannot name a folder "
+            "or a URL; use letters, digits, '_', '.' or '-'"
+        )
+    return pipeline_id
+
+
+# --------------------------------------------------------------------------- checkpoint policy
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When checkpoints start and how failures are tolerated (all durations in seconds).
+
+    * ``interval``: time between the starts of two checkpoints (Flink's checkpoint interval).
+    * ``timeout``: an epoch still in flight this long after its trigger is ``expired``.
+      Must be at least ``interval``: otherwise every slow epoch expires before the next is due.
+    * ``min_pause``: at least this long between the end of one epoch and the start of the next.
+    * ``tolerable_failures``: consecutive failed/expired epochs tolerated; one more ends the trigger
+      with a failure event.
+    """
+
+    interval: float
+    timeout: float | None = None
+    min_pause: float = 0.0
+    tolerable_failures: int = 3
+
+    def __post_init__(self) -> None:
+        if not _finite(self.interval) or self.interval <= 0:
+            raise ConfigurationError(
+                f"checkpoint interval must be a positive number of seconds, got {self.interval!r}; "
+                "e.g. interval=30"
+            )
+        timeout = self.effective_timeout
+        if not _finite(timeout) or timeout < self.interval:
+            raise ConfigurationError(
+                f"checkpoint timeout ({timeout!r}s) is shorter than the interval ({self.interval}s); "
+                "every slow epoch would expire before the next is due: use a timeout >= the interval"
+            )
+        if not _finite(self.min_pause) or self.min_pause < 0:
+            raise ConfigurationError(
+                f"min_pause must be zero or a positive number of seconds, got {self.min_pause!r}"
+            )
+        if not isinstance(self.tolerable_failures, int) or self.tolerable_failures < 0:
+            raise ConfigurationError(
+                f"tolerable_failures must be a whole number >= 0, got {self.tolerable_failures!r}"
+            )
+
+    @property
+    def effective_timeout(self) -> float:
+        """The timeout, defaulting to ten intervals (at least 60 s)."""
+        return self.timeout if self.timeout is not None else max(10 * self.interval, 60.0)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class CleanupLease:
+    holder: str
+    expires_at: datetime
+
+
+@dataclass(frozen=True)
+class TriggerFacts:
+    """What the trigger knows about one pipeline at ``now`` (read in one transaction)."""
+
+    now: datetime
+    pipeline_state: PipelineState
+    last_epoch: int  # highest epoch number ever used, 0 if none
+    in_flight_epoch: int | None = None
+    in_flight_timeout_at: datetime | None = None
+    last_triggered_at: datetime | None = None  # start of the newest epoch, any state
+    last_ended_at: datetime | None = None  # end of the newest ended epoch (completed/failed/expired)
+    cleanup_lease: CleanupLease | None = None  # an unexpired lease, if any
+    stop_requested: bool = False
+
+
+class TriggerAction(enum.StrEnum):
+    START = "start"  # insert epoch ``epoch`` as triggered
+    EXPIRE = "expire"  # mark in-flight ``epoch`` expired
+    WAIT_IN_FLIGHT = "wait_in_flight"
+    WAIT_CLEANUP = "wait_cleanup"
+    WAIT_SCHEDULE = "wait_schedule"
+    PIPELINE_NOT_RUNNING = "pipeline_not_running"
+    PIPELINE_ENDED = "pipeline_ended"
+
+
+@dataclass(frozen=True)
+class TriggerDecision:
+    action: TriggerAction
+    epoch: int | None = None
+    # when the next decision is worth making (None: as soon as convenient)
+    recheck_at: datetime | None = None
+    reason: str = ""
+
+
+def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDecision:
+    """Should a checkpoint epoch start now? The whole rule, in one place.
+
+    Order matters: an in-flight epoch past its timeout is expired first (so it stops blocking);
+    then a pipeline that ended ends the trigger; then the one-in-flight rule; then the cleanup lock;
+    then the schedule (interval since the last start, min pause since the last end).
+    """
+    now = facts.now
+    if facts.in_flight_epoch is not None:
+        if facts.in_flight_timeout_at is not None and now >= facts.in_flight_timeout_at:
+            return TriggerDecision(TriggerAction.EXPIRE, epoch=facts.in_flight_epoch,
+                                   reason=f"epoch {facts.in_flight_epoch} passed its timeout")
+        return TriggerDecision(TriggerAction.WAIT_IN_FLIGHT, epoch=facts.in_flight_epoch,
+                               recheck_at=facts.in_flight_timeout_at,
+                               reason=f"epoch {facts.in_flight_epoch} is in flight")
+    if facts.pipeline_state.terminal:
+        return TriggerDecision(TriggerAction.PIPELINE_ENDED, reason=f"pipeline is {facts.pipeline_state}")
+    if facts.pipeline_state is not PipelineState.RUNNING or facts.stop_requested:
+        return TriggerDecision(TriggerAction.PIPELINE_NOT_RUNNING, recheck_at=now + timedelta(seconds=1),
+                               reason=f"pipeline is {facts.pipeline_state}")
+    if facts.cleanup_lease is not None and facts.cleanup_lease.expires_at > now:
+        return TriggerDecision(TriggerAction.WAIT_CLEANUP, recheck_at=facts.cleanup_lease.expires_at,
+                               reason=f"cleanup lock held by {facts.cleanup_lease.holder}")
+    due = next_start_at(facts, policy)
+    if due is not None and now < due:
+        return TriggerDecision(TriggerAction.WAIT_SCHEDULE, recheck_at=due, reason="not due yet")
+    return TriggerDecision(TriggerAction.START, epoch=facts.last_epoch + 1, reason="due")
+
+
+def next_start_at(facts: TriggerFacts, policy: CheckpointPolicy) -> datetime | None:
+    """Earliest start of the next epoch: interval after the last start, min pause after the last end."""
+    candidates: list[datetime] = []
+    if facts.last_triggered_at is not None:
+        candidates.append(facts.last_triggered_at + timedelta(seconds=policy.interval))
+    if facts.last_ended_at is not None and policy.min_pause > 0:
+        candidates.append(facts.last_ended_at + timedelta(seconds=policy.min_pause))
+    return max(candidates) if candidates else None
+
+
+def consecutive_failures(states_newest_first: Iterable[EpochState]) -> int:
+    """Failed or expired epochs since the newest completed one (in-flight epochs are skipped)."""
+    n = 0
+    for state in states_newest_first:
+        if state is EpochState.TRIGGERED:
+            continue
+        if state.ended_unsuccessfully:
+            n += 1
+            continue
+        if state is EpochState.COMPLETED:
+            break
+        # pruning/pruned epochs keep their history: a pruned epoch was pruned, not failed
+        break
+    return n
+
+
+# --------------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which epochs to keep: the last ``keep_last`` completed ones and/or those newer than
+    ``keep_newer_than``. An epoch is kept when either rule keeps it. The latest completed epoch and
+    any in-flight epoch are never pruned; failed and expired epochs are always pruned."""
+
+    keep_last: int | None = None
+    keep_newer_than: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is None and self.keep_newer_than is None:
+            raise ConfigurationError(
+                "retention policy keeps nothing: give keep_last (e.g. 5) and/or keep_newer_than "
+                "(e.g. timedelta(hours=1))"
+            )
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 1
+        ):
+            raise ConfigurationError(
+                f"keep_last must be a whole number >= 1, got {self.keep_last!r}: "
+                "a retention that keeps no completed epoch leaves nothing to restore from"
+            )
+        if self.keep_newer_than is not None and (
+            not isinstance(self.keep_newer_than, timedelta) or self.keep_newer_than <= timedelta(0)
+        ):
+            raise ConfigurationError(
+                f"keep_newer_than must be a positive timedelta, got {self.keep_newer_than!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EpochFacts:
+    epoch: int
+    state: EpochState
+    triggered_at: datetime
+    ended_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PruneSelection:
+    prune: tuple[int, ...]
+    keep: tuple[int, ...]
+    reasons: dict[int, str] = field(default_factory=dict)
+
+
+def select_prunable(epochs: Sequence[EpochFacts], policy: RetentionPolicy, now: datetime) -> PruneSelection:
+    """Which epochs may be pruned under ``policy`` at ``now``. Pure and total.
+
+    Epochs already ``pruning`` (a crashed cleanup's leftovers) are selected again so that a later
+    run finishes them; ``pruned`` ones are neither kept nor selected.
+    """
+    completed = sorted((e for e in epochs if e.state is EpochState.COMPLETED), key=lambda e: e.epoch)
+    latest_completed = completed[-1].epoch if completed else None
+    keep_by_count: set[int] = set()
+    if policy.keep_last is not None:
+        keep_by_count = {e.epoch for e in completed[-policy.keep_last:]}
+    prune: list[int] = []
+    keep: list[int] = []
+    reasons: dict[int, str] = {}
+    for e in sorted(epochs, key=lambda e: e.epoch):
+        if e.state is EpochState.PRUNED:
+            continue
+        if e.state is EpochState.TRIGGERED:
+            keep.append(e.epoch)
+            reasons[e.epoch] = "in flight"
+        elif e.state is EpochState.PRUNING:
+            prune.append(e.epoch)
+            reasons[e.epoch] = "unfinished pruning"
+        elif e.state.ended_unsuccessfully:
+            prune.append(e.epoch)
+            reasons[e.epoch] = f"{e.state.value}: partial data only"
+        elif e.epoch == latest_completed:
+            keep.append(e.epoch)
+            reasons[e.epoch] = "latest completed"
+        elif e.epoch in keep_by_count:
+            keep.append(e.epoch)
+            reasons[e.epoch] = f"among the last {policy.keep_last} completed"
+        elif policy.keep_newer_than is not None and now - (e.ended_at or e.triggered_at) < policy.keep_newer_than:
+            keep.append(e.epoch)
+            reasons[e.epoch] = f"newer than {policy.keep_newer_than}"
+        else:
+            prune.append(e.epoch)
+            reasons[e.epoch] = "outside the retention policy"
+    return PruneSelection(prune=tuple(prune), keep=tuple(keep), reasons=reasons)

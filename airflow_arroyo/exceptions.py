@@ -1,0 +1,107 @@
+"""Errors raised by airflow-arroyo.
+
+The tree is small on purpose::
+
+    ArroyoError                      base of everything this package raises
+    ├── ConfigurationError           bad input from the user: raised before anything is written
+    │   └── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
+    ├── UnknownPipelineError         no pipeline registered under that id
+    ├── IllegalTransitionError       a life-cycle change the state machine does not allow
+    ├── ConcurrencyConflict          another actor won the race (e.g. epoch already in flight)
+    ├── CleanupLockHeld              the pipeline's cleanup lock is held by someone else
+    ├── LockLostError                our cleanup lease expired or was taken over mid-run
+    ├── StoreError                   a permanent epoch-store failure (not retried)
+    │   └── TransientStoreError      a transient failure that survived the bounded retries
+    ├── SnapshotError                a snapshot file is missing or corrupt (names epoch and file)
+    └── PipelineFailedError          the pipeline reported failure (carries the cause)
+
+Messages say what most likely went wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArroyoError",
+    "CleanupLockHeld",
+    "ConcurrencyConflict",
+    "ConfigurationError",
+    "IllegalTransitionError",
+    "LockLostError",
+    "PipelineFailedError",
+    "PipelineGraphError",
+    "SnapshotError",
+    "StoreError",
+    "TransientStoreError",
+    "UnknownPipelineError",
+]
+
+
+class ArroyoError(Exception):
+    """Base class of every error raised by airflow-arroyo."""
+
+
+class ConfigurationError(ArroyoError, ValueError):
+    """Invalid user input. Raised before anything is written."""
+
+
+class PipelineGraphError(ConfigurationError):
+    """The pipeline graph is invalid (unknown channel, stage without input, ...)."""
+
+
+class UnknownPipelineError(ArroyoError, LookupError):
+    def __init__(self, pipeline_id: str) -> None:
+        super().__init__(
+            f"no pipeline named {pipeline_id!r} is registered in the epoch store; "
+            "check the id (see `airflow-arroyo pipelines`) or start the pipeline first so that it registers"
+        )
+        self.pipeline_id = pipeline_id
+
+
+class IllegalTransitionError(ArroyoError):
+    def __init__(self, kind: str, current: str, target: str, *, subject: str = "") -> None:
+        where = f" ({subject})" if subject else ""
+        super().__init__(f"illegal {kind} transition {current!r} -> {target!r}{where}")
+        self.kind = kind
+        self.current = current
+        self.target = target
+
+
+class ConcurrencyConflict(ArroyoError):
+    """Another actor changed the same rows first; the caller lost a race and should re-read."""
+
+
+class CleanupLockHeld(ArroyoError):
+    def __init__(self, pipeline_id: str, holder: str, expires_at: object) -> None:
+        super().__init__(
+            f"the cleanup lock of pipeline {pipeline_id!r} is held by {holder!r} until {expires_at}; "
+            "wait for that run to finish (or for its lease to expire if it crashed)"
+        )
+        self.pipeline_id = pipeline_id
+        self.holder = holder
+        self.expires_at = expires_at
+
+
+class LockLostError(ArroyoError):
+    """Our cleanup lease expired or was taken over; stop deleting at once."""
+
+
+class StoreError(ArroyoError):
+    """A permanent epoch store failure (bad SQL, constraint violation, auth failure...)."""
+
+
+class TransientStoreError(StoreError):
+    """A transient epoch store failure that persisted through the bounded retries."""
+
+
+class SnapshotError(ArroyoError):
+    def __init__(self, message: str, *, epoch: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.path = path
+
+
+class PipelineFailedError(ArroyoError):
+    def __init__(self, pipeline_id: str, cause: str | None) -> None:
+        super().__init__(f"pipeline {pipeline_id!r} failed: {cause or 'no cause reported'}")
+        self.pipeline_id = pipeline_id
+        self.cause = cause

@@ -1,0 +1,36 @@
+"""Provider metadata for Airflow's providers manager (entry point ``apache_airflow_provider``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow_arroyo import __version__
+
+
+def get_provider_info() -> dict[str, Any]:
+    return {
+        "package-name": "airflow-arroyo",
+        "name": "Arroyo checkpoint epochs for Spark Structured Streaming",
+        "description": "Long-running PySpark Structured Streaming pipelines with Arroyo/Flink-style "
+        "checkpoint epochs, controlled from Airflow.",
+        "versions": [__version__],
+        "integrations": [
+            {
+                "integration-name": "Arroyo epochs",
+                "external-doc-url": "https://github.com/airflow-arroyo/airflow-arroyo",
+                "tags": ["apache"],
+            }
+        ],
+        "hooks": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.hooks.arroyo"]}],
+        "triggers": [
+            {"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.triggers.checkpoint"]}
+        ],
+        "operators": [
+            {"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.operators.checkpoint",
+                                                                      "airflow_arroyo.operators.retention"]}
+        ],
+        "connection-types": [
+            {"connection-type": "arroyo", "hook-class-name": "airflow_arroyo.hooks.arroyo.ArroyoHook"}
+        ],
+        "plugins": [{"name": "airflow_arroyo", "plugin-class": "airflow_arroyo.ui.plugin.ArroyoPlugin"}],
+    }

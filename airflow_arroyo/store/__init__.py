@@ -1,0 +1,33 @@
+"""The epoch store: PostgreSQL, the single source of truth for pipelines, epochs, acknowledgements,
+snapshot objects and cleanup runs. Never imports Airflow (Spark drivers use it too)."""
+
+from airflow_arroyo.store._async import AsyncEpochStore
+from airflow_arroyo.store._migrate import available_migrations
+from airflow_arroyo.store._retry import is_transient
+from airflow_arroyo.store._sync import EpochStore, redact_dsn
+from airflow_arroyo.store.records import (
+    AckRecord,
+    CleanupLockRecord,
+    CleanupRunRecord,
+    EpochRecord,
+    PipelineRecord,
+    PrunePlan,
+    SnapshotEntry,
+    TickResult,
+)
+
+__all__ = [
+    "AckRecord",
+    "AsyncEpochStore",
+    "CleanupLockRecord",
+    "CleanupRunRecord",
+    "EpochRecord",
+    "EpochStore",
+    "PipelineRecord",
+    "PrunePlan",
+    "SnapshotEntry",
+    "TickResult",
+    "available_migrations",
+    "is_transient",
+    "redact_dsn",
+]

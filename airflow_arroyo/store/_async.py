@@ -1,0 +1,49 @@
+"""The async twin of :class:`EpochStore`, for triggers: every call runs the blocking psycopg2
+driver in a worker thread, so the triggerer's event loop never blocks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from datetime import datetime
+
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.store._sync import EpochStore
+from airflow_arroyo.store.records import CleanupLockRecord, EpochRecord, PipelineRecord, TickResult
+
+
+class AsyncEpochStore:
+    def __init__(self, store: EpochStore) -> None:
+        self.sync = store
+
+    @classmethod
+    def shared(cls, dsn: str) -> AsyncEpochStore:
+        return cls(EpochStore.shared(dsn))
+
+    async def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
+                           force: bool = False, is_final: bool = False) -> TickResult:
+        return await asyncio.to_thread(self.sync.trigger_tick, pipeline_id, policy, triggered_by=triggered_by,
+                                       force=force, is_final=is_final)
+
+    async def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
+        return await asyncio.to_thread(self.sync.get_pipeline, pipeline_id)
+
+    async def get_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+        return await asyncio.to_thread(self.sync.get_epoch, pipeline_id, epoch)
+
+    async def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
+                          states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
+        return await asyncio.to_thread(self.sync.list_epochs, pipeline_id, limit=limit, before=before,
+                                       states=list(states) if states is not None else None)
+
+    async def in_flight_epoch(self, pipeline_id: str) -> EpochRecord | None:
+        return await asyncio.to_thread(self.sync.in_flight_epoch, pipeline_id)
+
+    async def latest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
+        return await asyncio.to_thread(self.sync.latest_completed_epoch, pipeline_id)
+
+    async def cleanup_lock(self, pipeline_id: str) -> CleanupLockRecord | None:
+        return await asyncio.to_thread(self.sync.cleanup_lock, pipeline_id)
+
+    async def db_now(self) -> datetime:
+        return await asyncio.to_thread(self.sync.db_now)

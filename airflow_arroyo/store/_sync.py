@@ -1,0 +1,839 @@
+"""The epoch store over PostgreSQL (psycopg2), synchronous API.
+
+Every state change that matters for the protocol takes the pipeline's row lock first
+(``SELECT ... FOR UPDATE`` on ``arroyo_pipelines``), so that triggering, the cleanup lease and
+pruning of one pipeline are serialised and the database's history is in commit order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg2
+import psycopg2.extras
+import psycopg2.pool
+from psycopg2.extensions import connection as PgConnection
+from psycopg2.extras import RealDictCursor as PgCursor
+
+from airflow_arroyo.epochs import (
+    CheckpointPolicy,
+    CleanupLease,
+    EpochState,
+    PipelineState,
+    TriggerAction,
+    TriggerDecision,
+    TriggerFacts,
+    consecutive_failures,
+    decide_trigger,
+    epoch_states_from,
+    pipeline_states_from,
+    validate_pipeline_id,
+)
+from airflow_arroyo.exceptions import (
+    CleanupLockHeld,
+    ConcurrencyConflict,
+    ConfigurationError,
+    IllegalTransitionError,
+    LockLostError,
+    StoreError,
+    UnknownPipelineError,
+)
+from airflow_arroyo.store import _migrate
+from airflow_arroyo.store._retry import call_with_retry
+from airflow_arroyo.store.records import (
+    AckRecord,
+    CleanupLockRecord,
+    CleanupRunRecord,
+    EpochRecord,
+    PipelineRecord,
+    PrunePlan,
+    SnapshotEntry,
+    TickResult,
+    from_row,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_EPOCH_COLS = (
+    "pipeline_id, epoch, state, run_id, stages, is_final, triggered_by, triggered_at, timeout_at, "
+    "ended_at, failure_reason, bytes_new, bytes_total, pruned_at, bytes_freed"
+)
+_ENDED = [EpochState.COMPLETED.value, EpochState.FAILED.value, EpochState.EXPIRED.value]
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN without its password, for logs and error messages."""
+    if "://" in dsn:
+        parts = urlsplit(dsn)
+        if parts.password:
+            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+            return urlunsplit(parts._replace(netloc=netloc))
+        return dsn
+    return " ".join("password=***" if p.startswith("password=") else p for p in dsn.split())
+
+
+class EpochStore:
+    """Synchronous epoch store API. Thread-safe; holds a small connection pool.
+
+    ``EpochStore.shared(dsn)`` returns one instance per DSN and process (used by triggers, so that
+    hundreds of triggers in one triggerer share a handful of connections).
+    """
+
+    _shared: dict[str, EpochStore] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, dsn: str, *, max_connections: int = 8, retry_seconds: float = 60.0,
+                 application_name: str = "airflow-arroyo") -> None:
+        if not dsn:
+            raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
+        self.dsn = dsn
+        self.retry_seconds = retry_seconds
+        self._pool = psycopg2.pool.ThreadedConnectionPool(
+            0, max_connections, dsn, connect_timeout=5, application_name=application_name,
+            options="-c lock_timeout=15000 -c statement_timeout=60000",
+        )
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
+
+    @classmethod
+    def shared(cls, dsn: str) -> EpochStore:
+        with cls._shared_lock:
+            store = cls._shared.get(dsn)
+            if store is None or store._closed:
+                store = cls(dsn)
+                cls._shared[dsn] = store
+            return store
+
+    def __repr__(self) -> str:
+        return f"EpochStore({redact_dsn(self.dsn)!r})"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.closeall()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _connection(self) -> Iterator[PgConnection]:
+        self._slots.acquire()
+        conn: PgConnection | None = None
+        broken = False
+        try:
+            conn = self._pool.getconn()
+            yield conn
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            broken = True
+            raise
+        finally:
+            if conn is not None:
+                try:
+                    if not broken and not conn.closed:
+                        conn.rollback()
+                except psycopg2.Error:
+                    broken = True
+                self._pool.putconn(conn, close=broken or bool(conn.closed))
+            self._slots.release()
+
+    def _tx(self, fn: Callable[[PgCursor], T]) -> T:
+        """Run ``fn`` in one transaction, retried as a whole on transient errors."""
+
+        def attempt() -> T:
+            with self._connection() as conn:
+                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+                    result = fn(cur)
+                conn.commit()
+                return result
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
+    # ------------------------------------------------------------------ schema
+
+    def migrate(self) -> list[int]:
+        """Apply missing migrations; return the versions applied now (idempotent)."""
+
+        def attempt() -> list[int]:
+            with self._connection() as conn:
+                return _migrate.apply_migrations(conn)
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
+    def schema_version(self) -> int:
+        def attempt() -> int:
+            with self._connection() as conn:
+                return _migrate.current_version(conn)
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
+    # ------------------------------------------------------------------ pipelines
+
+    @staticmethod
+    def _lock_pipeline(cur: PgCursor, pipeline_id: str) -> dict[str, Any]:
+        cur.execute("SELECT * FROM arroyo_pipelines WHERE pipeline_id = %s FOR UPDATE", (pipeline_id,))
+        row = cur.fetchone()
+        if row is None:
+            raise UnknownPipelineError(pipeline_id)
+        return dict(row)
+
+    def register_pipeline(
+        self,
+        pipeline_id: str,
+        *,
+        stages: Sequence[str],
+        run_id: str,
+        channels: Mapping[str, str] | None = None,
+        storage_uri: str | None = None,
+        checkpoint_interval: float | None = None,
+        spark_app_id: str | None = None,
+        spark_ui_url: str | None = None,
+        restored_from_epoch: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        takeover: bool = False,
+    ) -> PipelineRecord:
+        """Register a new run of a pipeline (state ``registered``).
+
+        A pipeline whose previous run stopped or failed starts a new run. A pipeline still
+        registered/running/stopping is refused (two drivers would fight) unless ``takeover``:
+        then the old run is marked failed ("superseded") and its in-flight epoch failed.
+        """
+        validate_pipeline_id(pipeline_id)
+        if not stages:
+            raise ConfigurationError(f"pipeline {pipeline_id!r} has no stages; a pipeline needs at least one")
+        if checkpoint_interval is not None and checkpoint_interval <= 0:
+            raise ConfigurationError(f"checkpoint interval must be positive, got {checkpoint_interval!r}")
+        params = {
+            "pipeline_id": pipeline_id, "run_id": run_id, "stages": list(stages),
+            "channels": json.dumps(dict(channels or {})), "storage_uri": storage_uri,
+            "interval": checkpoint_interval, "spark_app_id": spark_app_id, "spark_ui_url": spark_ui_url,
+            "restored": restored_from_epoch, "config": json.dumps(dict(config or {})),
+        }
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            cur.execute(
+                "INSERT INTO arroyo_pipelines (pipeline_id, state, run_id, stages, channels, storage_uri,"
+                " checkpoint_interval_s, spark_app_id, spark_ui_url, restored_from_epoch, config, heartbeat_at)"
+                " VALUES (%(pipeline_id)s, 'registered', %(run_id)s, %(stages)s, %(channels)s::jsonb,"
+                " %(storage_uri)s, %(interval)s, %(spark_app_id)s, %(spark_ui_url)s, %(restored)s,"
+                " %(config)s::jsonb, clock_timestamp())"
+                " ON CONFLICT (pipeline_id) DO NOTHING RETURNING *",
+                params,
+            )
+            row = cur.fetchone()
+            if row is not None:
+                return from_row(PipelineRecord, row)
+            current = self._lock_pipeline(cur, pipeline_id)
+            state = PipelineState(current["state"])
+            if not state.terminal:
+                if current["run_id"] == run_id:
+                    raise ConcurrencyConflict(f"run {run_id!r} of pipeline {pipeline_id!r} is already registered")
+                if not takeover:
+                    raise ConcurrencyConflict(
+                        f"pipeline {pipeline_id!r} is {state} (run {current['run_id']!r}, last heartbeat "
+                        f"{current['heartbeat_at']}); stop it first, or register with takeover=True if that "
+                        "driver is dead"
+                    )
+                self._fail_in_flight(cur, pipeline_id, f"run {current['run_id']} superseded by run {run_id}")
+                cur.execute(
+                    "UPDATE arroyo_pipelines SET state = 'failed', failure_cause = %s, updated_at = now()"
+                    " WHERE pipeline_id = %s",
+                    (f"superseded by run {run_id}", pipeline_id),
+                )
+            cur.execute(
+                "UPDATE arroyo_pipelines SET state = 'registered', run_id = %(run_id)s, stages = %(stages)s,"
+                " channels = %(channels)s::jsonb, storage_uri = %(storage_uri)s,"
+                " checkpoint_interval_s = %(interval)s, spark_app_id = %(spark_app_id)s,"
+                " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = %(restored)s, config = %(config)s::jsonb,"
+                " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
+                " updated_at = now() WHERE pipeline_id = %(pipeline_id)s RETURNING *",
+                params,
+            )
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    @staticmethod
+    def _fail_in_flight(cur: PgCursor, pipeline_id: str, reason: str) -> int | None:
+        cur.execute(
+            "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
+            " WHERE pipeline_id = %s AND state = 'triggered' RETURNING epoch",
+            (reason, pipeline_id),
+        )
+        row = cur.fetchone()
+        return int(row["epoch"]) if row else None
+
+    def set_pipeline_state(self, pipeline_id: str, target: PipelineState, *, run_id: str | None = None,
+                           failure_cause: str | None = None) -> PipelineRecord:
+        """Move the pipeline to ``target`` if the transition table allows it (and, given ``run_id``,
+        only if that run is the current one). Stopping or failing fails the in-flight epoch."""
+        target = PipelineState(target)
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            current = self._lock_pipeline(cur, pipeline_id)
+            if run_id is not None and current["run_id"] != run_id:
+                raise ConcurrencyConflict(
+                    f"run {run_id!r} of pipeline {pipeline_id!r} was superseded by run {current['run_id']!r}"
+                )
+            if current["state"] not in pipeline_states_from(target):
+                raise IllegalTransitionError("pipeline", current["state"], target.value, subject=pipeline_id)
+            if target.terminal:
+                self._fail_in_flight(cur, pipeline_id, f"pipeline {target.value}")
+            cur.execute(
+                "UPDATE arroyo_pipelines SET state = %s, failure_cause = COALESCE(%s, failure_cause),"
+                " updated_at = now() WHERE pipeline_id = %s RETURNING *",
+                (target.value, failure_cause, pipeline_id),
+            )
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def heartbeat(self, pipeline_id: str, run_id: str, *, spark_app_id: str | None = None,
+                  spark_ui_url: str | None = None) -> PipelineRecord:
+        def tx(cur: PgCursor) -> PipelineRecord:
+            cur.execute(
+                "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp(),"
+                " spark_app_id = COALESCE(%s, spark_app_id), spark_ui_url = COALESCE(%s, spark_ui_url)"
+                " WHERE pipeline_id = %s AND run_id = %s RETURNING *",
+                (spark_app_id, spark_ui_url, pipeline_id, run_id),
+            )
+            row = cur.fetchone()
+            if row is None:
+                self._get_pipeline(cur, pipeline_id)  # raises UnknownPipelineError
+                raise ConcurrencyConflict(f"run {run_id!r} of pipeline {pipeline_id!r} is no longer current")
+            return from_row(PipelineRecord, row)
+
+        return self._tx(tx)
+
+    def request_stop(self, pipeline_id: str, mode: str = "graceful") -> PipelineRecord:
+        """Ask the running pipeline to stop: ``graceful`` takes a final epoch first, ``immediate`` does not."""
+        if mode not in ("graceful", "immediate"):
+            raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {mode!r}")
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            self._lock_pipeline(cur, pipeline_id)
+            cur.execute(
+                "UPDATE arroyo_pipelines SET stop_requested = %s, updated_at = now()"
+                " WHERE pipeline_id = %s RETURNING *",
+                (mode, pipeline_id),
+            )
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    @staticmethod
+    def _get_pipeline(cur: PgCursor, pipeline_id: str) -> PipelineRecord:
+        cur.execute("SELECT * FROM arroyo_pipelines WHERE pipeline_id = %s", (pipeline_id,))
+        row = cur.fetchone()
+        if row is None:
+            raise UnknownPipelineError(pipeline_id)
+        return from_row(PipelineRecord, row)
+
+    def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
+        return self._tx(lambda cur: self._get_pipeline(cur, pipeline_id))
+
+    def list_pipelines(self) -> list[PipelineRecord]:
+        def tx(cur: PgCursor) -> list[PipelineRecord]:
+            cur.execute("SELECT * FROM arroyo_pipelines ORDER BY pipeline_id")
+            return [from_row(PipelineRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    # ------------------------------------------------------------------ triggering
+
+    def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
+                     force: bool = False, is_final: bool = False) -> TickResult:
+        """One decision of the checkpoint controller, applied atomically under the pipeline's row lock.
+
+        Reads the facts, asks :func:`decide_trigger`, and applies START (insert epoch n+1) or
+        EXPIRE (mark the in-flight epoch expired). ``force`` ignores the schedule (a final epoch on
+        a graceful stop, a manual checkpoint) but never the one-in-flight rule or the cleanup lock.
+        """
+
+        def tx(cur: PgCursor) -> TickResult:
+            pipe = self._lock_pipeline(cur, pipeline_id)
+            # A fresh statement after the lock: READ COMMITTED gives it a snapshot that includes
+            # whatever the previous holder of the row lock committed (e.g. a cleanup lease).
+            cur.execute(
+                "SELECT clock_timestamp() AS now,"
+                " (SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state = 'triggered') AS in_flight,"
+                " (SELECT timeout_at FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state = 'triggered')"
+                "   AS in_flight_timeout_at,"
+                " (SELECT max(triggered_at) FROM arroyo_epochs WHERE pipeline_id = %(p)s) AS last_triggered_at,"
+                " (SELECT max(ended_at) FROM arroyo_epochs WHERE pipeline_id = %(p)s) AS last_ended_at,"
+                " l.holder, l.expires_at"
+                " FROM (SELECT 1) AS one"
+                " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = %(p)s AND l.expires_at > clock_timestamp()",
+                {"p": pipeline_id},
+            )
+            f = _one(cur)
+            now: datetime = f["now"]
+            state = PipelineState(pipe["state"])
+            facts = TriggerFacts(
+                now=now,
+                pipeline_state=state,
+                last_epoch=int(pipe["last_epoch"]),
+                in_flight_epoch=f["in_flight"],
+                in_flight_timeout_at=f["in_flight_timeout_at"],
+                last_triggered_at=None if force else f["last_triggered_at"],
+                last_ended_at=None if force else f["last_ended_at"],
+                cleanup_lease=CleanupLease(f["holder"], f["expires_at"]) if f["holder"] else None,
+                stop_requested=bool(pipe["stop_requested"]) and not is_final,
+            )
+            if force and state is PipelineState.STOPPING:
+                facts = TriggerFacts(**{**facts.__dict__, "pipeline_state": PipelineState.RUNNING})
+            decision = decide_trigger(facts, policy)
+            started = expired = None
+            if decision.action is TriggerAction.START:
+                cur.execute(
+                    f"INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
+                    " SELECT %(p)s, %(n)s, 'triggered', %(run)s, %(stages)s, %(final)s, %(by)s,"
+                    " clock_timestamp(), clock_timestamp() + %(timeout)s, NULL, NULL, NULL, NULL, NULL, NULL"
+                    f" RETURNING {_EPOCH_COLS}",
+                    {"p": pipeline_id, "n": decision.epoch, "run": pipe["run_id"], "stages": pipe["stages"],
+                     "final": is_final, "by": triggered_by,
+                     "timeout": timedelta(seconds=policy.effective_timeout)},
+                )
+                started = from_row(EpochRecord, _one(cur))
+                cur.execute("UPDATE arroyo_pipelines SET last_epoch = %s WHERE pipeline_id = %s",
+                            (decision.epoch, pipeline_id))
+            elif decision.action is TriggerAction.EXPIRE:
+                cur.execute(
+                    f"UPDATE arroyo_epochs SET state = 'expired', ended_at = clock_timestamp(),"  # noqa: S608 - constant column list
+                    " failure_reason = %s WHERE pipeline_id = %s AND epoch = %s AND state = 'triggered'"
+                    f" RETURNING {_EPOCH_COLS}",
+                    (f"not acknowledged by every stage within {policy.effective_timeout:g}s",
+                     pipeline_id, decision.epoch),
+                )
+                expired = from_row(EpochRecord, _one(cur))
+            cur.execute(
+                "SELECT state FROM arroyo_epochs WHERE pipeline_id = %s ORDER BY epoch DESC LIMIT %s",
+                (pipeline_id, policy.tolerable_failures + 2),
+            )
+            failures = consecutive_failures(EpochState(r["state"]) for r in cur.fetchall())
+            return TickResult(decision=decision, now=now, pipeline_state=state, started=started,
+                              expired=expired, consecutive_failures=failures)
+
+        return self._tx(tx)
+
+    # ------------------------------------------------------------------ epochs
+
+    def get_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+        def tx(cur: PgCursor) -> EpochRecord:
+            cur.execute(f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s",  # noqa: S608
+                        (pipeline_id, epoch))
+            row = cur.fetchone()
+            if row is None:
+                self._get_pipeline(cur, pipeline_id)
+                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+            return from_row(EpochRecord, row)
+
+        return self._tx(tx)
+
+    def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
+                    states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
+        """Newest first, ``limit`` at most, epochs numbered below ``before`` when given."""
+        state_list = [EpochState(s).value for s in states] if states is not None else None
+
+        def tx(cur: PgCursor) -> list[EpochRecord]:
+            cur.execute(
+                f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %(p)s"  # noqa: S608
+                " AND (%(before)s::bigint IS NULL OR epoch < %(before)s)"
+                " AND (%(states)s::text[] IS NULL OR state = ANY(%(states)s))"
+                " ORDER BY epoch DESC LIMIT %(limit)s",
+                {"p": pipeline_id, "before": before, "states": state_list, "limit": limit},
+            )
+            rows = cur.fetchall()
+            if not rows:
+                self._get_pipeline(cur, pipeline_id)
+            return [from_row(EpochRecord, r) for r in rows]
+
+        return self._tx(tx)
+
+    def in_flight_epoch(self, pipeline_id: str) -> EpochRecord | None:
+        rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.TRIGGERED])
+        return rows[0] if rows else None
+
+    def latest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
+        rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.COMPLETED])
+        return rows[0] if rows else None
+
+    def ack_epoch(
+        self,
+        pipeline_id: str,
+        epoch: int,
+        stage: str,
+        *,
+        cursors: Mapping[str, int] | None = None,
+        alignment_ms: float | None = None,
+        sync_ms: float | None = None,
+        async_ms: float | None = None,
+        bytes_new: int | None = None,
+        bytes_total: int | None = None,
+        snapshot_uri: str | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> EpochState:
+        """Record a stage's acknowledgement (idempotent per stage); complete the epoch when it is the
+        last one expected. Returns the epoch's state afterwards. An ack for an epoch that already
+        expired or failed is kept for the record and changes nothing."""
+
+        def tx(cur: PgCursor) -> EpochState:
+            cur.execute(
+                "SELECT state, stages FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
+                (pipeline_id, epoch),
+            )
+            row = cur.fetchone()
+            if row is None:
+                self._get_pipeline(cur, pipeline_id)
+                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to acknowledge")
+            if stage not in row["stages"]:
+                raise ConfigurationError(
+                    f"stage {stage!r} is not one of the stages of epoch {epoch} of {pipeline_id!r} "
+                    f"({', '.join(row['stages'])})"
+                )
+            cur.execute(
+                "INSERT INTO arroyo_acks (pipeline_id, epoch, stage, cursors, alignment_ms, sync_ms, async_ms,"
+                " bytes_new, bytes_total, snapshot_uri, details)"
+                " VALUES (%s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s::jsonb)"
+                " ON CONFLICT (pipeline_id, epoch, stage) DO NOTHING",
+                (pipeline_id, epoch, stage, json.dumps(dict(cursors or {})), alignment_ms, sync_ms, async_ms,
+                 bytes_new, bytes_total, snapshot_uri, json.dumps(dict(details or {}))),
+            )
+            state = EpochState(row["state"])
+            if state is not EpochState.TRIGGERED:
+                return state
+            cur.execute(
+                "SELECT count(*) AS n, COALESCE(sum(bytes_new), 0) AS bn, COALESCE(sum(bytes_total), 0) AS bt"
+                " FROM arroyo_acks WHERE pipeline_id = %s AND epoch = %s AND stage = ANY(%s)",
+                (pipeline_id, epoch, row["stages"]),
+            )
+            agg = _one(cur)
+            if int(agg["n"]) < len(set(row["stages"])):
+                return state
+            cur.execute(
+                "UPDATE arroyo_epochs SET state = 'completed', ended_at = clock_timestamp(), bytes_new = %s,"
+                " bytes_total = %s WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s)",
+                (agg["bn"], agg["bt"], pipeline_id, epoch, epoch_states_from(EpochState.COMPLETED)),
+            )
+            return EpochState.COMPLETED
+
+        return self._tx(tx)
+
+    def fail_epoch(self, pipeline_id: str, epoch: int, reason: str) -> EpochState:
+        """Mark an in-flight epoch failed (e.g. a stage could not snapshot). No-op if it already ended."""
+
+        def tx(cur: PgCursor) -> EpochState:
+            cur.execute(
+                "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
+                " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING state",
+                (reason, pipeline_id, epoch, epoch_states_from(EpochState.FAILED)),
+            )
+            row = cur.fetchone()
+            if row is not None:
+                return EpochState(row["state"])
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s",
+                        (pipeline_id, epoch))
+            row = cur.fetchone()
+            if row is None:
+                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+            return EpochState(row["state"])
+
+        return self._tx(tx)
+
+    def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
+        def tx(cur: PgCursor) -> list[AckRecord]:
+            cur.execute("SELECT * FROM arroyo_acks WHERE pipeline_id = %s AND epoch = %s ORDER BY acked_at",
+                        (pipeline_id, epoch))
+            return [from_row(AckRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    # ------------------------------------------------------------------ snapshot objects
+
+    def known_objects(self, pipeline_id: str, keys: Iterable[str]) -> set[str]:
+        """Which of ``keys`` are already stored for the pipeline (incremental snapshots skip them)."""
+        key_list = list(keys)
+
+        def tx(cur: PgCursor) -> set[str]:
+            cur.execute("SELECT object_key FROM arroyo_objects WHERE pipeline_id = %s AND object_key = ANY(%s)",
+                        (pipeline_id, key_list))
+            return {r["object_key"] for r in cur.fetchall()}
+
+        return self._tx(tx) if key_list else set()
+
+    def record_snapshot(self, pipeline_id: str, epoch: int, stage: str, entries: Sequence[SnapshotEntry]) -> None:
+        """Record the files of a stage's snapshot for an epoch (objects are inserted once)."""
+
+        def tx(cur: PgCursor) -> None:
+            psycopg2.extras.execute_values(
+                cur,
+                "INSERT INTO arroyo_objects (pipeline_id, object_key, bytes, first_epoch) VALUES %s"
+                " ON CONFLICT (pipeline_id, object_key) DO NOTHING",
+                sorted({(pipeline_id, e.object_key, e.bytes, epoch) for e in entries}),
+            )
+            psycopg2.extras.execute_values(
+                cur,
+                "INSERT INTO arroyo_epoch_objects (pipeline_id, epoch, stage, rel_path, object_key) VALUES %s"
+                " ON CONFLICT DO NOTHING",
+                [(pipeline_id, epoch, stage, e.rel_path, e.object_key) for e in entries],
+            )
+
+        if entries:
+            self._tx(tx)
+
+    def snapshot_entries(self, pipeline_id: str, epoch: int, stage: str) -> list[SnapshotEntry]:
+        def tx(cur: PgCursor) -> list[SnapshotEntry]:
+            cur.execute(
+                "SELECT eo.rel_path, eo.object_key, o.bytes FROM arroyo_epoch_objects eo"
+                " JOIN arroyo_objects o USING (pipeline_id, object_key)"
+                " WHERE eo.pipeline_id = %s AND eo.epoch = %s AND eo.stage = %s ORDER BY eo.rel_path",
+                (pipeline_id, epoch, stage),
+            )
+            return [SnapshotEntry(r["rel_path"], r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    # ------------------------------------------------------------------ cleanup lock and pruning
+
+    def acquire_cleanup_lock(self, pipeline_id: str, holder: str, *, ttl: float = 60.0,
+                             policy: Mapping[str, Any] | None = None) -> CleanupRunRecord:
+        """Take the pipeline's cleanup lease for ``ttl`` seconds and open a cleanup run.
+
+        Raises :class:`CleanupLockHeld` if another run holds an unexpired lease. An expired lease
+        (its holder crashed) is taken over and that run is marked ``lock_lost``.
+        """
+        if ttl <= 0:
+            raise ConfigurationError(f"cleanup lock ttl must be positive, got {ttl!r}")
+
+        def tx(cur: PgCursor) -> CleanupRunRecord:
+            self._lock_pipeline(cur, pipeline_id)
+            cur.execute(
+                "SELECT cleanup_run, holder, expires_at, expires_at > clock_timestamp() AS live"
+                " FROM arroyo_cleanup_locks WHERE pipeline_id = %s",
+                (pipeline_id,),
+            )
+            current = cur.fetchone()
+            if current is not None and current["live"]:
+                raise CleanupLockHeld(pipeline_id, current["holder"], current["expires_at"])
+            cur.execute(
+                "INSERT INTO arroyo_cleanup_runs (pipeline_id, holder, policy) VALUES (%s, %s, %s::jsonb)"
+                " RETURNING *",
+                (pipeline_id, holder, json.dumps(dict(policy or {}), default=str)),
+            )
+            run = from_row(CleanupRunRecord, _one(cur))
+            lease = timedelta(seconds=ttl)
+            if current is None:
+                cur.execute(
+                    "INSERT INTO arroyo_cleanup_locks (pipeline_id, cleanup_run, holder, acquired_at, expires_at)"
+                    " VALUES (%s, %s, %s, clock_timestamp(), clock_timestamp() + %s)",
+                    (pipeline_id, run.id, holder, lease),
+                )
+            else:
+                cur.execute(
+                    "UPDATE arroyo_cleanup_runs SET state = 'lock_lost', ended_at = clock_timestamp(),"
+                    " error = COALESCE(error, 'lease expired; taken over by run ' || %s)"
+                    " WHERE id = %s AND state = 'running'",
+                    (run.id, current["cleanup_run"]),
+                )
+                cur.execute(
+                    "UPDATE arroyo_cleanup_locks SET cleanup_run = %s, holder = %s, acquired_at = clock_timestamp(),"
+                    " expires_at = clock_timestamp() + %s WHERE pipeline_id = %s",
+                    (run.id, holder, lease, pipeline_id),
+                )
+            return run
+
+        return self._tx(tx)
+
+    @staticmethod
+    def _check_lease(cur: PgCursor, pipeline_id: str, cleanup_run: int) -> None:
+        cur.execute(
+            "SELECT 1 FROM arroyo_cleanup_locks WHERE pipeline_id = %s AND cleanup_run = %s"
+            " AND expires_at > clock_timestamp()",
+            (pipeline_id, cleanup_run),
+        )
+        if cur.fetchone() is None:
+            raise LockLostError(
+                f"cleanup run {cleanup_run} of pipeline {pipeline_id!r} no longer holds the cleanup lock "
+                "(its lease expired or was taken over); it must stop deleting"
+            )
+
+    def renew_cleanup_lock(self, pipeline_id: str, cleanup_run: int, *, ttl: float = 60.0) -> datetime:
+        """Extend our lease; raises :class:`LockLostError` if it already expired or was taken over."""
+
+        def tx(cur: PgCursor) -> datetime:
+            self._lock_pipeline(cur, pipeline_id)
+            self._check_lease(cur, pipeline_id, cleanup_run)
+            cur.execute(
+                "UPDATE arroyo_cleanup_locks SET expires_at = clock_timestamp() + %s"
+                " WHERE pipeline_id = %s AND cleanup_run = %s RETURNING expires_at",
+                (timedelta(seconds=ttl), pipeline_id, cleanup_run),
+            )
+            expires: datetime = _one(cur)["expires_at"]
+            return expires
+
+        return self._tx(tx)
+
+    def release_cleanup_lock(self, pipeline_id: str, cleanup_run: int, *, state: str = "succeeded",
+                             error: str | None = None) -> CleanupRunRecord:
+        """Close the cleanup run and drop the lease if we still hold it."""
+        if state not in ("succeeded", "failed", "lock_lost"):
+            raise ConfigurationError(f"cleanup run end state must be succeeded, failed or lock_lost, got {state!r}")
+
+        def tx(cur: PgCursor) -> CleanupRunRecord:
+            self._lock_pipeline(cur, pipeline_id)
+            cur.execute("DELETE FROM arroyo_cleanup_locks WHERE pipeline_id = %s AND cleanup_run = %s",
+                        (pipeline_id, cleanup_run))
+            cur.execute(
+                "UPDATE arroyo_cleanup_runs SET state = CASE WHEN state = 'running' THEN %s ELSE state END,"
+                " ended_at = COALESCE(ended_at, clock_timestamp()), error = COALESCE(%s, error)"
+                " WHERE id = %s AND pipeline_id = %s RETURNING *",
+                (state, error, cleanup_run, pipeline_id),
+            )
+            return from_row(CleanupRunRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def cleanup_lock(self, pipeline_id: str) -> CleanupLockRecord | None:
+        """The unexpired cleanup lease of the pipeline, if any."""
+
+        def tx(cur: PgCursor) -> CleanupLockRecord | None:
+            cur.execute(
+                "SELECT * FROM arroyo_cleanup_locks WHERE pipeline_id = %s AND expires_at > clock_timestamp()",
+                (pipeline_id,),
+            )
+            row = cur.fetchone()
+            return from_row(CleanupLockRecord, row) if row else None
+
+        return self._tx(tx)
+
+    def list_cleanup_runs(self, pipeline_id: str, *, limit: int = 50) -> list[CleanupRunRecord]:
+        def tx(cur: PgCursor) -> list[CleanupRunRecord]:
+            cur.execute("SELECT * FROM arroyo_cleanup_runs WHERE pipeline_id = %s ORDER BY id DESC LIMIT %s",
+                        (pipeline_id, limit))
+            return [from_row(CleanupRunRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    def begin_prune(self, pipeline_id: str, cleanup_run: int, epochs: Sequence[int]) -> PrunePlan:
+        """Mark ``epochs`` as ``pruning`` (while we hold the lease) and say what only they reference.
+
+        The database re-checks the rules: only ended epochs move, never the latest completed one.
+        Epochs left ``pruning`` by a crashed run are included again.
+        """
+        wanted = sorted({int(e) for e in epochs})
+
+        def tx(cur: PgCursor) -> PrunePlan:
+            pipe = self._lock_pipeline(cur, pipeline_id)
+            self._check_lease(cur, pipeline_id, cleanup_run)
+            cur.execute(
+                "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = %(p)s AND epoch = ANY(%(e)s)"
+                " AND state = ANY(%(from)s) AND epoch IS DISTINCT FROM (SELECT max(epoch) FROM arroyo_epochs"
+                "   WHERE pipeline_id = %(p)s AND state = 'completed')",
+                {"p": pipeline_id, "e": wanted, "from": epoch_states_from(EpochState.PRUNING)},
+            )
+            cur.execute(
+                "SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = ANY(%s) AND state = 'pruning'"
+                " ORDER BY epoch",
+                (pipeline_id, wanted),
+            )
+            marked = [int(r["epoch"]) for r in cur.fetchall()]
+            cur.execute(
+                "SELECT o.object_key, o.bytes FROM arroyo_objects o WHERE o.pipeline_id = %(p)s"
+                " AND EXISTS (SELECT 1 FROM arroyo_epoch_objects eo WHERE eo.pipeline_id = o.pipeline_id"
+                "   AND eo.object_key = o.object_key AND eo.epoch = ANY(%(e)s))"
+                " AND NOT EXISTS (SELECT 1 FROM arroyo_epoch_objects eo JOIN arroyo_epochs ep"
+                "   USING (pipeline_id, epoch) WHERE eo.pipeline_id = o.pipeline_id"
+                "   AND eo.object_key = o.object_key AND ep.state NOT IN ('pruning', 'pruned'))"
+                " ORDER BY o.object_key",
+                {"p": pipeline_id, "e": marked},
+            )
+            objects = [(r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
+            # The oldest position any restorable (completed, not pruning) epoch resumes a channel at.
+            cur.execute(
+                "SELECT c.key AS channel, min((c.value)::text::bigint) AS pos"
+                " FROM arroyo_acks a JOIN arroyo_epochs e USING (pipeline_id, epoch)"
+                " CROSS JOIN LATERAL jsonb_each(a.cursors) c"
+                " WHERE a.pipeline_id = %s AND e.state = 'completed' GROUP BY c.key",
+                (pipeline_id,),
+            )
+            channels: dict[str, str] = pipe["channels"] or {}
+            low = {channels.get(r["channel"], r["channel"]): int(r["pos"]) for r in cur.fetchall()}
+            return PrunePlan(epochs=marked, objects=objects, channel_low_watermarks=low,
+                             storage_uri=pipe["storage_uri"])
+
+        return self._tx(tx)
+
+    def finish_prune(self, pipeline_id: str, cleanup_run: int, bytes_freed: Mapping[int, int]) -> list[int]:
+        """Mark the ``pruning`` epochs in ``bytes_freed`` as ``pruned``, forget the objects that no
+        epoch references any more and add the figures to the cleanup run. Needs the lease."""
+        epochs = sorted(int(e) for e in bytes_freed)
+
+        def tx(cur: PgCursor) -> list[int]:
+            self._lock_pipeline(cur, pipeline_id)
+            self._check_lease(cur, pipeline_id, cleanup_run)
+            done: list[int] = []
+            for epoch in epochs:
+                cur.execute(
+                    "UPDATE arroyo_epochs SET state = 'pruned', pruned_at = clock_timestamp(), bytes_freed = %s"
+                    " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING epoch",
+                    (int(bytes_freed[epoch]), pipeline_id, epoch, epoch_states_from(EpochState.PRUNED)),
+                )
+                if cur.fetchone() is not None:
+                    done.append(epoch)
+            cur.execute("DELETE FROM arroyo_epoch_objects WHERE pipeline_id = %s AND epoch = ANY(%s)",
+                        (pipeline_id, done))
+            cur.execute(
+                "DELETE FROM arroyo_objects o WHERE o.pipeline_id = %s AND NOT EXISTS"
+                " (SELECT 1 FROM arroyo_epoch_objects eo WHERE eo.pipeline_id = o.pipeline_id"
+                "  AND eo.object_key = o.object_key)",
+                (pipeline_id,),
+            )
+            cur.execute(
+                "UPDATE arroyo_cleanup_runs SET epochs_pruned = epochs_pruned || %s::bigint[],"
+                " bytes_freed = bytes_freed + %s WHERE id = %s",
+                (done, sum(int(bytes_freed[e]) for e in done), cleanup_run),
+            )
+            return done
+
+        return self._tx(tx)
+
+    def epoch_facts(self, pipeline_id: str) -> list[EpochRecord]:
+        """Every epoch of a pipeline not yet pruned, oldest first (input of the retention policy)."""
+
+        def tx(cur: PgCursor) -> list[EpochRecord]:
+            cur.execute(
+                f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %s AND state <> 'pruned'"  # noqa: S608
+                " ORDER BY epoch",
+                (pipeline_id,),
+            )
+            rows = cur.fetchall()
+            if not rows:
+                self._get_pipeline(cur, pipeline_id)
+            return [from_row(EpochRecord, r) for r in rows]
+
+        return self._tx(tx)
+
+    def db_now(self) -> datetime:
+        def tx(cur: PgCursor) -> datetime:
+            cur.execute("SELECT clock_timestamp() AS now")
+            now: datetime = _one(cur)["now"]
+            return now
+
+        return self._tx(tx)
+
+
+def _one(cur: PgCursor) -> dict[str, Any]:
+    row = cur.fetchone()
+    if row is None:
+        raise StoreError("expected a row from the epoch store, got none")
+    return dict(row)
+
+
+__all__ = ["EpochStore", "TriggerDecision", "redact_dsn"]

@@ -1,0 +1,151 @@
+"""Plain records read from the epoch store."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from airflow_arroyo.epochs import EpochState, PipelineState, TriggerDecision
+
+__all__ = [
+    "AckRecord",
+    "CleanupLockRecord",
+    "CleanupRunRecord",
+    "EpochRecord",
+    "PipelineRecord",
+    "PrunePlan",
+    "SnapshotEntry",
+    "TickResult",
+]
+
+R = TypeVar("R")
+
+
+def from_row(cls: type[R], row: Mapping[str, Any]) -> R:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in row.items() if k in names})
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    pipeline_id: str
+    state: PipelineState
+    run_id: str | None = None
+    stages: list[str] = field(default_factory=list)
+    channels: dict[str, str] = field(default_factory=dict)
+    storage_uri: str | None = None
+    checkpoint_interval_s: float | None = None
+    spark_app_id: str | None = None
+    spark_ui_url: str | None = None
+    heartbeat_at: datetime | None = None
+    failure_cause: str | None = None
+    stop_requested: str | None = None
+    restored_from_epoch: int | None = None
+    last_epoch: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", PipelineState(self.state))
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    pipeline_id: str
+    epoch: int
+    state: EpochState
+    triggered_at: datetime
+    timeout_at: datetime
+    stages: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    is_final: bool = False
+    triggered_by: str | None = None
+    ended_at: datetime | None = None
+    failure_reason: str | None = None
+    bytes_new: int | None = None
+    bytes_total: int | None = None
+    pruned_at: datetime | None = None
+    bytes_freed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", EpochState(self.state))
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.ended_at is None:
+            return None
+        return (self.ended_at - self.triggered_at).total_seconds()
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    pipeline_id: str
+    epoch: int
+    stage: str
+    acked_at: datetime
+    cursors: dict[str, int] = field(default_factory=dict)
+    alignment_ms: float | None = None
+    sync_ms: float | None = None
+    async_ms: float | None = None
+    bytes_new: int | None = None
+    bytes_total: int | None = None
+    snapshot_uri: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CleanupLockRecord:
+    pipeline_id: str
+    cleanup_run: int
+    holder: str
+    acquired_at: datetime
+    expires_at: datetime
+
+
+@dataclass(frozen=True)
+class CleanupRunRecord:
+    id: int
+    pipeline_id: str
+    holder: str
+    state: str
+    started_at: datetime
+    policy: dict[str, Any] = field(default_factory=dict)
+    ended_at: datetime | None = None
+    epochs_pruned: list[int] = field(default_factory=list)
+    bytes_freed: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotEntry:
+    """One file of a stage's snapshot: ``rel_path`` inside the Spark checkpoint, stored as ``object_key``."""
+
+    rel_path: str
+    object_key: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TickResult:
+    """What one trigger tick decided and did."""
+
+    decision: TriggerDecision
+    now: datetime
+    pipeline_state: PipelineState
+    started: EpochRecord | None = None
+    expired: EpochRecord | None = None
+    consecutive_failures: int = 0
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """Epochs now marked ``pruning`` and what only they reference."""
+
+    epochs: list[int]
+    objects: list[tuple[str, int]]  # (object_key, bytes) referenced by no retained epoch
+    channel_low_watermarks: dict[str, int]  # channel URI -> first position a retained epoch may need
+    storage_uri: str | None

@@ -1,0 +1,74 @@
+"""Shared fixtures: one throwaway PostgreSQL server and one SparkSession per test session.
+
+* ``pg_server``: the server (session scope); ``pg_dsn``: a fresh, empty database per test.
+* ``store``: an :class:`~airflow_arroyo.store.EpochStore` on a fresh, migrated database per test.
+* ``spark``: a local-mode SparkSession shared by the whole session (JVM start costs seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# Put the venv's bin first: spark-submit's find-spark-home runs `python3` from PATH.
+os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
+    pg = ThrowawayPostgres(base_dir=tmp_path_factory.mktemp("pg"))
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.cleanup()
+
+
+@pytest.fixture
+def pg_dsn(pg_server: ThrowawayPostgres) -> str:
+    return pg_server.create_database(f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def store(pg_dsn: str) -> Iterator[Any]:
+    from airflow_arroyo.store import EpochStore
+
+    s = EpochStore(pg_dsn)
+    s.migrate()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    warehouse = tmp_path_factory.mktemp("spark-warehouse")
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("airflow-arroyo-tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.warehouse.dir", str(warehouse))
+        .config("spark.driver.memory", "2g")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("WARN")
+    try:
+        yield session
+    finally:
+        session.stop()
