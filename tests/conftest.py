@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,15 @@ from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# A throwaway AIRFLOW_HOME for the whole test session. It must be set before anything imports
+# airflow (Airflow reads its configuration at import time), hence at conftest import.
+if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
+    _airflow_home = tempfile.mkdtemp(prefix="arroyo-airflow-home-")
+    os.environ["AIRFLOW_HOME"] = _airflow_home
+    os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_airflow_home}/airflow.db"
+    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+    os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+    os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parent.parent / "dags")
 # Put the venv's bin first: spark-submit's find-spark-home runs `python3` from PATH.
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
@@ -49,6 +60,15 @@ def store(pg_dsn: str) -> Iterator[Any]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> str:
+    """A migrated Airflow metadata DB (SQLite) in the session's throwaway AIRFLOW_HOME, for dag.test()."""
+    home = os.environ["AIRFLOW_HOME"]
+    subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
+                   capture_output=True, env=os.environ.copy())
+    return home
 
 
 @pytest.fixture(scope="session")
