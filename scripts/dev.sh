@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what the project needs (idempotently), then
+#   scripts/dev.sh demo [args]   runs the main job on the embedded default
+#                                (Spark local mode, a throwaway Postgres, airflow standalone)
+#   scripts/dev.sh test [args]   runs ruff, mypy and the whole test suite (args go to pytest)
+#   scripts/dev.sh setup         only installs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+need_apt=()
+command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
+if ! command -v pg_config >/dev/null 2>&1 || [ ! -x "$(pg_config --bindir 2>/dev/null)/initdb" ]; then
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+fi
+if [ "${1:-}" = "test" ]; then
+  command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
+  command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    log "installing system packages: ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    log "missing system packages (install them as root): ${need_apt[*]}"
+  fi
+fi
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=$(command -v "$cand"); break
+    fi
+  done
+fi
+[ -n "$PY" ] || { log "Python 3.11 is required"; exit 1; }
+
+stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  log "installing Python packages into .venv (pinned by constraints.txt)"
+  "$PY" -m pip install -q --disable-pip-version-check uv
+  "$PY" -m uv venv -q --allow-existing --python "$PY" .venv
+  "$PY" -m uv pip install -q --python .venv/bin/python -c constraints.txt -e ".[dev]"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi
+
+export PATH="$ROOT/.venv/bin:$PATH"
+export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
+export PYSPARK_DRIVER_PYTHON="$ROOT/.venv/bin/python"
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) ;;
+  demo) exec .venv/bin/python -m airflow_arroyo.devtools.embedded "$@" ;;
+  test)
+    log "ruff"; .venv/bin/ruff check airflow_arroyo dags plugins tests benchmarks
+    log "mypy"; .venv/bin/mypy
+    log "pytest"; exec .venv/bin/python -m pytest -p no:cacheprovider "$@" ;;
+  *) echo "usage: scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+esac
