@@ -41,6 +41,20 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
+# Connection-time failures carry no SQLSTATE in psycopg2; these texts mark the permanent ones
+# (wrong database, user or password, bad options) so that a typo fails at once, not after a minute.
+_PERMANENT_CONNECT_TEXTS = (
+    "does not exist",
+    "authentication failed",
+    "no password supplied",
+    "password authentication",
+    "no pg_hba.conf entry",
+    "invalid dsn",
+    "invalid connection option",
+    "could not translate host name",
+)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Is ``exc`` worth retrying? The single place that decides."""
     if isinstance(exc, psycopg2.InterfaceError):  # connection already closed
@@ -48,7 +62,10 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, psycopg2.Error):
         code = exc.pgcode
         if code is None:
-            # No SQLSTATE: the connection broke (server gone, reset, refused).
+            # No SQLSTATE: the connection broke (server gone, reset, refused) or could not be made.
+            text = str(exc).lower()
+            if any(t in text for t in _PERMANENT_CONNECT_TEXTS):
+                return False
             return isinstance(exc, psycopg2.OperationalError)
         return code in _TRANSIENT_CODES or code.startswith("08")
     return isinstance(exc, ConnectionError)
