@@ -485,13 +485,16 @@ class EpochStore:
         expired or failed is kept for the record and changes nothing."""
 
         def tx(cur: PgCursor) -> EpochState:
+            # The pipeline's row lock first, like every other writer of epoch states: an ack that
+            # completes the epoch must not race the trigger expiring it (the trigger's guarded UPDATE
+            # would find no row), and the history must stay in commit order per pipeline.
+            self._lock_pipeline(cur, pipeline_id)
             cur.execute(
                 "SELECT state, stages FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                 (pipeline_id, epoch),
             )
             row = cur.fetchone()
             if row is None:
-                self._get_pipeline(cur, pipeline_id)
                 raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to acknowledge")
             if stage not in row["stages"]:
                 raise ConfigurationError(
@@ -530,6 +533,7 @@ class EpochStore:
         """Mark an in-flight epoch failed (e.g. a stage could not snapshot). No-op if it already ended."""
 
         def tx(cur: PgCursor) -> EpochState:
+            self._lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
             cur.execute(
                 "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
                 " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING state",
