@@ -1,0 +1,467 @@
+"""Retention against a real Postgres epoch store and real files.
+
+Epochs are built through the store API exactly as a pipeline builds them (trigger, record the
+snapshot's objects, acknowledge), with the objects written to disk at the fixed layout
+``<storage_uri>/<pipeline>/snapshots/objects/<key>``. Time-dependent states (an expired epoch, an
+expired lease, an old epoch) are set directly in the database: a seam we own, instead of sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
+from airflow_arroyo.exceptions import ConfigurationError, LockLostError, UnknownPipelineError
+from airflow_arroyo.retention import PruneReport, object_path, parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.store import EpochStore, SnapshotEntry
+
+TICK = CheckpointPolicy(interval=3600)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sql(store: EpochStore, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    conn = psycopg2.connect(store.dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(query, params)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+class Pipeline:
+    """A registered, running pipeline whose epochs and snapshot objects the test builds."""
+
+    def __init__(self, store: EpochStore, root: Path | str, pipeline_id: str = "orders",
+                 stages: tuple[str, ...] = ("src", "agg"), channels: dict[str, str] | None = None) -> None:
+        self.store = store
+        self.id = pipeline_id
+        self.root = root
+        self.stages = stages
+        store.register_pipeline(pipeline_id, stages=list(stages), run_id="run-1", storage_uri=str(root),
+                                channels=channels or {})
+        store.set_pipeline_state(pipeline_id, PipelineState.RUNNING)
+
+    def path(self, key: str) -> Path:
+        assert isinstance(self.root, Path)
+        return self.root / object_path(self.id, key)
+
+    def write_object(self, key: str, size: int) -> None:
+        p = self.path(key)
+        if not p.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(bytes(size))
+
+    def start(self) -> int:
+        started = self.store.trigger_tick(self.id, TICK, force=True).started
+        assert started is not None
+        return started.epoch
+
+    def snapshot(self, epoch: int, stage: str, objects: dict[str, int]) -> None:
+        for key, size in objects.items():
+            self.write_object(key, size)
+        self.store.record_snapshot(self.id, epoch, stage, [
+            SnapshotEntry(rel_path=f"state/{key}", object_key=key, bytes=size) for key, size in objects.items()
+        ])
+
+    def epoch(self, objects: dict[str, dict[str, int]], *, end: str = "complete",
+              cursors: dict[str, dict[str, int]] | None = None) -> int:
+        """One epoch: each stage snapshots its objects (stage -> key -> bytes) and, to complete it,
+        acknowledges with its cursors. ``end``: complete | fail | expire | in_flight."""
+        n = self.start()
+        for stage, objs in objects.items():
+            self.snapshot(n, stage, objs)
+        if end == "complete":
+            for stage in self.stages:
+                self.store.ack_epoch(self.id, n, stage, cursors=(cursors or {}).get(stage, {}))
+            assert self.store.get_epoch(self.id, n).state is EpochState.COMPLETED
+        elif end == "fail":
+            self.store.fail_epoch(self.id, n, "stage agg could not snapshot")
+        elif end == "expire":
+            sql(self.store, "UPDATE arroyo_epochs SET timeout_at = triggered_at + interval '1 microsecond'"
+                " WHERE pipeline_id = %s AND epoch = %s", (self.id, n))
+            assert self.store.trigger_tick(self.id, TICK).expired is not None
+        return n
+
+    def age(self, epoch: int, hours: float) -> None:
+        """Move an epoch's times ``hours`` into the past."""
+        sql(self.store, "UPDATE arroyo_epochs SET triggered_at = triggered_at - %s,"
+            " ended_at = ended_at - %s WHERE pipeline_id = %s AND epoch = %s",
+            (timedelta(hours=hours), timedelta(hours=hours), self.id, epoch))
+
+    def states(self) -> dict[int, EpochState]:
+        return {e.epoch: e.state for e in self.store.list_epochs(self.id)}
+
+    def expire_lease(self) -> None:
+        sql(self.store, "UPDATE arroyo_cleanup_locks SET acquired_at = clock_timestamp() - interval '2 hours',"
+            " expires_at = clock_timestamp() - interval '1 hour' WHERE pipeline_id = %s", (self.id,))
+
+
+class RecordingFs:
+    """The real filesystem, with a hook before each delete (the seam ``fs_for``)."""
+
+    def __init__(self, uri: str, before_delete: Callable[[int, str], None]) -> None:
+        from airflow_arroyo.fs import FileSystem
+
+        self.fs = FileSystem.from_uri(uri)
+        self.before_delete = before_delete
+        self.deleted: list[str] = []
+
+    def delete(self, path: str) -> bool:
+        self.before_delete(len(self.deleted), path)
+        self.deleted.append(path)
+        return self.fs.delete(path)
+
+
+@pytest.fixture
+def pipe(store: EpochStore, tmp_path: Path) -> Iterator[Pipeline]:
+    yield Pipeline(store, tmp_path)
+
+
+def prune(store: EpochStore, pipeline_id: str = "orders", policy: RetentionPolicy | None = None,
+          **kwargs: Any) -> PruneReport:
+    return prune_pipeline(store, pipeline_id, policy or RetentionPolicy(keep_last=2), holder="test",
+                          **kwargs)
+
+
+# --------------------------------------------------------------------------- the main path
+
+
+def test_prunes_only_objects_no_retained_epoch_references(store: EpochStore, pipe: Pipeline) -> None:
+    # Incremental snapshots: each epoch re-references what it still needs from the one before.
+    e1 = pipe.epoch({"src": {"a": 100}, "agg": {"b": 20}})
+    e2 = pipe.epoch({"src": {"a": 100, "c": 300}, "agg": {"b": 20}})  # a, b shared with e1
+    e3 = pipe.epoch({"src": {"c": 300, "d": 4000}, "agg": {"e": 5}})  # c shared with e2
+    e4 = pipe.epoch({"src": {"d": 4000}, "agg": {"e": 5, "f": 60}})
+
+    report = prune(store, policy=RetentionPolicy(keep_last=2))
+
+    assert report.epochs_pruned == [e1, e2]
+    assert report.kept == [e3, e4]
+    assert report.skipped_reason is None
+    # a and b were only referenced by pruned epochs; c is still referenced by e3
+    assert not pipe.path("a").exists() and not pipe.path("b").exists()
+    for key in ("c", "d", "e", "f"):
+        assert pipe.path(key).exists(), key
+    assert report.bytes_freed == 120 and report.objects_deleted == 2 and report.objects_missing == 0
+    assert pipe.states() == {e1: EpochState.PRUNED, e2: EpochState.PRUNED,
+                             e3: EpochState.COMPLETED, e4: EpochState.COMPLETED}
+    # bytes are counted on the oldest pruned epoch that referenced them
+    assert store.get_epoch("orders", e1).bytes_freed == 120
+    assert store.get_epoch("orders", e2).bytes_freed == 0
+    # every retained epoch is still restorable: each of its objects exists
+    for epoch in (e3, e4):
+        for stage in pipe.stages:
+            for entry in store.snapshot_entries("orders", epoch, stage):
+                assert pipe.path(entry.object_key).stat().st_size == entry.bytes
+    # the lease is released and the run recorded
+    assert store.cleanup_lock("orders") is None
+    (run,) = store.list_cleanup_runs("orders")
+    assert (run.id, run.state, run.epochs_pruned, run.bytes_freed, run.holder) == (
+        report.cleanup_run, "succeeded", [e1, e2], 120, "test")
+    assert run.policy == {"keep_last": 2, "keep_newer_than_s": None}
+
+    # a second run with the same policy has nothing left to do
+    again = prune(store, policy=RetentionPolicy(keep_last=2))
+    assert (again.epochs_pruned, again.bytes_freed, again.kept) == ([], 0, [e3, e4])
+
+
+def test_truncates_channels_before_the_oldest_retained_cursor(store: EpochStore, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from airflow_arroyo.runtime.channel import Channel
+
+    uri = str(tmp_path / "channels" / "events")
+    channel = Channel.create(uri)
+    pipe = Pipeline(store, tmp_path, stages=("agg",), channels={"events": uri})
+    epochs = []
+    for i in range(4):
+        channel.append_table(pa.table({"x": list(range(i * 10, i * 10 + 10))}), batch_id=i, writer="src")
+        n = pipe.start()
+        channel.append_barrier(n, writer="src")
+        # agg resumes right after barrier n when restored from epoch n
+        pipe.snapshot(n, "agg", {f"state-{n}": 10})
+        store.ack_epoch("orders", n, "agg", cursors={"events": channel.end_position()})
+        epochs.append(n)
+    cursor_of_e3 = 6  # entries: data, barrier 1, data, barrier 2, data, barrier 3 -> e3 resumes at 6
+    channel_file_bytes = {p: p.stat().st_size for p in Path(uri).rglob("*") if p.is_file()}
+
+    report = prune(store, policy=RetentionPolicy(keep_last=2))
+
+    assert report.epochs_pruned == epochs[:2]
+    reopened = Channel.open(uri)
+    assert reopened.start_position() == cursor_of_e3
+    # what a restore from e3 reads is intact
+    assert reopened.read_table(cursor_of_e3).column("x").to_pylist() == list(range(30, 40))
+    remaining = {p: p.stat().st_size for p in Path(uri).rglob("*") if p.is_file()}
+    gone = sum(size for p, size in channel_file_bytes.items() if p not in remaining)
+    assert gone > 0 and report.channel_bytes_freed == gone
+    # channel bytes are counted on the newest pruned epoch, object bytes on their own epoch
+    assert report.bytes_freed == gone + 20
+    assert store.get_epoch("orders", epochs[1]).bytes_freed == gone + 10
+    assert store.get_epoch("orders", epochs[0]).bytes_freed == 10
+
+
+def test_latest_completed_is_never_pruned_and_failed_expired_always_are(store: EpochStore,
+                                                                        pipe: Pipeline) -> None:
+    e1 = pipe.epoch({"src": {"a": 1}, "agg": {"b": 2}})
+    e2 = pipe.epoch({"src": {"a": 1, "partial": 7}}, end="fail")  # partial data of a failed epoch
+    e3 = pipe.epoch({"src": {"a": 1}, "agg": {"x": 9}}, end="expire")
+    for e in (e1, e2, e3):
+        pipe.age(e, hours=48)
+
+    # everything is older than the policy allows, yet the latest completed epoch stays
+    report = prune(store, policy=RetentionPolicy(keep_newer_than=timedelta(hours=1)))
+
+    assert report.epochs_pruned == [e2, e3]
+    assert report.kept == [e1]
+    assert pipe.states() == {e1: EpochState.COMPLETED, e2: EpochState.PRUNED, e3: EpochState.PRUNED}
+    assert not pipe.path("partial").exists() and not pipe.path("x").exists()
+    assert pipe.path("a").exists() and pipe.path("b").exists()
+    assert report.bytes_freed == 16
+
+
+def test_keep_newer_than_keeps_recent_epochs_beyond_keep_last(store: EpochStore, pipe: Pipeline) -> None:
+    old1 = pipe.epoch({"src": {"o1": 1}})
+    old2 = pipe.epoch({"src": {"o2": 2}})
+    recent = pipe.epoch({"src": {"r": 3}})
+    latest = pipe.epoch({"src": {"l": 4}})
+    pipe.age(old1, hours=3)
+    pipe.age(old2, hours=2)
+
+    report = prune(store, policy=RetentionPolicy(keep_last=1, keep_newer_than=timedelta(hours=1)))
+
+    assert report.epochs_pruned == [old1, old2]
+    assert report.kept == [recent, latest]
+    assert [pipe.path(k).exists() for k in ("o1", "o2", "r", "l")] == [False, False, True, True]
+
+
+def test_objects_on_an_fsspec_uri_are_deleted(store: EpochStore) -> None:
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    root = "memory://retention-test"
+    pipe = Pipeline(store, root, pipeline_id="mem-pipe", stages=("src",))
+
+    def put(key: str, size: int) -> None:
+        mem.pipe(f"/retention-test/{object_path('mem-pipe', key)}", bytes(size))
+
+    for n_key in ("k1", "k2", "k3"):
+        n = pipe.start()
+        put(n_key, 11)
+        store.record_snapshot("mem-pipe", n, "src", [SnapshotEntry("s", n_key, 11)])
+        store.ack_epoch("mem-pipe", n, "src")
+    try:
+        report = prune(store, "mem-pipe", RetentionPolicy(keep_last=1))
+        assert report.epochs_pruned == [1, 2] and report.bytes_freed == 22
+        assert [mem.exists(f"/retention-test/{object_path('mem-pipe', k)}") for k in ("k1", "k2", "k3")] == [
+            False, False, True]
+    finally:
+        mem.rm("/retention-test", recursive=True)
+
+
+# --------------------------------------------------------------------------- in-flight epochs
+
+
+def test_in_flight_epoch_blocks_pruning_until_the_deadline(store: EpochStore, pipe: Pipeline) -> None:
+    e1 = pipe.epoch({"src": {"a": 1}})
+    pipe.epoch({"src": {"b": 2}})
+    e3 = pipe.epoch({"src": {"a": 1, "c": 3}}, end="in_flight")  # references a incrementally
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    report = prune(store, policy=RetentionPolicy(keep_last=1), wait_for_in_flight=timedelta(seconds=5),
+                   poll_interval=1.0, clock=lambda: now[0], sleep=sleep)
+
+    assert report.skipped_reason is not None and f"in-flight epoch {e3} did not finish" in report.skipped_reason
+    assert sum(sleeps) == 5.0
+    assert report.epochs_pruned == [] and report.bytes_freed == 0
+    assert pipe.states()[e1] is EpochState.COMPLETED and pipe.states()[e3] is EpochState.TRIGGERED
+    assert all(pipe.path(k).exists() for k in ("a", "b", "c"))
+    assert store.cleanup_lock("orders") is None
+    (run,) = store.list_cleanup_runs("orders")
+    assert run.state == "succeeded" and run.error is not None and "skipped" in run.error
+
+
+def test_waits_for_the_in_flight_epoch_then_prunes(store: EpochStore, pipe: Pipeline) -> None:
+    e1 = pipe.epoch({"src": {"a": 1}, "agg": {"z": 1}})
+    e2 = pipe.epoch({"src": {"b": 2}, "agg": {"z": 1}})
+    e3 = pipe.epoch({"src": {"a": 1, "c": 3}}, end="in_flight")
+    lease_seen: list[Any] = []
+
+    def sleep(_: float) -> None:  # while we wait, the pipeline finishes epoch 3
+        lease_seen.append(store.cleanup_lock("orders"))
+        for stage in pipe.stages:
+            store.ack_epoch("orders", e3, stage)
+        # the trigger respects our lease: no new epoch can start while we prune
+        assert store.trigger_tick("orders", TICK, force=True).started is None
+
+    report = prune(store, policy=RetentionPolicy(keep_last=1), sleep=sleep)
+
+    assert len(lease_seen) == 1 and lease_seen[0] is not None and lease_seen[0].holder == "test"
+    assert report.epochs_pruned == [e1, e2] and report.kept == [e3]
+    # a was referenced by the (then in-flight) epoch 3: it survives; b does not
+    assert pipe.path("a").exists() and not pipe.path("b").exists() and pipe.path("c").exists()
+
+
+# --------------------------------------------------------------------------- the lease
+
+
+def test_lock_held_by_another_run_skips_or_waits(store: EpochStore, pipe: Pipeline) -> None:
+    pipe.epoch({"src": {"a": 1}})
+    pipe.epoch({"src": {"b": 2}})
+    other = store.acquire_cleanup_lock("orders", "other-run", ttl=600)
+
+    skipped = prune(store, policy=RetentionPolicy(keep_last=1))
+    assert skipped.skipped_reason is not None and "other-run" in skipped.skipped_reason
+    assert skipped.cleanup_run is None and pipe.path("a").exists()
+    assert store.cleanup_lock("orders").holder == "other-run"  # type: ignore[union-attr]
+
+    released: list[int] = []
+
+    def sleep(_: float) -> None:  # the other run finishes while we wait
+        released.append(store.release_cleanup_lock("orders", other.id).id)
+
+    report = prune(store, policy=RetentionPolicy(keep_last=1), wait_for_lock=timedelta(seconds=30),
+                   sleep=sleep)
+    assert released == [other.id]
+    assert report.epochs_pruned == [1] and not pipe.path("a").exists()
+
+
+def test_crashed_cleanup_is_finished_by_the_next_run_after_its_lease_expires(store: EpochStore,
+                                                                            pipe: Pipeline) -> None:
+    e1 = pipe.epoch({"src": {"a": 10}, "agg": {"b": 20}})
+    e2 = pipe.epoch({"src": {"c": 30}})
+    e3 = pipe.epoch({"src": {"d": 40}})
+    # A cleanup run crashes after marking epochs and deleting one object: lease and 'pruning' left behind.
+    crashed = store.acquire_cleanup_lock("orders", "crashed-worker", ttl=600)
+    plan = store.begin_prune("orders", crashed.id, [e1, e2])
+    assert plan.epochs == [e1, e2]
+    pipe.path("a").unlink()
+
+    while_live = prune(store, policy=RetentionPolicy(keep_last=1))
+    assert while_live.skipped_reason is not None and "crashed-worker" in while_live.skipped_reason
+
+    pipe.expire_lease()
+    report = prune(store, policy=RetentionPolicy(keep_last=5))  # keeps everything but what was pruning
+
+    assert report.epochs_pruned == [e1, e2] and report.kept == [e3]
+    assert report.objects_missing == 1 and report.objects_deleted == 2
+    assert report.bytes_freed == 60  # a was freed by the crashed run, for these epochs
+    assert pipe.states() == {e1: EpochState.PRUNED, e2: EpochState.PRUNED, e3: EpochState.COMPLETED}
+    runs = {r.id: r for r in store.list_cleanup_runs("orders")}
+    assert runs[crashed.id].state == "lock_lost"
+    assert runs[report.cleanup_run].state == "succeeded"  # type: ignore[index]
+    assert store.cleanup_lock("orders") is None
+
+
+def test_lost_lease_stops_deleting_at_once(store: EpochStore, pipe: Pipeline, tmp_path: Path) -> None:
+    e1 = pipe.epoch({"src": {"a": 1, "b": 2, "c": 3}})
+    e2 = pipe.epoch({"src": {"d": 4}})
+
+    def take_over_after_first(done: int, _: str) -> None:
+        if done == 0:  # our lease expires and another run takes the lock while we delete
+            pipe.expire_lease()
+            store.acquire_cleanup_lock("orders", "newcomer", ttl=600)
+
+    fs = RecordingFs(str(tmp_path), take_over_after_first)
+    with pytest.raises(LockLostError):
+        prune(store, policy=RetentionPolicy(keep_last=1), renew_every=0.0, fs_for=lambda _: fs)
+
+    assert len(fs.deleted) == 1  # nothing deleted after the loss
+    assert sum(pipe.path(k).exists() for k in "abc") == 2
+    assert pipe.states() == {e1: EpochState.PRUNING, e2: EpochState.COMPLETED}
+    runs = store.list_cleanup_runs("orders")
+    ours = next(r for r in runs if r.holder == "test")
+    assert ours.state == "lock_lost" and ours.error and "no longer holds" in ours.error
+    assert store.cleanup_lock("orders").holder == "newcomer"  # type: ignore[union-attr]
+
+
+def test_a_failing_delete_fails_the_run_and_releases_the_lease(store: EpochStore, pipe: Pipeline,
+                                                               tmp_path: Path) -> None:
+    e1 = pipe.epoch({"src": {"a": 1}})
+    pipe.epoch({"src": {"b": 2}})
+
+    def refuse(_: int, path: str) -> None:
+        raise PermissionError(f"read-only filesystem: {path}")
+
+    with pytest.raises(PermissionError):
+        prune(store, policy=RetentionPolicy(keep_last=1), fs_for=lambda _: RecordingFs(str(tmp_path), refuse))
+
+    (run,) = store.list_cleanup_runs("orders")
+    assert run.state == "failed" and "PermissionError" in (run.error or "")
+    assert store.cleanup_lock("orders") is None
+    assert pipe.states()[e1] is EpochState.PRUNING and pipe.path("a").exists()
+    # the next run (filesystem fixed) finishes the job
+    assert prune(store, policy=RetentionPolicy(keep_last=1)).epochs_pruned == [e1]
+    assert not pipe.path("a").exists()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_unknown_pipeline_is_refused_before_anything_is_written(store: EpochStore) -> None:
+    with pytest.raises(UnknownPipelineError, match="airflow-arroyo pipelines"):
+        prune(store, "nope")
+    assert sql(store, "SELECT count(*) FROM arroyo_cleanup_runs") == [(0,)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lock_ttl": 0}, "lock_ttl"),
+        ({"lock_ttl": 10, "renew_every": 10}, "renew_every"),
+        ({"lock_ttl": 10, "poll_interval": 20}, "poll_interval"),
+        ({"holder": ""}, "holder"),
+    ],
+)
+def test_bad_run_settings_are_refused_before_anything_is_written(store: EpochStore, pipe: Pipeline,
+                                                                 kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"holder": "test", **kwargs}
+    with pytest.raises(ConfigurationError, match=match):
+        prune_pipeline(store, "orders", RetentionPolicy(keep_last=1), **args)
+    assert store.list_cleanup_runs("orders") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), (90, 90), (1.5, 1.5), ("90s", 90), ("15m", 900), ("1h", 3600), ("1h30m", 5400),
+     ("2d", 172800), ("1w", 604800), (" 2H ", 7200), (timedelta(minutes=3), 180)],
+)
+def test_parse_duration(text: Any, seconds: float) -> None:
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("text", ["", "none", None])
+def test_parse_duration_none(text: Any) -> None:
+    assert parse_duration(text) is None
+
+
+@pytest.mark.parametrize("text", ["1x", "h", "1h-2m", "abc", True, float("inf"), "1h 2"])
+def test_parse_duration_refuses_garbage(text: Any) -> None:
+    with pytest.raises(ConfigurationError, match="duration"):
+        parse_duration(text)
+
+
+def test_policy_from_user_input() -> None:
+    assert policy_from("5", "1h") == RetentionPolicy(keep_last=5, keep_newer_than=timedelta(hours=1))
+    assert policy_from(3, None) == RetentionPolicy(keep_last=3)
+    assert policy_from("None", 60) == RetentionPolicy(keep_newer_than=timedelta(minutes=1))
+    with pytest.raises(ConfigurationError, match="keeps nothing"):
+        policy_from(None, "")
+    with pytest.raises(ConfigurationError, match="whole number"):
+        policy_from("five")
+    with pytest.raises(ConfigurationError, match="keep_last"):
+        policy_from(0)
