@@ -1,0 +1,43 @@
+"""The PySpark side of airflow-arroyo: channels, sources, and (later) the pipeline runtime.
+
+Names are re-exported lazily so that ``import airflow_arroyo.runtime`` stays cheap; each entry of
+``_EXPORTS`` maps a public name to the module defining it. Append new names, do not reorder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    # channels (airflow_arroyo.runtime.channel)
+    "Channel": "airflow_arroyo.runtime.channel",
+    "ChannelError": "airflow_arroyo.runtime.channel",
+    "ChannelSchemaError": "airflow_arroyo.runtime.channel",
+    "ChannelTruncatedError": "airflow_arroyo.runtime.channel",
+    "Entry": "airflow_arroyo.runtime.channel",
+    "EntryKind": "airflow_arroyo.runtime.channel",
+    # Spark sources (airflow_arroyo.runtime.sources, airflow_arroyo.runtime.generator)
+    "ChannelDataSource": "airflow_arroyo.runtime.sources",
+    "read_channel": "airflow_arroyo.runtime.sources",
+    "register_data_sources": "airflow_arroyo.runtime.sources",
+    "write_caps": "airflow_arroyo.runtime.sources",
+    "GeneratorDataSource": "airflow_arroyo.runtime.generator",
+    "generate_rows": "airflow_arroyo.runtime.generator",
+    "generator_source": "airflow_arroyo.runtime.generator",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,808 @@
+"""Channels: durable, FIFO, rewindable logs of Parquet batches and barriers on a filesystem URI.
+
+A channel is a directory (any :class:`~airflow_arroyo.fs.FileSystem` URI)::
+
+    _channel.json                     header: {"format_version": 1, "schema": <Spark schema JSON> | null}
+    _truncated.json                   optional: {"before": P, "writers": {...}} (retention watermark)
+    log/00000000000000000000.json     entry 0
+    log/00000000000000000001.json     entry 1 ...
+    data/<writer>-b<batch>-<uuid>/    the Parquet files of one data entry
+
+Entries are numbered 0, 1, 2...; a reader at position ``p`` has consumed entries ``[0, p)``. A data entry
+names its Parquet files; a barrier entry carries an epoch. Data files are written first and the entry
+is created exclusively afterwards, so the entry is the commit point and files no entry names are
+ignored. The format is specified in ``docs/channel-format.md``.
+
+Concurrency contract: one writer per channel (the graph validator enforces it); any number of readers.
+:meth:`Channel.truncate_from` (restore) needs every reader and writer of the channel stopped;
+:meth:`Channel.truncate_before` (retention) may run while the pipeline runs, below every live cursor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError
+from airflow_arroyo.fs import FileSystem
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import StructType
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Channel",
+    "ChannelError",
+    "ChannelSchemaError",
+    "ChannelTruncatedError",
+    "Entry",
+    "EntryKind",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+HEADER_FILE = "_channel.json"
+TRUNCATED_FILE = "_truncated.json"
+LOG_DIR = "log"
+DATA_DIR = "data"
+_INDEX_WIDTH = 20
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.=-]+")
+
+
+class ChannelError(ArroyoError):
+    """A channel is missing, corrupt, or used against its contract (the message names the channel)."""
+
+
+class ChannelSchemaError(ChannelError, ConfigurationError):
+    """Data does not match the channel's schema (fixed at creation or at the first data append)."""
+
+
+class ChannelTruncatedError(ChannelError):
+    """A read asked for entries that retention already deleted."""
+
+
+class EntryKind(StrEnum):
+    DATA = "data"
+    BARRIER = "barrier"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One committed log entry. ``files`` are paths relative to the channel root."""
+
+    index: int
+    kind: EntryKind
+    writer: str
+    epoch: int | None = None
+    files: tuple[str, ...] = ()
+    rows: int = 0
+    bytes: int = 0
+    batch_id: int | None = None
+    dir: str | None = None
+    time: float | None = None
+
+    @property
+    def is_barrier(self) -> bool:
+        return self.kind is EntryKind.BARRIER
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind is EntryKind.BARRIER:
+            out: dict[str, Any] = {"kind": "barrier", "epoch": self.epoch, "writer": self.writer}
+        else:
+            out = {
+                "kind": "data",
+                "files": list(self.files),
+                "dir": self.dir,
+                "rows": self.rows,
+                "bytes": self.bytes,
+                "writer": self.writer,
+                "batch_id": self.batch_id,
+            }
+        if self.time is not None:
+            out["time"] = self.time
+        return out
+
+    @classmethod
+    def from_json(cls, index: int, raw: dict[str, Any]) -> Entry:
+        kind = EntryKind(raw["kind"])
+        if kind is EntryKind.BARRIER:
+            return cls(index, kind, str(raw["writer"]), epoch=int(raw["epoch"]), time=raw.get("time"))
+        return cls(
+            index,
+            kind,
+            str(raw["writer"]),
+            files=tuple(raw.get("files", ())),
+            rows=int(raw.get("rows", 0)),
+            bytes=int(raw.get("bytes", 0)),
+            batch_id=None if raw.get("batch_id") is None else int(raw["batch_id"]),
+            dir=raw.get("dir"),
+            time=raw.get("time"),
+        )
+
+
+def log_path(index: int) -> str:
+    """Relative path of entry ``index``."""
+    return f"{LOG_DIR}/{index:0{_INDEX_WIDTH}d}.json"
+
+
+# ---------------------------------------------------------------------- schema helpers (pure)
+def _all_nullable(node: Any) -> Any:
+    """Spark schema JSON with every field/element/value made nullable (a channel never promises non-null)."""
+    if isinstance(node, dict):
+        out = {k: _all_nullable(v) for k, v in node.items()}
+        for key in ("nullable", "containsNull", "valueContainsNull"):
+            if key in out:
+                out[key] = True
+        return out
+    if isinstance(node, list):
+        return [_all_nullable(v) for v in node]
+    return node
+
+
+def normalize_schema(schema: pa.Schema | StructType | dict[str, Any]) -> dict[str, Any]:
+    """The channel's stored form of a schema: Spark's schema JSON, everything nullable.
+
+    Accepts a :class:`pyarrow.Schema`, a Spark ``StructType`` or already-parsed Spark schema JSON.
+    """
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, dict):
+        struct = StructType.fromJson(schema)
+    elif isinstance(schema, pa.Schema):
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        try:
+            struct = from_arrow_schema(schema)
+        except (TypeError, ValueError) as exc:  # pyspark raises its own TypeError subclasses
+            raise ChannelSchemaError(
+                f"the Arrow schema {schema} has a type Spark cannot read ({exc}); cast the column to a "
+                "Spark-compatible type (e.g. uint64 -> int64) before appending"
+            ) from exc
+    elif isinstance(schema, StructType):
+        struct = schema
+    else:
+        raise ConfigurationError(
+            f"a channel schema must be a pyarrow.Schema or a pyspark StructType, got {type(schema).__name__}"
+        )
+    normalized: dict[str, Any] = _all_nullable(struct.jsonValue())
+    return normalized
+
+
+def spark_schema_of(schema_json: dict[str, Any]) -> StructType:
+    from pyspark.sql.types import StructType
+
+    return StructType.fromJson(schema_json)
+
+
+def arrow_schema_of(schema_json: dict[str, Any]) -> pa.Schema:
+    """The Arrow schema Spark expects from a Python data source returning ``schema_json``."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(spark_schema_of(schema_json), timezone="UTC")
+
+
+def _schema_signature(schema_json: dict[str, Any]) -> str:
+    """Names and types, without nullability or metadata: what must match between appends."""
+    return str(spark_schema_of(schema_json).simpleString())
+
+
+# ---------------------------------------------------------------------- the channel
+@dataclass
+class _WriterMemo:
+    """What a backward scan learned about one writer, valid for entries below ``upto``."""
+
+    upto: int
+    latest_batch_id: int | None = None
+    latest_barrier: Entry | None = None
+    data_found: bool = False
+    barrier_found: bool = False
+
+
+@dataclass
+class _Caches:
+    end: int | None = None
+    entries: dict[int, Entry] = field(default_factory=dict)
+    writers: dict[str, _WriterMemo] = field(default_factory=dict)
+
+
+class Channel:
+    """A channel at a filesystem URI. Build it with :meth:`create` or :meth:`open`.
+
+    Instances cache immutable entries and the end position; they are safe to share between threads.
+    After another process truncated the channel (restore), open it again.
+    """
+
+    def __init__(self, fs: FileSystem, header: dict[str, Any]) -> None:
+        self._fs = fs
+        self._header = header
+        self._lock = threading.RLock()
+        self._c = _Caches()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, uri: str, schema: pa.Schema | StructType | None = None) -> Channel:
+        """Create the channel at ``uri``, or open it if it exists (idempotent).
+
+        With ``schema``: the channel's schema is set now (so readers can start before the first batch).
+        An existing channel with a different schema raises :class:`ChannelSchemaError`.
+        """
+        fs = FileSystem.from_uri(uri)
+        wanted = normalize_schema(schema) if schema is not None else None
+        header = {"format_version": FORMAT_VERSION, "schema": wanted, "created_at": time.time()}
+        if fs.create_exclusive(HEADER_FILE, json.dumps(header, sort_keys=True).encode()):
+            log.info("created channel %s", fs.uri)
+            return cls(fs, header)
+        channel = cls.open(uri)
+        if wanted is not None:
+            channel._ensure_schema(wanted)
+        return channel
+
+    @classmethod
+    def open(cls, uri: str) -> Channel:
+        """Open an existing channel; :class:`ChannelError` if there is none at ``uri``."""
+        fs = FileSystem.from_uri(uri)
+        return cls(fs, _read_header(fs))
+
+    @staticmethod
+    def exists(uri: str) -> bool:
+        return FileSystem.from_uri(uri).exists(HEADER_FILE)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fs": self._fs, "header": self._header}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fs = state["fs"]
+        self._header = state["header"]
+        self._lock = threading.RLock()
+        self._c = _Caches()
+
+    def __repr__(self) -> str:
+        return f"Channel({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        return self._fs.uri
+
+    @property
+    def fs(self) -> FileSystem:
+        return self._fs
+
+    # ------------------------------------------------------------------ schema
+    @property
+    def schema_json(self) -> dict[str, Any] | None:
+        """The stored schema (Spark schema JSON), re-reading the header while it is not yet known."""
+        if self._header.get("schema") is None:
+            self._header = _read_header(self._fs)
+        schema: dict[str, Any] | None = self._header.get("schema")
+        return schema
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        """The channel's Arrow schema (as Spark reads it), or None before it is known."""
+        s = self.schema_json
+        return None if s is None else arrow_schema_of(s)
+
+    @property
+    def spark_schema(self) -> StructType | None:
+        s = self.schema_json
+        return None if s is None else spark_schema_of(s)
+
+    def _ensure_schema(self, wanted: dict[str, Any]) -> None:
+        """Fix the schema if not yet known; raise if a different one is stored. Before any data write."""
+        with self._lock:
+            current = self.schema_json
+            if current is None:
+                self._header = {**self._header, "schema": wanted}
+                self._fs.write_json_atomic(HEADER_FILE, self._header)
+                log.info("channel %s: schema fixed to %s", self.uri, _schema_signature(wanted))
+                return
+            if _schema_signature(current) != _schema_signature(wanted):
+                raise ChannelSchemaError(
+                    f"channel {self.uri} has schema {_schema_signature(current)} but the data has "
+                    f"{_schema_signature(wanted)}; a channel's schema is fixed at its first data append: "
+                    "make the stage produce the same columns and types, or write to a new channel"
+                )
+
+    # ------------------------------------------------------------------ positions and entries
+    def start_position(self) -> int:
+        """The first position whose entry still exists (0 until retention truncated the channel)."""
+        return int(self._truncation().get("before", 0))
+
+    def _truncation(self) -> dict[str, Any]:
+        try:
+            value: dict[str, Any] = self._fs.read_json(TRUNCATED_FILE)
+            return value
+        except FileNotFoundError:
+            return {}
+
+    def end_position(self) -> int:
+        """Number of entries ever committed (the position after the last entry)."""
+        with self._lock:
+            return self._refresh()
+
+    def _entry_exists(self, index: int) -> bool:
+        return index in self._c.entries or self._fs.exists(log_path(index))
+
+    def _refresh(self) -> int:
+        end = self._c.end
+        if end is None or (end > 0 and not self._fs.exists(log_path(end - 1)) and end > self.start_position()):
+            if end is not None:
+                log.info("channel %s was truncated by another process; reloading its log", self.uri)
+            self._c = _Caches()
+            end = self._discover_end()
+        while self._fs.exists(log_path(end)):
+            end += 1
+        self._c.end = end
+        return end
+
+    def _discover_end(self) -> int:
+        """Exponential then binary search for the end: entries [low, end) exist, none at or above end."""
+        lo = self.start_position()
+        if not self._fs.exists(log_path(lo)):
+            return lo
+        step = 1
+        while self._fs.exists(log_path(lo + step)):
+            lo += step
+            step *= 2
+        hi = lo + step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fs.exists(log_path(mid)):
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def entry(self, index: int) -> Entry:
+        with self._lock:
+            cached = self._c.entries.get(index)
+            if cached is not None:
+                return cached
+            try:
+                raw = self._fs.read_json(log_path(index))
+            except FileNotFoundError:
+                low = self.start_position()
+                if index < low:
+                    raise ChannelTruncatedError(
+                        f"entry {index} of channel {self.uri} was deleted by retention (the channel starts "
+                        f"at {low}); a restore or reader needs an epoch that is still retained"
+                    ) from None
+                raise ChannelError(
+                    f"entry {index} of channel {self.uri} does not exist (end is {self._refresh()})"
+                ) from None
+            except json.JSONDecodeError as exc:
+                raise ChannelError(f"entry {index} of channel {self.uri} is corrupt: {exc}") from exc
+            parsed = Entry.from_json(index, raw)
+            self._c.entries[index] = parsed
+            return parsed
+
+    def entries(self, start: int, end: int | None = None) -> list[Entry]:
+        """Entries ``[start, end)`` in order (``end`` defaults to the end of the channel)."""
+        with self._lock:
+            stop = self._refresh() if end is None else end
+            self._check_range(start, stop)
+            return [self.entry(i) for i in range(start, stop)]
+
+    def _check_range(self, start: int, end: int) -> None:
+        if start < 0 or end < start:
+            raise ConfigurationError(f"invalid position range [{start}, {end}) for channel {self.uri}")
+        known = self._refresh()
+        if end > known:
+            raise ChannelError(
+                f"position {end} is past the end ({known}) of channel {self.uri}; "
+                "a reader position cannot run ahead of the log"
+            )
+        if start < end:
+            low = self.start_position()
+            if start < low:
+                raise ChannelTruncatedError(
+                    f"positions [{start}, {low}) of channel {self.uri} were deleted by retention; "
+                    "the read needs an epoch that is still retained (restore from a newer epoch)"
+                )
+
+    def find_barrier(self, epoch: int) -> int | None:
+        """Index of the barrier entry of ``epoch``, or None (scans back from the end)."""
+        with self._lock:
+            end = self._refresh()
+            low = self.start_position()
+            for i in range(end - 1, low - 1, -1):
+                e = self.entry(i)
+                if e.is_barrier:
+                    assert e.epoch is not None
+                    if e.epoch == epoch:
+                        return i
+                    if e.epoch < epoch:
+                        return None
+            return None
+
+    def next_barrier_at_or_after(self, pos: int, end: int | None = None) -> int | None:
+        """Index of the first barrier entry in ``[pos, end)`` (``end``: the channel's end), or None."""
+        with self._lock:
+            stop = self._refresh() if end is None else min(end, self._refresh())
+            for i in range(max(pos, 0), stop):
+                if self.entry(i).is_barrier:
+                    return i
+            return None
+
+    # ------------------------------------------------------------------ per-writer memory
+    def _writer_memo(self, writer: str) -> _WriterMemo:
+        """Latest data batch id and latest barrier of ``writer``, scanning only what is not yet known."""
+        end = self._refresh()
+        memo = self._c.writers.get(writer)
+        if memo is None:
+            memo = _WriterMemo(upto=end)
+            low = self.start_position()
+            for i in range(end - 1, low - 1, -1):
+                e = self.entry(i)
+                if e.writer != writer:
+                    continue
+                if e.kind is EntryKind.DATA and not memo.data_found:
+                    memo.data_found, memo.latest_batch_id = True, e.batch_id
+                elif e.is_barrier and not memo.barrier_found:
+                    memo.barrier_found, memo.latest_barrier = True, e
+                if memo.data_found and memo.barrier_found:
+                    break
+            if not memo.data_found or not memo.barrier_found:
+                gone = self._truncation().get("writers", {}).get(writer, {})
+                if not memo.data_found and gone.get("batch_id") is not None:
+                    memo.latest_batch_id = int(gone["batch_id"])
+            self._c.writers[writer] = memo
+        for i in range(memo.upto, end):
+            e = self.entry(i)
+            if e.writer == writer:
+                if e.kind is EntryKind.DATA:
+                    memo.data_found, memo.latest_batch_id = True, e.batch_id
+                else:
+                    memo.barrier_found, memo.latest_barrier = True, e
+        memo.upto = end
+        return memo
+
+    def last_batch_id(self, writer: str) -> int | None:
+        """The batch id of ``writer``'s latest data entry (None if it never appended data)."""
+        with self._lock:
+            return self._writer_memo(writer).latest_batch_id
+
+    # ------------------------------------------------------------------ appends
+    def _append_entry(self, entry_json: dict[str, Any]) -> int:
+        end = self._refresh()
+        entry_json = {**entry_json, "time": time.time()}
+        if not self._fs.create_exclusive(log_path(end), json.dumps(entry_json, sort_keys=True).encode()):
+            self._c.end = None
+            raise ConcurrencyConflict(
+                f"another writer committed entry {end} of channel {self.uri} first; a channel has exactly "
+                "one writer: check that no two stages (or two copies of one pipeline) write it"
+            )
+        self._c.end = end + 1
+        self._c.entries[end] = Entry.from_json(end, entry_json)
+        return end
+
+    def append_barrier(self, epoch: int, writer: str) -> int:
+        """Append barrier ``epoch`` from ``writer``; returns its index.
+
+        Idempotent: if ``writer``'s latest barrier already has this epoch, its index is returned and
+        nothing is appended. A lower epoch than the latest barrier is a :class:`ChannelError`.
+        """
+        _check_writer(writer)
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ConfigurationError(f"a barrier epoch must be a non-negative int, got {epoch!r}")
+        with self._lock:
+            latest = self._writer_memo(writer).latest_barrier
+            if latest is not None and latest.epoch is not None:
+                if latest.epoch == epoch:
+                    return latest.index
+                if latest.epoch > epoch:
+                    raise ChannelError(
+                        f"writer {writer!r} already wrote barrier {latest.epoch} to channel {self.uri} "
+                        f"(entry {latest.index}); barrier {epoch} would go backwards: barriers must be "
+                        "appended in epoch order"
+                    )
+            index = self._append_entry({"kind": "barrier", "epoch": epoch, "writer": writer})
+            log.info("channel %s: barrier epoch=%s writer=%s at %s", self.uri, epoch, writer, index)
+            return index
+
+    def _already_appended(self, batch_id: int, writer: str) -> bool:
+        latest = self._writer_memo(writer).latest_batch_id
+        if latest is not None and latest >= batch_id:
+            log.info(
+                "channel %s: writer=%s batch %s already appended (latest %s); skipping the replay",
+                self.uri,
+                writer,
+                batch_id,
+                latest,
+            )
+            return True
+        return False
+
+    def _new_data_dir(self, writer: str, batch_id: int) -> str:
+        return f"{DATA_DIR}/{_SAFE_NAME.sub('_', writer)}-b{batch_id}-{uuid.uuid4().hex[:12]}"
+
+    def _commit_data(self, data_dir: str, files: list[str], writer: str, batch_id: int) -> int | None:
+        rows = 0
+        size = 0
+        for f in files:
+            with self._fs.open_input(f) as handle:
+                rows += pq.ParquetFile(handle).metadata.num_rows
+            size += self._fs.size(f)
+        if rows == 0:
+            self._fs.delete_tree(data_dir)
+            return None
+        try:
+            index = self._append_entry(
+                {
+                    "kind": "data",
+                    "files": files,
+                    "dir": data_dir,
+                    "rows": rows,
+                    "bytes": size,
+                    "writer": writer,
+                    "batch_id": batch_id,
+                }
+            )
+        except ConcurrencyConflict:
+            self._fs.delete_tree(data_dir)
+            raise
+        log.info(
+            "channel %s: data writer=%s batch=%s rows=%s files=%s at %s",
+            self.uri,
+            writer,
+            batch_id,
+            rows,
+            len(files),
+            index,
+        )
+        return index
+
+    def append_table(self, table: pa.Table, batch_id: int, writer: str) -> int | None:
+        """Append an Arrow table as batch ``batch_id`` of ``writer``; returns the entry index.
+
+        Returns None without writing when the batch was already appended (``batch_id`` not above the
+        writer's latest) or when the table is empty (empty batches leave no entry).
+        """
+        _check_writer(writer)
+        _check_batch_id(batch_id)
+        with self._lock:
+            if self._already_appended(batch_id, writer):
+                return None
+            if table.num_rows == 0:
+                # Checked against a known schema, but never fixes it: an empty Arrow table's types
+                # are often guesses (an empty Python list is the null type).
+                if self.schema_json is not None:
+                    self._ensure_schema(normalize_schema(table.schema))
+                return None
+            self._ensure_schema(normalize_schema(table.schema))
+            assert self.schema_json is not None
+            target = arrow_schema_of(self.schema_json)
+            try:
+                table = table.select(target.names).cast(target)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, KeyError) as exc:
+                raise ChannelSchemaError(
+                    f"cannot convert the batch to the schema of channel {self.uri} ({exc})"
+                ) from exc
+            data_dir = self._new_data_dir(writer, batch_id)
+            path = f"{data_dir}/part-00000.parquet"
+            self._fs.makedirs(data_dir)
+            pq.write_table(table, self._fs.arrow_path(path), filesystem=self._fs.arrow_fs)
+            return self._commit_data(data_dir, [path], writer, batch_id)
+
+    def append_spark_batch(self, df: DataFrame, batch_id: int, writer: str) -> int | None:
+        """Append a Spark micro-batch (call it from ``foreachBatch`` on the driver).
+
+        Same contract as :meth:`append_table`: idempotent per ``batch_id`` (a replayed batch appends
+        nothing and returns None), empty batches leave no entry. The rows are written by Spark
+        (``df.write.parquet``) into a fresh directory; the entry is committed afterwards.
+        """
+        _check_writer(writer)
+        _check_batch_id(batch_id)
+        with self._lock:
+            if self._already_appended(batch_id, writer):
+                return None
+            self._ensure_schema(normalize_schema(df.schema))
+            data_dir = self._new_data_dir(writer, batch_id)
+            df.write.mode("errorifexists").parquet(self._fs.spark_uri_of(data_dir))
+            files = [
+                e.path
+                for e in self._fs.list_dir(data_dir)
+                if not e.is_dir and e.name.endswith(".parquet") and not e.name.startswith((".", "_"))
+            ]
+            return self._commit_data(data_dir, files, writer, batch_id)
+
+    # ------------------------------------------------------------------ reads
+    def data_entries(self, start: int, end: int) -> list[Entry]:
+        """The data entries in ``[start, end)`` (barriers skipped)."""
+        return [e for e in self.entries(start, end) if e.kind is EntryKind.DATA]
+
+    def read_table(self, start: int | None = None, end: int | None = None) -> pa.Table:
+        """All data rows of entries ``[start, end)`` in log order, as one table in the channel schema."""
+        with self._lock:
+            lo = self.start_position() if start is None else start
+            hi = self._refresh() if end is None else end
+            data = self.data_entries(lo, hi)
+            target = self.schema
+        if target is None:
+            if data:
+                raise ChannelError(f"channel {self.uri} has data but no schema in its header")
+            return pa.table({})
+        tables = [read_data_file(self._fs, f, target) for e in data for f in e.files]
+        if not tables:
+            return target.empty_table()
+        return pa.concat_tables(tables)
+
+    # ------------------------------------------------------------------ truncation
+    def truncate_from(self, pos: int) -> None:
+        """Delete entries ``>= pos`` and their data (restore: ``pos`` is right after barrier N).
+
+        Every reader and writer of the channel must be stopped. Entries are deleted from the top down,
+        so a crash leaves a consistent shorter log (and at worst orphan data files, see
+        :meth:`remove_orphans`).
+        """
+        with self._lock:
+            self._c = _Caches()
+            end = self._refresh()
+            low = self.start_position()
+            if pos < low:
+                raise ChannelTruncatedError(
+                    f"cannot truncate channel {self.uri} from {pos}: retention already deleted the entries "
+                    f"below {low}; restore from an epoch that is still retained"
+                )
+            if pos > end:
+                raise ChannelError(
+                    f"cannot truncate channel {self.uri} from {pos}: it has only {end} entries "
+                    "(is this the channel the epoch's cursors were recorded for?)"
+                )
+            doomed = [self.entry(i) for i in range(end - 1, pos - 1, -1)]
+            for e in doomed:
+                self._fs.delete(log_path(e.index))
+            for e in doomed:
+                _delete_entry_data(self._fs, e)
+            self._c = _Caches(end=pos)
+            if doomed:
+                log.info("channel %s: truncated from %s (%s entries removed)", self.uri, pos, len(doomed))
+
+    def truncate_before(self, pos: int) -> int:
+        """Delete the data and the entries of positions ``< pos`` (retention); returns bytes freed.
+
+        The log is compacted: ``_truncated.json`` records the new start (and each writer's latest
+        batch id and barrier epoch so idempotency survives), then data and entry files go bottom-up.
+        Reading below ``pos`` afterwards raises :class:`ChannelTruncatedError`. Safe while the pipeline
+        runs as long as no reader needs a position below ``pos``. Re-running finishes an interrupted run.
+        """
+        with self._lock:
+            end = self._refresh()
+            if pos > end:
+                raise ConfigurationError(
+                    f"cannot truncate channel {self.uri} before {pos}: it has only {end} entries"
+                )
+            truncation = self._truncation()
+            low = int(truncation.get("before", 0))
+            listed = sorted(
+                int(e.name.split(".")[0])
+                for e in self._fs.list_dir(LOG_DIR)
+                if e.name.endswith(".json") and e.name.split(".")[0].isdigit()
+            )
+            doomed = [self.entry(i) for i in listed if i < pos]
+            if pos > low:
+                writers: dict[str, dict[str, int]] = dict(truncation.get("writers", {}))
+                for e in doomed:
+                    w = dict(writers.get(e.writer, {}))
+                    if e.kind is EntryKind.DATA and e.batch_id is not None:
+                        w["batch_id"] = max(e.batch_id, w.get("batch_id", -1))
+                    elif e.epoch is not None:
+                        w["epoch"] = max(e.epoch, w.get("epoch", -1))
+                    writers[e.writer] = w
+                self._fs.write_json_atomic(TRUNCATED_FILE, {"before": pos, "writers": writers})
+            freed = 0
+            for e in doomed:
+                freed += _delete_entry_data(self._fs, e)
+                try:
+                    freed += self._fs.size(log_path(e.index))
+                except FileNotFoundError:
+                    continue
+                self._fs.delete(log_path(e.index))
+                self._c.entries.pop(e.index, None)
+            if doomed:
+                log.info(
+                    "channel %s: truncated before %s (%s entries, %s bytes freed)",
+                    self.uri,
+                    pos,
+                    len(doomed),
+                    freed,
+                )
+            return freed
+
+    def remove_orphans(self) -> int:
+        """Delete data directories no entry names (left by a crash between data write and commit).
+
+        Only while the channel's writer is stopped (an in-flight append looks like an orphan). Returns
+        bytes freed.
+        """
+        with self._lock:
+            end = self._refresh()
+            named = {e.dir for e in self.entries(self.start_position(), end) if e.dir}
+            freed = 0
+            for d in self._fs.list_dir(DATA_DIR):
+                if d.path not in named:
+                    freed += sum(f.size for f in self._fs.list_files(d.path)) if d.is_dir else d.size
+                    self._fs.delete_tree(d.path)
+            return freed
+
+    def size_bytes(self) -> int:
+        """Bytes used by the channel (data, log and header)."""
+        return sum(f.size for f in self._fs.list_files(""))
+
+
+# ---------------------------------------------------------------------- helpers
+def _read_header(fs: FileSystem) -> dict[str, Any]:
+    try:
+        header: dict[str, Any] = fs.read_json(HEADER_FILE)
+    except FileNotFoundError:
+        raise ChannelError(
+            f"no channel at {fs.uri} (no {HEADER_FILE}); create it with Channel.create(uri, schema) or "
+            "start the stage that writes it first"
+        ) from None
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ChannelError(
+            f"channel {fs.uri} has format_version {version!r}; this airflow-arroyo reads version "
+            f"{FORMAT_VERSION}: upgrade airflow-arroyo on this machine (or recreate the channel)"
+        )
+    return header
+
+
+def _check_writer(writer: str) -> None:
+    if not isinstance(writer, str) or not writer:
+        raise ConfigurationError(f"a channel writer must be a non-empty stage name, got {writer!r}")
+
+
+def _check_batch_id(batch_id: int) -> None:
+    if not isinstance(batch_id, int) or isinstance(batch_id, bool) or batch_id < 0:
+        raise ConfigurationError(f"a batch id must be a non-negative int, got {batch_id!r}")
+
+
+def _delete_entry_data(fs: FileSystem, e: Entry) -> int:
+    """Delete the files of a data entry (its directory when it has one); returns bytes freed."""
+    if e.kind is not EntryKind.DATA:
+        return 0
+    if e.dir:
+        freed = sum(f.size for f in fs.list_files(e.dir))
+        fs.delete_tree(e.dir)
+        return freed
+    freed = 0
+    for f in e.files:
+        try:
+            freed += fs.size(f)
+        except FileNotFoundError:
+            continue
+        fs.delete(f)
+    return freed
+
+
+def read_data_file(fs: FileSystem, path: str, target: pa.Schema) -> pa.Table:
+    """One data file of a channel as a table cast to ``target`` (the channel's Arrow schema)."""
+    table = pq.read_table(fs.arrow_path(path), filesystem=fs.arrow_fs)
+    return cast_to(table, target)
+
+
+def cast_to(table: pa.Table, target: pa.Schema) -> pa.Table:
+    """Select ``target``'s columns in order and cast (e.g. Spark's INT96 timestamps to microseconds)."""
+    return table.select(target.names).cast(target)
+
+
+def iter_data_file(fs: FileSystem, path: str, target: pa.Schema, batch_size: int = 65536) -> Iterable[pa.RecordBatch]:
+    """Stream one data file as record batches in ``target``'s schema (what executors yield to Spark)."""
+    with fs.open_input(path) as handle:
+        pf = pq.ParquetFile(handle)
+        for batch in pf.iter_batches(batch_size=batch_size, columns=target.names):
+            yield batch.select(target.names).cast(target)

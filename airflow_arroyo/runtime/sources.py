@@ -1,0 +1,342 @@
+"""Spark streaming source that reads a channel: ``spark.readStream.format("arroyo_channel")``.
+
+A micro-batch of a channel reader covers positions ``[start, end)`` of the channel log. ``latestOffset``
+chooses ``end`` as the smallest of:
+
+* the channel's end;
+* the cap for this channel in the cap file (``cap_path``), if any: the stage runner holds an input at
+  a barrier this way while it aligns its other inputs;
+* with ``stop_at_barriers`` (the default): one past the first barrier at or after ``start``, so a
+  batch ends exactly after a barrier and never crosses one;
+* the read limit (``max_rows_per_batch`` / ``max_files_per_batch`` options), never cutting below one
+  entry.
+
+Offsets are ``{"pos": <int>}``. Barrier entries carry no rows; a batch may be barrier-only (no rows).
+Planning methods run in a Python process on the driver and only read files; ``read`` runs on executors
+and reads one Parquet file per partition.
+
+Options: ``uri`` (required), ``cap_path``, ``cap_key`` (default: ``uri``), ``stop_at_barriers``
+(``true``/``false``), ``max_rows_per_batch``, ``max_files_per_batch``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxFiles,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.channel import Channel, ChannelError, iter_data_file
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = [
+    "ChannelDataSource",
+    "ChannelPartition",
+    "ChannelStreamReader",
+    "checkpoint_offsets",
+    "read_cap",
+    "read_channel",
+    "register_data_sources",
+    "write_caps",
+]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- option parsing (pure)
+def parse_bool(value: str | bool | None, *, option: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ConfigurationError(f"option {option!r} must be 'true' or 'false', got {value!r}")
+
+
+def parse_positive_int(value: Any, *, option: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"option {option!r} must be a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise ConfigurationError(f"option {option!r} must be a positive integer, got {value!r}")
+    return n
+
+
+def _split_file_uri(uri: str) -> tuple[FileSystem, str]:
+    head, sep, name = uri.rstrip("/").rpartition("/")
+    if not sep or not name:
+        raise ConfigurationError(f"{uri!r} is not the URI or path of a file")
+    if not head:  # "/name"
+        head = "/"
+    elif head.endswith(":/") or head.endswith(":"):  # "file:///name" -> "file://", "/name"
+        head = head + "/"
+    return FileSystem.from_uri(head), name
+
+
+# ---------------------------------------------------------------------- cap file
+def read_cap(cap_path: str | None, key: str) -> int | None:
+    """The cap for ``key`` in the cap file ``{"caps": {key: position}}``; None if no file or no entry."""
+    if not cap_path:
+        return None
+    fs, name = _split_file_uri(cap_path)
+    try:
+        raw = fs.read_bytes(name)
+    except FileNotFoundError:
+        return None
+    try:
+        caps = json.loads(raw).get("caps", {})
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ChannelError(
+            f"cap file {cap_path} is not valid JSON of the form {{'caps': {{...}}}} ({exc}); it must be "
+            "written atomically (write_caps does)"
+        ) from exc
+    value = caps.get(key)
+    return None if value is None else int(value)
+
+
+def write_caps(cap_path: str, caps: dict[str, int]) -> None:
+    """Atomically replace the cap file with ``{"caps": caps}`` (keys: channel URIs or cap keys)."""
+    fs, name = _split_file_uri(cap_path)
+    fs.write_json_atomic(name, {"caps": {str(k): int(v) for k, v in caps.items()}})
+
+
+# ---------------------------------------------------------------------- the data source
+class ChannelPartition(InputPartition):
+    """One Parquet file of one data entry."""
+
+    def __init__(self, channel_uri: str, path: str, rows: int) -> None:
+        super().__init__((channel_uri, path))
+        self.channel_uri = channel_uri
+        self.path = path
+        self.rows = rows
+
+
+class ChannelDataSource(DataSource):
+    """``arroyo_channel``: a channel as a streaming source (see the module docstring for options)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "arroyo_channel"
+
+    def _uri(self) -> str:
+        uri = self.options.get("uri") or self.options.get("path")
+        if not uri:
+            raise ConfigurationError(
+                "the arroyo_channel source needs the channel URI: .option('uri', ...) or read_channel(spark, uri)"
+            )
+        return str(uri)
+
+    def schema(self) -> StructType:
+        uri = self._uri()
+        channel = Channel.open(uri)
+        schema = channel.spark_schema
+        if schema is None:
+            raise ChannelError(
+                f"channel {uri} has no schema yet, so a reader cannot be planned; create it with "
+                "Channel.create(uri, schema) before starting downstream queries (the stage runner does "
+                "this from the upstream stage's output schema)"
+            )
+        return schema
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return ChannelStreamReader(self._uri(), dict(self.options), schema)
+
+
+class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, uri: str, options: dict[str, Any], schema: StructType) -> None:
+        self.uri = uri
+        self.cap_path: str | None = options.get("cap_path") or None
+        self.cap_key: str = str(options.get("cap_key") or uri)
+        self.stop_at_barriers = parse_bool(
+            options.get("stop_at_barriers"), option="stop_at_barriers", default=True
+        )
+        self.max_rows = parse_positive_int(options.get("max_rows_per_batch"), option="max_rows_per_batch")
+        self.max_files = parse_positive_int(options.get("max_files_per_batch"), option="max_files_per_batch")
+        self.schema_json: dict[str, Any] = schema.jsonValue()
+        self._channel: Channel | None = None
+        self._target: int | None = None
+
+    # The reader is pickled to executors: ship only the configuration.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_channel"] = None
+        return state
+
+    @property
+    def channel(self) -> Channel:
+        if self._channel is None:
+            self._channel = Channel.open(self.uri)
+        return self._channel
+
+    def initialOffset(self) -> dict[str, int]:
+        return {"pos": self.channel.start_position()}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.max_rows is not None:
+            return ReadMaxRows(self.max_rows)
+        if self.max_files is not None:
+            return ReadMaxFiles(self.max_files)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self.channel.end_position()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        begin = int(start["pos"])
+        end = self.channel.end_position()
+        cap = read_cap(self.cap_path, self.cap_key)
+        if cap is not None:
+            end = min(end, cap)
+        if self._target is not None:
+            end = min(end, self._target)
+        if end <= begin:
+            return {"pos": begin}
+        if self.stop_at_barriers:
+            barrier = self.channel.next_barrier_at_or_after(begin, end)
+            if barrier is not None:
+                end = barrier + 1
+        end = self._apply_limit(begin, end, limit)
+        return {"pos": end}
+
+    def _apply_limit(self, begin: int, end: int, limit: ReadLimit) -> int:
+        if isinstance(limit, ReadMaxRows):
+            budget, measure = limit.max_rows, "rows"
+        elif isinstance(limit, ReadMaxFiles):
+            budget, measure = limit.max_files, "files"
+        else:
+            return end
+        used = 0
+        for e in self.channel.entries(begin, end):
+            cost = e.rows if measure == "rows" else len(e.files)
+            if used + cost > budget and e.index > begin:
+                return e.index
+            used += cost
+        return end
+
+    def reportLatestOffset(self) -> dict[str, int]:
+        return {"pos": self.channel.end_position()}
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        begin, stop = int(start["pos"]), int(end["pos"])
+        if stop <= begin:
+            return []
+        channel_uri = self.channel.uri
+        return [
+            ChannelPartition(channel_uri, f, e.rows if len(e.files) == 1 else -1)
+            for e in self.channel.data_entries(begin, stop)
+            for f in e.files
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        assert isinstance(partition, ChannelPartition)
+        target = to_arrow_schema(StructType.fromJson(self.schema_json), timezone="UTC")
+        fs = FileSystem.from_uri(partition.channel_uri)
+        try:
+            yield from iter_data_file(fs, partition.path, target)
+        except FileNotFoundError as exc:
+            raise ChannelError(
+                f"data file {partition.path} of channel {partition.channel_uri} is gone; retention deleted "
+                "it while this query still needed it (the query's position is below the oldest retained "
+                "epoch): restore from a retained epoch"
+            ) from exc
+
+    def commit(self, end: dict[str, Any]) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------- registration and helpers
+_registered: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+_registered_lock = threading.Lock()
+
+
+def register_data_sources(spark: SparkSession) -> None:
+    """Register ``arroyo_channel`` and ``arroyo_generator`` with ``spark`` (once per session)."""
+    from airflow_arroyo.runtime.generator import GeneratorDataSource
+
+    with _registered_lock:
+        done = _registered.setdefault(spark, set())
+        for cls in (ChannelDataSource, GeneratorDataSource):
+            if cls.name() not in done:
+                spark.dataSource.register(cls)
+                done.add(cls.name())
+
+
+def read_channel(
+    spark: SparkSession,
+    uri: str,
+    cap_path: str | None = None,
+    stop_at_barriers: bool = True,
+    *,
+    cap_key: str | None = None,
+    max_rows_per_batch: int | None = None,
+    max_files_per_batch: int | None = None,
+) -> DataFrame:
+    """A streaming DataFrame over the channel at ``uri`` (see the module docstring)."""
+    register_data_sources(spark)
+    reader = (
+        spark.readStream.format(ChannelDataSource.name())
+        .option("uri", uri)
+        .option("stop_at_barriers", "true" if stop_at_barriers else "false")
+    )
+    if cap_path:
+        reader = reader.option("cap_path", cap_path)
+    if cap_key:
+        reader = reader.option("cap_key", cap_key)
+    if max_rows_per_batch is not None:
+        reader = reader.option("max_rows_per_batch", str(max_rows_per_batch))
+    if max_files_per_batch is not None:
+        reader = reader.option("max_files_per_batch", str(max_files_per_batch))
+    return reader.load()
+
+
+def checkpoint_offsets(checkpoint_uri: str, batch_id: int) -> list[dict[str, Any] | None]:
+    """The end offsets of micro-batch ``batch_id``, one per source in the query's source order.
+
+    Reads ``offsets/<batch_id>`` of a Spark streaming checkpoint (written before the batch runs, so it
+    is available inside ``foreachBatch``). A source without an offset yet gives None.
+    """
+    fs = FileSystem.from_uri(checkpoint_uri)
+    try:
+        text = fs.read_bytes(f"offsets/{batch_id}").decode()
+    except FileNotFoundError:
+        raise ChannelError(
+            f"no offsets for batch {batch_id} in checkpoint {checkpoint_uri}; is it the query's "
+            "checkpointLocation?"
+        ) from None
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("v"):
+        raise ChannelError(f"unrecognised offset log format in {checkpoint_uri}/offsets/{batch_id}")
+    out: list[dict[str, Any] | None] = []
+    for line in lines[2:]:
+        if line.strip() in ("", "-"):
+            out.append(None)
+        else:
+            parsed = json.loads(line)
+            out.append(parsed if isinstance(parsed, dict) else None)
+    return out
