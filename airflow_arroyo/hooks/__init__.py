@@ -1,0 +1,1 @@
+"""Airflow hooks of airflow-arroyo (import the modules directly; this package imports nothing)."""
