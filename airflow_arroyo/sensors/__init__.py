@@ -1,0 +1,1 @@
+"""Airflow sensors of airflow-arroyo (import the modules directly; this package imports nothing)."""

@@ -1,0 +1,483 @@
+"""``PipelineStateTrigger``: wait, in the triggerer, until a pipeline reaches a state or an epoch.
+
+It backs the deferrable :class:`~airflow_arroyo.sensors.pipeline.PipelineSensor`, the submit
+operator (wait until the submitted run is ``running``) and the stop operator (wait until
+``stopped``). It polls the epoch store, asks the pure :func:`evaluate_wait` what the facts mean and
+yields exactly one event::
+
+    {"status": "success" | "failed" | "unreachable" | "timeout" | "error",
+     "pipeline_id", "run_id", "state", "latest_epoch", "message", "cause",
+     "spark_ui_url", "spark_app_id"}
+
+* ``failed``: the pipeline failed; ``cause`` is what its driver reported. Reported at the next poll.
+* ``unreachable``: the pipeline ended without reaching the target (e.g. it stopped before epoch N
+  completed), or its driver stopped heartbeating, or the local ``spark-submit`` process exited
+  before the run registered (the message then carries the tail of its log).
+* ``timeout``: ``deadline`` (UNIX seconds) passed first.
+
+When the submit operator defers to it, it also knows the detached ``spark-submit`` process
+(``submit_pid``/``submit_host``/``submit_start_ticks``) and sets ``stop_on_kill``: if a user kills the
+deferred task (mark failed/success, clear), :meth:`PipelineStateTrigger.on_kill` asks the pipeline to
+stop immediately and, when the triggerer runs on the host that started ``spark-submit``, kills its
+process group.
+
+Usage (inside an operator)::
+
+    self.defer(
+        trigger=PipelineStateTrigger(pipeline_id="orders", state="running", run_id=run_id),
+        method_name="execute_complete",
+    )
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
+
+__all__ = [
+    "WAITABLE_STATES",
+    "LocalProcess",
+    "PipelineStateTrigger",
+    "WaitVerdict",
+    "Verdict",
+    "evaluate_wait",
+    "log_tail",
+    "normalize_target",
+    "stop_run",
+]
+
+#: Pipeline states a DAG can wait for.
+WAITABLE_STATES = (PipelineState.RUNNING, PipelineState.STOPPED, PipelineState.FAILED)
+
+
+class Verdict(enum.StrEnum):
+    WAIT = "wait"
+    SUCCESS = "success"
+    FAILED = "failed"  # the pipeline failed: fail at once with its cause
+    UNREACHABLE = "unreachable"  # it ended (or vanished) without reaching the target
+
+
+@dataclass(frozen=True)
+class WaitVerdict:
+    verdict: Verdict
+    message: str = ""
+    cause: str | None = None
+
+
+def normalize_target(state: str | PipelineState | None,
+                     epoch: int | str | None) -> tuple[PipelineState | None, int | None]:
+    """Validate what to wait for: exactly one of a state (running, stopped, failed) or an epoch >= 1.
+
+    Templated values arrive as strings (``"{{ params.epochs }}"``), hence the conversions.
+    """
+    if state in ("", None):
+        state = None
+    if epoch in ("", None):
+        epoch = None
+    if (state is None) == (epoch is None):
+        raise ConfigurationError(
+            "wait for exactly one thing: a pipeline state (state='running', 'stopped' or 'failed') "
+            f"or an epoch number (epoch=3); got state={state!r}, epoch={epoch!r}"
+        )
+    if state is not None:
+        try:
+            target = PipelineState(str(state).strip().lower())
+        except ValueError:
+            target = None
+        if target not in WAITABLE_STATES:
+            raise ConfigurationError(
+                f"cannot wait for pipeline state {state!r}: use one of "
+                f"{', '.join(s.value for s in WAITABLE_STATES)} (or epoch=N to wait for a checkpoint)"
+            )
+        return target, None
+    try:
+        number = int(str(epoch).strip())
+    except ValueError:
+        number = 0
+    if number < 1 or isinstance(epoch, bool):
+        raise ConfigurationError(f"epoch must be a whole number >= 1 (the epoch to wait for), got {epoch!r}")
+    return None, number
+
+
+def evaluate_wait(
+    pipeline: PipelineRecord | None,
+    *,
+    state: PipelineState | None = None,
+    epoch: int | None = None,
+    run_id: str | None = None,
+    latest_completed: int | None = None,
+    heartbeat_age: float | None = None,
+    heartbeat_timeout: float | None = None,
+) -> WaitVerdict:
+    """What the facts say about a wait. Pure.
+
+    * ``pipeline``: the pipeline's record, or None if it is not registered (yet).
+    * ``run_id``: only this run counts; until it registers (another run's record) we wait.
+    * ``epoch``: wait until an epoch numbered ``epoch`` **or later** has completed (a checkpoint at
+      least that recent exists; an expired epoch N followed by a completed N+1 satisfies it).
+    * ``heartbeat_age``/``heartbeat_timeout``: a live (registered/running/stopping) pipeline whose
+      driver has not heartbeated for longer than the timeout is presumed dead.
+    """
+    if pipeline is None:
+        return WaitVerdict(Verdict.WAIT, "not registered yet")
+    pid = pipeline.pipeline_id
+    if run_id is not None and pipeline.run_id != run_id:
+        return WaitVerdict(Verdict.WAIT, f"run {run_id!r} not registered yet (current run {pipeline.run_id!r})")
+    current = pipeline.state
+    if epoch is not None and latest_completed is not None and latest_completed >= epoch:
+        return WaitVerdict(Verdict.SUCCESS, f"epoch {latest_completed} of {pid!r} is completed (waited for {epoch})")
+    if current is PipelineState.FAILED:
+        if state is PipelineState.FAILED:
+            return WaitVerdict(Verdict.SUCCESS, f"pipeline {pid!r} failed", cause=pipeline.failure_cause)
+        return WaitVerdict(Verdict.FAILED, f"pipeline {pid!r} failed: {pipeline.failure_cause or 'no cause reported'}",
+                           cause=pipeline.failure_cause)
+    if state is PipelineState.RUNNING and current in (PipelineState.RUNNING, PipelineState.STOPPING):
+        return WaitVerdict(Verdict.SUCCESS, f"pipeline {pid!r} is {current}")
+    if state is PipelineState.STOPPED and current is PipelineState.STOPPED:
+        return WaitVerdict(Verdict.SUCCESS, f"pipeline {pid!r} is stopped")
+    if current is PipelineState.STOPPED:
+        wanted = f"epoch {epoch}" if epoch is not None else f"state {state}"
+        done = f" (latest completed epoch: {latest_completed})" if latest_completed is not None else ""
+        return WaitVerdict(Verdict.UNREACHABLE,
+                           f"pipeline {pid!r} stopped before it reached {wanted}{done}")
+    if heartbeat_timeout is not None and heartbeat_age is not None and heartbeat_age > heartbeat_timeout:
+        return WaitVerdict(
+            Verdict.UNREACHABLE,
+            f"pipeline {pid!r} is {current} but its driver has not heartbeated for {heartbeat_age:.0f}s "
+            f"(> {heartbeat_timeout:g}s): it probably died; check the Spark driver's log",
+        )
+    return WaitVerdict(Verdict.WAIT, f"pipeline {pid!r} is {current}")
+
+
+# --------------------------------------------------------------------------- the local spark-submit process
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """A process (and its process group) identified robustly on one host: pid + kernel start time,
+    so that a recycled pid is never mistaken for it. Linux ``/proc`` only; elsewhere it reports
+    "unknown" (None) and nothing is killed."""
+
+    pid: int
+    host: str
+    start_ticks: int | None
+
+    @classmethod
+    def of(cls, pid: int) -> LocalProcess:
+        return cls(pid=pid, host=socket.gethostname(), start_ticks=_start_ticks(pid))
+
+    @property
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def alive(self) -> bool | None:
+        """True/False when it can be told here, None when not (another host, no /proc)."""
+        if not self.on_this_host or self.start_ticks is None:
+            return None
+        stat = _proc_stat(self.pid)
+        if stat is None:
+            return False
+        state, ticks = stat
+        return ticks == self.start_ticks and state not in ("Z", "X")
+
+    def group_alive(self) -> bool:
+        """Whether any live process is left in its process group (its group id is its pid: it was
+        started as a session leader). False when it cannot be told here."""
+        if not self.on_this_host:
+            return False
+        return any(
+            (s := _proc_stat_full(p)) is not None and s[1] == self.pid and s[0] not in ("Z", "X")
+            for p in _all_pids()
+        )
+
+    def owns_group(self) -> bool:
+        """Whether the process group ``pid`` is still the one we started: its leader is the same
+        process (same start time), or the leader is gone and members remain (a pid is not reused as
+        long as a group of that id exists)."""
+        if not self.on_this_host or self.start_ticks is None:
+            return False
+        leader = _proc_stat_full(self.pid)
+        if leader is not None and leader[2] != self.start_ticks:
+            return False  # the pid was recycled by another process
+        return self.group_alive()
+
+    def signal_group(self, sig: int) -> bool:
+        """Send ``sig`` to the process group if it is still ours. Returns whether a signal was sent."""
+        if not self.owns_group():
+            return False
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _proc_stat_full(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgid, start ticks) of a process from /proc, None if it does not exist."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm may contain spaces and parentheses: the fields after the last ')' are fixed.
+    fields = raw[raw.rfind(")") + 2:].split()
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    full = _proc_stat_full(pid)
+    return None if full is None else (full[0], full[2])
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except FileNotFoundError:
+        return []
+
+
+def log_tail(path: str | None, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file ('' if unreadable)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------- the trigger
+
+
+async def open_async_store(conn_id: str) -> AsyncEpochStore:
+    """The epoch store behind an Airflow connection (shared per DSN within the triggerer)."""
+    from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+    return await ArroyoHook(conn_id).aget_store()
+
+
+class PipelineStateTrigger(BaseTrigger):
+    """Wait until pipeline ``pipeline_id`` reaches ``state`` (running, stopped, failed) or until an
+    epoch numbered ``epoch`` or later has completed; fail at once with the cause if it fails.
+
+    :param pipeline_id: the pipeline to watch.
+    :param state: ``running``, ``stopped`` or ``failed`` (exactly one of ``state`` / ``epoch``).
+    :param epoch: wait until an epoch >= this number has completed.
+    :param run_id: only this run counts (the submit operator waits for the run it started).
+    :param conn_id: Airflow connection of the epoch store.
+    :param poll_interval: seconds between two looks at the store.
+    :param deadline: UNIX time after which a ``timeout`` event is yielded (None: wait forever; a
+        sensor uses Airflow's own deferral timeout instead).
+    :param heartbeat_timeout: a live pipeline whose driver has not heartbeated for this many
+        seconds is presumed dead (``unreachable``). None disables the check.
+    :param stop_on_kill: when the user kills the deferred task, request an immediate stop and kill
+        the local ``spark-submit`` process group (the submit operator sets it; a sensor does not).
+    :param submit_pid: pid (= process group id) of the detached ``spark-submit``, if started here.
+    :param submit_host: host name where ``submit_pid`` lives.
+    :param submit_start_ticks: kernel start time of ``submit_pid`` (guards against pid reuse).
+    :param submit_log: its log file (its tail goes into the failure message).
+    :param submit_exits: True when ``spark-submit`` exits once the application is submitted (cluster
+        deploy modes): then its exit is not a failure.
+    """
+
+    def __init__(
+        self,
+        pipeline_id: str,
+        state: str | None = None,
+        epoch: int | None = None,
+        run_id: str | None = None,
+        conn_id: str = "arroyo_default",
+        poll_interval: float = 5.0,
+        deadline: float | None = None,
+        heartbeat_timeout: float | None = 300.0,
+        stop_on_kill: bool = False,
+        submit_pid: int | None = None,
+        submit_host: str | None = None,
+        submit_start_ticks: int | None = None,
+        submit_log: str | None = None,
+        submit_exits: bool = False,
+    ) -> None:
+        super().__init__()
+        validate_pipeline_id(pipeline_id)
+        target_state, target_epoch = normalize_target(state, epoch)
+        if poll_interval <= 0:
+            raise ConfigurationError(f"poll_interval must be positive, got {poll_interval!r}")
+        self.pipeline_id = pipeline_id
+        self.state = target_state.value if target_state is not None else None
+        self.epoch = target_epoch
+        self.run_id = run_id
+        self.conn_id = conn_id
+        self.poll_interval = float(poll_interval)
+        self.deadline = deadline
+        self.heartbeat_timeout = heartbeat_timeout
+        self.stop_on_kill = stop_on_kill
+        self.submit_pid = submit_pid
+        self.submit_host = submit_host
+        self.submit_start_ticks = submit_start_ticks
+        self.submit_log = submit_log
+        self.submit_exits = submit_exits
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "pipeline_id": self.pipeline_id,
+                "state": self.state,
+                "epoch": self.epoch,
+                "run_id": self.run_id,
+                "conn_id": self.conn_id,
+                "poll_interval": self.poll_interval,
+                "deadline": self.deadline,
+                "heartbeat_timeout": self.heartbeat_timeout,
+                "stop_on_kill": self.stop_on_kill,
+                "submit_pid": self.submit_pid,
+                "submit_host": self.submit_host,
+                "submit_start_ticks": self.submit_start_ticks,
+                "submit_log": self.submit_log,
+                "submit_exits": self.submit_exits,
+            },
+        )
+
+    @property
+    def target_description(self) -> str:
+        return f"epoch {self.epoch} completed" if self.epoch is not None else f"state {self.state}"
+
+    @property
+    def process(self) -> LocalProcess | None:
+        if self.submit_pid is None or self.submit_host is None:
+            return None
+        return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
+
+    async def _store(self) -> AsyncEpochStore:
+        return await open_async_store(self.conn_id)
+
+    async def look(self, store: AsyncEpochStore) -> tuple[WaitVerdict, PipelineRecord | None, int | None]:
+        """One look at the store: the pipeline, its latest completed epoch, the verdict."""
+        try:
+            pipeline: PipelineRecord | None = await store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            pipeline = None
+        latest: int | None = None
+        age: float | None = None
+        if pipeline is not None:
+            record = await store.latest_completed_epoch(self.pipeline_id)
+            latest = record.epoch if record is not None else None
+            if pipeline.heartbeat_at is not None and self.heartbeat_timeout is not None:
+                age = ((await store.db_now()) - pipeline.heartbeat_at).total_seconds()
+        target_state = PipelineState(self.state) if self.state is not None else None
+        verdict = evaluate_wait(pipeline, state=target_state, epoch=self.epoch, run_id=self.run_id,
+                                latest_completed=latest, heartbeat_age=age,
+                                heartbeat_timeout=self.heartbeat_timeout)
+        return verdict, pipeline, latest
+
+    def _event(self, status: str, message: str, pipeline: PipelineRecord | None, latest: int | None,
+               cause: str | None = None) -> TriggerEvent:
+        return TriggerEvent({
+            "status": status,
+            "pipeline_id": self.pipeline_id,
+            "run_id": pipeline.run_id if pipeline is not None else self.run_id,
+            "state": pipeline.state.value if pipeline is not None else None,
+            "latest_epoch": latest,
+            "message": message,
+            "cause": cause,
+            "spark_ui_url": pipeline.spark_ui_url if pipeline is not None else None,
+            "spark_app_id": pipeline.spark_app_id if pipeline is not None else None,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        store = await self._store()
+        self.log.info("Waiting for pipeline %s (run %s) to reach %s", self.pipeline_id, self.run_id or "any",
+                      self.target_description)
+        last_message = ""
+        while True:
+            try:
+                verdict, pipeline, latest = await self.look(store)
+            except ArroyoError as exc:
+                yield self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
+                return
+            if verdict.verdict is Verdict.WAIT and self._submit_process_exited():
+                # The process may have written its last state just before it exited: look once more.
+                verdict, pipeline, latest = await self.look(store)
+                if verdict.verdict is Verdict.WAIT:
+                    tail = log_tail(self.submit_log)
+                    msg = (f"spark-submit (pid {self.submit_pid}) exited before pipeline {self.pipeline_id!r} "
+                           f"reached {self.target_description} ({verdict.message}); see {self.submit_log}")
+                    if tail:
+                        msg += f"; its last lines:\n{tail}"
+                    verdict = WaitVerdict(Verdict.UNREACHABLE, msg)
+            if verdict.verdict is not Verdict.WAIT:
+                self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
+                yield self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
+                return
+            if verdict.message != last_message:
+                self.log.info("Pipeline %s: %s; waiting for %s", self.pipeline_id, verdict.message,
+                              self.target_description)
+                last_message = verdict.message
+            if self.deadline is not None and time.time() >= self.deadline:
+                msg = (f"pipeline {self.pipeline_id!r} did not reach {self.target_description} by "
+                       f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
+                yield self._event("timeout", msg, pipeline, latest)
+                return
+            await asyncio.sleep(self.poll_interval)
+
+    def _submit_process_exited(self) -> bool:
+        proc = self.process
+        if proc is None or self.submit_exits:
+            return False
+        return proc.alive() is False
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task: stop what the task started (only with ``stop_on_kill``)."""
+        if not self.stop_on_kill:
+            return
+        store = await self._store()
+        await asyncio.to_thread(stop_run, store.sync, self.pipeline_id, self.run_id, self.process, log=self.log)
+
+
+def stop_run(store: EpochStore, pipeline_id: str, run_id: str | None, process: LocalProcess | None,
+             *, log: Any, grace: float = 10.0) -> None:
+    """Ask run ``run_id`` of the pipeline to stop immediately, then end the local spark-submit process
+    group (SIGTERM, SIGKILL after ``grace`` seconds). Used when the user kills the task and when a
+    submit fails. Blocking: triggers call it in a thread."""
+    try:
+        pipeline: PipelineRecord | None = store.get_pipeline(pipeline_id)
+    except UnknownPipelineError:
+        pipeline = None
+    if pipeline is not None and not pipeline.state.terminal and (run_id is None or pipeline.run_id == run_id):
+        log.info("Requesting an immediate stop of pipeline %s (run %s)", pipeline_id, pipeline.run_id)
+        store.request_stop(pipeline_id, "immediate")
+    if process is None or not process.on_this_host:
+        return
+    if process.signal_group(signal.SIGTERM):
+        log.info("Sent SIGTERM to spark-submit process group %s of pipeline %s", process.pid, pipeline_id)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and process.group_alive():
+            time.sleep(0.2)
+        if process.group_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            log.warning("spark-submit process group %s of pipeline %s killed (SIGKILL)", process.pid, pipeline_id)

@@ -1,0 +1,86 @@
+"""A stand-in pipeline driver that speaks the driver's protocol with the epoch store, without Spark.
+
+Used by the operator/sensor tests as the spark-submit application (spark-submit runs it like the
+real driver) or as a plain process. Same arguments as ``airflow_arroyo/runtime/driver.py``:
+``--pipeline module:<pipeline_id> --run-id X [--restore-from ...] [--storage-uri ...]``; the DSN comes
+from ``ARROYO_DSN``. Behaviour knobs (environment):
+
+* ``FAKE_EXIT_BEFORE_REGISTER=msg``: print msg and exit 3 before registering.
+* ``FAKE_EPOCH_INTERVAL=s``: trigger an epoch every s seconds itself (as the checkpoint trigger
+  would) and acknowledge it from every stage.
+* ``FAKE_FAIL_AFTER_EPOCHS=n``: after n completed epochs, mark the pipeline failed
+  (cause ``FAKE_FAIL_CAUSE``) and exit 1.
+
+It stops on ``request_stop``: graceful takes a final epoch first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.store import EpochStore
+
+STAGES = ["source", "sink"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipeline", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--restore-from")
+    parser.add_argument("--storage-uri")
+    args, _ = parser.parse_known_args()
+    pipeline_id = args.pipeline.rsplit(":", 1)[-1]
+    if os.environ.get("FAKE_EXIT_BEFORE_REGISTER"):
+        print(os.environ["FAKE_EXIT_BEFORE_REGISTER"], flush=True)
+        return 3
+    store = EpochStore(os.environ["ARROYO_DSN"], max_connections=2)
+    store.migrate()
+    store.register_pipeline(pipeline_id, stages=STAGES, run_id=args.run_id, storage_uri=args.storage_uri,
+                            config={"restore_from": args.restore_from, "pid": os.getpid()})
+    store.heartbeat(pipeline_id, args.run_id, spark_app_id=f"local-fake-{os.getpid()}",
+                    spark_ui_url="http://127.0.0.1:4040")
+    store.set_pipeline_state(pipeline_id, PipelineState.RUNNING, run_id=args.run_id)
+    print(f"fake driver: {pipeline_id} run {args.run_id} running (restore_from={args.restore_from})", flush=True)
+    interval = float(os.environ.get("FAKE_EPOCH_INTERVAL", "0") or 0)
+    fail_after = int(os.environ.get("FAKE_FAIL_AFTER_EPOCHS", "0") or 0)
+    policy = CheckpointPolicy(interval=interval) if interval > 0 else None
+    completed = 0
+    while True:
+        pipe = store.get_pipeline(pipeline_id)
+        if pipe.run_id != args.run_id:
+            return 2
+        in_flight = store.in_flight_epoch(pipeline_id)
+        if in_flight is not None:
+            for stage in STAGES:
+                store.ack_epoch(pipeline_id, in_flight.epoch, stage, cursors={}, bytes_new=10, bytes_total=100)
+            completed += 1
+            if fail_after and completed >= fail_after:
+                store.set_pipeline_state(pipeline_id, PipelineState.FAILED, run_id=args.run_id,
+                                         failure_cause=os.environ.get("FAKE_FAIL_CAUSE", "fake failure"))
+                return 1
+            continue
+        if pipe.stop_requested:
+            if pipe.stop_requested == "graceful":
+                tick = store.trigger_tick(pipeline_id, CheckpointPolicy(interval=1.0), triggered_by="final",
+                                          force=True, is_final=True)
+                if tick.started is not None:
+                    for stage in STAGES:
+                        store.ack_epoch(pipeline_id, tick.started.epoch, stage)
+            if pipe.state is PipelineState.RUNNING:
+                store.set_pipeline_state(pipeline_id, PipelineState.STOPPING, run_id=args.run_id)
+            store.set_pipeline_state(pipeline_id, PipelineState.STOPPED, run_id=args.run_id)
+            print(f"fake driver: {pipeline_id} stopped ({pipe.stop_requested})", flush=True)
+            return 0
+        if policy is not None:
+            store.trigger_tick(pipeline_id, policy, triggered_by="fake-driver")
+        store.heartbeat(pipeline_id, args.run_id)
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
