@@ -73,3 +73,33 @@ def test_ack_racing_the_expiry_of_the_same_epoch_is_serialised(store: EpochStore
     assert ack_state is EpochState.COMPLETED
     assert store.get_epoch("race", started.epoch).state is EpochState.COMPLETED
     assert tick_result.decision.action is not TriggerAction.EXPIRE
+
+
+# ----------------------------------------------------------------------------- connections
+
+
+def store_backends(dsn: str, application_name: str) -> set[int]:
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application_name,))
+            return {int(r[0]) for r in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+def test_the_pool_keeps_and_reuses_its_connections(pg_dsn: str) -> None:
+    """One connection per call would cost a server process fork per tick (hundreds of triggers share
+    a store): sequential calls must reuse one pooled connection."""
+    store = EpochStore(pg_dsn, application_name="arroyo-pool-test")
+    try:
+        store.migrate()
+        store.db_now()
+        first = store_backends(pg_dsn, "arroyo-pool-test")
+        for _ in range(5):
+            store.db_now()
+        assert len(first) == 1
+        assert store_backends(pg_dsn, "arroyo-pool-test") == first
+    finally:
+        store.close()
+    wait_until(lambda: not store_backends(pg_dsn, "arroyo-pool-test"), what="close() to end the connections")
