@@ -101,6 +101,11 @@ class EpochStore:
             0, max_connections, dsn, connect_timeout=5, application_name=application_name,
             options="-c lock_timeout=15000 -c statement_timeout=60000",
         )
+        # psycopg2's pool keeps at most ``minconn`` idle connections and closes every other one it
+        # gets back: with minconn=0 nothing would ever be reused (a new server process per call).
+        # minconn=0 at construction keeps __init__ from connecting (connection errors belong in the
+        # retried calls); raising it now lets the pool keep up to max_connections idle connections.
+        self._pool.minconn = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
         self._closed = False
 
