@@ -1,0 +1,84 @@
+"""Pure formatting helpers for the UI (also registered as template filters)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+__all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "timestamp"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def bytes_human(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"–"``."""
+    if n is None:
+        return "–"
+    value = float(n)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in _UNITS:
+        if value < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def duration_human(seconds: float | None) -> str:
+    """``0.25`` -> ``"250 ms"``, ``75`` -> ``"1m 15s"``, ``90061`` -> ``"1d 1h"``; ``None`` -> ``"–"``."""
+    if seconds is None:
+        return "–"
+    s = float(seconds)
+    sign = "-" if s < 0 else ""
+    s = abs(s)
+    if s < 1:
+        return f"{sign}{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{sign}{s:.1f} s" if s < 10 else f"{sign}{s:.0f} s"
+    minutes, sec = divmod(int(round(s)), 60)
+    if minutes < 60:
+        return f"{sign}{minutes}m {sec}s" if sec else f"{sign}{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{sign}{hours}h {minutes}m" if minutes else f"{sign}{hours}h"
+    days, hours = divmod(hours, 24)
+    return f"{sign}{days}d {hours}h" if hours else f"{sign}{days}d"
+
+
+def age(then: datetime | None, now: datetime) -> str:
+    """How long ago ``then`` was, relative to ``now`` (the database's clock): ``"3m 5s ago"``."""
+    if then is None:
+        return "never"
+    delta = (now - then).total_seconds()
+    if delta < 0:
+        return f"in {duration_human(-delta)}"
+    return f"{duration_human(delta)} ago"
+
+
+def timestamp(value: datetime | None) -> str:
+    """An ISO-like UTC timestamp to the second: ``"2024-05-01 12:00:03 UTC"``."""
+    if value is None:
+        return "–"
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC)
+        return value.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def epoch_ranges(epochs: Iterable[int]) -> str:
+    """Compact, sorted ranges: ``[5, 1, 2, 3, 7]`` -> ``"1–3, 5, 7"``; nothing -> ``"none"``."""
+    ordered = sorted(set(int(e) for e in epochs))
+    if not ordered:
+        return "none"
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for e in ordered[1:]:
+        if e == prev + 1:
+            prev = e
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}–{prev}")
+        start = prev = e
+    parts.append(f"{start}" if start == prev else f"{start}–{prev}")
+    return ", ".join(parts)

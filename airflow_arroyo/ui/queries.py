@@ -1,0 +1,466 @@
+"""Read-only queries behind the UI, one method per page, each in one read-only snapshot.
+
+Every query is parameterised, bounded (``LIMIT``) and driven by an index of migration 0001:
+
+* a page of pipelines: ``arroyo_pipelines`` primary key (keyset pagination on ``pipeline_id``);
+* the last completed epoch of each pipeline on the page: a ``LATERAL ... ORDER BY epoch DESC LIMIT 1``
+  on ``arroyo_epochs_by_state (pipeline_id, state, epoch DESC)``, one index probe per pipeline;
+* the in-flight epoch: the partial unique index ``arroyo_epochs_one_in_flight``;
+* the few newest epochs (failure streak, overdue check): a backward scan of the primary key,
+  ``LIMIT`` :data:`RECENT_WINDOW` per pipeline;
+* a page of a pipeline's epochs: the primary key (keyset pagination on ``epoch``);
+* an epoch's acknowledgements: the ``arroyo_acks`` primary key prefix;
+* cleanup runs: ``arroyo_cleanup_runs_by_pipeline (pipeline_id, id DESC)``; the lock: its primary key.
+
+No page reads all epochs of a pipeline, let alone of all pipelines. The connections are opened with
+``default_transaction_read_only=on``: the UI cannot write to the epoch store even by mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+import psycopg2.pool
+from psycopg2.extensions import connection as PgConnection
+from psycopg2.extras import RealDictCursor as PgCursor
+
+from airflow_arroyo.epochs import EpochState, consecutive_failures, validate_pipeline_id
+from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.store import redact_dsn
+from airflow_arroyo.store._retry import call_with_retry
+from airflow_arroyo.store.records import (
+    AckRecord,
+    CleanupLockRecord,
+    CleanupRunRecord,
+    EpochRecord,
+    PipelineRecord,
+    from_row,
+)
+
+__all__ = [
+    "MAX_PAGE_SIZE",
+    "RECENT_WINDOW",
+    "EpochDetail",
+    "EpochsPage",
+    "PipelineOverview",
+    "PipelinePage",
+    "PipelinesPage",
+    "RecentEpoch",
+    "RetentionPage",
+    "UIQueries",
+    "UnknownEpochError",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How many of a pipeline's newest epochs the overview reads (failure streak, last trigger).
+RECENT_WINDOW = 10
+#: The largest page any query returns, whatever the caller asks for.
+MAX_PAGE_SIZE = 500
+
+_EPOCH_COLS = (
+    "e.pipeline_id, e.epoch, e.state, e.run_id, e.stages, e.is_final, e.triggered_by, e.triggered_at, "
+    "e.timeout_at, e.ended_at, e.failure_reason, e.bytes_new, e.bytes_total, e.pruned_at, e.bytes_freed"
+)
+
+# --------------------------------------------------------------------------- SQL (named, parameterised)
+
+SQL_PIPELINES_PAGE = (
+    "SELECT * FROM arroyo_pipelines"
+    " WHERE (%(after)s::text IS NULL OR pipeline_id > %(after)s)"
+    " ORDER BY pipeline_id LIMIT %(limit)s"
+)
+SQL_PIPELINE = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = %(p)s"
+
+SQL_LAST_COMPLETED = (
+    f"SELECT {_EPOCH_COLS} FROM unnest(%(ids)s::text[]) AS ids(pipeline_id)"  # noqa: S608 - constant columns
+    " CROSS JOIN LATERAL (SELECT * FROM arroyo_epochs x WHERE x.pipeline_id = ids.pipeline_id"
+    "   AND x.state = 'completed' ORDER BY x.epoch DESC LIMIT 1) e"
+)
+SQL_IN_FLIGHT = (
+    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e"  # noqa: S608 - constant columns
+    " WHERE e.pipeline_id = ANY(%(ids)s::text[]) AND e.state = 'triggered'"
+)
+SQL_RECENT = (
+    "SELECT e.pipeline_id, e.epoch, e.state, e.triggered_at, e.ended_at, e.failure_reason"
+    " FROM unnest(%(ids)s::text[]) AS ids(pipeline_id)"
+    " CROSS JOIN LATERAL (SELECT * FROM arroyo_epochs x WHERE x.pipeline_id = ids.pipeline_id"
+    "   ORDER BY x.epoch DESC LIMIT %(window)s) e"
+    " ORDER BY e.pipeline_id, e.epoch DESC"
+)
+SQL_LIVE_LOCKS = (
+    "SELECT * FROM arroyo_cleanup_locks"
+    " WHERE pipeline_id = ANY(%(ids)s::text[]) AND expires_at > clock_timestamp()"
+)
+SQL_EPOCHS_BEFORE = (
+    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e WHERE e.pipeline_id = %(p)s"  # noqa: S608 - constant columns
+    " AND (%(before)s::bigint IS NULL OR e.epoch < %(before)s)"
+    " ORDER BY e.epoch DESC LIMIT %(limit)s"
+)
+SQL_EPOCHS_AFTER = (
+    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e WHERE e.pipeline_id = %(p)s"  # noqa: S608 - constant columns
+    " AND e.epoch > %(after)s ORDER BY e.epoch ASC LIMIT %(limit)s"
+)
+SQL_EPOCH_EXISTS_BEFORE = "SELECT 1 FROM arroyo_epochs WHERE pipeline_id = %(p)s AND epoch < %(epoch)s LIMIT 1"
+SQL_EPOCH_EXISTS_AFTER = "SELECT 1 FROM arroyo_epochs WHERE pipeline_id = %(p)s AND epoch > %(epoch)s LIMIT 1"
+SQL_EPOCH = (
+    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e"  # noqa: S608 - constant columns
+    " WHERE e.pipeline_id = %(p)s AND e.epoch = %(epoch)s"
+)
+SQL_ACKS = "SELECT * FROM arroyo_acks WHERE pipeline_id = %(p)s AND epoch = %(epoch)s ORDER BY acked_at, stage"
+SQL_LOCK = "SELECT *, expires_at > clock_timestamp() AS live FROM arroyo_cleanup_locks WHERE pipeline_id = %(p)s"
+SQL_CLEANUP_RUNS = (
+    "SELECT * FROM arroyo_cleanup_runs WHERE pipeline_id = %(p)s"
+    " AND (%(before_id)s::bigint IS NULL OR id < %(before_id)s)"
+    " ORDER BY id DESC LIMIT %(limit)s"
+)
+SQL_NOW = "SELECT clock_timestamp() AS now"
+
+
+class UnknownEpochError(LookupError):
+    """The pipeline exists but has no epoch with that number."""
+
+    def __init__(self, pipeline_id: str, epoch: int) -> None:
+        super().__init__(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+        self.pipeline_id = pipeline_id
+        self.epoch = epoch
+
+
+# --------------------------------------------------------------------------- what the pages get
+
+
+@dataclass(frozen=True)
+class RecentEpoch:
+    epoch: int
+    state: EpochState
+    triggered_at: datetime
+    ended_at: datetime | None = None
+    failure_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", EpochState(self.state))
+
+
+@dataclass(frozen=True)
+class PipelineOverview:
+    """A pipeline and the few facts about its epochs that its row in a list needs."""
+
+    pipeline: PipelineRecord
+    now: datetime  # the database's clock, read in the same snapshot
+    last_completed: EpochRecord | None = None
+    in_flight: EpochRecord | None = None
+    recent: list[RecentEpoch] = field(default_factory=list)  # newest first, at most RECENT_WINDOW
+    cleanup_lock: CleanupLockRecord | None = None  # an unexpired lease, if any
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Failed/expired epochs since the newest completed one, as far as the recent window sees."""
+        return consecutive_failures(r.state for r in self.recent)
+
+    @property
+    def failure_streak_capped(self) -> bool:
+        """True when every epoch of the (full) recent window failed: the streak may be longer."""
+        return len(self.recent) >= RECENT_WINDOW and self.consecutive_failures >= RECENT_WINDOW
+
+    @property
+    def last_failure(self) -> RecentEpoch | None:
+        return next((r for r in self.recent if r.state.ended_unsuccessfully), None)
+
+    @property
+    def latest(self) -> RecentEpoch | None:
+        return self.recent[0] if self.recent else None
+
+    @property
+    def last_completed_age_s(self) -> float | None:
+        if self.last_completed is None or self.last_completed.ended_at is None:
+            return None
+        return (self.now - self.last_completed.ended_at).total_seconds()
+
+
+@dataclass(frozen=True)
+class PipelinesPage:
+    items: list[PipelineOverview]
+    now: datetime
+    next_after: str | None  # pass as ``after`` for the next page; None on the last page
+
+
+@dataclass(frozen=True)
+class EpochsPage:
+    epochs: list[EpochRecord]  # newest first
+    older_before: int | None  # pass as ``before`` for older epochs; None when there are none
+    newer_after: int | None  # pass as ``after`` for newer epochs; None when there are none
+
+
+@dataclass(frozen=True)
+class PipelinePage:
+    overview: PipelineOverview
+    epochs: EpochsPage
+
+
+@dataclass(frozen=True)
+class EpochDetail:
+    pipeline: PipelineRecord
+    epoch: EpochRecord
+    acks: list[AckRecord]  # in acknowledgement order
+    now: datetime
+    expected_stages: list[str] = field(default_factory=list)
+
+    @property
+    def pending_stages(self) -> list[str]:
+        """Stages that must acknowledge and have not (the interesting part of an in-flight epoch)."""
+        acked = {a.stage for a in self.acks}
+        return [s for s in self.expected_stages if s not in acked]
+
+
+@dataclass(frozen=True)
+class RetentionPage:
+    pipeline: PipelineRecord
+    now: datetime
+    lock: CleanupLockRecord | None  # the lock row, live or expired
+    lock_live: bool
+    runs: list[CleanupRunRecord]  # newest first
+    next_before_id: int | None
+
+
+# --------------------------------------------------------------------------- the queries
+
+
+def _page_size(limit: int) -> int:
+    if not isinstance(limit, int) or limit < 1:
+        raise ConfigurationError(f"page size must be a whole number >= 1, got {limit!r}")
+    return min(limit, MAX_PAGE_SIZE)
+
+
+class UIQueries:
+    """Read-only access to the epoch store for the UI. Thread-safe; a small pool of read-only connections.
+
+    Each public method reads everything one page needs in one ``REPEATABLE READ READ ONLY``
+    transaction, so that a page is a consistent snapshot.
+    """
+
+    def __init__(self, dsn: str, *, max_connections: int = 4, retry_seconds: float = 5.0,
+                 statement_timeout_ms: int = 10_000) -> None:
+        if not dsn:
+            raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
+        self.dsn = dsn
+        self.retry_seconds = retry_seconds
+        self._pool = psycopg2.pool.ThreadedConnectionPool(
+            0, max_connections, dsn, connect_timeout=5, application_name="airflow-arroyo-ui",
+            options=f"-c default_transaction_read_only=on -c statement_timeout={int(statement_timeout_ms)}",
+        )
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"UIQueries({redact_dsn(self.dsn)!r})"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.closeall()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _connection(self) -> Iterator[PgConnection]:
+        self._slots.acquire()
+        conn: PgConnection | None = None
+        broken = False
+        try:
+            conn = self._pool.getconn()
+            yield conn
+        except (psycopg2.OperationalError, psycopg2.InterfaceError):
+            broken = True
+            raise
+        finally:
+            if conn is not None:
+                try:
+                    if not broken and not conn.closed:
+                        conn.rollback()
+                except psycopg2.Error:
+                    broken = True
+                self._pool.putconn(conn, close=broken or bool(conn.closed))
+            self._slots.release()
+
+    def _read(self, fn: Callable[[PgCursor], T]) -> T:
+        """Run ``fn`` in one read-only snapshot, retried briefly on transient errors."""
+
+        def attempt() -> T:
+            with self._connection() as conn:
+                if conn.status == psycopg2.extensions.STATUS_READY:
+                    conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ,
+                                     readonly=True)
+                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+                    return fn(cur)
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
+    @staticmethod
+    def _now(cur: PgCursor) -> datetime:
+        cur.execute(SQL_NOW)
+        row = cur.fetchone()
+        assert row is not None
+        now: datetime = row["now"]
+        return now
+
+    @staticmethod
+    def _pipeline(cur: PgCursor, pipeline_id: str) -> PipelineRecord:
+        cur.execute(SQL_PIPELINE, {"p": pipeline_id})
+        row = cur.fetchone()
+        if row is None:
+            raise UnknownPipelineError(pipeline_id)
+        return from_row(PipelineRecord, row)
+
+    @staticmethod
+    def _overviews(cur: PgCursor, pipelines: Sequence[PipelineRecord], now: datetime) -> list[PipelineOverview]:
+        ids = [p.pipeline_id for p in pipelines]
+        if not ids:
+            return []
+        params: dict[str, Any] = {"ids": ids, "window": RECENT_WINDOW}
+        cur.execute(SQL_LAST_COMPLETED, params)
+        last_completed = {r["pipeline_id"]: from_row(EpochRecord, r) for r in cur.fetchall()}
+        cur.execute(SQL_IN_FLIGHT, params)
+        in_flight = {r["pipeline_id"]: from_row(EpochRecord, r) for r in cur.fetchall()}
+        cur.execute(SQL_RECENT, params)
+        recent: dict[str, list[RecentEpoch]] = {}
+        for r in cur.fetchall():
+            recent.setdefault(r["pipeline_id"], []).append(from_row(RecentEpoch, r))
+        cur.execute(SQL_LIVE_LOCKS, params)
+        locks = {r["pipeline_id"]: from_row(CleanupLockRecord, r) for r in cur.fetchall()}
+        return [
+            PipelineOverview(
+                pipeline=p, now=now, last_completed=last_completed.get(p.pipeline_id),
+                in_flight=in_flight.get(p.pipeline_id), recent=recent.get(p.pipeline_id, []),
+                cleanup_lock=locks.get(p.pipeline_id),
+            )
+            for p in pipelines
+        ]
+
+    # ------------------------------------------------------------------ pages
+
+    def pipelines(self, *, after: str | None = None, limit: int = 50) -> PipelinesPage:
+        """A page of pipelines ordered by id, each with its last completed epoch and health facts."""
+        size = _page_size(limit)
+
+        def read(cur: PgCursor) -> PipelinesPage:
+            now = self._now(cur)
+            cur.execute(SQL_PIPELINES_PAGE, {"after": after, "limit": size + 1})
+            rows = [from_row(PipelineRecord, r) for r in cur.fetchall()]
+            more = len(rows) > size
+            rows = rows[:size]
+            return PipelinesPage(items=self._overviews(cur, rows, now), now=now,
+                                 next_after=rows[-1].pipeline_id if more else None)
+
+        return self._read(read)
+
+    def overview(self, pipeline_id: str) -> PipelineOverview:
+        validate_pipeline_id(pipeline_id)
+
+        def read(cur: PgCursor) -> PipelineOverview:
+            now = self._now(cur)
+            return self._overviews(cur, [self._pipeline(cur, pipeline_id)], now)[0]
+
+        return self._read(read)
+
+    @staticmethod
+    def _epochs_page(cur: PgCursor, pipeline_id: str, before: int | None, after: int | None,
+                     size: int) -> EpochsPage:
+        if after is not None:
+            cur.execute(SQL_EPOCHS_AFTER, {"p": pipeline_id, "after": after, "limit": size})
+            epochs = [from_row(EpochRecord, r) for r in cur.fetchall()][::-1]
+        else:
+            cur.execute(SQL_EPOCHS_BEFORE, {"p": pipeline_id, "before": before, "limit": size})
+            epochs = [from_row(EpochRecord, r) for r in cur.fetchall()]
+        older = newer = None
+        if epochs:
+            cur.execute(SQL_EPOCH_EXISTS_BEFORE, {"p": pipeline_id, "epoch": epochs[-1].epoch})
+            older = epochs[-1].epoch if cur.fetchone() else None
+            cur.execute(SQL_EPOCH_EXISTS_AFTER, {"p": pipeline_id, "epoch": epochs[0].epoch})
+            newer = epochs[0].epoch if cur.fetchone() else None
+        elif after is not None:  # past the newest: offer the way back
+            older = after + 1
+        elif before is not None:  # past the oldest: offer the way back
+            newer = before - 1
+        return EpochsPage(epochs=epochs, older_before=older, newer_after=newer)
+
+    def epochs(self, pipeline_id: str, *, before: int | None = None, after: int | None = None,
+               limit: int = 100) -> EpochsPage:
+        """A page of a pipeline's epochs, newest first: those numbered below ``before`` (default:
+        the newest), or the ``limit`` just above ``after``."""
+        validate_pipeline_id(pipeline_id)
+        size = _page_size(limit)
+
+        def read(cur: PgCursor) -> EpochsPage:
+            self._pipeline(cur, pipeline_id)
+            return self._epochs_page(cur, pipeline_id, before, after, size)
+
+        return self._read(read)
+
+    def pipeline_page(self, pipeline_id: str, *, before: int | None = None, after: int | None = None,
+                      limit: int = 100) -> PipelinePage:
+        """The overview and one page of checkpoint history, in one snapshot."""
+        validate_pipeline_id(pipeline_id)
+        size = _page_size(limit)
+
+        def read(cur: PgCursor) -> PipelinePage:
+            now = self._now(cur)
+            overview = self._overviews(cur, [self._pipeline(cur, pipeline_id)], now)[0]
+            return PipelinePage(overview=overview,
+                                epochs=self._epochs_page(cur, pipeline_id, before, after, size))
+
+        return self._read(read)
+
+    def epoch_detail(self, pipeline_id: str, epoch: int) -> EpochDetail:
+        """One epoch, its acknowledgements, and which stages have not acknowledged yet."""
+        validate_pipeline_id(pipeline_id)
+
+        def read(cur: PgCursor) -> EpochDetail:
+            now = self._now(cur)
+            pipeline = self._pipeline(cur, pipeline_id)
+            cur.execute(SQL_EPOCH, {"p": pipeline_id, "epoch": epoch})
+            row = cur.fetchone()
+            if row is None:
+                raise UnknownEpochError(pipeline_id, epoch)
+            record = from_row(EpochRecord, row)
+            cur.execute(SQL_ACKS, {"p": pipeline_id, "epoch": epoch})
+            acks = [from_row(AckRecord, r) for r in cur.fetchall()]
+            expected = list(dict.fromkeys(record.stages))
+            return EpochDetail(pipeline=pipeline, epoch=record, acks=acks, now=now, expected_stages=expected)
+
+        return self._read(read)
+
+    def retention(self, pipeline_id: str, *, before_id: int | None = None, limit: int = 50) -> RetentionPage:
+        """Past cleanup runs (newest first) and the cleanup lock, live or expired."""
+        validate_pipeline_id(pipeline_id)
+        size = _page_size(limit)
+
+        def read(cur: PgCursor) -> RetentionPage:
+            now = self._now(cur)
+            pipeline = self._pipeline(cur, pipeline_id)
+            cur.execute(SQL_LOCK, {"p": pipeline_id})
+            row = cur.fetchone()
+            lock = from_row(CleanupLockRecord, row) if row else None
+            live = bool(row["live"]) if row else False
+            cur.execute(SQL_CLEANUP_RUNS, {"p": pipeline_id, "before_id": before_id, "limit": size + 1})
+            runs = [from_row(CleanupRunRecord, r) for r in cur.fetchall()]
+            more = len(runs) > size
+            runs = runs[:size]
+            return RetentionPage(pipeline=pipeline, now=now, lock=lock, lock_live=live, runs=runs,
+                                 next_before_id=runs[-1].id if more else None)
+
+        return self._read(read)
