@@ -36,8 +36,10 @@ os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThrowawayPostgres]:
-    pg = ThrowawayPostgres(base_dir=tmp_path_factory.mktemp("pg"))
+def pg_server() -> Iterator[ThrowawayPostgres]:
+    # Its own temp folder: pytest's temp folders are 0700, closed to the postgres user that the
+    # server runs as when the tests run as root.
+    pg = ThrowawayPostgres()
     pg.start()
     try:
         yield pg
