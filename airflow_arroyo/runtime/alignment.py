@@ -1,0 +1,130 @@
+"""Barrier alignment: pure decisions over facts the stage runner already read. No I/O.
+
+A channel reader's micro-batch never crosses a barrier (it ends right after one at the latest), so
+after each micro-batch a stage knows, for every aligned input, the batch's end position and whether
+the entry just before it is a barrier. From that alone:
+
+* an input whose batch ended right after barrier *n* (with *n* newer than the stage's last cut) has
+  **delivered** *n*; it is capped at that position so that it reads nothing past the barrier;
+* when every aligned input has delivered *n*, this batch is the stage's **cut** for *n*: the barrier
+  goes to the stage's output after this batch's data, the caps are lifted;
+* an input that has not delivered *n* is never capped: the stage keeps reading it, so an idle input
+  cannot deadlock the others (it delivers *n* as soon as its upstream forwards it).
+
+Feedback (loop) inputs are not aligned (FLIP-16): the iteration head records their positions at its
+cut, and its part of epoch *n* completes once barrier *n* came back around the loop
+(:func:`feedback_returned`).
+
+Source stages have no channel inputs: they cut at the micro-batch boundary where the driver tells
+them an epoch is pending (:func:`source_cut`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from airflow_arroyo.exceptions import ArroyoError
+
+__all__ = [
+    "AlignmentAction",
+    "AlignmentDecision",
+    "AlignmentError",
+    "InputEnd",
+    "decide_alignment",
+    "feedback_returned",
+    "source_cut",
+]
+
+
+class AlignmentError(ArroyoError):
+    """The barriers on a stage's inputs break the protocol (e.g. two different epochs at once)."""
+
+
+@dataclass(frozen=True)
+class InputEnd:
+    """Where one aligned input stands after a micro-batch.
+
+    ``end`` is the batch's end position on the input (the reader has consumed ``[0, end)``);
+    ``barrier_epoch`` is the epoch of the entry at ``end - 1`` if that entry is a barrier, else None.
+    """
+
+    channel: str
+    end: int
+    barrier_epoch: int | None = None
+
+
+class AlignmentAction(enum.StrEnum):
+    NONE = "none"  # no barrier newer than the last cut: read freely
+    ALIGNING = "aligning"  # some inputs delivered barrier n: cap them, keep reading the others
+    CUT = "cut"  # every input delivered barrier n: this batch is the cut
+
+
+@dataclass(frozen=True)
+class AlignmentDecision:
+    action: AlignmentAction
+    epoch: int | None = None
+    caps: Mapping[str, int] = field(default_factory=dict)  # the complete cap set to write: channel -> position
+    delivered: tuple[str, ...] = ()
+    waiting_for: tuple[str, ...] = ()
+    cursors: Mapping[str, int] = field(default_factory=dict)  # on CUT: channel -> position right after barrier n
+
+
+def decide_alignment(inputs: Sequence[InputEnd], last_cut_epoch: int) -> AlignmentDecision:
+    """Is this micro-batch the cut, should some inputs be capped, or neither?
+
+    ``inputs``: every aligned (non-feedback) input of the stage with the batch's end on it.
+    ``last_cut_epoch``: the epoch of the stage's last cut (0 before the first; after a restore from
+    epoch N, N), so barriers at or below it are old news.
+    """
+    if not inputs:
+        raise AlignmentError("a stage with no aligned input has nothing to align; use source_cut()")
+    names = [i.channel for i in inputs]
+    if len(set(names)) != len(names):
+        raise AlignmentError(f"duplicate inputs {names}: a stage reads each channel once")
+    delivered = {i.channel: i for i in inputs if i.barrier_epoch is not None and i.barrier_epoch > last_cut_epoch}
+    if not delivered:
+        return AlignmentDecision(AlignmentAction.NONE, waiting_for=tuple(names))
+    epochs = sorted({i.barrier_epoch for i in delivered.values() if i.barrier_epoch is not None})
+    if len(epochs) > 1:
+        detail = ", ".join(f"{c}: barrier {i.barrier_epoch} at {i.end - 1}" for c, i in sorted(delivered.items()))
+        raise AlignmentError(
+            f"inputs delivered different barriers at once ({detail}) after the cut of epoch {last_cut_epoch}; "
+            "an input read past a barrier it should have been capped at (were caps.json removed while the stage "
+            "ran, or was a channel written by two pipelines?)"
+        )
+    epoch = epochs[0]
+    waiting = tuple(c for c in names if c not in delivered)
+    if not waiting:
+        return AlignmentDecision(
+            AlignmentAction.CUT, epoch=epoch, caps={}, delivered=tuple(names),
+            cursors={c: i.end for c, i in delivered.items()},
+        )
+    return AlignmentDecision(
+        AlignmentAction.ALIGNING, epoch=epoch, caps={c: i.end for c, i in delivered.items()},
+        delivered=tuple(c for c in names if c in delivered), waiting_for=waiting,
+    )
+
+
+def source_cut(pending_epochs: Iterable[int], last_cut_epoch: int) -> tuple[int, ...]:
+    """The epochs a source stage injects at this micro-batch boundary, in order.
+
+    Every pending epoch newer than the last one injected (normally one; several only if the driver
+    learned of a newer epoch before the stage reached a boundary). Barriers go out in epoch order.
+    """
+    return tuple(sorted({e for e in pending_epochs if e > last_cut_epoch}))
+
+
+def feedback_returned(epoch: int, barrier_positions: Mapping[str, int | None], ends: Mapping[str, int]) -> bool:
+    """Has barrier ``epoch`` come back on every feedback input of an iteration head?
+
+    ``barrier_positions``: feedback channel -> index of barrier ``epoch`` on it (None: not there yet);
+    ``ends``: feedback channel -> how far the head has read it. The barrier is back once the head's
+    read position passed its entry on every feedback channel.
+    """
+    for channel, end in ends.items():
+        pos = barrier_positions.get(channel)
+        if pos is None or end <= pos:
+            return False
+    return True
