@@ -1,0 +1,1 @@
+"""Airflow triggers of airflow-arroyo (import the modules directly; this package imports nothing)."""

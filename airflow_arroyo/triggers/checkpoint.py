@@ -1,0 +1,430 @@
+"""The checkpoint controller: a trigger that fires a pipeline's epochs from the triggerer.
+
+While the pipeline runs, :class:`CheckpointTrigger` ticks: each tick is one call of
+:meth:`~airflow_arroyo.store.EpochStore.trigger_tick`, which reads the facts and applies the pure
+decision of :func:`~airflow_arroyo.epochs.decide_trigger` in one transaction under the pipeline's
+row lock (start epoch n+1, expire a timed-out epoch, or wait). So every rule lives in the model and
+the database, not here: one epoch in flight at most (a partial unique index makes a second one
+impossible even for a second copy of this trigger in another triggerer), none while the cleanup
+lock is held, the interval between starts and the minimum pause after an end, the timeout.
+
+What this trigger adds is time and reporting: it sleeps until the next decision is worth making
+(``min(recheck_at - now, poll)``, both instants from the database clock, so triggerers on different
+hosts agree), logs each epoch's start and end as they happen (trigger log), counts consecutive
+failures against the tolerance, and ends with one event carrying a summary of the epochs it saw:
+
+* ``status="success"`` when the pipeline stopped;
+* ``status="failure"`` when the pipeline failed (with its cause), when more consecutive epochs
+  failed or expired than tolerated, when the pipeline never registered, or when the epoch store
+  failed permanently or stayed unreachable longer than the checkpoint timeout.
+
+It keeps no state that matters outside the database: a triggerer restart (or a second copy) picks
+up where the database says the pipeline is. It serializes exactly its constructor arguments and
+builds its store client inside :meth:`CheckpointTrigger.run` from the connection id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from airflow.sdk.exceptions import AirflowNotFoundException
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_arroyo.epochs import (
+    CheckpointPolicy,
+    EpochState,
+    PipelineState,
+    TriggerAction,
+    validate_pipeline_id,
+)
+from airflow_arroyo.exceptions import (
+    ArroyoError,
+    ConfigurationError,
+    TransientStoreError,
+    UnknownPipelineError,
+)
+from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, TickResult
+
+__all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
+
+DEFAULT_CONN_ID = "arroyo_default"
+DEFAULT_POLL = 5.0
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "? B"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover - the loop always returns
+
+
+def format_epoch_line(pipeline_id: str, entry: dict[str, Any]) -> str:
+    """One human line for an epoch of a summary (used by the trigger log and the operator's task log)."""
+    duration = entry.get("duration_s")
+    took = f"{duration:.3f}s" if isinstance(duration, int | float) else "?s"
+    line = (f"pipeline {pipeline_id} epoch {entry['epoch']} {entry['state']} in {took}: "
+            f"{format_bytes(entry.get('bytes_new'))} new, {format_bytes(entry.get('bytes_total'))} total")
+    if entry.get("failure_reason"):
+        line += f" ({entry['failure_reason']})"
+    return line
+
+
+@dataclass
+class _Summary:
+    """Outcomes of the epochs this trigger saw end (newest ``limit`` listed, all counted)."""
+
+    limit: int
+    counts: dict[str, int] = field(default_factory=lambda: {"completed": 0, "failed": 0, "expired": 0})
+    entries: collections.deque[dict[str, Any]] = field(default_factory=collections.deque)
+    omitted: int = 0
+
+    def add(self, rec: EpochRecord) -> dict[str, Any]:
+        state = _outcome(rec)
+        self.counts[state] = self.counts.get(state, 0) + 1
+        entry = {
+            "epoch": rec.epoch,
+            "state": state,
+            "triggered_at": rec.triggered_at.isoformat(),
+            "duration_s": rec.duration_s,
+            "bytes_new": rec.bytes_new,
+            "bytes_total": rec.bytes_total,
+            "failure_reason": rec.failure_reason,
+        }
+        self.entries.append(entry)
+        while len(self.entries) > self.limit:
+            self.entries.popleft()
+            self.omitted += 1
+        return entry
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.counts, "epochs": list(self.entries), "omitted": self.omitted}
+
+
+def _outcome(rec: EpochRecord) -> str:
+    if rec.state in (EpochState.COMPLETED, EpochState.FAILED, EpochState.EXPIRED):
+        return rec.state.value
+    # pruned since it ended: only failed/expired epochs carry a failure reason
+    if rec.failure_reason is None:
+        return EpochState.COMPLETED.value
+    return EpochState.EXPIRED.value if rec.failure_reason.startswith("not acknowledged") else EpochState.FAILED.value
+
+
+class CheckpointTrigger(BaseTrigger):
+    """Fire checkpoint epochs of ``pipeline_id`` while it runs; end when it stops or fails.
+
+    :param pipeline_id: the pipeline whose epochs to fire.
+    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store.
+    :param interval: seconds between the starts of two epochs.
+    :param timeout: seconds after which an epoch still in flight expires (default: ten intervals,
+        at least 60 s); at least ``interval``.
+    :param min_pause: seconds between the end of an epoch and the start of the next.
+    :param tolerable_failures: consecutive failed or expired epochs tolerated; one more ends the
+        trigger with a failure event.
+    :param poll_interval: longest sleep between two ticks (default: the interval, at most 5 s);
+        bounds how late an epoch's end is noticed and logged.
+    :param triggered_by: recorded on every epoch this trigger starts (who fired it).
+    :param pipeline_run_id: if given, only this run of the pipeline counts: a pipeline that
+        stopped in an earlier run is waited for (it has not started yet), not reported as stopped.
+    :param registration_timeout: seconds to wait for the pipeline (or ``pipeline_run_id``) to
+        register before ending with a failure event.
+    :param max_summary_epochs: how many epochs the final event lists (the newest; all are counted).
+    """
+
+    def __init__(
+        self,
+        pipeline_id: str,
+        conn_id: str = DEFAULT_CONN_ID,
+        interval: float = 30.0,
+        timeout: float | None = None,
+        min_pause: float = 0.0,
+        tolerable_failures: int = 3,
+        poll_interval: float | None = None,
+        triggered_by: str = "airflow-trigger",
+        pipeline_run_id: str | None = None,
+        registration_timeout: float = 600.0,
+        max_summary_epochs: int = 1000,
+    ) -> None:
+        super().__init__()
+        validate_pipeline_id(pipeline_id)
+        # validate now: a bad configuration fails the task before it defers
+        CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause,
+                         tolerable_failures=tolerable_failures)
+        if poll_interval is not None and not (isinstance(poll_interval, int | float) and poll_interval > 0):
+            raise ConfigurationError(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
+        if not isinstance(registration_timeout, int | float) or registration_timeout < 0:
+            raise ConfigurationError(
+                f"registration_timeout must be zero or a positive number of seconds, got {registration_timeout!r}"
+            )
+        if not isinstance(max_summary_epochs, int) or max_summary_epochs < 0:
+            raise ConfigurationError(f"max_summary_epochs must be a whole number >= 0, got {max_summary_epochs!r}")
+        self.pipeline_id = pipeline_id
+        self.conn_id = conn_id
+        self.interval = interval
+        self.timeout = timeout
+        self.min_pause = min_pause
+        self.tolerable_failures = tolerable_failures
+        self.poll_interval = poll_interval
+        self.triggered_by = triggered_by
+        self.pipeline_run_id = pipeline_run_id
+        self.registration_timeout = registration_timeout
+        self.max_summary_epochs = max_summary_epochs
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "pipeline_id": self.pipeline_id,
+                "conn_id": self.conn_id,
+                "interval": self.interval,
+                "timeout": self.timeout,
+                "min_pause": self.min_pause,
+                "tolerable_failures": self.tolerable_failures,
+                "poll_interval": self.poll_interval,
+                "triggered_by": self.triggered_by,
+                "pipeline_run_id": self.pipeline_run_id,
+                "registration_timeout": self.registration_timeout,
+                "max_summary_epochs": self.max_summary_epochs,
+            },
+        )
+
+    @property
+    def policy(self) -> CheckpointPolicy:
+        return CheckpointPolicy(interval=self.interval, timeout=self.timeout, min_pause=self.min_pause,
+                                tolerable_failures=self.tolerable_failures)
+
+    @property
+    def effective_poll(self) -> float:
+        return float(self.poll_interval) if self.poll_interval is not None else min(DEFAULT_POLL, self.interval)
+
+    async def _open_store(self) -> AsyncEpochStore:
+        """The store client, built here (never serialized). A seam for tests."""
+        from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+        return await ArroyoHook(self.conn_id).aget_store()
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        summary = _Summary(limit=self.max_summary_epochs)
+        try:
+            store = await self._open_store()
+        except (ArroyoError, AirflowNotFoundException) as exc:
+            yield self._event("failure", summary, reason="store_error",
+                              message=f"cannot open the epoch store of connection {self.conn_id!r}: {exc}")
+            return
+        controller = _Controller(self, store, summary)
+        yield await controller.run()
+
+    def _event(self, status: str, summary: _Summary, *, reason: str, message: str,
+               pipeline: PipelineRecord | None = None, cause: str | None = None) -> TriggerEvent:
+        return TriggerEvent({
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "cause": cause,
+            "pipeline_id": self.pipeline_id,
+            "pipeline_state": pipeline.state.value if pipeline is not None else None,
+            "pipeline_run_id": pipeline.run_id if pipeline is not None else self.pipeline_run_id,
+            "summary": summary.as_dict(),
+        })
+
+
+class _Controller:
+    """The loop of one running trigger. Its state is a cache of the database, rebuilt after a restart."""
+
+    clock = staticmethod(time.monotonic)  # for how long the store has been unreachable (no DB to ask)
+
+    def __init__(self, trigger: CheckpointTrigger, store: AsyncEpochStore, summary: _Summary) -> None:
+        self.t = trigger
+        self.store = store
+        self.summary = summary
+        self.policy = trigger.policy
+        self.poll = trigger.effective_poll
+        self.log = trigger.log
+        self.pid = trigger.pipeline_id
+        self.watching: set[int] = set()  # epochs seen in flight, not yet seen ended
+        self.run_confirmed = trigger.pipeline_run_id is None
+        self.registration_deadline: datetime | None = None
+        self.outage_since: float | None = None
+        self.cleanup_wait: str | None = None  # the cleanup wait already logged (reason names the holder)
+        self.idle_state: str | None = None  # last logged "pipeline not running" state
+
+    async def run(self) -> TriggerEvent:
+        self.log.info(
+            "checkpoint controller for pipeline %s: interval %ss, timeout %ss, min pause %ss, "
+            "tolerating %s consecutive failures (poll %ss)",
+            self.pid, self.policy.interval, self.policy.effective_timeout, self.policy.min_pause,
+            self.policy.tolerable_failures, self.poll,
+        )
+        while True:
+            try:
+                event, delay = await self._step()
+            except TransientStoreError as exc:
+                event, delay = self._outage(exc), self.poll
+            except ArroyoError as exc:
+                return self.t._event("failure", self.summary, reason="store_error",
+                                     message=f"epoch store error for pipeline {self.pid}: {exc}")
+            if event is not None:
+                return event
+            await asyncio.sleep(delay)
+
+    def _outage(self, exc: TransientStoreError) -> TriggerEvent | None:
+        now = self.clock()
+        if self.outage_since is None:
+            self.outage_since = now
+        down = now - self.outage_since
+        if down > self.policy.effective_timeout:
+            return self.t._event(
+                "failure", self.summary, reason="store_error",
+                message=f"epoch store of pipeline {self.pid} unreachable for {down:.0f}s, longer than the "
+                        f"checkpoint timeout ({self.policy.effective_timeout:g}s): {exc}")
+        self.log.warning("pipeline %s: epoch store unreachable for %.0fs, will retry: %s", self.pid, down, exc)
+        return None
+
+    async def _step(self) -> tuple[TriggerEvent | None, float]:
+        """One tick: returns the final event, or how long to sleep before the next tick."""
+        if not self.run_confirmed:
+            waited = await self._wait_for_run()
+            if waited is not None:
+                return waited
+        try:
+            tick = await self.store.trigger_tick(self.pid, self.policy, triggered_by=self.t.triggered_by)
+        except UnknownPipelineError:
+            return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+        self.outage_since = None
+        self.registration_deadline = None
+        new_failure = await self._observe(tick)
+        decision = tick.decision
+
+        if decision.action is TriggerAction.PIPELINE_ENDED:
+            pipe = await self.store.get_pipeline(self.pid)
+            if self.t.pipeline_run_id is not None and pipe.run_id != self.t.pipeline_run_id:
+                self.run_confirmed = False  # a new run registered meanwhile and ended? wait for ours
+                return None, self.poll
+            return self._ended(pipe), 0.0
+
+        if new_failure and tick.consecutive_failures > self.policy.tolerable_failures:
+            return self.t._event(
+                "failure", self.summary, reason="too_many_failures",
+                message=f"pipeline {self.pid}: {tick.consecutive_failures} consecutive epochs failed or expired, "
+                        f"more than the {self.policy.tolerable_failures} tolerated; see the failure reasons "
+                        "in the summary and the pipeline's driver log"), 0.0
+
+        await self._log_waits(tick)
+        return None, self._delay(tick)
+
+    async def _wait_for_run(self) -> tuple[TriggerEvent | None, float] | None:
+        try:
+            pipe = await self.store.get_pipeline(self.pid)
+        except UnknownPipelineError:
+            return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+        if pipe.run_id == self.t.pipeline_run_id:
+            self.run_confirmed = True
+            self.registration_deadline = None
+            return None
+        return await self._not_registered(
+            f"pipeline {self.pid} run {self.t.pipeline_run_id} has not registered yet "
+            f"(the current run is {pipe.run_id}, {pipe.state})")
+
+    async def _not_registered(self, what: str) -> tuple[TriggerEvent | None, float]:
+        now = await self.store.db_now()
+        if self.registration_deadline is None:
+            self.registration_deadline = now + timedelta(seconds=self.t.registration_timeout)
+            self.log.info("%s; waiting up to %ss", what, self.t.registration_timeout)
+        if now >= self.registration_deadline:
+            return self.t._event(
+                "failure", self.summary, reason="not_registered",
+                message=f"{what} after {self.t.registration_timeout}s; check that the pipeline's driver "
+                        "started and points at the same epoch store"), 0.0
+        return None, min(self.poll, (self.registration_deadline - now).total_seconds())
+
+    async def _observe(self, tick: TickResult) -> bool:
+        """Log epochs that started or ended since the last tick; True if one ended unsuccessfully."""
+        decision = tick.decision
+        new_failure = False
+        if tick.expired is not None:
+            self.watching.discard(tick.expired.epoch)
+            self._record(tick.expired)
+            new_failure = True
+        current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
+        for epoch in sorted(n for n in self.watching if n != current):
+            rec = await self.store.get_epoch(self.pid, epoch)
+            if rec.state is EpochState.TRIGGERED:  # cannot be: another epoch is in flight or none is
+                continue
+            self.watching.discard(epoch)
+            new_failure |= self._record(rec)
+        if current is not None and current not in self.watching:
+            self.watching.add(current)
+            self.log.info("pipeline %s epoch %s is in flight (started by another controller or before a "
+                          "restart); watching it", self.pid, current)
+        if tick.started is not None:
+            rec = tick.started
+            self.watching.add(rec.epoch)
+            self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pid, rec.epoch,
+                          rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
+        return new_failure
+
+    def _record(self, rec: EpochRecord) -> bool:
+        entry = self.summary.add(rec)
+        if entry["state"] == EpochState.COMPLETED.value:
+            self.log.info("%s", format_epoch_line(self.pid, entry))
+            return False
+        self.log.warning("%s", format_epoch_line(self.pid, entry))
+        return True
+
+    def _ended(self, pipe: PipelineRecord) -> TriggerEvent:
+        s = self.summary.counts
+        figures = f"{s['completed']} epochs completed, {s['failed']} failed, {s['expired']} expired"
+        if pipe.state is PipelineState.FAILED:
+            self.log.error("pipeline %s failed: %s (%s)", self.pid, pipe.failure_cause, figures)
+            return self.t._event("failure", self.summary, reason="pipeline_failed", pipeline=pipe,
+                                 cause=pipe.failure_cause,
+                                 message=f"pipeline {self.pid} failed: {pipe.failure_cause or 'no cause reported'}")
+        self.log.info("pipeline %s stopped; %s", self.pid, figures)
+        return self.t._event("success", self.summary, reason="pipeline_stopped", pipeline=pipe,
+                             message=f"pipeline {self.pid} stopped; {figures}")
+
+    async def _log_waits(self, tick: TickResult) -> None:
+        """Say once per wait why no epoch starts (cleanup lock held, pipeline not running)."""
+        decision = tick.decision
+        if decision.action is TriggerAction.WAIT_CLEANUP:
+            if decision.reason != self.cleanup_wait:  # a new wait (or another holder took over)
+                self.cleanup_wait = decision.reason
+                lock = await self.store.cleanup_lock(self.pid)
+                if lock is not None:
+                    self.log.info("pipeline %s: waiting for cleanup run %s held by %s (lease until %s)",
+                                  self.pid, lock.cleanup_run, lock.holder, lock.expires_at.isoformat())
+        elif self.cleanup_wait is not None:
+            self.log.info("pipeline %s: cleanup lock released; checkpoints resume", self.pid)
+            self.cleanup_wait = None
+        if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
+            if decision.reason != self.idle_state:
+                self.log.info("pipeline %s: %s; no checkpoint until it runs", self.pid, decision.reason)
+                self.idle_state = decision.reason
+        else:
+            self.idle_state = None
+
+    def _delay(self, tick: TickResult) -> float:
+        decision = tick.decision
+        now = tick.now
+        delay = self.poll
+        if tick.started is not None:
+            delay = min(delay, self.policy.interval)
+        elif decision.recheck_at is not None:
+            delay = min(delay, (decision.recheck_at - now).total_seconds())
+        if decision.action is TriggerAction.WAIT_IN_FLIGHT and decision.recheck_at is not None:
+            # Wake up when the next epoch is due, in case this one has ended by then. The in-flight
+            # epoch started one timeout before it times out (read from the database, not remembered).
+            started = decision.recheck_at - timedelta(seconds=self.policy.effective_timeout)
+            due = (started - now).total_seconds() + self.policy.interval
+            if due > 0:
+                delay = min(delay, due)
+        return max(delay, 0.0)

@@ -1,0 +1,567 @@
+"""CheckpointTrigger against a real PostgreSQL epoch store, with time driven by the test.
+
+No test sleeps. ``asyncio.sleep`` in the trigger module is replaced by :class:`VirtualClock`: when the
+trigger asks to sleep ``d`` seconds, the clock moves every timestamp of the pipeline's history ``d``
+seconds into the past (epochs, cleanup lease) -- to the trigger, which reads ``now()`` from the
+database, exactly ``d`` seconds have passed -- and then runs the test's fake pipeline (a plain
+function that acknowledges, fails or stops) before the trigger ticks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import psycopg2
+import pytest
+import structlog
+
+from airflow_arroyo.epochs import EpochState, PipelineState, TriggerAction
+from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
+from airflow_arroyo.hooks import arroyo as hook_module
+from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
+from airflow_arroyo.triggers import checkpoint as trigger_module
+from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
+
+REAL_SLEEP = asyncio.sleep
+PID = "orders"
+STAGES = ["source", "agg"]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@pytest.fixture
+def connection(monkeypatch: pytest.MonkeyPatch, pg_dsn: str) -> Iterator[str]:
+    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", pg_dsn)
+    hook_module._reset_shared_stores()
+    yield pg_dsn
+    hook_module._reset_shared_stores()
+
+
+@pytest.fixture
+def running(store: EpochStore) -> EpochStore:
+    store.register_pipeline(PID, stages=STAGES, run_id="run-1")
+    store.set_pipeline_state(PID, PipelineState.RUNNING)
+    return store
+
+
+class VirtualClock:
+    """Stands in for ``asyncio.sleep`` in the trigger module: time passes in the database only."""
+
+    def __init__(self, dsn: str, pipeline: Callable[[], None] | None = None, max_sleeps: int = 200) -> None:
+        self.dsn = dsn
+        self.pipeline = pipeline or (lambda: None)
+        self.sleeps: list[float] = []
+        self.max_sleeps = max_sleeps
+
+    def advance(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        d = timedelta(seconds=seconds)
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("UPDATE arroyo_epochs SET triggered_at = triggered_at - %(d)s,"
+                        " timeout_at = timeout_at - %(d)s, ended_at = ended_at - %(d)s", {"d": d})
+            cur.execute("UPDATE arroyo_cleanup_locks SET acquired_at = acquired_at - %(d)s,"
+                        " expires_at = expires_at - %(d)s", {"d": d})
+        conn.close()
+
+    async def sleep(self, seconds: float, *args: Any) -> None:
+        assert seconds >= 0, seconds
+        self.sleeps.append(seconds)
+        assert len(self.sleeps) <= self.max_sleeps, "the trigger never ended"
+        self.advance(seconds)
+        self.pipeline()
+        await REAL_SLEEP(0)
+
+
+async def first_event(trigger: CheckpointTrigger, clock: VirtualClock) -> dict[str, Any]:
+    with mock.patch.object(trigger_module.asyncio, "sleep", clock.sleep):
+        gen = trigger.run()
+        event = await anext(gen)
+        await gen.aclose()
+    return dict(event.payload)
+
+
+def make_trigger(**kwargs: Any) -> CheckpointTrigger:
+    args: dict[str, Any] = {"pipeline_id": PID, "interval": 10.0, "tolerable_failures": 3}
+    args.update(kwargs)
+    return CheckpointTrigger(**args)
+
+
+def ack(store: EpochStore, *, bytes_new: int = 1000) -> int | None:
+    """The fake pipeline acknowledges the in-flight epoch from every stage; returns its number."""
+    ep = store.in_flight_epoch(PID)
+    if ep is None:
+        return None
+    for i, stage in enumerate(ep.stages):
+        store.ack_epoch(PID, ep.epoch, stage, bytes_new=bytes_new * ep.epoch + i, bytes_total=10 * bytes_new + i)
+    return ep.epoch
+
+
+def completed(store: EpochStore) -> list[int]:
+    return sorted(e.epoch for e in store.list_epochs(PID, states=[EpochState.COMPLETED]))
+
+
+def max_in_flight(dsn: str) -> int:
+    """Replay the database's own history of epoch states: the most epochs ever in flight at once."""
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT epoch, old_state, new_state FROM arroyo_history WHERE kind = 'epoch_state'"
+                    " ORDER BY seq")
+        rows = cur.fetchall()
+    conn.close()
+    live: set[int] = set()
+    peak = 0
+    for epoch, old, new in rows:
+        if new == "triggered":
+            live.add(epoch)
+        elif old == "triggered":
+            live.discard(epoch)
+        peak = max(peak, len(live))
+    return peak
+
+
+def messages(logs: list[dict[str, Any]]) -> list[str]:
+    return [str(entry["event"]) for entry in logs]
+
+
+# --------------------------------------------------------------------------- serialization and validation
+
+
+def test_serialize_round_trip_rebuilds_an_equal_trigger() -> None:
+    trigger = CheckpointTrigger(PID, conn_id="epochs", interval=2.5, timeout=30.0, min_pause=1.0,
+                                tolerable_failures=0, poll_interval=0.5, triggered_by="airflow:d/t/r",
+                                pipeline_run_id="run-7", registration_timeout=12.0, max_summary_epochs=50)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "airflow_arroyo.triggers.checkpoint.CheckpointTrigger"
+    module, _, name = classpath.rpartition(".")
+    rebuilt = getattr(__import__(module, fromlist=[name]), name)(**kwargs)
+    assert rebuilt.serialize() == (classpath, kwargs)
+    assert vars(rebuilt).keys() >= kwargs.keys()
+    assert {k: getattr(rebuilt, k) for k in kwargs} == {k: getattr(trigger, k) for k in kwargs}
+    # exactly the constructor's arguments, nothing live
+    import inspect
+
+    assert set(kwargs) == set(inspect.signature(CheckpointTrigger.__init__).parameters) - {"self"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"interval": 0}, "interval must be a positive"),
+        ({"interval": 30, "timeout": 10}, "shorter than the interval"),
+        ({"min_pause": -1}, "min_pause"),
+        ({"tolerable_failures": -1}, "tolerable_failures"),
+        ({"poll_interval": 0}, "poll_interval"),
+        ({"pipeline_id": "no spaces"}, "pipeline id"),
+    ],
+)
+def test_bad_configuration_is_refused_at_construction(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigurationError, match=needle):
+        make_trigger(**kwargs)
+
+
+# --------------------------------------------------------------------------- events
+
+
+async def test_fires_epochs_on_schedule_and_succeeds_when_the_pipeline_stops(running: EpochStore,
+                                                                            connection: str) -> None:
+    def pipeline() -> None:
+        ack(running)
+        if len(completed(running)) == 3 and running.get_pipeline(PID).state is PipelineState.RUNNING:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    clock = VirtualClock(connection, pipeline)
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(interval=10.0), clock)
+
+    assert event["status"] == "success" and event["reason"] == "pipeline_stopped"
+    assert event["pipeline_state"] == "stopped" and event["pipeline_run_id"] == "run-1"
+    summary = event["summary"]
+    assert (summary["completed"], summary["failed"], summary["expired"]) == (3, 0, 0)
+    epochs = running.list_epochs(PID)[::-1]
+    assert [e["epoch"] for e in summary["epochs"]] == [e.epoch for e in epochs] == [1, 2, 3]
+    for entry, rec in zip(summary["epochs"], epochs, strict=True):
+        assert entry["state"] == "completed"
+        assert entry["bytes_new"] == rec.bytes_new == sum(1000 * rec.epoch + i for i in range(len(STAGES)))
+        assert entry["duration_s"] == pytest.approx(rec.duration_s)
+    # starts are one interval apart (never early; late only by the real time a tick takes)
+    starts = [e.triggered_at for e in epochs]
+    gaps = [(b - a).total_seconds() for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(10.0 <= g < 10.5 for g in gaps), gaps
+    assert all(s <= 10.0 for s in clock.sleeps), clock.sleeps  # never sleeps past a due start
+    text = messages(logs)
+    for n in (1, 2, 3):
+        assert sum(bool(re.search(rf"epoch {n} started", m)) for m in text) == 1, text
+        assert sum(bool(re.search(rf"epoch {n} completed in", m)) for m in text) == 1, text
+    assert any("stopped; 3 epochs completed" in m for m in text)
+
+
+async def test_failure_event_once_consecutive_failures_exceed_the_tolerance(running: EpochStore,
+                                                                          connection: str) -> None:
+    plan = iter(["fail", "complete", "fail", "fail", "fail", "fail"])
+
+    def pipeline() -> None:
+        ep = running.in_flight_epoch(PID)
+        if ep is None:
+            return
+        if next(plan) == "fail":
+            running.fail_epoch(PID, ep.epoch, f"stage agg could not snapshot epoch {ep.epoch}")
+        else:
+            ack(running)
+
+    event = await first_event(make_trigger(tolerable_failures=2), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "failure" and event["reason"] == "too_many_failures"
+    assert "3 consecutive epochs failed" in event["message"]
+    summary = event["summary"]
+    assert (summary["completed"], summary["failed"], summary["expired"]) == (1, 4, 0)
+    assert [e["state"] for e in summary["epochs"]] == ["failed", "completed", "failed", "failed", "failed"]
+    assert summary["epochs"][-1]["failure_reason"] == "stage agg could not snapshot epoch 5"
+    assert [e.epoch for e in running.list_epochs(PID)] == [5, 4, 3, 2, 1]  # none started after the 3rd failure
+
+
+async def test_failure_event_with_the_cause_when_the_pipeline_fails(running: EpochStore, connection: str) -> None:
+    def pipeline() -> None:
+        if not completed(running):
+            ack(running)
+        elif running.in_flight_epoch(PID) is not None:
+            running.set_pipeline_state(PID, PipelineState.FAILED, failure_cause="executor lost: OOM in stage agg")
+
+    event = await first_event(make_trigger(), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "failure" and event["reason"] == "pipeline_failed"
+    assert event["cause"] == "executor lost: OOM in stage agg"
+    assert event["pipeline_state"] == "failed"
+    assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [(1, "completed"), (2, "failed")]
+
+
+async def test_an_epoch_past_its_timeout_expires(running: EpochStore, connection: str) -> None:
+    clock = VirtualClock(connection)  # a pipeline that never acknowledges
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(interval=10.0, timeout=25.0, tolerable_failures=0), clock)
+
+    assert event["status"] == "failure" and event["reason"] == "too_many_failures"
+    (rec,) = running.list_epochs(PID)
+    assert rec.state is EpochState.EXPIRED and rec.failure_reason is not None and "25s" in rec.failure_reason
+    assert 25.0 <= rec.duration_s < 25.5  # expired at the first tick past its timeout
+    assert event["summary"]["expired"] == 1 and event["summary"]["epochs"][0]["state"] == "expired"
+    assert sum(clock.sleeps) == pytest.approx(25.0, abs=0.5)
+    assert any("epoch 1 expired" in m for m in messages(logs))
+
+
+async def test_an_expired_epoch_within_the_tolerance_does_not_stop_checkpoints(running: EpochStore,
+                                                                             connection: str) -> None:
+    def pipeline() -> None:
+        ep = running.in_flight_epoch(PID)
+        if ep is not None and ep.epoch >= 2:
+            ack(running)
+        if len(completed(running)) == 2:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    event = await first_event(make_trigger(interval=10.0, timeout=20.0, tolerable_failures=1),
+                              VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success"
+    assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [
+        (1, "expired"), (2, "completed"), (3, "completed")]
+
+
+async def test_min_pause_separates_the_end_of_an_epoch_from_the_next_start(running: EpochStore,
+                                                                           connection: str) -> None:
+    def pipeline() -> None:
+        ack(running)
+        if len(completed(running)) == 3:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    event = await first_event(make_trigger(interval=10.0, min_pause=30.0), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success"
+    epochs = running.list_epochs(PID)[::-1]
+    assert len(epochs) == 3
+    for prev, nxt in zip(epochs, epochs[1:], strict=False):
+        assert prev.ended_at is not None
+        pause = (nxt.triggered_at - prev.ended_at).total_seconds()
+        assert 30.0 <= pause < 30.5, pause
+
+
+async def test_waits_while_the_cleanup_lock_is_held_and_says_so_once(running: EpochStore, connection: str) -> None:
+    state: dict[str, Any] = {"run": None, "held_sleeps": 0, "epochs_when_locked": None}
+
+    def pipeline() -> None:
+        ack(running)
+        done = completed(running)
+        if done == [1] and state["run"] is None and state["epochs_when_locked"] is None:
+            state["run"] = running.acquire_cleanup_lock(PID, "retention@worker-3", ttl=300).id
+            state["epochs_when_locked"] = len(running.list_epochs(PID))
+        elif state["run"] is not None:
+            assert len(running.list_epochs(PID)) == state["epochs_when_locked"], "an epoch started under the lock"
+            state["held_sleeps"] += 1
+            if state["held_sleeps"] == 6:  # about a minute of waiting
+                running.release_cleanup_lock(PID, state["run"])
+                state["run"] = None
+        if len(done) == 2:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(interval=10.0), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success" and event["summary"]["completed"] == 2
+    waits = [m for m in messages(logs) if "waiting for cleanup run" in m]
+    assert len(waits) == 1, waits
+    assert re.search(r"waiting for cleanup run \d+ held by retention@worker-3", waits[0])
+    assert any("cleanup lock released" in m for m in messages(logs))
+    assert state["held_sleeps"] == 6
+
+
+async def test_waits_for_the_pipeline_to_register_then_runs(store: EpochStore, connection: str) -> None:
+    sleeps = 0
+
+    def pipeline() -> None:
+        nonlocal sleeps
+        sleeps += 1
+        if sleeps == 3:
+            store.register_pipeline(PID, stages=STAGES, run_id="run-1")
+        elif sleeps == 5:
+            store.set_pipeline_state(PID, PipelineState.RUNNING)
+        if sleeps >= 3 and ack(store) == 1:
+            store.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(registration_timeout=3600), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success" and event["summary"]["completed"] == 1
+    text = messages(logs)
+    assert sum("not registered yet" in m for m in text) == 1
+    assert sum("pipeline is registered; no checkpoint until it runs" in m for m in text) == 1
+
+
+async def test_never_registered_ends_with_a_failure_event(store: EpochStore, connection: str) -> None:
+    event = await first_event(make_trigger(registration_timeout=0), VirtualClock(connection))
+    assert event["status"] == "failure" and event["reason"] == "not_registered"
+    assert "not registered" in event["message"]
+
+
+async def test_a_previous_run_that_stopped_is_not_mistaken_for_ours(store: EpochStore, connection: str) -> None:
+    store.register_pipeline(PID, stages=STAGES, run_id="run-0")
+    store.set_pipeline_state(PID, PipelineState.STOPPED)
+    sleeps = 0
+
+    def pipeline() -> None:
+        nonlocal sleeps
+        sleeps += 1
+        if sleeps == 2:
+            store.register_pipeline(PID, stages=STAGES, run_id="run-1")
+            store.set_pipeline_state(PID, PipelineState.RUNNING)
+        ack(store)
+        if completed(store) == [1]:
+            store.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    event = await first_event(make_trigger(pipeline_run_id="run-1"), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success" and event["pipeline_run_id"] == "run-1"
+    assert store.get_epoch(PID, 1).run_id == "run-1"
+
+
+# --------------------------------------------------------------------------- restarts and high availability
+
+
+class Crash(Exception):
+    """The triggerer process dies."""
+
+
+async def test_a_restarted_trigger_resumes_from_the_database(running: EpochStore, connection: str) -> None:
+    def crash_when_epoch_2_in_flight() -> None:
+        ep = running.in_flight_epoch(PID)
+        if ep is not None and ep.epoch == 2:
+            raise Crash
+        ack(running)
+
+    first = make_trigger(interval=10.0)
+    with pytest.raises(Crash):
+        await first_event(first, VirtualClock(connection, crash_when_epoch_2_in_flight))
+    assert running.in_flight_epoch(PID) is not None
+
+    def pipeline() -> None:
+        ack(running)
+        if len(completed(running)) == 3:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    classpath, kwargs = first.serialize()
+    second = CheckpointTrigger(**kwargs)
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(second, VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success"
+    assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [(2, "completed"), (3, "completed")]
+    assert any("epoch 2 is in flight" in m for m in messages(logs))
+    epochs = running.list_epochs(PID)[::-1]
+    assert [e.epoch for e in epochs] == [1, 2, 3]
+    assert (epochs[2].triggered_at - epochs[1].triggered_at).total_seconds() >= 10.0  # schedule kept
+    assert max_in_flight(connection) == 1
+
+
+class RecordingStore(AsyncEpochStore):
+    """Our own store seam: records each tick's result with the round it happened in."""
+
+    def __init__(self, sync: EpochStore, name: str, rounds: list[int], ticks: list[tuple[int, str, TickResult]]):
+        super().__init__(sync)
+        self.name, self.rounds, self.ticks = name, rounds, ticks
+
+    async def trigger_tick(self, *args: Any, **kwargs: Any) -> TickResult:
+        result = await super().trigger_tick(*args, **kwargs)
+        self.ticks.append((self.rounds[0], self.name, result))
+        return result
+
+
+async def test_two_copies_of_the_trigger_on_one_loop_never_have_two_epochs_in_flight(
+        running: EpochStore, connection: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triggerer HA runs the same trigger twice. Both copies tick at the same instants (lock-step),
+    so they race for every start; the database lets exactly one win."""
+    rounds = [0]
+    ticks: list[tuple[int, str, TickResult]] = []
+    active = {"a", "b"}
+    waiting: set[str] = set()
+    released = asyncio.Event()
+    clock = VirtualClock(connection)
+
+    def pipeline() -> None:
+        ack(running)
+        if len(completed(running)) == 5 and running.get_pipeline(PID).state is PipelineState.RUNNING:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    def release_round() -> None:
+        nonlocal released
+        clock.advance(min(requested.values()))
+        pipeline()
+        rounds[0] += 1
+        waiting.clear()
+        requested.clear()
+        old, released = released, asyncio.Event()
+        old.set()
+
+    requested: dict[str, float] = {}
+
+    def lockstep_sleep_for(name: str) -> Callable[[float], Any]:
+        async def sleep(seconds: float, *args: Any) -> None:
+            assert rounds[0] < 200, "the triggers never ended"
+            requested[name] = seconds
+            waiting.add(name)
+            event = released
+            if waiting >= active:
+                release_round()
+            await event.wait()
+        return sleep
+
+    sleeps = {name: lockstep_sleep_for(name) for name in ("a", "b")}
+    current: dict[int, str] = {}
+
+    async def dispatch_sleep(seconds: float, *args: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        await sleeps[current[id(task)]](seconds)
+
+    async def run_copy(name: str) -> dict[str, Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        current[id(task)] = name
+        trigger = make_trigger(interval=10.0, triggered_by=f"copy-{name}")
+
+        async def open_store() -> AsyncEpochStore:
+            return RecordingStore(running, name, rounds, ticks)
+
+        trigger._open_store = open_store  # type: ignore[method-assign]
+        try:
+            gen = trigger.run()
+            event = await anext(gen)
+            await gen.aclose()
+            return dict(event.payload)
+        finally:
+            active.discard(name)
+            if waiting and waiting >= active:
+                release_round()
+
+    with mock.patch.object(trigger_module.asyncio, "sleep", dispatch_sleep):
+        results = await asyncio.gather(run_copy("a"), run_copy("b"))
+
+    assert [r["status"] for r in results] == ["success", "success"]
+    epochs = running.list_epochs(PID)[::-1]
+    assert [e.epoch for e in epochs] == [1, 2, 3, 4, 5]
+    assert max_in_flight(connection) == 1
+    # in every round where one copy started an epoch, the other saw it in flight: a real race, lost safely
+    by_round: dict[int, dict[str, TickResult]] = {}
+    for rnd, name, result in ticks:
+        by_round.setdefault(rnd, {})[name] = result
+    contested = 0
+    for results_of_round in by_round.values():
+        starts = [r for r in results_of_round.values() if r.started is not None]
+        assert len(starts) <= 1
+        if starts and len(results_of_round) == 2:
+            (other,) = [r for r in results_of_round.values() if r.started is None]
+            assert other.decision.action is TriggerAction.WAIT_IN_FLIGHT
+            assert other.decision.epoch == starts[0].started.epoch  # type: ignore[union-attr]
+            contested += 1
+    assert contested == 5
+
+
+# --------------------------------------------------------------------------- store failures
+
+
+async def test_a_store_outage_longer_than_the_timeout_ends_with_a_failure_event(
+        running: EpochStore, connection: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(trigger_module._Controller, "clock", staticmethod(lambda: now[0]))
+
+    class DownStore(AsyncEpochStore):
+        async def trigger_tick(self, *args: Any, **kwargs: Any) -> TickResult:
+            now[0] += 15.0  # each call spends its retry budget
+            raise TransientStoreError("epoch store unreachable after retrying for up to 15s: connection refused")
+
+    trigger = make_trigger(interval=10.0, timeout=60.0)
+
+    async def open_store() -> AsyncEpochStore:
+        return DownStore(running)
+
+    trigger._open_store = open_store  # type: ignore[method-assign]
+    clock = VirtualClock(connection)
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(trigger, clock)
+
+    assert event["status"] == "failure" and event["reason"] == "store_error"
+    assert "unreachable for 75s" in event["message"]
+    assert sum("unreachable" in m for m in messages(logs)) == 5  # 0..60 s: warned and retried
+
+
+async def test_an_unknown_connection_ends_with_a_failure_event(connection: str) -> None:
+    event = await first_event(make_trigger(conn_id="no_such_connection"), VirtualClock(connection))
+    assert event["status"] == "failure" and event["reason"] == "store_error"
+    assert "no_such_connection" in event["message"]
+
+
+async def test_failures_left_by_an_earlier_run_do_not_end_a_new_trigger(store: EpochStore, connection: str) -> None:
+    # the earlier run: two epochs failed (the run was stopped, then superseded, with an epoch in flight)
+    store.register_pipeline(PID, stages=STAGES, run_id="run-0")
+    store.set_pipeline_state(PID, PipelineState.RUNNING)
+    policy = make_trigger(interval=10.0).policy
+    for _ in range(2):
+        tick = store.trigger_tick(PID, policy, force=True)
+        assert tick.started is not None
+        store.fail_epoch(PID, tick.started.epoch, "run-0 went away")
+    store.set_pipeline_state(PID, PipelineState.STOPPED)
+    store.register_pipeline(PID, stages=STAGES, run_id="run-1")
+    store.set_pipeline_state(PID, PipelineState.RUNNING)
+
+    def pipeline() -> None:
+        if ack(store) == 4:
+            store.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    event = await first_event(make_trigger(interval=10.0, tolerable_failures=1), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success"
+    assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [(3, "completed"), (4, "completed")]
