@@ -1,0 +1,333 @@
+"""Snapshots of real Spark checkpoints: which files, content addressing, incrementality, verified restore.
+
+The Spark tests run a stateful aggregation over the deterministic generator, snapshot its checkpoint
+as of a middle batch, restore that snapshot and run to the end: the result must equal the result
+computed in plain Python, for both state store providers.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.exceptions import SnapshotError
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.generator import generate_rows, generator_source
+from airflow_arroyo.runtime.pipeline import STATE_STORES
+from airflow_arroyo.runtime.snapshot import SnapshotStore, object_path, select_checkpoint_files
+from airflow_arroyo.runtime.sources import read_channel
+
+# ----------------------------------------------------------------------------- which files (pure)
+
+
+def no_zips(rel: str) -> list[str] | None:
+    raise AssertionError(f"no zip expected, asked for {rel}")
+
+
+def test_selection_hdfs_layout_keeps_newest_snapshot_and_later_deltas() -> None:
+    files = [
+        "metadata", ".metadata.crc",
+        *[f"offsets/{i}" for i in range(8)], *[f"commits/{i}" for i in range(7)], "offsets/.3.crc",
+        "sources/0/0", "sources/0/6",
+        "state/0/_metadata/metadata",
+        "state/0/0/_metadata/schema",
+        *[f"state/0/0/{v}.delta" for v in range(1, 9)], "state/0/0/5.snapshot", "state/0/0/.6.delta.crc",
+        "state/0/0/.7.delta.3f2a.tmp",
+        *[f"state/0/1/{v}.delta" for v in range(1, 9)],
+    ]
+    got = select_checkpoint_files(files, 4, no_zips)  # cut at batch 4 -> state version 5
+    assert got == sorted([
+        "metadata", *[f"offsets/{i}" for i in range(5)], *[f"commits/{i}" for i in range(5)], "sources/0/0",
+        "state/0/_metadata/metadata", "state/0/0/_metadata/schema",
+        "state/0/0/5.snapshot",  # newest base at or below 5: no deltas needed in partition 0
+        *[f"state/0/1/{v}.delta" for v in range(1, 6)],  # no snapshot in partition 1: deltas 1..5
+    ])
+
+
+def test_selection_join_store_folders_and_rocksdb_zip_references() -> None:
+    files = [
+        "metadata", "offsets/0", "offsets/1", "commits/0", "commits/1",
+        "state/0/0/left-keyToNumValues/1.zip", "state/0/0/left-keyToNumValues/2.zip",
+        "state/0/0/left-keyToNumValues/3.zip",
+        "state/0/0/left-keyToNumValues/SSTs/000008-a.sst", "state/0/0/left-keyToNumValues/SSTs/000009-b.sst",
+        "state/0/0/left-keyToNumValues/SSTs/000010-c.sst",
+        "state/0/0/left-keyToNumValues/SSTs/.000010-c.sst.crc",
+    ]
+    refs = {"state/0/0/left-keyToNumValues/2.zip": ["SSTs/000008-a.sst", "SSTs/000009-b.sst"]}
+    got = select_checkpoint_files(files, 1, refs.__getitem__)
+    assert got == [
+        "commits/0", "commits/1", "metadata", "offsets/0", "offsets/1",
+        "state/0/0/left-keyToNumValues/2.zip",
+        "state/0/0/left-keyToNumValues/SSTs/000008-a.sst",
+        "state/0/0/left-keyToNumValues/SSTs/000009-b.sst",
+    ]
+
+
+def test_selection_rocksdb_unreadable_zip_keeps_every_sst_and_missing_sst_is_an_error() -> None:
+    files = ["state/0/0/1.zip", "state/0/0/SSTs/a.sst", "state/0/0/SSTs/b.sst"]
+    assert select_checkpoint_files(files, 0, lambda rel: None) == files
+    with pytest.raises(SnapshotError, match="references"):
+        select_checkpoint_files(files, 0, lambda rel: ["SSTs/gone.sst"])
+
+
+def test_selection_before_any_batch_keeps_only_metadata() -> None:
+    assert select_checkpoint_files(["metadata", "offsets/0", "state/0/0/1.delta"], -1, no_zips) == ["metadata"]
+
+
+def test_selection_changelog_checkpointing() -> None:
+    files = [f"state/0/0/{v}.changelog" for v in range(1, 8)] + ["state/0/0/3.zip", "state/0/0/6.zip"]
+    assert select_checkpoint_files(files, 4, lambda rel: []) == [
+        "state/0/0/3.zip", "state/0/0/4.changelog", "state/0/0/5.changelog"]
+
+
+# ----------------------------------------------------------------------------- Spark helpers
+
+KEYS = 40
+
+
+def expected_totals(seed: int, total: int) -> dict[str, tuple[int, int]]:
+    t = generate_rows(seed, 0, total, KEYS).to_pydict()
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for k, v in zip(t["key"], t["value"], strict=True):
+        out[k][0] += 1
+        out[k][1] += v
+    return {k: (c, s) for k, (c, s) in out.items()}
+
+
+class Collect:
+    """foreachBatch: keep every micro-batch's rows by batch id."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[tuple[str, int, int]]] = {}
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        self.batches[batch_id] = [(r["key"], r["n"], r["total"]) for r in df.collect()]
+
+    def totals(self, *others: Collect) -> dict[str, tuple[int, int]]:
+        merged = dict(self.batches)
+        for o in others:
+            merged.update(o.batches)
+        last: dict[str, tuple[int, int]] = {}
+        for b in sorted(merged):
+            for k, n, s in merged[b]:
+                last[k] = (n, s)
+        return last
+
+
+def run_aggregation(spark: Any, checkpoint: Path, provider: str, *, df: Any = None, seed: int = 1,
+                    total: int = 1200, per_batch: int = 200) -> Collect:
+    from pyspark.sql import functions as F
+
+    collect = Collect()
+    previous = spark.conf.get("spark.sql.streaming.stateStore.providerClass")
+    spark.conf.set("spark.sql.streaming.stateStore.providerClass", STATE_STORES[provider])
+    try:
+        if df is None:
+            df = generator_source(spark, seed=seed, keys=KEYS, total_rows=total, rows_per_batch=per_batch)
+        agg = df.groupBy("key").agg(F.count("*").alias("n"), F.sum("value").alias("total"))
+        q = (agg.writeStream.outputMode("update").foreachBatch(collect)
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+        q.awaitTermination(240)
+        assert not q.isActive, "the query did not finish in time"
+        assert q.exception() is None, q.exception()
+    finally:
+        spark.conf.set("spark.sql.streaming.stateStore.providerClass", previous)
+    return collect
+
+
+@pytest.fixture
+def pipeline(store: Any) -> Iterator[str]:
+    pid = f"snap-{uuid.uuid4().hex[:8]}"
+    store.register_pipeline(pid, stages=["agg"], run_id="r1")
+    store.set_pipeline_state(pid, PipelineState.RUNNING)
+    yield pid
+
+
+def new_epoch(store: Any, pid: str) -> int:
+    tick = store.trigger_tick(pid, CheckpointPolicy(interval=1), force=True)
+    assert tick.started is not None, tick
+    return int(tick.started.epoch)
+
+
+def complete(store: Any, pid: str, epoch: int, result: Any) -> None:
+    store.ack_epoch(pid, epoch, "agg", bytes_new=result.bytes_new, bytes_total=result.bytes_total)
+
+
+# ----------------------------------------------------------------------------- Spark tests
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("provider", ["hdfs", "rocksdb"])
+def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: Any, pipeline: str, tmp_path: Path,
+                                                           provider: str) -> None:
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    ckpt = "ckpt"
+    straight = run_aggregation(spark, tmp_path / ckpt, provider)
+    assert sorted(straight.batches) == list(range(6))
+    expected = expected_totals(1, 1200)
+    assert straight.totals() == expected
+
+    epoch = new_epoch(store, pipeline)
+    result = snaps.capture("agg", epoch, ckpt, 2)  # the checkpoint as of batch 2
+    complete(store, pipeline, epoch, result)
+    rels = {e.rel_path for e in result.entries}
+    assert "offsets/2" in rels and "commits/2" in rels and "offsets/3" not in rels and "commits/3" not in rels
+    assert result.bytes_new == result.bytes_total > 0
+
+    prepared = snaps.prepare_restore("agg", epoch, ckpt)
+    aside = snaps.commit_restore(prepared)
+    assert aside is not None and (tmp_path / aside / "commits" / "5").exists()  # the old one, moved aside
+    assert not (tmp_path / ckpt / "commits" / "3").exists()
+
+    resumed = run_aggregation(spark, tmp_path / ckpt, provider)
+    assert min(resumed.batches) == 3  # Spark resumed after the snapshot's batch
+    first_half = Collect()
+    first_half.batches = {b: r for b, r in straight.batches.items() if b <= 2}
+    assert first_half.totals(resumed) == expected
+
+
+@pytest.mark.spark
+def test_incremental_snapshot_of_large_mostly_unchanged_state(spark: Any, store: Any, pipeline: str,
+                                                              tmp_path: Path) -> None:
+    """A large state (50k keys) then small batches touching few keys: the second epoch copies a small
+    fraction of what it references."""
+    from pyspark.sql import functions as F
+
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    uri = str(tmp_path / "input")
+    ch = Channel.create(uri, pa.schema([("key", pa.string()), ("value", pa.int64())]))
+
+    def rows(keys: range) -> pa.Table:
+        return pa.table({"key": [f"key-{i:06d}" for i in keys], "value": list(keys)})
+
+    ch.append_table(rows(range(50_000)), 0, "test")  # batch 0: the large state
+    collect = Collect()
+
+    def start() -> Any:
+        df = read_channel(spark, uri)
+        agg = df.groupBy("key").agg(F.count("*").alias("n"), F.sum("value").alias("total"))
+        return (agg.writeStream.outputMode("update").foreachBatch(collect)
+                .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+
+    q = start()
+    q.awaitTermination(240)
+    e1 = new_epoch(store, pipeline)
+    r1 = snaps.capture("agg", e1, "ckpt", 0)
+    complete(store, pipeline, e1, r1)
+    for b in range(1, 4):  # three small batches touching 20 keys each
+        ch.append_table(rows(range(b * 20, b * 20 + 20)), b, "test")
+        q = start()
+        q.awaitTermination(240)
+        assert q.exception() is None
+    last = max(collect.batches)
+    e2 = new_epoch(store, pipeline)
+    r2 = snaps.capture("agg", e2, "ckpt", last)
+    complete(store, pipeline, e2, r2)
+    assert r1.bytes_new == r1.bytes_total
+    assert r2.bytes_total > r1.bytes_total
+    assert r2.bytes_new < 0.05 * r2.bytes_total, (r2.bytes_new, r2.bytes_total)
+    # the big delta files of batch 0 are referenced by both epochs, stored once
+    shared = {e.object_key for e in r1.entries} & {e.object_key for e in r2.entries}
+    assert sum(e.bytes for e in r1.entries if e.object_key in shared) > 0.9 * r1.bytes_total
+    stored = list((tmp_path / pipeline / "snapshots" / "objects").rglob("*"))
+    assert sum(p.stat().st_size for p in stored if p.is_file()) == r1.bytes_new + r2.bytes_new
+    rec = store.get_epoch(pipeline, e2)
+    assert (rec.bytes_new, rec.bytes_total) == (r2.bytes_new, r2.bytes_total)
+
+
+@pytest.mark.spark
+def test_rewritten_state_file_gets_a_new_object_after_restore(spark: Any, store: Any, pipeline: str,
+                                                              tmp_path: Path) -> None:
+    """After a restore Spark writes N.delta again with other content: content addressing keeps both."""
+    from pyspark.sql import functions as F
+
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    uri = str(tmp_path / "input")
+    schema = pa.schema([("key", pa.string()), ("value", pa.int64())])
+    ch = Channel.create(uri, schema)
+
+    def run(collect: Collect) -> None:
+        df = read_channel(spark, uri)
+        agg = df.groupBy("key").agg(F.count("*").alias("n"), F.sum("value").alias("total"))
+        q = (agg.writeStream.outputMode("update").foreachBatch(collect)
+             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+        q.awaitTermination(240)
+        assert q.exception() is None
+
+    ch.append_table(pa.table({"key": ["a", "b"], "value": [1, 2]}), 0, "t")
+    c1 = Collect()
+    run(c1)
+    e1 = new_epoch(store, pipeline)
+    complete(store, pipeline, e1, snaps.capture("agg", e1, "ckpt", 0))
+    ch.append_table(pa.table({"key": ["a"], "value": [10]}), 1, "t")
+    run(c1)
+    e2 = new_epoch(store, pipeline)
+    r2 = snaps.capture("agg", e2, "ckpt", 1)
+    complete(store, pipeline, e2, r2)
+    # restore epoch 1; the input after it changes (like a different batching after a restore)
+    snaps.commit_restore(snaps.prepare_restore("agg", e1, "ckpt"))
+    ch.truncate_from(1)
+    ch = Channel.open(uri)
+    ch.append_table(pa.table({"key": ["a", "b"], "value": [100, 200]}), 1, "t")
+    c2 = Collect()
+    run(c2)
+    assert {k: (n, t) for k, n, t in c2.batches[1]} == {"a": (2, 101), "b": (2, 202)}
+    e3 = new_epoch(store, pipeline)
+    r3 = snaps.capture("agg", e3, "ckpt", 1)
+    complete(store, pipeline, e3, r3)
+    deltas2 = {e.rel_path: e.object_key for e in r2.entries if e.rel_path.endswith("2.delta")}
+    deltas3 = {e.rel_path: e.object_key for e in r3.entries if e.rel_path.endswith("2.delta")}
+    assert deltas2 and set(deltas2) == set(deltas3)
+    assert any(deltas2[p] != deltas3[p] for p in deltas2), "same name, new content: must be a new object"
+    # epoch 2 still restores to its own content
+    snaps.commit_restore(snaps.prepare_restore("agg", e2, "ckpt"))
+    ch.truncate_from(2)
+    c3 = Collect()
+    ch = Channel.open(uri)
+    ch.append_table(pa.table({"key": ["b"], "value": [5]}), 2, "t")
+    run(c3)
+    assert dict((k, (n, s)) for k, n, s in c3.batches[2]) == {"b": (2, 7)}  # 2 + 5 from epoch 2's state
+
+
+@pytest.mark.spark
+def test_missing_or_corrupt_object_names_epoch_and_file_and_changes_nothing(spark: Any, store: Any, pipeline: str,
+                                                                           tmp_path: Path) -> None:
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    run_aggregation(spark, tmp_path / "ckpt", "hdfs", total=400, per_batch=200)
+    epoch = new_epoch(store, pipeline)
+    result = snaps.capture("agg", epoch, "ckpt", 1)
+    complete(store, pipeline, epoch, result)
+    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*"))
+
+    victim = next(e for e in result.entries if e.rel_path.endswith(".delta"))
+    obj = tmp_path / object_path(pipeline, victim.object_key)
+    good = obj.read_bytes()
+    obj.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*corrupt") as ei:
+        snaps.prepare_restore("agg", epoch, "ckpt")
+    assert ei.value.epoch == epoch and ei.value.path is not None
+    obj.unlink()
+    with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*missing"):
+        snaps.prepare_restore("agg", epoch, "ckpt")
+    after = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*"))
+    assert after == before  # the live checkpoint is untouched
+    leftovers = [p.name for p in tmp_path.iterdir() if "restoring" in p.name]
+    assert leftovers == []
+    obj.write_bytes(good)
+    prepared = snaps.prepare_restore("agg", epoch, "ckpt")
+    assert prepared.files == len(result.entries)
+    snaps.discard([prepared])
+    assert json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
