@@ -1,0 +1,417 @@
+"""``airflow-arroyo``: a small ops CLI for the epoch store.
+
+::
+
+    airflow-arroyo [--dsn DSN | --conn-id CONN_ID] [--json] COMMAND
+
+    migrate                                   apply missing schema migrations
+    pipelines                                 list registered pipelines
+    epochs PIPELINE [--limit N]               a pipeline's epochs, newest first
+    prune (PIPELINE | --all) [--keep-last K] [--keep-newer-than 1h]
+                                              prune old epochs under the cleanup lock
+    lock PIPELINE                             who holds the pipeline's cleanup lock
+
+The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
+connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
+Airflow is imported only on that path). Output is a table, or JSON with ``--json`` (options may
+come before or after the command). Exit codes: 0 ok, 2 bad input (the message names the problem and
+the fix), 1 any other error. Passwords are never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import getpass
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+import psycopg2
+
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+
+if TYPE_CHECKING:
+    from airflow_arroyo.store import EpochStore
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT = 0, 1, 2
+DSN_ENV = "ARROYO_DSN"
+CLI_RETRY_SECONDS = 10.0
+
+
+class UsageError(Exception):
+    """Bad command-line usage (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return value
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone().strftime("%Y-%m-%d %H:%M:%S%z")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value) or "-"
+    return str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: IO[str]) -> None:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    for row in [list(headers), *cells]:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _open_store(args: argparse.Namespace) -> EpochStore:
+    dsn = args.dsn or None
+    if args.conn_id and dsn:
+        raise ConfigurationError("give either --dsn or --conn-id, not both")
+    if args.conn_id:
+        return _store_from_connection(args.conn_id)
+    dsn = dsn or os.environ.get(DSN_ENV)
+    if not dsn:
+        raise ConfigurationError(
+            f"no epoch store given: pass --dsn postgresql://user@host:5432/db (or set {DSN_ENV}), "
+            "or --conn-id <airflow connection id>"
+        )
+    from airflow_arroyo.store import EpochStore
+
+    return EpochStore(dsn, max_connections=2, retry_seconds=CLI_RETRY_SECONDS, application_name="airflow-arroyo-cli")
+
+
+def _store_from_connection(conn_id: str) -> EpochStore:
+    """Resolve an Airflow connection like Airflow's own server-side CLI does (environment, secrets
+    backends and the metadata database), then open the store. Airflow is imported only here."""
+    try:
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        from airflow_arroyo.hooks.arroyo import ArroyoHook
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"--conn-id needs Airflow installed ({exc}); use --dsn postgresql://... instead"
+        ) from exc
+    previous = os.environ.get("_AIRFLOW_PROCESS_CONTEXT")
+    if previous is None:  # outside Airflow's own processes: include the metadata database backend
+        os.environ["_AIRFLOW_PROCESS_CONTEXT"] = "server"
+    try:
+        return ArroyoHook(conn_id, migrate=False, retry_seconds=CLI_RETRY_SECONDS).get_store()
+    except AirflowNotFoundException:
+        raise ConfigurationError(
+            f"no Airflow connection {conn_id!r}; create it (`airflow connections add {conn_id} "
+            "--conn-uri postgresql://...`) or pass --dsn instead"
+        ) from None
+    finally:
+        if previous is None:
+            os.environ.pop("_AIRFLOW_PROCESS_CONTEXT", None)
+
+
+def _require_schema(store: EpochStore) -> None:
+    if store.schema_version() == 0:
+        raise ConfigurationError("the epoch store has no schema yet; run `airflow-arroyo migrate` first")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_migrate(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    applied = store.migrate()
+    version = store.schema_version()
+    if args.json:
+        json.dump({"applied": applied, "schema_version": version}, out)
+        out.write("\n")
+    elif applied:
+        out.write(f"applied migrations {', '.join(map(str, applied))}; schema version {version}\n")
+    else:
+        out.write(f"schema up to date (version {version})\n")
+    return EXIT_OK
+
+
+def _cmd_pipelines(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    _require_schema(store)
+    pipelines = store.list_pipelines()
+    if args.json:
+        json.dump(_jsonable(pipelines), out)
+        out.write("\n")
+        return EXIT_OK
+    if not pipelines:
+        out.write("no pipelines registered\n")
+        return EXIT_OK
+    _table(
+        ["PIPELINE", "STATE", "RUN", "LAST EPOCH", "HEARTBEAT", "STORAGE"],
+        [[p.pipeline_id, p.state.value, p.run_id, p.last_epoch, _when(p.heartbeat_at), p.storage_uri]
+         for p in pipelines],
+        out,
+    )
+    return EXIT_OK
+
+
+def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    _require_schema(store)
+    if args.limit < 1:
+        raise ConfigurationError(f"--limit must be at least 1, got {args.limit}")
+    epochs = store.list_epochs(args.pipeline, limit=args.limit)
+    if args.json:
+        json.dump(_jsonable(epochs), out)
+        out.write("\n")
+        return EXIT_OK
+    if not epochs:
+        out.write(f"pipeline {args.pipeline} has no epochs yet\n")
+        return EXIT_OK
+    _table(
+        ["EPOCH", "STATE", "TRIGGERED", "DURATION", "SIZE", "FREED", "REASON"],
+        [[e.epoch, e.state.value, _when(e.triggered_at),
+          "-" if e.duration_s is None else f"{e.duration_s:.1f}s",
+          _human_bytes(e.bytes_total), _human_bytes(e.bytes_freed), e.failure_reason] for e in epochs],
+        out,
+    )
+    return EXIT_OK
+
+
+def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    from airflow_arroyo.retention import parse_duration, policy_from, prune_pipeline
+
+    if bool(args.all) == bool(args.pipeline):
+        raise ConfigurationError("name one PIPELINE to prune, or --all for every registered pipeline")
+    try:
+        policy = policy_from(args.keep_last, args.keep_newer_than)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{exc} (options: --keep-last K, --keep-newer-than DURATION)") from exc
+    wait_for_lock = parse_duration(args.wait_for_lock, name="--wait-for-lock") or timedelta(0)
+    wait_for_in_flight = parse_duration(args.wait_for_in_flight, name="--wait-for-in-flight") or timedelta(0)
+    if args.lock_ttl <= 0:
+        raise ConfigurationError(f"--lock-ttl must be a positive number of seconds, got {args.lock_ttl}")
+    _require_schema(store)
+    if args.all:
+        targets = [p.pipeline_id for p in store.list_pipelines()]
+    else:
+        store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2 before anything is written
+        targets = [args.pipeline]
+    holder = f"cli:{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"
+    results: list[dict[str, Any]] = []
+    failed = False
+    for pipeline_id in targets:
+        try:
+            report = prune_pipeline(store, pipeline_id, policy, holder=holder, lock_ttl=args.lock_ttl,
+                                    wait_for_lock=wait_for_lock, wait_for_in_flight=wait_for_in_flight)
+            results.append({**report.to_dict(), "error": None})
+        except (ArroyoError, OSError) as exc:
+            if not args.all:
+                raise
+            failed = True
+            results.append({"pipeline_id": pipeline_id, "error": f"{type(exc).__name__}: {exc}"})
+    if args.json:
+        json.dump(results, out)
+        out.write("\n")
+    elif not results:
+        out.write("no pipelines registered\n")
+    else:
+        _table(
+            ["PIPELINE", "CLEANUP RUN", "PRUNED", "FREED", "KEPT", "NOTE"],
+            [[r["pipeline_id"], r.get("cleanup_run"), r.get("epochs_pruned"),
+              _human_bytes(r["bytes_freed"]) if "bytes_freed" in r else "-", r.get("kept"),
+              r["error"] or (f"skipped: {r['skipped_reason']}" if r.get("skipped_reason") else "")]
+             for r in results],
+            out,
+        )
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def _cmd_lock(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    _require_schema(store)
+    store.get_pipeline(args.pipeline)
+    lock = store.cleanup_lock(args.pipeline)
+    runs = store.list_cleanup_runs(args.pipeline, limit=1)
+    last = runs[0] if runs else None
+    if args.json:
+        json.dump({"pipeline_id": args.pipeline, "lock": _jsonable(lock), "last_run": _jsonable(last)}, out)
+        out.write("\n")
+        return EXIT_OK
+    if lock is None:
+        out.write(f"pipeline {args.pipeline}: no cleanup lock held\n")
+    else:
+        _table(["PIPELINE", "HOLDER", "CLEANUP RUN", "ACQUIRED", "EXPIRES"],
+               [[lock.pipeline_id, lock.holder, lock.cleanup_run, _when(lock.acquired_at), _when(lock.expires_at)]],
+               out)
+    if last is not None:
+        out.write(f"last cleanup run {last.id}: {last.state} (holder {last.holder}, started {_when(last.started_at)}, "
+                  f"pruned {_cell(last.epochs_pruned)}, freed {_human_bytes(last.bytes_freed)})"
+                  + (f": {last.error}" if last.error else "") + "\n")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- parser and main
+
+
+def _build_parser() -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument("--dsn", default=argparse.SUPPRESS,
+                        help=f"PostgreSQL URI of the epoch store (default: ${DSN_ENV})")
+    common.add_argument("--conn-id", default=argparse.SUPPRESS,
+                        help="an Airflow connection id instead of --dsn (needs Airflow)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON instead of a table")
+
+    parser = _Parser(prog="airflow-arroyo", parents=[common],
+                     description="Operate the airflow-arroyo epoch store: schema, pipelines, epochs, retention.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    sub.add_parser("migrate", parents=[common], help="apply missing schema migrations")
+    sub.add_parser("pipelines", parents=[common], help="list registered pipelines")
+    epochs = sub.add_parser("epochs", parents=[common], help="list a pipeline's epochs, newest first")
+    epochs.add_argument("pipeline")
+    epochs.add_argument("--limit", type=int, default=20, help="at most this many epochs (default 20)")
+    prune = sub.add_parser("prune", parents=[common], help="prune old epochs under the cleanup lock")
+    prune.add_argument("pipeline", nargs="?")
+    prune.add_argument("--all", action="store_true", help="every registered pipeline")
+    prune.add_argument("--keep-last", metavar="K", help="keep the last K completed epochs")
+    prune.add_argument("--keep-newer-than", metavar="DURATION", help="keep epochs newer than e.g. 90m, 6h, 7d")
+    prune.add_argument("--lock-ttl", type=float, default=60.0, help="cleanup lease in seconds (default 60)")
+    prune.add_argument("--wait-for-lock", default="0", metavar="DURATION",
+                       help="retry this long while another cleanup holds the lock (default 0: skip)")
+    prune.add_argument("--wait-for-in-flight", default="5m", metavar="DURATION",
+                       help="wait this long for an in-flight epoch to end (default 5m)")
+    lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
+    lock.add_argument("pipeline")
+    return parser
+
+
+_COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] = {
+    "migrate": _cmd_migrate,
+    "pipelines": _cmd_pipelines,
+    "epochs": _cmd_epochs,
+    "prune": _cmd_prune,
+    "lock": _cmd_lock,
+}
+
+
+def _scrub(message: str, args: argparse.Namespace | None) -> str:
+    """Belt and braces: no password from --dsn / ARROYO_DSN in any message we print."""
+    from urllib.parse import unquote, urlsplit
+
+    for dsn in (getattr(args, "dsn", None), os.environ.get(DSN_ENV)):
+        if not dsn:
+            continue
+        secrets: list[str] = []
+        if "://" in dsn:
+            try:
+                password = urlsplit(dsn).password
+            except ValueError:
+                password = None
+            if password:
+                secrets += [password, unquote(password)]
+        else:
+            secrets += [p.split("=", 1)[1] for p in dsn.split() if p.startswith("password=")]
+        for secret in secrets:
+            if secret:
+                message = message.replace(secret, "***")
+    return message
+
+
+class _LogsToStderr:
+    """Point root logging handlers that write to stdout at ``err`` while the CLI runs (restored after).
+
+    :meth:`rescan` catches handlers added meanwhile (importing Airflow adds one that logs to stdout).
+    """
+
+    def __init__(self, err: IO[str], stdout: IO[str]) -> None:
+        self._err = err
+        self._stdouts = (stdout, sys.__stdout__)
+        self._moved: list[tuple[logging.StreamHandler[Any], Any]] = []
+
+    def rescan(self) -> None:
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in self._stdouts:
+                self._moved.append((handler, handler.setStream(self._err)))
+
+    def __enter__(self) -> _LogsToStderr:
+        self.rescan()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handler, stream in reversed(self._moved):
+            handler.setStream(stream)
+        self._moved.clear()
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Entry point of the ``airflow-arroyo`` console script; returns the exit code."""
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    args: argparse.Namespace | None = None
+    try:
+        args = _build_parser().parse_args(argv)
+        for name, default in (("dsn", None), ("conn_id", None), ("json", False)):
+            if not hasattr(args, name):
+                setattr(args, name, default)
+        # Results go to ``out``; anything else that prints (Airflow's logging, once imported, logs
+        # to stdout) goes to stderr, so that tables and --json stay clean.
+        with contextlib.redirect_stdout(err), _LogsToStderr(err, out) as logs:
+            store = _open_store(args)
+            logs.rescan()
+            try:
+                return _COMMANDS[args.command](store, args, out)
+            finally:
+                if not args.conn_id:  # hook stores are shared per process; ours is private
+                    store.close()
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UsageError as exc:
+        err.write(f"{_scrub(str(exc), args)}\n")
+        return EXIT_BAD_INPUT
+    except (ConfigurationError, UnknownPipelineError) as exc:
+        err.write(f"error: {_scrub(str(exc), args)}\n")
+        return EXIT_BAD_INPUT
+    except (ArroyoError, psycopg2.Error, OSError) as exc:
+        err.write(f"error: {_scrub(f'{type(exc).__name__}: {exc}', args)}\n")
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

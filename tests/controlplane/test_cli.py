@@ -1,0 +1,220 @@
+"""The ``airflow-arroyo`` ops CLI against a real Postgres epoch store: tables, JSON, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from airflow_arroyo.cli import main
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.store import EpochStore
+from tests.controlplane.test_retention import Pipeline, sql
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def no_dsn_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ARROYO_DSN", raising=False)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def lines(text: str) -> list[list[str]]:
+    return [line.split() for line in text.strip().splitlines()]
+
+
+@pytest.fixture
+def two_pipelines(store: EpochStore, tmp_path: Path) -> Iterator[tuple[Pipeline, Pipeline]]:
+    orders = Pipeline(store, tmp_path / "o", "orders", stages=("src",))
+    clicks = Pipeline(store, tmp_path / "c", "clicks", stages=("src",))
+    for pipe in (orders, clicks):
+        pipe.epoch({"src": {"a": 1000}})
+        pipe.epoch({"src": {"b": 2000}})
+        pipe.epoch({"src": {"c": 3000}})
+    yield orders, clicks
+
+
+def test_migrate_then_up_to_date(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", pg_dsn, "migrate")
+    assert code == 0 and out == "applied migrations 1; schema version 1\n"
+    code, out, _ = run(capsys, "migrate", "--dsn", pg_dsn, "--json")  # options after the command too
+    assert code == 0 and json.loads(out) == {"applied": [], "schema_version": 1}
+
+
+def test_unmigrated_store_is_bad_input(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--dsn", pg_dsn, "epochs", "orders")
+    assert (code, out) == (2, "")
+    assert "run `airflow-arroyo migrate` first" in err
+
+
+def test_pipelines_table_and_json(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", store.dsn, "pipelines")
+    assert code == 0
+    rows = lines(out)
+    assert rows[0][:3] == ["PIPELINE", "STATE", "RUN"]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows[1:]] == [("clicks", "running", "run-1", "3"),
+                                                           ("orders", "running", "run-1", "3")]
+    code, out, _ = run(capsys, "pipelines", "--json", "--dsn", store.dsn)
+    data = json.loads(out)
+    assert [(p["pipeline_id"], p["state"], p["last_epoch"]) for p in data] == [("clicks", "running", 3),
+                                                                               ("orders", "running", 3)]
+
+
+def test_epochs_newest_first_with_limit(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    orders, _ = two_pipelines
+    orders.epoch({"src": {"d": 1}}, end="fail")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "epochs", "orders", "--limit", "2")
+    assert code == 0
+    rows = lines(out)
+    assert rows[0][:2] == ["EPOCH", "STATE"] and len(rows) == 3
+    assert [r[:2] for r in rows[1:]] == [["4", "failed"], ["3", "completed"]]
+    assert "stage agg could not snapshot" in out
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "epochs", "orders")
+    assert [(e["epoch"], e["state"]) for e in json.loads(out)] == [(4, "failed"), (3, "completed"),
+                                                                   (2, "completed"), (1, "completed")]
+
+
+def test_prune_one_pipeline(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    orders, clicks = two_pipelines
+    code, out, err = run(capsys, "--dsn", store.dsn, "prune", "orders", "--keep-last", "1")
+    assert (code, err) == (0, "")
+    rows = lines(out)
+    assert rows[0] == ["PIPELINE", "CLEANUP", "RUN", "PRUNED", "FREED", "KEPT", "NOTE"]
+    assert rows[1] == ["orders", "1", "1,2", "2.9", "KiB", "3"]
+    assert orders.states() == {1: EpochState.PRUNED, 2: EpochState.PRUNED, 3: EpochState.COMPLETED}
+    assert clicks.states()[1] is EpochState.COMPLETED  # only the named pipeline
+    assert not orders.path("a").exists() and clicks.path("a").exists()
+    assert store.list_cleanup_runs("orders")[0].holder.startswith("cli:")
+
+
+def test_prune_all_json(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "prune", "--all", "--keep-newer-than", "1h",
+                       "--keep-last", "2")
+    assert code == 0
+    reports = json.loads(out)
+    assert [(r["pipeline_id"], r["epochs_pruned"], r["kept"], r["error"]) for r in reports] == [
+        ("clicks", [], [1, 2, 3], None), ("orders", [], [1, 2, 3], None)]  # all newer than 1h
+    for pipe in two_pipelines:
+        pipe.age(1, hours=2)
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "prune", "--all", "--keep-newer-than", "1h")
+    reports = json.loads(out)
+    assert [(r["pipeline_id"], r["epochs_pruned"], r["bytes_freed"]) for r in reports] == [
+        ("clicks", [1], 1000), ("orders", [1], 1000)]
+
+
+def test_prune_reports_a_skip(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    store.acquire_cleanup_lock("orders", "ops:bob", ttl=600)
+    code, out, _ = run(capsys, "--dsn", store.dsn, "prune", "orders", "--keep-last", "1")
+    assert code == 0 and "skipped: cleanup lock held by ops:bob" in out
+    assert two_pipelines[0].states()[1] is EpochState.COMPLETED
+
+
+def test_lock_shows_the_holder(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", store.dsn, "lock", "orders")
+    assert (code, out) == (0, "pipeline orders: no cleanup lock held\n")
+    held = store.acquire_cleanup_lock("orders", "ops:alice@host:42", ttl=600)
+    code, out, _ = run(capsys, "--dsn", store.dsn, "lock", "orders")
+    rows = lines(out)
+    assert rows[0][:3] == ["PIPELINE", "HOLDER", "CLEANUP"]
+    assert rows[1][:3] == ["orders", "ops:alice@host:42", str(held.id)]
+    assert f"last cleanup run {held.id}: running" in out
+    code, out, _ = run(capsys, "--dsn", store.dsn, "lock", "orders", "--json")
+    data = json.loads(out)
+    assert data["lock"]["holder"] == "ops:alice@host:42" and data["lock"]["cleanup_run"] == held.id
+    assert data["last_run"]["state"] == "running"
+
+
+def test_dsn_from_the_environment(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                  capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ARROYO_DSN", store.dsn)
+    code, out, _ = run(capsys, "pipelines", "--json")
+    assert code == 0 and len(json.loads(out)) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["pipelines"], "no epoch store given"),
+        (["--dsn", "{dsn}", "prune", "orders"], "keeps nothing"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-last", "0"], "keep_last must be"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than", "soon"], "not a duration"),
+        (["--dsn", "{dsn}", "prune", "--keep-last", "3"], "or --all"),
+        (["--dsn", "{dsn}", "prune", "orders", "--all", "--keep-last", "3"], "or --all"),
+        (["--dsn", "{dsn}", "prune", "nope", "--keep-last", "3"], "no pipeline named 'nope'"),
+        (["--dsn", "{dsn}", "epochs", "nope"], "no pipeline named 'nope'"),
+        (["--dsn", "{dsn}", "lock", "nope"], "no pipeline named 'nope'"),
+        (["--dsn", "{dsn}", "epochs", "orders", "--limit", "0"], "--limit"),
+        (["--dsn", "{dsn}", "epochs", "orders", "--limit", "x"], "invalid int"),
+        (["--dsn", "{dsn}", "--conn-id", "x", "pipelines"], "not both"),
+        (["--dsn", "{dsn}", "vacuum"], "invalid choice"),
+        (["--dsn", "{dsn}"], "required"),
+    ],
+)
+def test_bad_input_exits_2_before_anything_is_written(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                      capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                      needle: str) -> None:
+    code, out, err = run(capsys, *[a.replace("{dsn}", store.dsn) for a in argv])
+    assert (code, out) == (2, "")
+    assert needle in err
+    assert sql(store, "SELECT count(*) FROM arroyo_cleanup_runs") == [(0,)]
+
+
+def test_store_errors_exit_1_and_never_print_the_password(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = urlsplit(pg_dsn)
+    secret = "Sup3r-s3cret"
+    bad = urlunsplit(parts._replace(netloc=f"{parts.username}:{secret}@{parts.hostname}:{parts.port}",
+                                    path="/no_such_database"))
+    code, out, err = run(capsys, "--dsn", bad, "pipelines")
+    assert code == 1 and out == ""
+    assert "no_such_database" in err and secret not in err
+
+
+def test_conn_id_resolves_an_airflow_connection(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_arroyo.hooks import arroyo as hook_module
+
+    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_OPS", store.dsn)
+    try:
+        code, out, _ = run(capsys, "--conn-id", "arroyo_ops", "--json", "pipelines")
+        assert code == 0 and [p["pipeline_id"] for p in json.loads(out)] == ["clicks", "orders"]
+        code, _, err = run(capsys, "--conn-id", "no_such_conn", "pipelines")
+        assert code == 2 and "no Airflow connection 'no_such_conn'" in err
+    finally:
+        hook_module._reset_shared_stores()
+
+
+def test_console_script_without_airflow(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline]) -> None:
+    """The --dsn path never imports Airflow (ops hosts and Spark nodes may not have it)."""
+    probe = (
+        "import sys\n"
+        "from airflow_arroyo.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "leaked = sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.'))\n"
+        "assert not leaked, leaked[:5]\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, "--dsn", store.dsn, "--json", "epochs", "orders",
+                           "--limit", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [e["epoch"] for e in json.loads(done.stdout)] == [3]
+    script = subprocess.run([str(VENV_BIN / "airflow-arroyo"), "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert script.returncode == 0 and "prune" in script.stdout
