@@ -1,0 +1,347 @@
+"""The FastAPI app behind the Airflow plugin, mounted by Airflow's api-server at ``/arroyo``.
+
+HTML pages (server-rendered, no JavaScript, charts as inline SVG):
+
+* ``/``                                     pipelines: state, health, Spark app, last completed epoch
+* ``/pipelines/{pipeline_id}``              a pipeline and a page of its checkpoint history, with a chart
+* ``/pipelines/{pipeline_id}/epochs/{n}``   one epoch: per-stage timeline, stages not acknowledged yet
+* ``/pipelines/{pipeline_id}/retention``    cleanup runs and the cleanup lock
+
+JSON API (same data): ``/api/pipelines``, ``/api/pipelines/{id}``, ``/api/pipelines/{id}/epochs``,
+``/api/pipelines/{id}/epochs/{n}``, ``/api/pipelines/{id}/retention``.
+
+Airflow does not put its authentication in front of plugin apps: every route here depends on
+``requires_access_view(AccessView.PLUGINS)`` (a valid Airflow JWT as ``Authorization: Bearer`` or
+the ``_token`` cookie the Airflow UI sets, and the auth manager's permission to view plugins). The
+OpenAPI/docs routes are turned off. Responses carry a strict Content-Security-Policy that still lets
+the Airflow UI frame the pages (``frame-ancestors 'self'``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, is_dataclass
+from datetime import datetime
+from importlib import resources
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from airflow_arroyo.epochs import EpochState, validate_pipeline_id
+from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownPipelineError
+from airflow_arroyo.ui import charts, format
+from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
+from airflow_arroyo.ui.queries import (
+    EpochDetail,
+    PipelineOverview,
+    UIQueries,
+    UnknownEpochError,
+)
+from airflow_arroyo.ui.store_source import StoreSource
+from airflow_arroyo.ui.timeline import stage_timings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; frame-ancestors 'self'; "
+       "base-uri 'none'; form-action 'self'")
+
+
+class StoreUnavailable(Exception):
+    """The epoch store is not configured or cannot be reached (HTTP 503)."""
+
+
+def _templates() -> Environment:
+    env = Environment(
+        loader=PackageLoader("airflow_arroyo.ui", "templates"),
+        autoescape=select_autoescape(["html"]),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update({
+        "bytes": format.bytes_human,
+        "dur": format.duration_human,
+        "ts": format.timestamp,
+        "ranges": format.epoch_ranges,
+        "urlpart": lambda s: quote(str(s), safe=""),
+    })
+    env.globals.update({"age": format.age, "state_colours": charts.STATE_COLOURS})
+    return env
+
+
+def _safe_http_url(url: str | None) -> str | None:
+    """Only http(s) links from the store become links (a ``javascript:`` URL stays text)."""
+    if url and url.lower().startswith(("http://", "https://")):
+        return url
+    return None
+
+
+def _duration_s(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start).total_seconds()
+
+
+def _json(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    return jsonable_encoder(value)
+
+
+def _overview_json(o: PipelineOverview, findings: list[Finding]) -> dict[str, Any]:
+    return {
+        "pipeline": _json(o.pipeline),
+        "now": o.now,
+        "last_completed_epoch": _json(o.last_completed) if o.last_completed else None,
+        "last_completed_age_s": o.last_completed_age_s,
+        "in_flight_epoch": _json(o.in_flight) if o.in_flight else None,
+        "consecutive_failures": o.consecutive_failures,
+        "cleanup_lock": _json(o.cleanup_lock) if o.cleanup_lock else None,
+        "health": worst(findings).label,
+        "warnings": [{"kind": f.kind, "severity": f.severity.label, "message": f.message} for f in findings],
+    }
+
+
+def create_app(source: StoreSource | None = None, *,
+               thresholds: HealthThresholds = HealthThresholds()) -> FastAPI:
+    """Build the app. ``source`` gives the read-only queries (default: the ``arroyo_default`` connection)."""
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+    from airflow.api_fastapi.core_api.security import requires_access_view
+
+    src = source if source is not None else StoreSource()
+    templates = _templates()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        src.close()
+
+    app = FastAPI(
+        title="Arroyo checkpoints",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        dependencies=[Depends(requires_access_view(AccessView.PLUGINS))],
+        lifespan=lifespan,
+    )
+    app.state.arroyo_source = src
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        response.headers.setdefault("Content-Security-Policy", CSP)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "same-origin")
+        response.headers.setdefault("Cache-Control", "no-store")
+        return response
+
+    # ------------------------------------------------------------------ helpers
+
+    def base(request: Request) -> str:
+        return str(request.scope.get("root_path", "")).rstrip("/")
+
+    def wants_json(request: Request) -> bool:
+        path = request.url.path
+        return f"{base(request)}/api/" in path or path.startswith("/api/")
+
+    def render(request: Request, name: str, http_status: int = 200, **context: Any) -> HTMLResponse:
+        context.setdefault("now", None)
+        html = templates.get_template(name).render(base=base(request), request=request, **context)
+        return HTMLResponse(html, status_code=http_status)
+
+    def queries() -> UIQueries:
+        try:
+            return src.get()
+        except ConfigurationError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    def pipeline_id_ok(pipeline_id: str) -> str:
+        try:
+            return validate_pipeline_id(pipeline_id)
+        except ConfigurationError as exc:
+            raise UnknownPipelineError(pipeline_id) from exc
+
+    def page_url(request: Request, path: str, **params: Any) -> str:
+        kept = {k: v for k, v in params.items() if v is not None}
+        return f"{base(request)}{path}" + (f"?{urlencode(kept)}" if kept else "")
+
+    # ------------------------------------------------------------------ errors
+
+    def error(request: Request, status_code: int, message: str) -> Response:
+        if wants_json(request):
+            return JSONResponse({"detail": message}, status_code=status_code)
+        return render(request, "error.html", http_status=status_code, title=f"Error {status_code}",
+                      status_code=status_code, message=message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 401 and not wants_json(request):
+            login_url = None
+            try:
+                from airflow.api_fastapi.app import get_auth_manager
+
+                login_url = get_auth_manager().get_url_login(next_url=str(request.url))
+            except RuntimeError:
+                login_url = None
+            return render(request, "signin.html", http_status=401, title="Sign in", login_url=login_url,
+                          detail=str(exc.detail))
+        if wants_json(request):
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        return render(request, "error.html", http_status=exc.status_code, title=f"Error {exc.status_code}",
+                      status_code=exc.status_code, message=str(exc.detail))
+
+    @app.exception_handler(UnknownPipelineError)
+    async def unknown_pipeline(request: Request, exc: UnknownPipelineError) -> Response:
+        return error(request, 404, f"no pipeline named {exc.pipeline_id!r} in the epoch store")
+
+    @app.exception_handler(UnknownEpochError)
+    async def unknown_epoch(request: Request, exc: UnknownEpochError) -> Response:
+        return error(request, 404, str(exc))
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
+        return error(request, 503, str(exc))
+
+    @app.exception_handler(StoreError)
+    async def store_error(request: Request, exc: StoreError) -> Response:
+        log.warning("Arroyo UI: epoch store error: %s", exc)
+        return error(request, 503, f"the epoch store could not be read: {exc}")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> Response:
+        details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        return error(request, 422, f"invalid request: {details}")
+
+    # ------------------------------------------------------------------ static
+
+    @app.get("/static/arroyo.css", include_in_schema=False)
+    def stylesheet() -> Response:
+        css = resources.files("airflow_arroyo.ui").joinpath("static/arroyo.css").read_text(encoding="utf-8")
+        return Response(css, media_type="text/css", headers={"Cache-Control": "private, max-age=300"})
+
+    # ------------------------------------------------------------------ pages
+
+    @app.get("/", response_class=HTMLResponse, name="pipelines_page")
+    def pipelines_page(request: Request, after: str | None = Query(None, max_length=200),
+                       limit: int = Query(50, ge=1, le=200)) -> HTMLResponse:
+        page = queries().pipelines(after=after, limit=limit)
+        rows = [(o, assess(o, thresholds)) for o in page.items]
+        return render(request, "pipelines.html", title="Pipelines", page=page, rows=rows, now=page.now,
+                      worst=worst, safe_url=_safe_http_url,
+                      next_url=page_url(request, "/", after=page.next_after, limit=limit) if page.next_after
+                      else None,
+                      first_url=page_url(request, "/", limit=limit) if after else None)
+
+    @app.get("/pipelines/{pipeline_id}", response_class=HTMLResponse, name="pipeline_page")
+    def pipeline_page(request: Request, pipeline_id: str, before: int | None = Query(None, ge=1),
+                      after: int | None = Query(None, ge=0), limit: int = Query(100, ge=1, le=500)) -> HTMLResponse:
+        pid = pipeline_id_ok(pipeline_id)
+        page = queries().pipeline_page(pid, before=before, after=after, limit=limit)
+        o = page.overview
+        findings = assess(o, thresholds)
+        path = f"/pipelines/{quote(pid, safe='')}"
+        return render(
+            request, "pipeline.html", title=pid, o=o, p=o.pipeline, findings=findings, health=worst(findings),
+            epochs=page.epochs, now=o.now, spark_url=_safe_http_url(o.pipeline.spark_ui_url),
+            chart=charts.history_chart(page.epochs.epochs, o.now), duration=_duration_s,
+            older_url=page_url(request, path, before=page.epochs.older_before, limit=limit)
+            if page.epochs.older_before else None,
+            newer_url=page_url(request, path, after=page.epochs.newer_after, limit=limit)
+            if page.epochs.newer_after is not None else None,
+            newest_url=page_url(request, path, limit=limit) if (before or after is not None) else None,
+            in_flight_state=EpochState.TRIGGERED,
+        )
+
+    @app.get("/pipelines/{pipeline_id}/epochs/{epoch}", response_class=HTMLResponse, name="epoch_page")
+    def epoch_page(request: Request, pipeline_id: str, epoch: int) -> HTMLResponse:
+        pid = pipeline_id_ok(pipeline_id)
+        detail = queries().epoch_detail(pid, epoch)
+        return render(request, "epoch.html", title=f"{pid} · epoch {epoch}", **_epoch_context(detail))
+
+    @app.get("/pipelines/{pipeline_id}/retention", response_class=HTMLResponse, name="retention_page")
+    def retention_page(request: Request, pipeline_id: str, before_id: int | None = Query(None, ge=1),
+                       limit: int = Query(50, ge=1, le=200)) -> HTMLResponse:
+        pid = pipeline_id_ok(pipeline_id)
+        page = queries().retention(pid, before_id=before_id, limit=limit)
+        path = f"/pipelines/{quote(pid, safe='')}/retention"
+        return render(request, "retention.html", title=f"{pid} · retention", page=page, p=page.pipeline,
+                      now=page.now, duration=_duration_s,
+                      older_url=page_url(request, path, before_id=page.next_before_id, limit=limit)
+                      if page.next_before_id else None,
+                      newest_url=page_url(request, path, limit=limit) if before_id else None)
+
+    def _epoch_context(detail: EpochDetail) -> dict[str, Any]:
+        e = detail.epoch
+        timings = stage_timings(detail)
+        end_s = _duration_s(e.triggered_at, e.ended_at)
+        return {
+            "d": detail, "e": e, "p": detail.pipeline, "now": detail.now, "timings": timings,
+            "duration_s": end_s if end_s is not None else (
+                (detail.now - e.triggered_at).total_seconds() if e.state is EpochState.TRIGGERED else None),
+            "chart": charts.timeline_chart(timings, epoch_end_s=end_s,
+                                           epoch_end_label=f"{e.state.value} after {format.duration_human(end_s)}"
+                                           if end_s is not None else ""),
+            "in_flight": e.state is EpochState.TRIGGERED,
+            "prev_epoch": e.epoch - 1 if e.epoch > 1 else None,
+            "next_epoch": e.epoch + 1 if e.epoch < detail.pipeline.last_epoch else None,
+        }
+
+    # ------------------------------------------------------------------ JSON API
+
+    @app.get("/api/pipelines")
+    def api_pipelines(after: str | None = Query(None, max_length=200),
+                      limit: int = Query(50, ge=1, le=200)) -> dict[str, Any]:
+        page = queries().pipelines(after=after, limit=limit)
+        return {"now": page.now, "next_after": page.next_after,
+                "pipelines": [_overview_json(o, assess(o, thresholds)) for o in page.items]}
+
+    @app.get("/api/pipelines/{pipeline_id}")
+    def api_pipeline(pipeline_id: str) -> dict[str, Any]:
+        o = queries().overview(pipeline_id_ok(pipeline_id))
+        return _overview_json(o, assess(o, thresholds))
+
+    @app.get("/api/pipelines/{pipeline_id}/epochs")
+    def api_epochs(pipeline_id: str, before: int | None = Query(None, ge=1), after: int | None = Query(None, ge=0),
+                   limit: int = Query(100, ge=1, le=500)) -> dict[str, Any]:
+        page = queries().epochs(pipeline_id_ok(pipeline_id), before=before, after=after, limit=limit)
+        return {
+            "epochs": [{**_json(e), "duration_s": e.duration_s} for e in page.epochs],
+            "older_before": page.older_before,
+            "newer_after": page.newer_after,
+        }
+
+    @app.get("/api/pipelines/{pipeline_id}/epochs/{epoch}")
+    def api_epoch(pipeline_id: str, epoch: int) -> dict[str, Any]:
+        detail = queries().epoch_detail(pipeline_id_ok(pipeline_id), epoch)
+        return {
+            "now": detail.now,
+            "epoch": {**_json(detail.epoch), "duration_s": detail.epoch.duration_s},
+            "acks": [_json(a) for a in detail.acks],
+            "pending_stages": detail.pending_stages,
+            "stages": [
+                {**_json(t), "segments": [{"part": n, "start_s": s, "length_s": ln} for n, s, ln in t.segments]}
+                for t in stage_timings(detail)
+            ],
+        }
+
+    @app.get("/api/pipelines/{pipeline_id}/retention")
+    def api_retention(pipeline_id: str, before_id: int | None = Query(None, ge=1),
+                      limit: int = Query(50, ge=1, le=200)) -> dict[str, Any]:
+        page = queries().retention(pipeline_id_ok(pipeline_id), before_id=before_id, limit=limit)
+        return {
+            "now": page.now,
+            "cleanup_lock": {**_json(page.lock), "live": page.lock_live} if page.lock else None,
+            "cleanup_runs": [_json(r) for r in page.runs],
+            "next_before_id": page.next_before_id,
+        }
+
+    return app

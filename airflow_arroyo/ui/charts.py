@@ -1,0 +1,242 @@
+"""Pure: server-side SVG charts (no JavaScript, no external assets: the page works offline).
+
+* :func:`history_chart` - a pipeline's checkpoint history: duration per epoch (bars coloured by
+  state) above checkpoint size (total as a line, new bytes as bars), epochs oldest to newest.
+* :func:`timeline_chart` - one epoch, one row per stage: start delay, alignment, sync and async
+  parts up to the acknowledgement; stages still waiting drawn as a dashed bar up to now.
+
+Every text is escaped; colours are attributes (no inline ``style``), so a strict CSP holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from datetime import datetime
+
+from markupsafe import Markup, escape
+
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.store.records import EpochRecord
+from airflow_arroyo.ui.format import bytes_human, duration_human
+from airflow_arroyo.ui.timeline import StageStatus, StageTiming
+
+__all__ = ["PART_COLOURS", "STATE_COLOURS", "history_chart", "nice_ticks", "timeline_chart"]
+
+STATE_COLOURS: dict[EpochState, str] = {
+    EpochState.COMPLETED: "#16a34a",
+    EpochState.TRIGGERED: "#2563eb",
+    EpochState.FAILED: "#dc2626",
+    EpochState.EXPIRED: "#ea580c",
+    EpochState.PRUNING: "#9ca3af",
+    EpochState.PRUNED: "#9ca3af",
+}
+PART_COLOURS: dict[str, str] = {
+    "start_delay": "#cbd5e1",
+    "alignment": "#f59e0b",
+    "sync": "#3b82f6",
+    "async": "#10b981",
+}
+PART_LABELS = {"start_delay": "start delay", "alignment": "alignment", "sync": "sync snapshot",
+               "async": "async snapshot"}
+_TOTAL_COLOUR = "#7c3aed"
+_NEW_COLOUR = "#c4b5fd"
+_GRID = "#e5e7eb"
+_TEXT = "#4b5563"
+_FONT = 'font-family="system-ui, sans-serif" font-size="11"'
+
+
+def nice_ticks(top: float, count: int = 4) -> list[float]:
+    """Round tick values from 0 covering ``top``: ``nice_ticks(37)`` -> ``[0, 10, 20, 30, 40]``."""
+    if not math.isfinite(top) or top <= 0:
+        return [0.0, 1.0]
+    raw = top / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    n = math.ceil(top / step - 1e-9)
+    return [i * step for i in range(n + 1)]
+
+
+def _bytes_ticks(top: float, count: int = 4) -> list[float]:
+    """Ticks on powers of 1024 so that labels read as whole KiB/MiB/GiB."""
+    if top <= 0:
+        return [0.0, 1.0]
+    unit = 1024 ** max(0, math.floor(math.log(top, 1024)))
+    return [t * unit for t in nice_ticks(top / unit, count)]
+
+
+def _num(x: float) -> str:
+    return f"{x:.1f}".rstrip("0").rstrip(".")
+
+
+def _text(x: float, y: float, s: str, *, anchor: str = "start", extra: str = "") -> str:
+    return (f'<text x="{_num(x)}" y="{_num(y)}" text-anchor="{anchor}" fill="{_TEXT}" {_FONT}{extra}>'
+            f"{escape(s)}</text>")
+
+
+def _duration_s(e: EpochRecord, now: datetime) -> float | None:
+    if e.ended_at is not None:
+        return max((e.ended_at - e.triggered_at).total_seconds(), 0.0)
+    if e.state is EpochState.TRIGGERED:
+        return max((now - e.triggered_at).total_seconds(), 0.0)
+    return None
+
+
+def _y_axis(x0: float, x1: float, y_top: float, height: float, ticks: Sequence[float],
+            label: Callable[[float], str]) -> list[str]:
+    top = ticks[-1] or 1.0
+    out = []
+    for t in ticks:
+        y = y_top + height - height * t / top
+        out.append(f'<line x1="{_num(x0)}" y1="{_num(y)}" x2="{_num(x1)}" y2="{_num(y)}" stroke="{_GRID}"/>')
+        out.append(_text(x0 - 6, y + 4, label(t), anchor="end"))
+    return out
+
+
+def _legend(items: Sequence[tuple[str, str]], x: float, y: float) -> list[str]:
+    out = []
+    for colour, name in items:
+        out.append(f'<rect x="{_num(x)}" y="{_num(y - 9)}" width="10" height="10" fill="{colour}"/>')
+        out.append(_text(x + 14, y, name))
+        x += 22 + 6.5 * len(name)
+    return out
+
+
+def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 960) -> Markup:
+    """Duration and size of ``epochs`` (any order; drawn oldest to newest)."""
+    ordered = sorted(epochs, key=lambda e: e.epoch)
+    left, right, top_pad, panel_h, gap, bottom = 72, 16, 34, 150, 48, 30
+    height = top_pad + panel_h + gap + panel_h + bottom
+    plot_w = width - left - right
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart history" viewBox="0 0 {width} {height}" '
+             f'width="100%" role="img" aria-label="Checkpoint duration and size per epoch">']
+    if not ordered:
+        parts.append(_text(width / 2, height / 2, "No epochs yet", anchor="middle"))
+        parts.append("</svg>")
+        return Markup("".join(parts))
+
+    n = len(ordered)
+    band = plot_w / n
+    bar_w = max(1.0, band * 0.7)
+    durations = [_duration_s(e, now) for e in ordered]
+    d_ticks = nice_ticks(max([d for d in durations if d is not None] or [1.0]))
+    sizes_total = [e.bytes_total for e in ordered]
+    sizes_new = [e.bytes_new for e in ordered]
+    b_top = max([float(b) for b in sizes_total + sizes_new if b is not None] or [1.0])
+    b_ticks = _bytes_ticks(b_top)
+
+    present = sorted({e.state for e in ordered}, key=list(EpochState).index)
+    parts += _legend([(STATE_COLOURS[s], s.value) for s in present], left, 14)
+    parts.append(_text(left, top_pad - 4, "duration", extra=' font-weight="600"'))
+    y1 = top_pad
+    parts += _y_axis(left, left + plot_w, y1, panel_h, d_ticks, duration_human)
+    for i, (e, d) in enumerate(zip(ordered, durations, strict=True)):
+        if d is None:
+            continue
+        h = max(panel_h * d / d_ticks[-1], 0.5)
+        x = left + i * band + (band - bar_w) / 2
+        tip = f"epoch {e.epoch} · {e.state.value} · {duration_human(d)}"
+        if e.failure_reason:
+            tip += f" · {e.failure_reason}"
+        parts.append(f'<rect x="{_num(x)}" y="{_num(y1 + panel_h - h)}" width="{_num(bar_w)}" height="{_num(h)}" '
+                     f'fill="{STATE_COLOURS[e.state]}"><title>{escape(tip)}</title></rect>')
+
+    y2 = top_pad + panel_h + gap
+    parts.append(_text(left, y2 - 4, "checkpoint size", extra=' font-weight="600"'))
+    parts += _legend([(_TOTAL_COLOUR, "total"), (_NEW_COLOUR, "new")], left + 110, y2 - 4)
+    parts += _y_axis(left, left + plot_w, y2, panel_h, b_ticks, bytes_human)
+    b_max = b_ticks[-1] or 1.0
+    points: list[str] = []
+    segments: list[list[str]] = []
+    for i, e in enumerate(ordered):
+        cx = left + i * band + band / 2
+        if e.bytes_new is not None:
+            h = max(panel_h * e.bytes_new / b_max, 0.5)
+            x = left + i * band + (band - bar_w) / 2
+            tip = f"epoch {e.epoch} · new {bytes_human(e.bytes_new)}"
+            parts.append(f'<rect x="{_num(x)}" y="{_num(y2 + panel_h - h)}" width="{_num(bar_w)}" '
+                         f'height="{_num(h)}" fill="{_NEW_COLOUR}"><title>{escape(tip)}</title></rect>')
+        if e.bytes_total is None:
+            if points:
+                segments.append(points)
+                points = []
+            continue
+        cy = y2 + panel_h - panel_h * e.bytes_total / b_max
+        points.append(f"{_num(cx)},{_num(cy)}")
+        tip = f"epoch {e.epoch} · total {bytes_human(e.bytes_total)} · new {bytes_human(e.bytes_new)}"
+        parts.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{2.5 if n <= 120 else 1.5}" '
+                     f'fill="{_TOTAL_COLOUR}"><title>{escape(tip)}</title></circle>')
+    if points:
+        segments.append(points)
+    for seg in segments:
+        if len(seg) > 1:
+            parts.append(f'<polyline points="{" ".join(seg)}" fill="none" stroke="{_TOTAL_COLOUR}" '
+                         f'stroke-width="1.5"/>')
+
+    label_every = max(1, math.ceil(n / 10))
+    for i, e in enumerate(ordered):
+        if i % label_every == 0 or i == n - 1:
+            cx = left + i * band + band / 2
+            parts.append(_text(cx, height - 10, str(e.epoch), anchor="middle"))
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def timeline_chart(timings: Sequence[StageTiming], *, epoch_end_s: float | None = None,
+                   epoch_end_label: str = "", width: int = 960) -> Markup:
+    """One row per stage: where its time to acknowledge went (see :mod:`airflow_arroyo.ui.timeline`)."""
+    label_w, right, top_pad, row_h, bottom = 170, 24, 40, 28, 34
+    height = top_pad + row_h * max(len(timings), 1) + bottom
+    plot_w = width - label_w - right
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart timeline" viewBox="0 0 {width} {height}" '
+             f'width="100%" role="img" aria-label="Per-stage checkpoint timeline">']
+    parts += _legend([(PART_COLOURS[k], PART_LABELS[k]) for k in PART_COLOURS], label_w, 14)
+    extent = max([t.end_to_end_s or 0.0 for t in timings] + [epoch_end_s or 0.0])
+    ticks = nice_ticks(extent if extent > 0 else 1.0, 6)
+    span = ticks[-1] or 1.0
+
+    def x_of(s: float) -> float:
+        return label_w + plot_w * s / span
+
+    axis_y = top_pad + row_h * max(len(timings), 1)
+    for t in ticks:
+        x = x_of(t)
+        parts.append(f'<line x1="{_num(x)}" y1="{top_pad - 4}" x2="{_num(x)}" y2="{_num(axis_y)}" stroke="{_GRID}"/>')
+        parts.append(_text(x, axis_y + 14, duration_human(t), anchor="middle"))
+    parts.append(_text(label_w + plot_w, axis_y + 28, "time since the epoch was triggered", anchor="end"))
+
+    for row, timing in enumerate(timings):
+        y = top_pad + row * row_h
+        name = timing.stage if len(timing.stage) <= 24 else timing.stage[:23] + "…"
+        parts.append(f'<text x="{label_w - 8}" y="{_num(y + row_h / 2 + 4)}" text-anchor="end" fill="{_TEXT}" '
+                     f'{_FONT}><title>{escape(timing.stage)}</title>{escape(name)}</text>')
+        bar_y, bar_h = y + 5, row_h - 10
+        if timing.status is StageStatus.ACKNOWLEDGED:
+            for part, start, length in timing.segments:
+                tip = f"{timing.stage} · {PART_LABELS[part]} {duration_human(length)}"
+                parts.append(f'<rect x="{_num(x_of(start))}" y="{_num(bar_y)}" '
+                             f'width="{_num(max(plot_w * length / span, 1.0))}" height="{_num(bar_h)}" '
+                             f'fill="{PART_COLOURS[part]}"><title>{escape(tip)}</title></rect>')
+            end = timing.end_to_end_s or 0.0
+            parts.append(f'<line x1="{_num(x_of(end))}" y1="{_num(bar_y - 2)}" x2="{_num(x_of(end))}" '
+                         f'y2="{_num(bar_y + bar_h + 2)}" stroke="#111827" stroke-width="1.5">'
+                         f"<title>{escape(f'{timing.stage} acknowledged after {duration_human(end)}')}</title></line>")
+        elif timing.status is StageStatus.WAITING:
+            end = timing.end_to_end_s or 0.0
+            parts.append(f'<rect x="{_num(x_of(0))}" y="{_num(bar_y)}" width="{_num(max(plot_w * end / span, 1.0))}" '
+                         f'height="{_num(bar_h)}" fill="#dbeafe" stroke="#2563eb" stroke-dasharray="4 3">'
+                         f"<title>{escape(f'{timing.stage} has not acknowledged yet')}</title></rect>")
+            parts.append(_text(x_of(end) + 6 if end / span < 0.8 else x_of(end) - 6, bar_y + bar_h / 2 + 4,
+                               f"waiting {duration_human(end)}",
+                               anchor="start" if end / span < 0.8 else "end"))
+        else:
+            parts.append(_text(x_of(0) + 4, bar_y + bar_h / 2 + 4, "no acknowledgement"))
+    if epoch_end_s is not None:
+        x = x_of(epoch_end_s)
+        parts.append(f'<line x1="{_num(x)}" y1="{top_pad - 6}" x2="{_num(x)}" y2="{_num(axis_y)}" '
+                     f'stroke="#111827" stroke-dasharray="2 2"/>')
+        if epoch_end_label:
+            parts.append(_text(x, top_pad - 10, epoch_end_label,
+                               anchor="end" if epoch_end_s / span > 0.5 else "start"))
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -1,0 +1,350 @@
+"""The pages and the JSON API, served by Airflow's real api-server app over a realistic epoch store.
+
+What a page shows is checked against the store's own API (an independent reading), and links are
+followed the way a browser would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.ui.format import bytes_human, duration_human, epoch_ranges
+from tests.ui.conftest import mounted_arroyo_app
+from tests.ui.data import Dataset
+from tests.ui.html import Node, parse
+
+
+@pytest.fixture(scope="module")
+def store(dataset: Dataset) -> Iterator[EpochStore]:
+    s = EpochStore(dataset.dsn)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def page(client: TestClient, url: str) -> Node:
+    r = client.get(url)
+    assert r.status_code == 200, (url, r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("text/html")
+    return parse(r.text)
+
+
+def row_of(doc: Node, **attrs: str) -> Node:
+    return doc.find("tr", **attrs)
+
+
+def stage_statuses(doc: Node) -> dict[str, str]:
+    return {r.attrs["data-stage"]: r.attrs["data-status"] for r in doc.find("table", id="stages").find_all("tr")[1:]}
+
+
+# --------------------------------------------------------------------------- pipelines list
+
+
+def test_pipelines_list_shows_every_pipeline_with_its_last_completed_epoch(client: TestClient,
+                                                                           store: EpochStore) -> None:
+    doc = page(client, "/arroyo/")
+    rows = doc.find("table", id="pipelines").find_all("tr")[1:]
+    assert [r.attrs["data-pipeline"] for r in rows] == [p.pipeline_id for p in store.list_pipelines()]
+    for p in store.list_pipelines():
+        row = row_of(doc, data_pipeline=p.pipeline_id)
+        cells = row.find_all("td")
+        assert p.state.value in cells[1].text()
+        last = store.latest_completed_epoch(p.pipeline_id)
+        cell = row.find("td", **{"class": "last-completed"})
+        if last is None:
+            assert "none" in cell.text()
+        else:
+            link = cell.find("a")
+            assert link.text() == f"#{last.epoch}"
+            assert link.attrs["href"] == f"/arroyo/pipelines/{p.pipeline_id}/epochs/{last.epoch}"
+        assert duration_human(p.checkpoint_interval_s) in cells[5].text()
+
+
+def test_pipelines_list_warns_about_failing_and_overdue_pipelines(client: TestClient) -> None:
+    doc = page(client, "/arroyo/")
+    clicks = row_of(doc, data_pipeline="clicks").find("td", **{"class": "health"})
+    assert clicks.find("span").text() == "critical"
+    failing = clicks.find("div", data_kind="failing").text()
+    assert "the last 4 checkpoints failed" in failing and "epoch 60 failed" in failing and "disk full" in failing
+    assert clicks.find("div", data_kind="cleanup")  # the held lock is mentioned
+
+    sessions = row_of(doc, data_pipeline="sessions").find("td", **{"class": "health"})
+    assert sessions.find("span").text() == "warning"
+    assert "checkpoints are overdue" in sessions.find("div", data_kind="overdue").text()
+    assert "heartbeat" in sessions.find("div", data_kind="heartbeat").text()
+
+    orders = row_of(doc, data_pipeline="orders").find("td", **{"class": "health"})
+    assert not orders.find_all("div", data_kind="failing")
+    assert not orders.find_all("div", data_kind="cleanup")
+
+    payments = row_of(doc, data_pipeline="payments").find("td", **{"class": "health"})
+    assert not payments.find_all("div", data_kind="heartbeat")  # stopped: no heartbeat expected
+    assert not payments.find_all("div", data_kind="cleanup")  # its lease expired: not held
+
+
+def test_pipelines_list_shows_the_cleanup_lock_and_the_in_flight_epoch(client: TestClient) -> None:
+    doc = page(client, "/arroyo/")
+    assert row_of(doc, data_pipeline="clicks").find("a", **{"class": "badge lock-held"}).text() == "held"
+    assert not row_of(doc, data_pipeline="orders").find_all("a", **{"class": "badge lock-held"})
+    orders_cells = row_of(doc, data_pipeline="orders").find_all("td")
+    assert orders_cells[7].find("a").text() == "#241"
+
+
+def test_spark_links_only_for_http_urls(client: TestClient, store: EpochStore) -> None:
+    doc = page(client, "/arroyo/")
+    orders = row_of(doc, data_pipeline="orders").find_all("td")[3]
+    assert orders.find("a").attrs["href"] == "http://127.0.0.1:4040"
+    assert orders.find("a").text() == store.get_pipeline("orders").spark_app_id
+    clicks = row_of(doc, data_pipeline="clicks").find_all("td")[3]  # its spark_ui_url is javascript:...
+    assert not clicks.find_all("a")
+    assert "javascript:" not in client.get("/arroyo/").text
+
+
+def test_pipelines_list_pages(client: TestClient) -> None:
+    seen, url = [], "/arroyo/?limit=2"
+    while url:
+        doc = page(client, url)
+        seen += [r.attrs["data-pipeline"] for r in doc.find_all("tr") if "data-pipeline" in r.attrs]
+        nxt = [a for a in doc.find_all("a") if a.attrs.get("rel") == "next"]
+        url = nxt[0].attrs["href"] if nxt else ""
+    assert seen == ["clicks", "fresh", "orders", "payments", "sessions"]
+
+
+# --------------------------------------------------------------------------- a pipeline's page
+
+
+def test_pipeline_page_history_table_and_chart(client: TestClient, store: EpochStore) -> None:
+    doc = page(client, "/arroyo/pipelines/orders?limit=50")
+    expected = store.list_epochs("orders", limit=50)
+    rows = doc.find("table", id="epochs").find_all("tr")[1:]
+    assert [int(r.attrs["data-epoch"]) for r in rows] == [e.epoch for e in expected]
+    for row, e in zip(rows, expected, strict=True):
+        assert row.attrs["data-state"] == e.state.value
+        cells = row.find_all("td")
+        if e.state is not EpochState.TRIGGERED:
+            assert cells[3].text() == duration_human(e.duration_s)
+        assert cells[4].text() == bytes_human(e.bytes_new)
+        assert cells[5].text() == bytes_human(e.bytes_total)
+        if e.failure_reason:
+            assert e.failure_reason in cells[7].text()
+    svg = doc.find("svg")
+    assert "history" in svg.attrs["class"]
+    bars = [t.text() for t in svg.find_all("title") if " · " in t.text() and "new" not in t.text()
+            and "total" not in t.text()]
+    assert len(bars) == 50  # one duration bar per epoch on the page
+    assert sum(1 for t in svg.find_all("title") if t.text().startswith("epoch 241 · triggered")) == 1
+
+
+def test_pipeline_page_facts_and_warnings(client: TestClient, store: EpochStore) -> None:
+    doc = page(client, "/arroyo/pipelines/clicks")
+    h1 = doc.find("h1").text()
+    assert "clicks" in h1 and "running" in h1 and "critical" in h1
+    kinds = [li.attrs["data-kind"] for li in doc.find("ul", **{"class": "findings"}).find_all("li")]
+    assert kinds[0] == "failing"  # most severe first
+    assert "cleanup" in kinds
+    last = store.latest_completed_epoch("clicks")
+    assert last is not None and f"#{last.epoch}" in doc.find("dd", id="last-completed").text()
+
+
+def test_following_older_and_newer_links_walks_the_whole_history(client: TestClient, store: EpochStore) -> None:
+    all_epochs = [e.epoch for e in store.list_epochs("orders", limit=1000)]
+    url, pages_seen, seen = "/arroyo/pipelines/orders?limit=60", 0, []
+    while url:
+        doc = page(client, url)
+        pages_seen += 1
+        seen += [int(r.attrs["data-epoch"]) for r in doc.find_all("tr") if "data-epoch" in r.attrs]
+        older = [a for a in doc.find_all("a") if a.attrs.get("rel") == "next"]
+        url = older[0].attrs["href"] if older else ""
+    assert seen == all_epochs
+    assert pages_seen == 5  # 241 epochs, 60 a page
+    # and one step back up from the oldest page
+    newer = [a for a in doc.find_all("a") if a.attrs.get("rel") == "prev"]
+    back = page(client, newer[0].attrs["href"])
+    assert [int(r.attrs["data-epoch"]) for r in back.find_all("tr") if "data-epoch" in r.attrs] == all_epochs[180:240]
+
+
+def test_pipeline_without_epochs(client: TestClient) -> None:
+    doc = page(client, "/arroyo/pipelines/fresh")
+    assert "No epochs yet" in doc.find("svg").text()
+    assert "No epochs on this page" in doc.find("table", id="epochs").text()
+
+
+# --------------------------------------------------------------------------- an epoch's page
+
+
+def test_in_flight_epoch_page_names_the_stages_not_acknowledged(client: TestClient, dataset: Dataset) -> None:
+    plan = dataset.plan("orders")
+    in_flight = plan.epochs[-1]
+    doc = page(client, "/arroyo/pipelines/orders/epochs/241")
+    pending = [li.text() for li in doc.find("div", id="pending").find_all("li")]
+    assert pending == [s for s in plan.stages if s not in in_flight.acked_stages]
+    statuses = stage_statuses(doc)
+    assert statuses == {s: ("acknowledged" if s in in_flight.acked_stages else "waiting") for s in plan.stages}
+    svg = doc.find("svg")
+    assert "timeline" in svg.attrs["class"]
+    waiting = [t.text() for t in svg.find_all("title") if t.text().endswith("has not acknowledged yet")]
+    assert len(waiting) == len(pending)
+
+
+def test_completed_epoch_page_shows_per_stage_timings(client: TestClient, store: EpochStore) -> None:
+    done = store.latest_completed_epoch("orders")
+    assert done is not None
+    doc = page(client, f"/arroyo/pipelines/orders/epochs/{done.epoch}")
+    assert not doc.find_all("div", id="pending")
+    assert doc.find("dd", id="duration").text() == duration_human(done.duration_s)
+    rows = {r.attrs["data-stage"]: r.find_all("td") for r in doc.find("table", id="stages").find_all("tr")[1:]}
+    acks = {a.stage: a for a in store.acks("orders", done.epoch)}
+    assert set(rows) == set(acks) == set(done.stages)
+    for stage, ack in acks.items():
+        cells = rows[stage]
+        assert cells[1].text() == "acknowledged"
+        assert cells[2].text() == duration_human((ack.acked_at - done.triggered_at).total_seconds())
+        assert cells[4].text() == duration_human(ack.alignment_ms / 1000)
+        assert cells[5].text() == duration_human(ack.sync_ms / 1000)
+        assert cells[6].text() == duration_human(ack.async_ms / 1000)
+        assert cells[7].text() == bytes_human(ack.bytes_new)
+        assert cells[10].text() == ack.snapshot_uri
+    # the timeline has the four parts for each stage
+    titles = [t.text() for t in doc.find("svg").find_all("title")]
+    for stage in acks:
+        for part in ("alignment", "sync snapshot", "async snapshot"):
+            assert any(t.startswith(f"{stage} · {part} ") for t in titles), (stage, part)
+
+
+def test_failed_epoch_page_says_why_and_which_stages_never_acknowledged(client: TestClient, dataset: Dataset,
+                                                                        store: EpochStore) -> None:
+    failed = next(e for e in dataset.plan("orders").epochs if e.outcome == "failed" and e.epoch > 150)
+    record = store.get_epoch("orders", failed.epoch)
+    doc = page(client, f"/arroyo/pipelines/orders/epochs/{failed.epoch}")
+    assert record.failure_reason and record.failure_reason in doc.text()
+    statuses = stage_statuses(doc)
+    assert statuses == {s: ("acknowledged" if s in failed.acked_stages else "missing")
+                        for s in dataset.plan("orders").stages}
+
+
+def test_epoch_navigation_links(client: TestClient) -> None:
+    doc = page(client, "/arroyo/pipelines/orders/epochs/200")
+    rels = {a.attrs.get("rel"): a.attrs["href"] for a in doc.find_all("a") if a.attrs.get("rel")}
+    assert rels == {"prev": "/arroyo/pipelines/orders/epochs/199", "next": "/arroyo/pipelines/orders/epochs/201"}
+    newest = page(client, "/arroyo/pipelines/orders/epochs/241")
+    assert "next" not in {a.attrs.get("rel") for a in newest.find_all("a")}
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def test_retention_page_of_a_pipeline_whose_lock_is_held(client: TestClient, dataset: Dataset) -> None:
+    doc = page(client, "/arroyo/pipelines/clicks/retention")
+    lock = doc.find("div", id="lock")
+    assert lock.attrs["data-live"] == "true"
+    assert "retention__clicks" in lock.text() and f"cleanup run {dataset.held_lock_run}" in lock.text()
+    states = {int(r.attrs["data-run"]): r.attrs["data-state"] for r in doc.find_all("tr") if "data-run" in r.attrs}
+    assert states == {dataset.held_lock_run: "running", dataset.lost_lock_run: "lock_lost"}
+
+
+def test_retention_page_shows_what_was_pruned_and_freed(client: TestClient, store: EpochStore) -> None:
+    doc = page(client, "/arroyo/pipelines/orders/retention")
+    assert doc.find("p", id="lock").attrs["data-live"] == "false"
+    for run in store.list_cleanup_runs("orders"):
+        cells = row_of(doc, data_run=str(run.id)).find_all("td")
+        assert cells[1].text() == "succeeded"
+        assert cells[5].text() == f"{len(run.epochs_pruned)} ({epoch_ranges(run.epochs_pruned)})"
+        assert cells[6].text() == bytes_human(run.bytes_freed)
+        assert "keep_last=90" in cells[7].text()
+    expired = page(client, "/arroyo/pipelines/payments/retention").find("div", id="lock")
+    assert expired.attrs["data-live"] == "false" and "expired lease" in expired.text()
+
+
+# --------------------------------------------------------------------------- JSON API
+
+
+def test_api_pipelines(client: TestClient, store: EpochStore) -> None:
+    body = client.get("/arroyo/api/pipelines").json()
+    assert [p["pipeline"]["pipeline_id"] for p in body["pipelines"]] == [p.pipeline_id for p in store.list_pipelines()]
+    by_id = {p["pipeline"]["pipeline_id"]: p for p in body["pipelines"]}
+    for pid, item in by_id.items():
+        last = store.latest_completed_epoch(pid)
+        assert (item["last_completed_epoch"] or {}).get("epoch") == (last.epoch if last else None)
+    assert by_id["clicks"]["health"] == "critical" and by_id["clicks"]["consecutive_failures"] == 4
+    assert by_id["clicks"]["cleanup_lock"]["holder"] == "retention__clicks"
+    assert {w["kind"] for w in by_id["sessions"]["warnings"]} >= {"overdue", "heartbeat"}
+    assert by_id["orders"]["in_flight_epoch"]["epoch"] == 241
+
+
+def test_api_epochs_paginate(client: TestClient, store: EpochStore) -> None:
+    body = client.get("/arroyo/api/pipelines/orders/epochs", params={"limit": 10, "before": 100}).json()
+    assert [e["epoch"] for e in body["epochs"]] == list(range(99, 89, -1))
+    assert body["older_before"] == 90 and body["newer_after"] == 99
+    assert [e["state"] for e in body["epochs"]] == [e.state.value for e in store.list_epochs("orders", limit=10,
+                                                                                              before=100)]
+
+
+def test_api_epoch_detail(client: TestClient, dataset: Dataset) -> None:
+    body = client.get("/arroyo/api/pipelines/orders/epochs/241").json()
+    plan = dataset.plan("orders")
+    assert body["epoch"]["state"] == "triggered"
+    assert body["pending_stages"] == [s for s in plan.stages if s not in plan.epochs[-1].acked_stages]
+    assert [a["stage"] for a in body["acks"]] == plan.epochs[-1].acked_stages
+    acked = [s for s in body["stages"] if s["status"] == "acknowledged"]
+    assert all({p["part"] for p in s["segments"]} >= {"alignment", "sync", "async"} for s in acked)
+
+
+def test_api_retention(client: TestClient, dataset: Dataset) -> None:
+    body = client.get("/arroyo/api/pipelines/clicks/retention").json()
+    assert body["cleanup_lock"]["live"] is True
+    assert body["cleanup_lock"]["cleanup_run"] == dataset.held_lock_run
+    assert [r["state"] for r in body["cleanup_runs"]] == ["running", "lock_lost"]
+
+
+# --------------------------------------------------------------------------- errors, headers
+
+
+@pytest.mark.parametrize("url", ["/arroyo/pipelines/nope", "/arroyo/pipelines/orders/epochs/99999",
+                                 "/arroyo/pipelines/bad%20id!", "/arroyo/pipelines/nope/retention"])
+def test_unknown_things_are_404_pages(client: TestClient, url: str) -> None:
+    r = client.get(url)
+    assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+    assert "All pipelines" in r.text
+
+
+def test_unknown_things_are_404_json_in_the_api(client: TestClient) -> None:
+    r = client.get("/arroyo/api/pipelines/nope")
+    assert r.status_code == 404 and "nope" in r.json()["detail"]
+    assert client.get("/arroyo/api/pipelines/orders/epochs/99999").status_code == 404
+
+
+def test_bad_parameters_are_422(client: TestClient) -> None:
+    assert client.get("/arroyo/api/pipelines/orders/epochs", params={"limit": 0}).status_code == 422
+    assert client.get("/arroyo/pipelines/orders", params={"before": "x"}).status_code == 422
+
+
+def test_no_store_configured_is_a_503_that_says_what_to_do(client: TestClient, airflow_api: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    source = mounted_arroyo_app(airflow_api).state.arroyo_source
+    monkeypatch.delenv("AIRFLOW_CONN_ARROYO_DEFAULT")
+    source.reset()
+    try:
+        r = client.get("/arroyo/api/pipelines")
+        assert r.status_code == 503
+        assert "arroyo_default" in r.json()["detail"]
+        assert client.get("/arroyo/").status_code == 503
+    finally:
+        monkeypatch.undo()
+        source.reset()
+    assert client.get("/arroyo/api/pipelines").status_code == 200
+
+
+def test_security_headers(client: TestClient) -> None:
+    r = client.get("/arroyo/pipelines/orders")
+    csp = r.headers["content-security-policy"]
+    assert "frame-ancestors 'self'" in csp and "default-src 'none'" in csp and "script-src" not in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
+    css = client.get("/arroyo/static/arroyo.css")
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
