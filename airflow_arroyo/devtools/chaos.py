@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import queue
 import random
+import threading
 import time
 import traceback
 from collections import Counter
@@ -74,7 +75,8 @@ class ChaosConfig:
     trigger_mode: str = "store"  # "airflow": the real CheckpointTrigger; "store": its trigger_tick loop
     # checkpoint policy
     interval: float = 0.3
-    timeout: float = 1.5
+    poll: float = 0.5  # the real trigger's longest sleep between ticks
+    timeout: float = 3.0
     min_pause: float = 0.05
     tolerable_failures: int = 1000
     # retention
@@ -147,11 +149,23 @@ class _Worker:
         self.errors: list[str] = []
         self._backoff = 0.05
 
-    def store(self) -> Any:
+    def store(self, max_connections: int = 4) -> Any:
         from airflow_arroyo.store import EpochStore
 
-        return EpochStore(self.config.dsn, max_connections=4, retry_seconds=self.retry_seconds,
+        return EpochStore(self.config.dsn, max_connections=max_connections, retry_seconds=self.retry_seconds,
                           application_name=f"arroyo-chaos-{self.name}")
+
+    def lane(self, pipeline_id: str) -> _Worker:
+        """A part of this worker for one pipeline, run in its own thread (merged back at the end)."""
+        lane = _Worker(self.role, f"{self.name}/{pipeline_id}", self.config, self.index, self.stop, self.out)
+        lane.retry_seconds = self.retry_seconds
+        lane.pipelines = [pipeline_id]
+        return lane
+
+    def merge(self, other: _Worker) -> None:
+        for key, value in other.counts.items():
+            self.counts[key] = max(self.counts[key], value) if key.endswith("_max") else self.counts[key] + value
+        self.errors.extend(other.errors)
 
     def ready(self) -> None:
         self.out.put(("ready", self.name, None))
@@ -184,6 +198,16 @@ def _setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
     # the controller and retention log every epoch and wait at INFO: too much for hundreds of epochs
     logging.getLogger("airflow_arroyo").setLevel(logging.WARNING)
+
+
+def _quiet_airflow_logging() -> None:
+    """Importing Airflow routes logging through structlog, whose levels are kept apart from stdlib's:
+    the triggers' INFO lines (every epoch, every wait, from every process) cost CPU the run needs."""
+    try:
+        from airflow._shared.logging.structlog import PER_LOGGER_LEVELS
+    except ImportError:  # another Airflow release: leave its logging alone
+        return
+    PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING
 
 
 def _run_worker(role: str, body: Callable[[_Worker], None], config: ChaosConfig, name: str, index: int,
@@ -247,7 +271,7 @@ def _airflow_triggers(w: _Worker) -> None:
     from airflow_arroyo.store import AsyncEpochStore
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 
-    logging.getLogger("airflow_arroyo").setLevel(logging.WARNING)  # importing Airflow configured logging
+    _quiet_airflow_logging()
     store = AsyncEpochStore(w.store())
 
     class ChaosTrigger(CheckpointTrigger):
@@ -259,7 +283,7 @@ def _airflow_triggers(w: _Worker) -> None:
     async def one(pid: str) -> None:
         while not w.stop.is_set():
             trigger = ChaosTrigger(pid, interval=cfg.interval, timeout=cfg.timeout, min_pause=cfg.min_pause,
-                                   tolerable_failures=cfg.tolerable_failures, poll_interval=cfg.interval,
+                                   tolerable_failures=cfg.tolerable_failures, poll_interval=cfg.poll,
                                    triggered_by=w.name)
             async for event in trigger.run():
                 payload = event.payload
@@ -433,35 +457,53 @@ def acker_worker(config: ChaosConfig, name: str, index: int, stop: Any, out: Any
 
 
 def _ack_loop(w: _Worker) -> None:
+    """One thread per pipeline of this acker's share, as every pipeline has its own driver: a slow
+    acknowledgement of one pipeline must not hold back the others'."""
     cfg = w.config
-    w.pipelines = list(cfg.pipeline_ids[w.index::cfg.ackers])
-    store = w.store()
-    plans: dict[tuple[str, int], _Plan] = {}
-    versions: dict[tuple[str, str], int] = {}  # (pipeline, stage) -> current state-file version
+    pipelines = list(cfg.pipeline_ids[w.index::cfg.ackers])
+    store = w.store(max_connections=len(pipelines) + 1)
     store.db_now()
+    lanes = [w.lane(pid) for pid in pipelines]
+    threads = [threading.Thread(target=_ack_lane, args=(lane, store), name=lane.name, daemon=True)
+               for lane in lanes]
     w.ready()
     try:
-        while not w.stop.is_set():
-            try:
-                _ack_round(w, store, plans, versions)
-                w.ok()
-            except TransientStoreError as exc:
-                w.transient(exc)
-            except ArroyoError as exc:
-                w.unexpected("ack round", exc)
-            w.stop.wait(cfg.acker_poll)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
         store.close()
+        for lane in lanes:
+            w.merge(lane)
+
+
+def _ack_lane(w: _Worker, store: Any) -> None:
+    plans: dict[tuple[str, int], _Plan] = {}
+    versions: dict[tuple[str, str], int] = {}  # (pipeline, stage) -> current state-file version
+    planned: dict[str, int] = {}  # pipeline -> newest epoch given a fate
+    while not w.stop.is_set():
+        try:
+            _ack_round(w, store, plans, versions, planned)
+            w.ok()
+        except TransientStoreError as exc:
+            w.transient(exc)
+        except ArroyoError as exc:
+            w.unexpected("ack round", exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+            w.unexpected("ack thread", exc)
+        w.stop.wait(w.config.acker_poll)
 
 
 def _ack_round(w: _Worker, store: Any, plans: dict[tuple[str, int], _Plan],
-               versions: dict[tuple[str, str], int]) -> None:
+               versions: dict[tuple[str, str], int], planned: dict[str, int]) -> None:
     cfg = w.config
     now = time.monotonic()
     for pid in w.pipelines:
         rec = store.in_flight_epoch(pid)
-        if rec is None or (pid, rec.epoch) in plans:
+        if rec is None or rec.epoch <= planned.get(pid, 0):  # epochs increase: one fate per epoch
             continue
+        planned[pid] = rec.epoch
         plans[(pid, rec.epoch)] = _plan(w, rec.stages, now)
         w.counts[f"fate_{plans[(pid, rec.epoch)].fate}"] += 1
         lag_ms = int((datetime.now(UTC) - rec.triggered_at).total_seconds() * 1000)
