@@ -111,11 +111,17 @@ def variant(remove: Iterable[Ev] = (), add: Iterable[Ev] = (), base: Sequence[Ev
     return sorted([ev for ev in base if ev not in gone] + list(add), key=lambda ev: ev.t)
 
 
-def write_history(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping[str, Any]],
-                  pipeline_id: str = "p") -> None:
-    """Write ``events`` into arroyo_history (seq in list order) and the cleanup runs' policies."""
+_histories = itertools.count(1)
+
+
+def write_history(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping[str, Any]]) -> str:
+    """Write ``events`` as the history of a new pipeline (seq in list order) with its cleanup runs'
+    policies; return the pipeline id. Runs, seqs and txids are offset so histories can share a database."""
+    n = next(_histories)
+    pipeline_id = f"synthetic-{n}"
+    base = n * 10_000
     txids: dict[str, int] = {}
-    fresh = itertools.count(1000)
+    fresh = itertools.count(base)
     conn = psycopg2.connect(dsn)
     try:
         with conn, conn.cursor() as cur:
@@ -124,28 +130,40 @@ def write_history(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping
             for run, policy in policies.items():
                 cur.execute("INSERT INTO arroyo_cleanup_runs (id, pipeline_id, holder, policy)"
                             " VALUES (%s, %s, %s, %s::jsonb)",
-                            (run, pipeline_id, f"holder-{run}", psycopg2.extras.Json(dict(policy))))
-            for seq, ev in enumerate(events, start=1):
+                            (base + run, pipeline_id, f"holder-{run}", psycopg2.extras.Json(dict(policy))))
+            for seq, ev in enumerate(events, start=base):
                 txid = txids.setdefault(ev.tx, next(fresh)) if ev.tx else next(fresh)
                 cur.execute(
                     "INSERT INTO arroyo_history (seq, at, txid, pipeline_id, kind, epoch, old_state, new_state,"
                     " cleanup_run, holder, lock_expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (seq, T0 + timedelta(seconds=ev.t), txid, pipeline_id, ev.kind, ev.epoch, ev.old, ev.new,
-                     ev.run, f"holder-{ev.run}" if ev.run is not None else None,
+                     None if ev.run is None else base + ev.run, None if ev.run is None else f"holder-{ev.run}",
                      T0 + timedelta(seconds=ev.expires) if ev.expires is not None else None),
                 )
     finally:
         conn.close()
+    return pipeline_id
+
+
+@pytest.fixture(scope="module")
+def scratch_dsn(pg_server: ThrowawayPostgres) -> str:
+    """One migrated database for the synthetic histories (each writes its own pipeline)."""
+    dsn = pg_server.create_database(f"history_{uuid.uuid4().hex[:12]}")
+    s = EpochStore(dsn)
+    try:
+        s.migrate()
+    finally:
+        s.close()
+    return dsn
 
 
 def checked(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping[str, Any]] | None = None) -> HistoryReport:
-    write_history(dsn, events, {1: KEEP_2} if policies is None else policies)
-    return check_history(dsn, against_tables=False)
+    pipeline_id = write_history(dsn, events, {1: KEEP_2} if policies is None else policies)
+    return check_history(dsn, [pipeline_id], against_tables=False)
 
 
-
-def test_checker_finds_nothing_wrong_in_a_clean_history(store: EpochStore, pg_dsn: str) -> None:
-    report = checked(pg_dsn, BASE)
+def test_checker_finds_nothing_wrong_in_a_clean_history(scratch_dsn: str) -> None:
+    report = checked(scratch_dsn, BASE)
     assert report.violations == []
     assert report.counts["triggered"] == 5
     assert report.counts["completed"] == 3
@@ -222,9 +240,9 @@ BREACHES: dict[str, tuple[list[Ev], dict[int, dict[str, Any]] | None, set[Violat
 
 
 @pytest.mark.parametrize("case", list(BREACHES))
-def test_checker_reports_each_kind_of_breach(store: EpochStore, pg_dsn: str, case: str) -> None:
+def test_checker_reports_each_kind_of_breach(scratch_dsn: str, case: str) -> None:
     events, policies, expected = BREACHES[case]
-    report = checked(pg_dsn, events, policies)
+    report = checked(scratch_dsn, events, policies)
     assert report.kinds() == expected, "\n".join(str(v) for v in report.violations)
     with pytest.raises(AssertionError, match="protocol violations"):
         report.assert_clean()
@@ -254,8 +272,8 @@ LEGITIMATE: dict[str, list[Ev]] = {
 
 
 @pytest.mark.parametrize("case", list(LEGITIMATE))
-def test_checker_accepts_legitimate_timing(store: EpochStore, pg_dsn: str, case: str) -> None:
-    report = checked(pg_dsn, LEGITIMATE[case], {1: KEEP_2, 2: KEEP_2})
+def test_checker_accepts_legitimate_timing(scratch_dsn: str, case: str) -> None:
+    report = checked(scratch_dsn, LEGITIMATE[case], {1: KEEP_2, 2: KEEP_2})
     assert report.violations == []
 
 
