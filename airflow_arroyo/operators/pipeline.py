@@ -1,0 +1,429 @@
+"""Start and stop long-running pipelines: ``SubmitPipelineOperator`` and ``StopPipelineOperator``.
+
+**Submit.** The pipeline runs as a long-running Spark application (the runtime driver,
+``airflow_arroyo/runtime/driver.py``) started with ``spark-submit``. The command is built by the
+apache-spark provider's ``SparkSubmitHook`` from the ``spark_default`` connection (any master and
+deploy mode the provider supports: ``local[*]``, ``spark://``, ``yarn``, ``k8s://``), but the
+operator starts it itself, **detached**: in its own session (``start_new_session``), with its output
+in a log file and stdin closed, so that it survives the task. ``SparkSubmitHook.submit`` would block
+until the application ends, holding a worker slot for the pipeline's whole life, and ties the
+process to the task. Then the operator defers to
+:class:`~airflow_arroyo.triggers.pipeline.PipelineStateTrigger` until *this* run (``run_id``) is
+``running``, and returns: no worker slot is held while it waits.
+
+* In client/local deploy mode the driver runs inside the ``spark-submit`` process group on the
+  worker host. If that process exits before the run registers, the task fails at once with the tail
+  of its log. In cluster deploy modes ``spark-submit`` exits once the application is submitted
+  (``spark.yarn.submit.waitAppCompletion`` / ``spark.kubernetes.submission.waitAppCompletion`` are
+  set to ``false`` unless given), and only ``register_timeout`` guards the wait.
+* The store DSN reaches the driver as the environment variable ``ARROYO_DSN`` (for local/client
+  mode an environment variable of the process; for YARN/Kubernetes the provider passes it as the
+  application master's/driver's environment, i.e. on the ``spark-submit`` command line).
+* XCom: ``pipeline_id``, ``run_id`` (also the return value), ``spark_ui_url``, ``spark_app_id``,
+  ``submit_log``, ``submit_pid``. Extra links: the pipeline's checkpoint page and the Spark UI.
+* Killing the task stops the pipeline: ``on_kill`` (while ``execute`` runs) and the trigger's
+  ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
+  process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
+
+**Stop.** ``mode="graceful"`` asks the driver to take a final epoch and stop; ``"immediate"``
+stops without one. The operator then defers until the pipeline is ``stopped``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+
+from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.exceptions import (
+    ArroyoError,
+    ConcurrencyConflict,
+    ConfigurationError,
+    PipelineFailedError,
+    UnknownPipelineError,
+)
+from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, stop_run
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from airflow_arroyo.store import EpochStore
+
+__all__ = ["DRIVER_APPLICATION", "StopPipelineOperator", "SubmitPipelineOperator", "parse_restore_from"]
+
+#: The runtime driver: a spark-submit application (absolute path of the installed file).
+DRIVER_APPLICATION = str(Path(__file__).resolve().parent.parent / "runtime" / "driver.py")
+
+_CLUSTER_WAIT_CONFS = ("spark.yarn.submit.waitAppCompletion", "spark.kubernetes.submission.waitAppCompletion")
+
+
+def parse_restore_from(value: str | int | None) -> str | None:
+    """``"latest"``, an epoch number (>= 1) or None/"" (a fresh start), as a driver argument."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", "None", "none")):
+        return None
+    if isinstance(value, bool):
+        raise ConfigurationError(f"restore_from must be 'latest', an epoch number or None, got {value!r}")
+    text = str(value).strip().lower()
+    if text == "latest":
+        return text
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigurationError(
+            f"restore_from must be 'latest', an epoch number >= 1 or None (a fresh start), got {value!r}"
+        )
+    return str(number)
+
+
+def _default_run_id(context: Context) -> str:
+    ti = context["ti"]
+    raw = f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}"
+    return re.sub(r"[^A-Za-z0-9_.:+-]", "_", raw)[:200]
+
+
+def _log_dir(submit_log_dir: str | None) -> Path:
+    if submit_log_dir:
+        return Path(submit_log_dir)
+    home = os.environ.get("AIRFLOW_HOME") or str(Path.home() / "airflow")
+    return Path(home) / "logs" / "arroyo"
+
+
+_DETACHED: list[subprocess.Popen[bytes]] = []
+
+
+def _reap_detached() -> None:
+    _DETACHED[:] = [p for p in _DETACHED if p.poll() is None]
+
+
+def _store(conn_id: str) -> EpochStore:
+    from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+    return ArroyoHook(conn_id).get_store()
+
+
+def _dsn(conn_id: str) -> str:
+    from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+    return ArroyoHook(conn_id).get_dsn()
+
+
+class SubmitPipelineOperator(BaseOperator):
+    """Submit a pipeline as a long-running Spark application; succeed once it is running.
+
+    :param pipeline: the pipeline object, ``"module:attribute"`` importable by the Spark driver.
+    :param pipeline_id: the id the pipeline registers under (the one its object declares).
+    :param run_id: id of this run (default ``<dag_id>.<dag run id>.try<n>``).
+    :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
+    :param storage_uri: root of the pipeline's channels and snapshots (default: the pipeline's own).
+    :param conn_id: Airflow connection of the epoch store.
+    :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...).
+    :param conf: Spark configuration (``--conf``).
+    :param env_vars: extra environment of the driver (``ARROYO_DSN`` is added).
+    :param application: the spark-submit application (default: the runtime driver).
+    :param application_args: extra arguments appended to the driver's.
+    :param spark_submit_kwargs: further ``SparkSubmitHook`` arguments (``py_files``, ``jars``,
+        ``driver_memory``, ``executor_memory``, ``num_executors``, ``deploy_mode``, ``verbose``...).
+    :param name: the Spark application name (default ``arroyo-<pipeline_id>``).
+    :param submit_log_dir: where the ``spark-submit`` log goes on the worker host
+        (default ``$AIRFLOW_HOME/logs/arroyo``; one ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
+    :param register_timeout: seconds the run may take to reach ``running`` before the task fails
+        (and the run is stopped).
+    :param poll_interval: seconds between two looks at the epoch store while deferred.
+
+    Usage::
+
+        submit = SubmitPipelineOperator(
+            task_id="submit",
+            pipeline="airflow_arroyo.examples.pipelines:demo_pipeline",
+            pipeline_id="demo",
+            restore_from="{{ params.restore_from }}",
+            conf={"spark.sql.shuffle.partitions": "2"},
+        )
+        # downstream: "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
+    """
+
+    template_fields: Sequence[str] = (
+        "pipeline", "pipeline_id", "run_id", "restore_from", "storage_uri", "conn_id", "spark_conn_id",
+        "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
+    )
+    template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json"}
+    operator_extra_links = (ArroyoPipelineLink(), SparkUILink())
+    ui_color = "#e8f4ea"
+
+    def __init__(
+        self,
+        *,
+        pipeline: str,
+        pipeline_id: str,
+        run_id: str | None = None,
+        restore_from: str | int | None = None,
+        storage_uri: str | None = None,
+        conn_id: str = "arroyo_default",
+        spark_conn_id: str = "spark_default",
+        conf: Mapping[str, Any] | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        application: str | None = None,
+        application_args: Sequence[str] | None = None,
+        spark_submit_kwargs: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        submit_log_dir: str | None = None,
+        register_timeout: float = 600.0,
+        poll_interval: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+        self.pipeline_id = pipeline_id
+        self.run_id = run_id
+        self.restore_from = restore_from
+        self.storage_uri = storage_uri
+        self.conn_id = conn_id
+        self.spark_conn_id = spark_conn_id
+        self.conf = dict(conf or {})
+        self.env_vars = dict(env_vars or {})
+        self.application = application
+        self.application_args = list(application_args or [])
+        self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
+        self.name = name
+        self.submit_log_dir = submit_log_dir
+        self.register_timeout = register_timeout
+        self.poll_interval = poll_interval
+        self._process: LocalProcess | None = None
+        self._submitted_run: str | None = None
+
+    # ------------------------------------------------------------------ pieces
+
+    def _validate(self) -> str | None:
+        validate_pipeline_id(self.pipeline_id)
+        if not isinstance(self.pipeline, str) or ":" not in self.pipeline:
+            raise ConfigurationError(
+                f"pipeline must name the pipeline object as 'module:attribute', got {self.pipeline!r}"
+            )
+        if self.register_timeout <= 0 or self.poll_interval <= 0:
+            raise ConfigurationError("register_timeout and poll_interval must be positive numbers of seconds")
+        return parse_restore_from(self.restore_from)
+
+    def build_spark_submit(self, run_id: str, restore: str | None, dsn: str) -> tuple[list[str], dict[str, str], bool]:
+        """The spark-submit command, its environment, and whether spark-submit exits once the
+        application is submitted (cluster deploy mode). Built by the provider's hook."""
+        from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+        args = ["--pipeline", self.pipeline, "--run-id", run_id]
+        if restore is not None:
+            args += ["--restore-from", restore]
+        if self.storage_uri:
+            args += ["--storage-uri", str(self.storage_uri)]
+        args += [str(a) for a in self.application_args]
+        conf = {str(k): str(v) for k, v in self.conf.items()}
+        python = os.environ.get("PYSPARK_PYTHON") or sys.executable
+        env = {"ARROYO_DSN": dsn, "PYSPARK_PYTHON": python, **{str(k): str(v) for k, v in self.env_vars.items()}}
+        hook = SparkSubmitHook(
+            conf=conf,
+            conn_id=self.spark_conn_id,
+            name=self.name or f"arroyo-{self.pipeline_id}",
+            application_args=args,
+            env_vars=env,
+            **self.spark_submit_kwargs,
+        )
+        cluster = hook._connection["deploy_mode"] == "cluster"
+        if cluster:
+            for key in _CLUSTER_WAIT_CONFS:
+                hook._conf.setdefault(key, "false")
+        # _build_spark_submit_command is the provider's own command builder (SparkSubmitHook.submit
+        # uses it too); it also decides how env_vars travel (process env, or --conf for YARN/K8s).
+        command = hook._build_spark_submit_command(self.application or DRIVER_APPLICATION)
+        process_env = dict(os.environ)
+        # spark-submit is found on PATH, and its find-spark-home runs `python3` from PATH: the
+        # interpreter that has pyspark installed must come first.
+        process_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), process_env.get("PATH", "")])
+        process_env.setdefault("PYSPARK_PYTHON", python)
+        process_env.update({k: str(v) for k, v in (hook._env or {}).items()})
+        return command, process_env, cluster
+
+    def start_detached(self, command: list[str], env: Mapping[str, str], run_id: str) -> tuple[LocalProcess, Path]:
+        """Start spark-submit in its own session so it outlives this task; output to a log file."""
+        log_dir = _log_dir(self.submit_log_dir) / self.pipeline_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        safe_run = re.sub(r"[^A-Za-z0-9_.+-]", "_", run_id)
+        log_path = log_dir / f"{safe_run}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        process = LocalProcess.of(proc.pid)
+        (log_dir / f"{safe_run}.pid").write_text(f"{process.pid} {process.start_ticks or ''} {process.host}\n")
+        # Not waited for: it is meant to outlive this task. Keep the Popen so that, should this
+        # process live on (dag.test()), the child is reaped once it exits instead of lingering.
+        _reap_detached()
+        _DETACHED.append(proc)
+        return process, log_path
+
+    # ------------------------------------------------------------------ execute
+
+    def execute(self, context: Context) -> Any:
+        restore = self._validate()
+        run_id = str(self.run_id) if self.run_id else _default_run_id(context)
+        store = _store(self.conn_id)
+        try:
+            current = store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            current = None
+        if current is not None and not current.state.terminal:
+            raise ConcurrencyConflict(
+                f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
+                "(StopPipelineOperator or `airflow-arroyo stop`) before submitting a new run"
+            )
+        command, env, cluster = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
+        process, log_path = self.start_detached(command, env, run_id)
+        self._process, self._submitted_run = process, run_id
+        self.log.info("Pipeline %s run %s: spark-submit started (pid %s), log %s", self.pipeline_id, run_id,
+                      process.pid, log_path)
+        ti = context["ti"]
+        ti.xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
+        ti.xcom_push(key="run_id", value=run_id)
+        ti.xcom_push(key="submit_log", value=str(log_path))
+        ti.xcom_push(key="submit_pid", value=process.pid)
+        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=None)  # known once the driver reports it
+        submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
+                  "log": str(log_path), "run_id": run_id}
+        self.defer(
+            trigger=PipelineStateTrigger(
+                pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
+                conn_id=self.conn_id, poll_interval=self.poll_interval,
+                deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
+                submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
+                submit_log=str(log_path), submit_exits=cluster,
+            ),
+            method_name="execute_complete",
+            kwargs={"submit": submit},
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
+        submit = submit or {}
+        run_id = str(submit.get("run_id") or event.get("run_id"))
+        if event.get("status") != "success":
+            process = None
+            if submit.get("pid") is not None and submit.get("host"):
+                process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
+            stop_run(_store(self.conn_id), self.pipeline_id, run_id, process, log=self.log)
+            if event.get("status") == "failed":
+                raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
+            raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
+        ti = context["ti"]
+        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=event.get("spark_ui_url"))
+        ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id"))
+        self.log.info("Pipeline %s run %s is %s; Spark UI: %s", self.pipeline_id, run_id, event.get("state"),
+                      event.get("spark_ui_url") or "not reported")
+        return run_id
+
+    def on_kill(self) -> None:
+        if self._submitted_run is None:
+            return
+        stop_run(_store(self.conn_id), self.pipeline_id, self._submitted_run, self._process, log=self.log)
+
+
+class StopPipelineOperator(BaseOperator):
+    """Stop a running pipeline and wait (deferred) until it is stopped.
+
+    :param pipeline_id: the pipeline to stop.
+    :param mode: ``"graceful"``: the driver takes a final epoch, then stops; ``"immediate"``: it
+        stops without a final epoch.
+    :param conn_id: Airflow connection of the epoch store.
+    :param fail_if_failed: fail the task if the pipeline failed (before or while stopping), with the
+        pipeline's cause; with False the task just reports it.
+    :param poll_interval: seconds between two looks at the epoch store while deferred.
+    :param stop_timeout: seconds to wait for ``stopped`` before the task fails.
+
+    Returns (XCom) the pipeline's final state and its latest completed epoch.
+
+    Usage::
+
+        stop = StopPipelineOperator(task_id="stop", pipeline_id="demo", mode="graceful",
+                                    trigger_rule="all_done")
+    """
+
+    template_fields: Sequence[str] = ("pipeline_id", "mode", "conn_id")
+    operator_extra_links = (ArroyoPipelineLink(),)
+    ui_color = "#f4e8e8"
+
+    def __init__(
+        self,
+        *,
+        pipeline_id: str,
+        mode: str = "graceful",
+        conn_id: str = "arroyo_default",
+        fail_if_failed: bool = True,
+        poll_interval: float = 2.0,
+        stop_timeout: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.pipeline_id = pipeline_id
+        self.mode = mode
+        self.conn_id = conn_id
+        self.fail_if_failed = fail_if_failed
+        self.poll_interval = poll_interval
+        self.stop_timeout = stop_timeout
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        validate_pipeline_id(self.pipeline_id)
+        mode = str(self.mode).strip().lower()
+        if mode not in ("graceful", "immediate"):
+            raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {self.mode!r}")
+        context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
+        store = _store(self.conn_id)
+        pipeline = store.get_pipeline(self.pipeline_id)
+        if pipeline.state.terminal:
+            self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
+            return self._result({"state": pipeline.state.value, "cause": pipeline.failure_cause,
+                                 "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
+        store.request_stop(self.pipeline_id, mode)
+        self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
+        self.defer(
+            trigger=PipelineStateTrigger(
+                pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
+                conn_id=self.conn_id, poll_interval=self.poll_interval,
+                deadline=time.time() + float(self.stop_timeout),
+            ),
+            method_name="execute_complete",
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        status = event.get("status")
+        if status == "success":
+            return self._result(event, None)
+        if status == "failed":
+            return self._result({**event, "state": PipelineState.FAILED.value}, None)
+        raise ArroyoError(f"stopping pipeline {self.pipeline_id!r} did not finish: {event.get('message')}")
+
+    def _result(self, event: Mapping[str, Any], store: EpochStore | None) -> dict[str, Any]:
+        store = store or _store(self.conn_id)
+        latest = store.latest_completed_epoch(self.pipeline_id)
+        result = {
+            "pipeline_id": self.pipeline_id,
+            "run_id": event.get("run_id"),
+            "state": event.get("state"),
+            "latest_epoch": latest.epoch if latest is not None else None,
+            "final_epoch": latest.epoch if latest is not None and latest.is_final else None,
+        }
+        if event.get("state") == PipelineState.FAILED.value:
+            cause = event.get("cause") or event.get("message")
+            if self.fail_if_failed:
+                raise PipelineFailedError(self.pipeline_id, cause)
+            self.log.warning("Pipeline %s had failed: %s", self.pipeline_id, cause)
+        else:
+            self.log.info("Pipeline %s is %s; latest completed epoch %s%s", self.pipeline_id, event.get("state"),
+                          result["latest_epoch"], " (final)" if result["final_epoch"] else "")
+        return result

@@ -1,0 +1,344 @@
+"""SubmitPipelineOperator and StopPipelineOperator: real spark-submit (local mode), real epoch store.
+
+The spark-submit application is a stand-in driver (``_fake_driver.py``) that speaks the runtime
+driver's protocol with the store without starting Spark work, so these tests prove the operators'
+own mechanics: the command the provider's hook builds, the detached process outliving the task,
+the DSN reaching the driver, deferral, the failure and kill paths. The real driver runs in the
+end-to-end test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.exceptions import (
+    ArroyoError,
+    ConcurrencyConflict,
+    ConfigurationError,
+    PipelineFailedError,
+    UnknownPipelineError,
+)
+from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.operators.pipeline import (
+    DRIVER_APPLICATION,
+    StopPipelineOperator,
+    SubmitPipelineOperator,
+    parse_restore_from,
+)
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
+
+FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
+PID = "orders"
+CONN = "arroyo_test"
+SPARK = "spark_test"
+
+
+@pytest.fixture
+def conns(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> EpochStore:
+    """Connections as environment variables: the epoch store, and Spark local[2] as JSON."""
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", store.dsn)
+    monkeypatch.setenv(f"AIRFLOW_CONN_{SPARK.upper()}", json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    return store
+
+
+class _TI:
+    """The task-instance calls the operators make (a seam of these tests only; dag.test below uses Airflow's)."""
+
+    dag_id = "d"
+    run_id = "manual__2026-01-01T00:00:00+00:00"
+    try_number = 1
+
+    def __init__(self) -> None:
+        self.xcom: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.xcom[key] = value
+
+
+def submit_op(tmp_path: Path, **kwargs: Any) -> SubmitPipelineOperator:
+    args: dict[str, Any] = dict(task_id="submit", pipeline=f"fake:{PID}", pipeline_id=PID, conn_id=CONN,
+                                spark_conn_id=SPARK, application=FAKE_DRIVER, submit_log_dir=str(tmp_path),
+                                register_timeout=120, poll_interval=0.2)
+    args.update(kwargs)
+    return SubmitPipelineOperator(**args)
+
+
+def run_trigger(trigger: PipelineStateTrigger) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("trigger ended without an event")
+
+    return asyncio.run(first())
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def started() -> Iterator[list[LocalProcess]]:
+    """Process groups a test started: killed at teardown if the test left them running."""
+    groups: list[LocalProcess] = []
+    yield groups
+    for group in groups:
+        group.signal_group(signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- pure pieces
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("", None), ("None", None), ("latest", "latest"),
+                                                 (" LATEST ", "latest"), (3, "3"), ("12", "12")])
+def test_parse_restore_from(value: Any, expected: str | None) -> None:
+    assert parse_restore_from(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, "zero", True, "1.5"])
+def test_parse_restore_from_refuses(value: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        parse_restore_from(value)
+
+
+def test_pipeline_page_url() -> None:
+    assert pipeline_page_url("orders", base_url="") == "/arroyo/pipelines/orders"
+    assert pipeline_page_url("a.b-c", base_url="https://airflow.example/") == "https://airflow.example/arroyo/pipelines/a.b-c"
+
+
+def test_driver_application_is_the_runtime_driver() -> None:
+    assert DRIVER_APPLICATION.endswith("airflow_arroyo/runtime/driver.py") and os.path.isabs(DRIVER_APPLICATION)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) -> None:
+    op = submit_op(tmp_path, application=None, restore_from="latest", storage_uri="file:///data/orders",
+                   conf={"spark.sql.shuffle.partitions": 2}, application_args=["--verbose-epochs"])
+    command, env, cluster = op.build_spark_submit("run-7", "latest", conns.dsn)
+    assert cluster is False
+    assert command[:3] == ["spark-submit", "--master", "local[2]"]
+    assert "spark.sql.shuffle.partitions=2" in command and "--name" in command and "arroyo-orders" in command
+    app = command.index(DRIVER_APPLICATION)
+    assert command[app + 1:] == ["--pipeline", f"fake:{PID}", "--run-id", "run-7", "--restore-from", "latest",
+                                 "--storage-uri", "file:///data/orders", "--verbose-epochs"]
+    # the DSN travels in the environment, never on the command line
+    assert env["ARROYO_DSN"] == conns.dsn and all(conns.dsn not in part for part in command)
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(os.sys.executable).parent)
+    assert env["PYSPARK_PYTHON"]
+
+
+def test_spark_submit_command_for_yarn_cluster_mode(conns: EpochStore, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_YARN", json.dumps({"conn_type": "spark", "host": "yarn",
+                                                               "extra": {"deploy-mode": "cluster", "queue": "q"}}))
+    op = submit_op(tmp_path, spark_conn_id="spark_yarn")
+    command, env, cluster = op.build_spark_submit("r", None, "postgresql://db/x")
+    assert cluster is True
+    assert ["--master", "yarn"] == command[1:3] and "--deploy-mode" in command and "--queue" in command
+    assert "spark.yarn.submit.waitAppCompletion=false" in command  # spark-submit returns once submitted
+    assert "spark.yarn.appMasterEnv.ARROYO_DSN=postgresql://db/x" in command  # the provider's way for YARN
+
+
+# --------------------------------------------------------------------------- submit, for real
+
+
+@pytest.mark.spark
+def test_submit_defers_returns_once_running_and_on_kill_stops_it(conns: EpochStore, tmp_path: Path,
+                                                                    started: list[LocalProcess]) -> None:
+    store = conns
+    op = submit_op(tmp_path, restore_from=2)
+    ti = _TI()
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({"ti": ti})  # type: ignore[arg-type]
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, PipelineStateTrigger)
+    started.append(LocalProcess(trigger.submit_pid, trigger.submit_host, trigger.submit_start_ticks))  # type: ignore[arg-type]
+    run_id = "d.manual__2026-01-01T00:00:00+00:00.try1"
+    assert (trigger.state, trigger.run_id) == ("running", run_id)
+    assert trigger.stop_on_kill is True and trigger.submit_exits is False
+    assert ti.xcom["run_id"] == run_id and ti.xcom["pipeline_id"] == PID
+    log = Path(ti.xcom["submit_log"])
+    assert log.is_file() and log.parent == tmp_path / PID and log.with_suffix(".pid").is_file()
+    assert log.with_suffix(".pid").read_text().split()[0] == str(trigger.submit_pid)
+
+    event = run_trigger(trigger)  # waits for the real spark-submit to start the driver
+    assert event["status"] == "success", event
+    assert op.execute_complete({"ti": ti}, event, **deferred.value.kwargs) == run_id  # type: ignore[arg-type]
+    assert ti.xcom["spark_ui_url"] == "http://127.0.0.1:4040" and ti.xcom["spark_app_id"].startswith("local-fake-")
+    pipeline = store.get_pipeline(PID)
+    assert pipeline.state is PipelineState.RUNNING and pipeline.run_id == run_id
+    assert pipeline.config["restore_from"] == "2"
+    # the application outlives the task: its process group is still there
+    assert started[0].group_alive()
+
+    # killing the task (Airflow calls on_kill) stops the run and ends the process group
+    op.on_kill()
+    assert store.get_pipeline(PID).stop_requested == "immediate"
+    wait_for(lambda: not started[0].group_alive())
+
+
+@pytest.mark.spark
+def test_submit_fails_with_the_log_when_spark_submit_dies_before_registering(
+    conns: EpochStore, tmp_path: Path, started: list[LocalProcess]
+) -> None:
+    op = submit_op(tmp_path, env_vars={"FAKE_EXIT_BEFORE_REGISTER": "cannot import orders_pipeline"})
+    ti = _TI()
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({"ti": ti})  # type: ignore[arg-type]
+    event = run_trigger(deferred.value.trigger)
+    assert event["status"] == "unreachable"
+    with pytest.raises(ArroyoError, match="cannot import orders_pipeline"):
+        op.execute_complete({"ti": ti}, event, **deferred.value.kwargs)  # type: ignore[arg-type]
+
+
+def test_submit_refuses_while_another_run_is_live(conns: EpochStore, tmp_path: Path) -> None:
+    conns.register_pipeline(PID, stages=["a"], run_id="other")
+    with pytest.raises(ConcurrencyConflict, match="stop it first"):
+        submit_op(tmp_path).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert not (tmp_path / PID).exists()  # nothing was started
+
+
+def test_submit_refuses_bad_input_before_starting_anything(conns: EpochStore, tmp_path: Path) -> None:
+    for bad in ({"pipeline": "no_colon"}, {"pipeline_id": "has space"}, {"restore_from": 0}):
+        with pytest.raises(ConfigurationError):
+            submit_op(tmp_path, **bad).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert not (tmp_path / PID).exists()
+
+
+# --------------------------------------------------------------------------- stop
+
+
+def test_stop_of_a_stopped_pipeline_returns_at_once(conns: EpochStore) -> None:
+    conns.register_pipeline(PID, stages=["a"], run_id="r1")
+    conns.set_pipeline_state(PID, PipelineState.STOPPED)
+    result = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert result["state"] == "stopped" and result["latest_epoch"] is None
+
+
+def test_stop_of_a_failed_pipeline_fails_with_its_cause_unless_told_not_to(conns: EpochStore) -> None:
+    conns.register_pipeline(PID, stages=["a"], run_id="r1")
+    conns.set_pipeline_state(PID, PipelineState.FAILED, failure_cause="sink: permission denied")
+    with pytest.raises(PipelineFailedError, match="permission denied"):
+        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN).execute({"ti": _TI()})  # type: ignore[arg-type]
+    result = StopPipelineOperator(task_id="stop2", pipeline_id=PID, conn_id=CONN,
+                                  fail_if_failed=False).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert result["state"] == "failed"
+
+
+def test_immediate_stop_requests_immediate_and_defers(conns: EpochStore) -> None:
+    conns.register_pipeline(PID, stages=["a"], run_id="r1")
+    conns.set_pipeline_state(PID, PipelineState.RUNNING)
+    with pytest.raises(TaskDeferred) as deferred:
+        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, mode="immediate").execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert conns.get_pipeline(PID).stop_requested == "immediate"
+    trigger = deferred.value.trigger
+    assert (trigger.state, trigger.run_id) == ("stopped", "r1")
+    with pytest.raises(ConfigurationError):
+        StopPipelineOperator(task_id="s", pipeline_id=PID, conn_id=CONN, mode="now").execute({"ti": _TI()})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- a whole DAG run
+
+DAG_FILE = """
+from airflow.sdk import DAG
+
+from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
+from airflow_arroyo.sensors.pipeline import PipelineSensor
+
+with DAG(dag_id="arroyo_pipeline_operators_test", schedule=None, params={{"epochs": 3}}) as dag:
+    submit = SubmitPipelineOperator(
+        task_id="submit", pipeline="fake:{pid}", pipeline_id="{pid}", conn_id="{conn}", spark_conn_id="{spark}",
+        application={app!r}, submit_log_dir={logs!r}, env_vars={{"FAKE_EPOCH_INTERVAL": "0.2"}},
+        register_timeout=120, poll_interval=0.2,
+    )
+    run_for = PipelineSensor(
+        task_id="run_for", pipeline_id="{pid}", epoch="{{{{ params.epochs }}}}", conn_id="{conn}",
+        run_id="{{{{ ti.xcom_pull(task_ids='submit', key='run_id') }}}}", trigger_poll_interval=0.2,
+        wait_timeout=120,
+    )
+    stop = StopPipelineOperator(task_id="stop", pipeline_id="{pid}", conn_id="{conn}", poll_interval=0.2,
+                                trigger_rule="all_done")
+    submit >> run_for >> stop
+"""
+
+
+@pytest.fixture
+def test_dag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The DAG above as a file in a DAG bundle of its own (dag.test() runs only DAGs of a bundle)."""
+    import importlib.util
+
+    folder = tmp_path / "dags"
+    folder.mkdir()
+    path = folder / "arroyo_pipeline_operators_test.py"
+    path.write_text(DAG_FILE.format(pid=PID, conn=CONN, spark=SPARK, app=FAKE_DRIVER, logs=str(tmp_path / "logs")))
+    local = "airflow.dag_processing.bundles.local.LocalDagBundle"
+    monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
+        {"name": "dags-folder", "classpath": local, "kwargs": {}},
+        {"name": "arroyo-operator-tests", "classpath": local, "kwargs": {"path": str(folder)}},
+    ]))
+    spec = importlib.util.spec_from_file_location("arroyo_pipeline_operators_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return next(v for v in vars(module).values() if type(v).__name__ == "DAG")
+
+
+def _json_or_text(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+@pytest.mark.spark
+def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airflow_db: str,
+                                         started: list[LocalProcess]) -> None:
+    """dag.test(): submit (real spark-submit) -> wait for epoch 3 (deferred) -> graceful stop; the
+    extra links resolve to the pipeline page and the Spark UI the driver reported."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from airflow.utils.state import TaskInstanceState
+
+    try:
+        run = test_dag.test()
+    finally:
+        with contextlib.suppress(UnknownPipelineError):
+            pid = conns.get_pipeline(PID).config.get("pid")
+            if pid:
+                started.append(LocalProcess.of(int(pid)))
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert states == {"submit": TaskInstanceState.SUCCESS, "run_for": TaskInstanceState.SUCCESS,
+                      "stop": TaskInstanceState.SUCCESS}
+    pipeline = conns.get_pipeline(PID)
+    assert pipeline.state is PipelineState.STOPPED and pipeline.run_id.startswith("arroyo_pipeline_operators_test.")
+    completed = conns.list_epochs(PID, states=[EpochState.COMPLETED])
+    assert len(completed) >= 4 and completed[0].is_final  # >= 3 epochs, then the final one
+    with create_session() as session:
+        rows = session.execute(
+            XComModel.get_many(run_id=run.run_id, dag_ids=test_dag.dag_id, task_ids="submit", key=None)
+            .with_only_columns(XComModel.key, XComModel.value)
+        ).all()
+    xcom = {key: _json_or_text(value) for key, value in rows}
+    assert xcom["_link_ArroyoPipelineLink"] == f"/arroyo/pipelines/{PID}"
+    assert xcom["_link_SparkUILink"] == "http://127.0.0.1:4040"
+    assert xcom["run_id"] == pipeline.run_id
