@@ -80,7 +80,7 @@ def _log_retry(state: RetryCallState) -> None:
 def retrying(max_seconds: float = 60.0, max_attempts: int = 30) -> Retrying:
     return Retrying(
         retry=retry_if_exception(is_transient),
-        wait=wait_exponential_jitter(initial=0.05, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.05),
         stop=stop_after_delay(max_seconds) | stop_after_attempt(max_attempts),
         before_sleep=_log_retry,
         reraise=True,
