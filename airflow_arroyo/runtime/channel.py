@@ -60,6 +60,7 @@ LOG_DIR = "log"
 DATA_DIR = "data"
 _INDEX_WIDTH = 20
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.=-]+")
+_CACHE_LIMIT = 8192  # parsed entries kept per handle (a long-running reader or writer must not grow forever)
 
 
 class ChannelError(ArroyoError):
@@ -386,8 +387,21 @@ class Channel:
             except json.JSONDecodeError as exc:
                 raise ChannelError(f"entry {index} of channel {self.uri} is corrupt: {exc}") from exc
             parsed = Entry.from_json(index, raw)
-            self._c.entries[index] = parsed
+            self._remember(parsed)
             return parsed
+
+    def _remember(self, e: Entry) -> None:
+        entries = self._c.entries
+        entries[e.index] = e
+        if len(entries) > _CACHE_LIMIT:
+            for i in sorted(entries)[: _CACHE_LIMIT // 2]:
+                del entries[i]
+
+    def forget_before(self, pos: int) -> None:
+        """Drop cached entries below ``pos`` (a reader that committed ``pos`` never reads them again)."""
+        with self._lock:
+            for i in [i for i in self._c.entries if i < pos]:
+                del self._c.entries[i]
 
     def entries(self, start: int, end: int | None = None) -> list[Entry]:
         """Entries ``[start, end)`` in order (``end`` defaults to the end of the channel)."""
@@ -486,7 +500,7 @@ class Channel:
                 "one writer: check that no two stages (or two copies of one pipeline) write it"
             )
         self._c.end = end + 1
-        self._c.entries[end] = Entry.from_json(end, entry_json)
+        self._remember(Entry.from_json(end, entry_json))
         return end
 
     def append_barrier(self, epoch: int, writer: str) -> int:

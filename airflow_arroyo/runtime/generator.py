@@ -20,7 +20,7 @@ generator needs ``rows_per_batch`` or ``rows_per_second``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -180,8 +180,9 @@ class GeneratorDataSource(DataSource):
 
 
 class GeneratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: GeneratorOptions) -> None:
+    def __init__(self, options: GeneratorOptions, clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
+        self.clock = clock
         self._t0: float | None = None
         self._first: int | None = None
         self._target: int | None = None
@@ -198,7 +199,7 @@ class GeneratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         """The end of what exists now (None: unbounded)."""
         end = self.options.end
         if self.options.rows_per_second is not None:
-            now = time.monotonic()
+            now = self.clock()
             if self._t0 is None or self._first is None:
                 self._t0, self._first = now, begin
             paced = self._first + int((now - self._t0) * self.options.rows_per_second)

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -40,7 +40,7 @@ from pyspark.sql.types import StructType
 
 from airflow_arroyo.exceptions import ConfigurationError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.channel import Channel, ChannelError, iter_data_file
+from airflow_arroyo.runtime.channel import Channel, ChannelError, Entry, iter_data_file
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -51,6 +51,7 @@ __all__ = [
     "ChannelPartition",
     "ChannelStreamReader",
     "checkpoint_offsets",
+    "plan_batch_end",
     "read_cap",
     "read_channel",
     "register_data_sources",
@@ -97,6 +98,41 @@ def _split_file_uri(uri: str) -> tuple[FileSystem, str]:
     return FileSystem.from_uri(head), name
 
 
+# ---------------------------------------------------------------------- the batch planner (pure)
+def plan_batch_end(
+    begin: int,
+    available: int,
+    entries: Iterable[Entry],
+    stop_at_barriers: bool,
+    max_rows: int | None = None,
+    max_files: int | None = None,
+) -> int:
+    """End position of the micro-batch starting at ``begin``.
+
+    ``available`` is the furthest the reader may go (channel end, cap, trigger target, already
+    combined); ``entries`` yields the entries ``begin, begin+1, ...`` (consumed only as far as needed).
+    The batch stops right after the first barrier when ``stop_at_barriers``, and before the entry that
+    would take it past ``max_rows`` rows or ``max_files`` files, but always takes at least one entry.
+    Returns ``begin`` when nothing may be read.
+    """
+    pos = begin
+    rows = files = 0
+    if available <= begin:
+        return begin
+    for entry in entries:
+        if pos > begin and (
+            (max_rows is not None and rows + entry.rows > max_rows)
+            or (max_files is not None and files + len(entry.files) > max_files)
+        ):
+            return pos
+        rows += entry.rows
+        files += len(entry.files)
+        pos += 1
+        if (stop_at_barriers and entry.is_barrier) or pos >= available:
+            return pos
+    return pos
+
+
 # ---------------------------------------------------------------------- cap file
 def read_cap(cap_path: str | None, key: str) -> int | None:
     """The cap for ``key`` in the cap file ``{"caps": {key: position}}``; None if no file or no entry."""
@@ -128,11 +164,10 @@ def write_caps(cap_path: str, caps: dict[str, int]) -> None:
 class ChannelPartition(InputPartition):
     """One Parquet file of one data entry."""
 
-    def __init__(self, channel_uri: str, path: str, rows: int) -> None:
+    def __init__(self, channel_uri: str, path: str) -> None:
         super().__init__((channel_uri, path))
         self.channel_uri = channel_uri
         self.path = path
-        self.rows = rows
 
 
 class ChannelDataSource(DataSource):
@@ -207,35 +242,23 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
         begin = int(start["pos"])
-        end = self.channel.end_position()
+        available = self.channel.end_position()
+        if begin > available:
+            raise ChannelError(
+                f"this query's position {begin} is past the end ({available}) of channel {self.uri}: the "
+                "channel was truncated (restore) without restoring this query's checkpoint to the same epoch; "
+                "restore the whole pipeline from one epoch"
+            )
         cap = read_cap(self.cap_path, self.cap_key)
         if cap is not None:
-            end = min(end, cap)
+            available = min(available, cap)
         if self._target is not None:
-            end = min(end, self._target)
-        if end <= begin:
-            return {"pos": begin}
-        if self.stop_at_barriers:
-            barrier = self.channel.next_barrier_at_or_after(begin, end)
-            if barrier is not None:
-                end = barrier + 1
-        end = self._apply_limit(begin, end, limit)
+            available = min(available, self._target)
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        max_files = limit.max_files if isinstance(limit, ReadMaxFiles) else None
+        entries = (self.channel.entry(i) for i in range(begin, available))
+        end = plan_batch_end(begin, available, entries, self.stop_at_barriers, max_rows, max_files)
         return {"pos": end}
-
-    def _apply_limit(self, begin: int, end: int, limit: ReadLimit) -> int:
-        if isinstance(limit, ReadMaxRows):
-            budget, measure = limit.max_rows, "rows"
-        elif isinstance(limit, ReadMaxFiles):
-            budget, measure = limit.max_files, "files"
-        else:
-            return end
-        used = 0
-        for e in self.channel.entries(begin, end):
-            cost = e.rows if measure == "rows" else len(e.files)
-            if used + cost > budget and e.index > begin:
-                return e.index
-            used += cost
-        return end
 
     def reportLatestOffset(self) -> dict[str, int]:
         return {"pos": self.channel.end_position()}
@@ -245,11 +268,7 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if stop <= begin:
             return []
         channel_uri = self.channel.uri
-        return [
-            ChannelPartition(channel_uri, f, e.rows if len(e.files) == 1 else -1)
-            for e in self.channel.data_entries(begin, stop)
-            for f in e.files
-        ]
+        return [ChannelPartition(channel_uri, f) for e in self.channel.data_entries(begin, stop) for f in e.files]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         from pyspark.sql.pandas.types import to_arrow_schema
@@ -267,7 +286,9 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ) from exc
 
     def commit(self, end: dict[str, Any]) -> None:
-        return None
+        # Spark will not ask for positions below ``end`` again: drop their cached entries.
+        if self._channel is not None:
+            self._channel.forget_before(int(end["pos"]))
 
 
 # ---------------------------------------------------------------------- registration and helpers

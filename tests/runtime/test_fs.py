@@ -104,31 +104,29 @@ def test_unknown_scheme_is_a_configuration_error() -> None:
 
 
 # ---------------------------------------------------------------------- real races between processes
-def _race_create(root: str, name: str, barrier: mp.synchronize.Barrier, results: mp.Queue) -> None:
+def _race_create(root: str, rounds: int, barrier: mp.synchronize.Barrier, results: mp.Queue) -> None:
     fs = FileSystem.from_uri(root)
-    barrier.wait()
-    results.put(fs.create_exclusive(name, uuid.uuid4().hex.encode()))
+    for round_ in range(rounds):
+        barrier.wait()
+        results.put((round_, fs.create_exclusive(f"entry-{round_}", uuid.uuid4().hex.encode())))
 
 
 def test_create_exclusive_race_between_processes(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
-    n = 4
-    for round_ in range(3):
-        barrier = ctx.Barrier(n)
-        results: mp.Queue = ctx.Queue()
-        procs = [
-            ctx.Process(target=_race_create, args=(str(tmp_path), f"entry-{round_}", barrier, results))
-            for _ in range(n)
-        ]
-        for p in procs:
-            p.start()
-        outcomes = [results.get(timeout=60) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-        assert sorted(outcomes) == [False] * (n - 1) + [True]
+    n, rounds = 4, 5
+    barrier = ctx.Barrier(n)
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_race_create, args=(str(tmp_path), rounds, barrier, results)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in range(n * rounds)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for round_ in range(rounds):
+        assert sorted(won for r, won in outcomes if r == round_) == [False] * (n - 1) + [True]
         assert len((tmp_path / f"entry-{round_}").read_bytes()) == 32
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry-0", "entry-1", "entry-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"entry-{r}" for r in range(rounds)]
 
 
 def _rewrite(root: str, rounds: int, barrier: mp.synchronize.Barrier) -> None:

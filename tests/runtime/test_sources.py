@@ -3,25 +3,43 @@
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles, ReadMaxRows
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.runtime.channel import Channel, ChannelSchemaError
+from airflow_arroyo.runtime.channel import (
+    Channel,
+    ChannelError,
+    ChannelSchemaError,
+    ChannelTruncatedError,
+    Entry,
+    EntryKind,
+)
 from airflow_arroyo.runtime.generator import (
     ARROW_SCHEMA,
     GeneratorOptions,
+    GeneratorStreamReader,
     generate_row,
     generate_rows,
     generator_source,
 )
-from airflow_arroyo.runtime.sources import checkpoint_offsets, read_cap, read_channel, write_caps
-
-pytestmark = pytest.mark.spark
+from airflow_arroyo.runtime.sources import (
+    ChannelDataSource,
+    ChannelStreamReader,
+    checkpoint_offsets,
+    plan_batch_end,
+    read_cap,
+    read_channel,
+    write_caps,
+)
 
 SCHEMA = pa.schema([("id", pa.int64()), ("key", pa.string())])
 
@@ -82,6 +100,7 @@ def assert_never_crosses_barriers(ch: Channel, recorder: Recorder) -> None:
         start = end
 
 
+@pytest.mark.spark
 def test_batches_end_right_after_barriers(spark: Any, tmp_path: Path, run_query: Callable[..., Any]) -> None:
     uri = str(tmp_path / "chan")
     ch = Channel.create(uri, SCHEMA)
@@ -111,11 +130,11 @@ def test_batches_end_right_after_barriers(spark: Any, tmp_path: Path, run_query:
     assert rec.ends == [3, 5, 6, 8, 10, 11]
     assert rec.ids == list(range(35))
     assert_never_crosses_barriers(ch, rec)
-    assert query.lastProgress["sources"][0]["endOffset"] == json.dumps({"pos": 11}).replace(" ", "") or (
-        json.loads(query.lastProgress["sources"][0]["endOffset"]) == {"pos": 11}
-    )
+    end_offset = query.lastProgress["sources"][0]["endOffset"]
+    assert (json.loads(end_offset) if isinstance(end_offset, str) else end_offset) == {"pos": 11}
 
 
+@pytest.mark.spark
 def test_back_edge_reader_crosses_barriers_but_skips_them(
     spark: Any, tmp_path: Path, run_query: Callable[..., Any]
 ) -> None:
@@ -133,6 +152,7 @@ def test_back_edge_reader_crosses_barriers_but_skips_them(
     assert rec.ids == list(range(6))
 
 
+@pytest.mark.spark
 def test_cap_file_holds_the_reader_until_it_changes(
     spark: Any, tmp_path: Path, run_query: Callable[..., Any]
 ) -> None:
@@ -163,6 +183,7 @@ def test_cap_file_holds_the_reader_until_it_changes(
     assert rec.ids == list(range(10))
 
 
+@pytest.mark.spark
 def test_cap_key_and_read_limits(spark: Any, tmp_path: Path, run_query: Callable[..., Any]) -> None:
     uri = str(tmp_path / "chan")
     caps = str(tmp_path / "caps.json")
@@ -181,6 +202,7 @@ def test_cap_key_and_read_limits(spark: Any, tmp_path: Path, run_query: Callable
     assert rec.ends == [2, 4, 5] and rec.ids == list(range(50))
 
 
+@pytest.mark.spark
 def test_reader_without_schema_fails_clearly(spark: Any, tmp_path: Path) -> None:
     uri = str(tmp_path / "noschema")
     Channel.create(uri)
@@ -190,6 +212,7 @@ def test_reader_without_schema_fails_clearly(spark: Any, tmp_path: Path) -> None
         read_channel(spark, str(tmp_path / "missing"))
 
 
+@pytest.mark.spark
 def test_append_spark_batch(spark: Any, tmp_path: Path) -> None:
     uri = str(tmp_path / "chan")
     ch = Channel.create(uri)
@@ -237,6 +260,7 @@ def test_generator_options_are_validated() -> None:
     assert (opts.seed, opts.end) == (3, 15)
 
 
+@pytest.mark.spark
 def test_generator_through_a_channel_replays_identically(
     spark: Any, tmp_path: Path, run_query: Callable[..., Any]
 ) -> None:
@@ -292,3 +316,176 @@ def test_generator_through_a_channel_replays_identically(
     assert got.column("key").equals(expected.column("key"))
     assert got.column("value").equals(expected.column("value"))
     assert got.column("ts").cast(pa.int64()).equals(expected.column("ts").cast(pa.int64()))
+
+
+# ---------------------------------------------------------------------- the planner, without Spark
+def fake_entries(spec: list[tuple[str, int, int]]) -> list[Entry]:
+    return [
+        Entry(i, EntryKind.BARRIER, "w", epoch=i)
+        if kind == "b"
+        else Entry(i, EntryKind.DATA, "w", files=tuple(f"f{i}-{j}" for j in range(nfiles)), rows=nrows)
+        for i, (kind, nrows, nfiles) in enumerate(spec)
+    ]
+
+
+entry_specs = st.lists(
+    st.one_of(
+        st.tuples(st.just("d"), st.integers(1, 4), st.integers(1, 3)),
+        st.tuples(st.just("b"), st.just(0), st.just(0)),
+    ),
+    max_size=25,
+)
+
+
+def test_plan_batch_end_examples() -> None:
+    entries = fake_entries([("d", 2, 1), ("d", 2, 1), ("b", 0, 0), ("d", 1, 2), ("d", 1, 2)])
+    assert plan_batch_end(0, 5, iter(entries), True) == 3
+    assert plan_batch_end(0, 5, iter(entries), False) == 5
+    assert plan_batch_end(0, 2, iter(entries), True) == 2  # capped
+    assert plan_batch_end(3, 2, iter(entries[3:]), True) == 3  # cap below the position: no rewind
+    assert plan_batch_end(0, 5, iter(entries), True, max_rows=3) == 1  # 2 + 2 > 3
+    assert plan_batch_end(0, 5, iter(entries), True, max_rows=4) == 3  # 2 + 2 + 0 <= 4, barrier ends it
+    assert plan_batch_end(3, 5, iter(entries[3:]), False, max_files=3) == 4
+    assert plan_batch_end(3, 5, iter(entries[3:]), False, max_files=1) == 4  # at least one entry
+    assert plan_batch_end(5, 5, iter([]), True) == 5
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    spec=entry_specs,
+    data=st.data(),
+    stop=st.booleans(),
+    max_rows=st.none() | st.integers(1, 12),
+    max_files=st.none() | st.integers(1, 5),
+)
+def test_plan_batch_end_properties(spec, data, stop, max_rows, max_files) -> None:
+    entries = fake_entries(spec)
+    n = len(entries)
+    begin = data.draw(st.integers(0, n))
+    available = data.draw(st.integers(begin, n))
+    end = plan_batch_end(begin, available, iter(entries[begin:]), stop, max_rows, max_files)
+    if available == begin:
+        assert end == begin
+        return
+    assert begin < end <= available  # progress, never past the cap
+    batch = entries[begin:end]
+    if stop:
+        assert all(not e.is_barrier for e in batch[:-1])  # never crosses a barrier
+    if len(batch) > 1:  # a limit may only be exceeded by a single entry
+        assert max_rows is None or sum(e.rows for e in batch) <= max_rows
+        assert max_files is None or sum(len(e.files) for e in batch) <= max_files
+    if end < available and not (stop and batch[-1].is_barrier):  # it stopped for a limit: maximal
+        grown = entries[begin : end + 1]
+        assert (max_rows is not None and sum(e.rows for e in grown) > max_rows) or (
+            max_files is not None and sum(len(e.files) for e in grown) > max_files
+        )
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(spec=entry_specs)
+def test_reading_to_the_end_cuts_exactly_at_every_barrier(spec) -> None:
+    entries = fake_entries(spec)
+    pos, ends = 0, []
+    while pos < len(entries):
+        pos = plan_batch_end(pos, len(entries), iter(entries[pos:]), True)
+        ends.append(pos)
+    barrier_ends = [e.index + 1 for e in entries if e.is_barrier]
+    expected = sorted(set(barrier_ends) | ({len(entries)} if entries else set()))
+    assert ends == expected
+
+
+def open_reader(uri: str, **options: str) -> ChannelStreamReader:
+    source = ChannelDataSource({"uri": uri, **options})
+    reader = source.streamReader(source.schema())
+    assert isinstance(reader, ChannelStreamReader)
+    return reader
+
+
+def test_channel_reader_planning_without_spark(tmp_path: Path) -> None:
+    uri = str(tmp_path / "chan")
+    caps = str(tmp_path / "caps.json")
+    ch = Channel.create(uri, SCHEMA)
+    ch.append_table(rows(0, 4), 0, "up")  # 0
+    ch.append_barrier(1, "up")  # 1
+    ch.append_table(rows(4, 4), 1, "up")  # 2
+    reader = open_reader(uri, cap_path=caps)
+    assert reader.initialOffset() == {"pos": 0}
+    assert reader.getDefaultReadLimit() == ReadAllAvailable()
+    assert reader.latestOffset({"pos": 0}, ReadAllAvailable()) == {"pos": 2}
+    assert reader.latestOffset({"pos": 2}, ReadAllAvailable()) == {"pos": 3}
+    assert reader.latestOffset({"pos": 3}, ReadAllAvailable()) == {"pos": 3}  # nothing new
+    assert reader.reportLatestOffset() == {"pos": 3}
+    write_caps(caps, {uri: 1})
+    assert reader.latestOffset({"pos": 0}, ReadAllAvailable()) == {"pos": 1}
+    assert reader.latestOffset({"pos": 2}, ReadAllAvailable()) == {"pos": 2}  # cap below: no rewind
+
+    parts = reader.partitions({"pos": 0}, {"pos": 3})
+    assert [p.path for p in parts] == [f for e in ch.data_entries(0, 3) for f in e.files]
+    assert reader.partitions({"pos": 1}, {"pos": 2}) == []  # a barrier-only batch
+    # executors get a pickled reader and partition
+    remote = pickle.loads(pickle.dumps(reader))
+    got = [b for p in parts for b in remote.read(pickle.loads(pickle.dumps(p)))]
+    assert pa.Table.from_batches(got).column("id").to_pylist() == list(range(8))
+    assert got[0].schema == pa.schema([("id", pa.int64()), ("key", pa.string())])
+
+    reader.commit({"pos": 3})
+    with pytest.raises(ChannelError, match="without restoring this query's checkpoint"):
+        reader.latestOffset({"pos": 7}, ReadAllAvailable())
+    ch.truncate_before(2)
+    assert open_reader(uri).initialOffset() == {"pos": 2}
+    with pytest.raises(ChannelTruncatedError):
+        reader.partitions({"pos": 0}, {"pos": 3})
+    with pytest.raises(ChannelError, match="retention deleted"):
+        list(remote.read(parts[0]))
+
+
+def test_channel_reader_options_and_limits(tmp_path: Path) -> None:
+    uri = str(tmp_path / "chan")
+    ch = Channel.create(uri, SCHEMA)
+    for b in range(4):
+        ch.append_table(rows(b * 10, 10), b, "up")
+    reader = open_reader(uri, max_rows_per_batch="25")
+    assert reader.getDefaultReadLimit() == ReadMaxRows(25)
+    assert reader.latestOffset({"pos": 0}, ReadMaxRows(25)) == {"pos": 2}
+    assert reader.latestOffset({"pos": 0}, ReadMaxRows(5)) == {"pos": 1}  # at least one entry
+    assert reader.latestOffset({"pos": 0}, ReadAllAvailable()) == {"pos": 4}  # the engine's limit wins
+    assert open_reader(uri, max_files_per_batch="3").getDefaultReadLimit() == ReadMaxFiles(3)
+    assert reader.latestOffset({"pos": 1}, ReadMaxFiles(3)) == {"pos": 4}
+    reader.prepareForTriggerAvailableNow()
+    ch.append_table(rows(40, 10), 4, "up")
+    assert reader.latestOffset({"pos": 0}, ReadAllAvailable()) == {"pos": 4}  # AvailableNow target
+    with pytest.raises(ConfigurationError, match="stop_at_barriers"):
+        open_reader(uri, stop_at_barriers="maybe")
+    with pytest.raises(ConfigurationError, match="max_rows_per_batch"):
+        open_reader(uri, max_rows_per_batch="0")
+    with pytest.raises(ConfigurationError, match="channel URI"):
+        ChannelDataSource({}).schema()
+    with pytest.raises(ChannelError, match="not valid JSON"):
+        (tmp_path / "bad.json").write_text("{not json")
+        read_cap(str(tmp_path / "bad.json"), uri)
+
+
+def test_generator_reader_offsets_without_spark() -> None:
+    now = [100.0]
+    paced = GeneratorStreamReader(
+        GeneratorOptions.parse({"rows_per_second": "50", "start": "10", "total_rows": "200"}), clock=lambda: now[0]
+    )
+    assert paced.initialOffset() == {"id": 10}
+    assert paced.latestOffset({"id": 10}, ReadAllAvailable()) == {"id": 10}  # the clock starts now
+    now[0] += 1.5
+    assert paced.latestOffset({"id": 10}, ReadAllAvailable()) == {"id": 85}
+    assert paced.latestOffset({"id": 10}, ReadMaxRows(20)) == {"id": 30}
+    now[0] += 100
+    assert paced.latestOffset({"id": 85}, ReadAllAvailable()) == {"id": 210}  # total_rows ends it
+    assert paced.reportLatestOffset() == {"id": 210}
+
+    batched = GeneratorStreamReader(GeneratorOptions.parse({"rows_per_batch": "7", "seed": "5", "keys": "3"}))
+    assert batched.getDefaultReadLimit() == ReadMaxRows(7)
+    assert batched.latestOffset({"id": 0}, ReadMaxRows(7)) == {"id": 7}
+    with pytest.raises(ConfigurationError):
+        batched.latestOffset({"id": 0}, ReadAllAvailable())  # unbounded and no limit
+    parts = batched.partitions({"id": 3}, {"id": 10})
+    assert [(p.start, p.end) for p in parts] == [(3, 6), (6, 10)]
+    got = pa.Table.from_batches([b for p in parts for b in batched.read(p)])
+    assert got.equals(generate_rows(5, 3, 10, 3))
+    assert batched.partitions({"id": 10}, {"id": 10}) == []
