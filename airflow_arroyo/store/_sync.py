@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -213,8 +214,8 @@ class EpochStore:
         validate_pipeline_id(pipeline_id)
         if not stages:
             raise ConfigurationError(f"pipeline {pipeline_id!r} has no stages; a pipeline needs at least one")
-        if checkpoint_interval is not None and checkpoint_interval <= 0:
-            raise ConfigurationError(f"checkpoint interval must be positive, got {checkpoint_interval!r}")
+        if checkpoint_interval is not None:
+            _positive_seconds(checkpoint_interval, "checkpoint interval")
         params = {
             "pipeline_id": pipeline_id, "run_id": run_id, "stages": list(stages),
             "channels": json.dumps(dict(channels or {})), "storage_uri": storage_uri,
@@ -618,8 +619,7 @@ class EpochStore:
         Raises :class:`CleanupLockHeld` if another run holds an unexpired lease. An expired lease
         (its holder crashed) is taken over and that run is marked ``lock_lost``.
         """
-        if ttl <= 0:
-            raise ConfigurationError(f"cleanup lock ttl must be positive, got {ttl!r}")
+        _positive_seconds(ttl, "cleanup lock ttl")
 
         def tx(cur: PgCursor) -> CleanupRunRecord:
             self._lock_pipeline(cur, pipeline_id)
@@ -675,6 +675,7 @@ class EpochStore:
 
     def renew_cleanup_lock(self, pipeline_id: str, cleanup_run: int, *, ttl: float = 60.0) -> datetime:
         """Extend our lease; raises :class:`LockLostError` if it already expired or was taken over."""
+        _positive_seconds(ttl, "cleanup lock ttl")
 
         def tx(cur: PgCursor) -> datetime:
             self._lock_pipeline(cur, pipeline_id)
@@ -836,6 +837,13 @@ class EpochStore:
             return now
 
         return self._tx(tx)
+
+
+def _positive_seconds(value: object, name: str) -> None:
+    """A duration in seconds from the user: a finite number above zero (NaN and infinity pass a
+    plain ``<= 0`` test, and PostgreSQL orders NaN above every number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{name} must be a positive, finite number of seconds, got {value!r}")
 
 
 def _one(cur: PgCursor) -> dict[str, Any]:
