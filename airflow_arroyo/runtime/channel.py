@@ -736,6 +736,25 @@ class Channel:
                 )
             return freed
 
+    def reset(self) -> None:
+        """Empty the channel completely, keeping its header (schema): positions start again at 0.
+
+        For starting a pipeline over from nothing (fresh Spark checkpoints, so batch ids restart at 0):
+        unlike ``truncate_from(start_position())`` it also forgets the retention watermark and the
+        writers' batch ids recorded there. Every reader and writer must be stopped.
+        """
+        with self._lock:
+            listed = sorted(
+                (int(e.name.split(".")[0]) for e in self._fs.list_dir(LOG_DIR) if e.name.split(".")[0].isdigit()),
+                reverse=True,
+            )
+            for i in listed:  # top down: an interrupted reset leaves a gap-free log
+                self._fs.delete(log_path(i))
+            self._fs.delete(TRUNCATED_FILE)
+            self._fs.delete_tree(DATA_DIR)
+            self._c = _Caches(end=0)
+            log.info("channel %s: reset (%s entries removed)", self.uri, len(listed))
+
     def remove_orphans(self) -> int:
         """Delete data directories no entry names (left by a crash between data write and commit).
 

@@ -245,6 +245,23 @@ def test_interrupted_truncate_before_is_finished_by_a_rerun(uri: str) -> None:
     assert sorted(p.name for p in (Path(uri) / "log").iterdir()) == [Path(log_path(3)).name]
 
 
+def test_reset_starts_over_from_position_zero(uri: str) -> None:
+    ch = Channel.create(uri, SCHEMA)
+    for b in range(3):
+        ch.append_table(rows(b, 1), b, "w")
+        ch.append_barrier(b + 1, "w")
+    ch.truncate_before(4)
+    (Path(uri) / "data" / "w-b9-orphan").mkdir()
+    ch.reset()
+    fresh = Channel.open(uri)
+    assert (fresh.start_position(), fresh.end_position()) == (0, 0)
+    assert data_dirs(uri) == [] and fresh.schema == ch.schema
+    # a writer with a fresh Spark checkpoint starts at batch 0 and epoch 1 again: nothing is skipped
+    assert fresh.append_table(rows(0, 1), 0, "w") == 0
+    assert fresh.append_barrier(1, "w") == 1
+    assert ids(Channel.open(uri).read_table()) == [0]
+
+
 def test_remove_orphans(uri: str) -> None:
     ch = Channel.create(uri)
     ch.append_table(rows(0, 3), 0, "w")
