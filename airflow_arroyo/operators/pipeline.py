@@ -20,7 +20,9 @@ process to the task. Then the operator defers to
   mode an environment variable of the process; for YARN/Kubernetes the provider passes it as the
   application master's/driver's environment, i.e. on the ``spark-submit`` command line).
 * XCom: ``pipeline_id``, ``run_id`` (also the return value), ``spark_ui_url``, ``spark_app_id``,
-  ``submit_log``, ``submit_pid``. Extra links: the pipeline's checkpoint page and the Spark UI.
+  ``epoch_at_start`` (the pipeline's last epoch number when this run started: epoch numbers go on
+  across runs), ``submit_log``, ``submit_process`` (pid, host, start time and log of the local
+  ``spark-submit``). Extra links: the pipeline's checkpoint page and the Spark UI.
 * Killing the task stops the pipeline: ``on_kill`` (while ``execute`` runs) and the trigger's
   ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
   process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
@@ -31,6 +33,7 @@ stops without one. The operator then defers until the pipeline is ``stopped``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -86,6 +89,12 @@ def parse_restore_from(value: str | int | None) -> str | None:
     return str(number)
 
 
+def _arg_value(value: Any) -> str:
+    """A pipeline argument as the driver reads it: JSON, except plain strings (rendered templates
+    arrive as strings: "20000" is sent as is and the driver reads the number)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _default_run_id(context: Context) -> str:
     ti = context["ti"]
     raw = f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}"
@@ -121,8 +130,12 @@ def _dsn(conn_id: str) -> str:
 class SubmitPipelineOperator(BaseOperator):
     """Submit a pipeline as a long-running Spark application; succeed once it is running.
 
-    :param pipeline: the pipeline object, ``"module:attribute"`` importable by the Spark driver.
+    :param pipeline: the pipeline, ``"module:attribute"`` importable by the Spark driver: a
+        ``Pipeline`` or a function returning one.
     :param pipeline_id: the id the pipeline registers under (the one its object declares).
+    :param pipeline_args: keyword arguments for the pipeline function (``--arg key=value``; values
+        are sent as JSON), e.g. ``{"pipeline_id": "orders", "rows": 20000}``.
+    :param takeover: supersede a run that is still registered (its driver is known to be dead).
     :param run_id: id of this run (default ``<dag_id>.<dag run id>.try<n>``).
     :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
     :param storage_uri: root of the pipeline's channels and snapshots (default: the pipeline's own).
@@ -154,10 +167,11 @@ class SubmitPipelineOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
-        "pipeline", "pipeline_id", "run_id", "restore_from", "storage_uri", "conn_id", "spark_conn_id",
-        "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
+        "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "conn_id",
+        "spark_conn_id", "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
     )
-    template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json"}
+    template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json",
+                                 "pipeline_args": "json"}
     operator_extra_links = (ArroyoPipelineLink(), SparkUILink())
     ui_color = "#e8f4ea"
 
@@ -166,6 +180,8 @@ class SubmitPipelineOperator(BaseOperator):
         *,
         pipeline: str,
         pipeline_id: str,
+        pipeline_args: Mapping[str, Any] | None = None,
+        takeover: bool = False,
         run_id: str | None = None,
         restore_from: str | int | None = None,
         storage_uri: str | None = None,
@@ -185,6 +201,8 @@ class SubmitPipelineOperator(BaseOperator):
         super().__init__(**kwargs)
         self.pipeline = pipeline
         self.pipeline_id = pipeline_id
+        self.pipeline_args = dict(pipeline_args or {})
+        self.takeover = takeover
         self.run_id = run_id
         self.restore_from = restore_from
         self.storage_uri = storage_uri
@@ -224,6 +242,10 @@ class SubmitPipelineOperator(BaseOperator):
             args += ["--restore-from", restore]
         if self.storage_uri:
             args += ["--storage-uri", str(self.storage_uri)]
+        if self.takeover:
+            args += ["--takeover"]
+        for key, value in self.pipeline_args.items():
+            args += ["--arg", f"{key}={_arg_value(value)}"]
         args += [str(a) for a in self.application_args]
         conf = {str(k): str(v) for k, v in self.conf.items()}
         python = os.environ.get("PYSPARK_PYTHON") or sys.executable
@@ -280,7 +302,7 @@ class SubmitPipelineOperator(BaseOperator):
             current = store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             current = None
-        if current is not None and not current.state.terminal:
+        if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
                 "(StopPipelineOperator or `airflow-arroyo stop`) before submitting a new run"
@@ -294,10 +316,10 @@ class SubmitPipelineOperator(BaseOperator):
         ti.xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         ti.xcom_push(key="run_id", value=run_id)
         ti.xcom_push(key="submit_log", value=str(log_path))
-        ti.xcom_push(key="submit_pid", value=process.pid)
         ti.xcom_push(key=XCOM_SPARK_UI_URL, value=None)  # known once the driver reports it
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
                   "log": str(log_path), "run_id": run_id}
+        ti.xcom_push(key="submit_process", value=submit)
         self.defer(
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
@@ -311,7 +333,9 @@ class SubmitPipelineOperator(BaseOperator):
         )
 
     def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
-        submit = submit or {}
+        ti = context["ti"]
+        # Airflow passes the defer kwargs back; dag.test() does not, hence the XCom fallback.
+        submit = submit or ti.xcom_pull(task_ids=self.task_id, key="submit_process") or {}
         run_id = str(submit.get("run_id") or event.get("run_id"))
         if event.get("status") != "success":
             process = None
@@ -321,9 +345,11 @@ class SubmitPipelineOperator(BaseOperator):
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
             raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
-        ti = context["ti"]
         ti.xcom_push(key=XCOM_SPARK_UI_URL, value=event.get("spark_ui_url"))
         ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id"))
+        # Epoch numbers go on across runs: downstream tasks count this run's epochs from here,
+        # e.g. PipelineSensor(epoch="{{ ti.xcom_pull(task_ids='submit', key='epoch_at_start') + 3 }}").
+        ti.xcom_push(key="epoch_at_start", value=_store(self.conn_id).get_pipeline(self.pipeline_id).last_epoch)
         self.log.info("Pipeline %s run %s is %s; Spark UI: %s", self.pipeline_id, run_id, event.get("state"),
                       event.get("spark_ui_url") or "not reported")
         return run_id
@@ -384,7 +410,12 @@ class StopPipelineOperator(BaseOperator):
             raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {self.mode!r}")
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         store = _store(self.conn_id)
-        pipeline = store.get_pipeline(self.pipeline_id)
+        try:
+            pipeline = store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            self.log.warning("Pipeline %s is not registered: nothing to stop", self.pipeline_id)
+            return {"pipeline_id": self.pipeline_id, "run_id": None, "state": None, "latest_epoch": None,
+                    "final_epoch": None}
         if pipeline.state.terminal:
             self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
             return self._result({"state": pipeline.state.value, "cause": pipeline.failure_cause,

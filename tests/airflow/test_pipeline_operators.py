@@ -131,14 +131,17 @@ def test_driver_application_is_the_runtime_driver() -> None:
 
 def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) -> None:
     op = submit_op(tmp_path, application=None, restore_from="latest", storage_uri="file:///data/orders",
-                   conf={"spark.sql.shuffle.partitions": 2}, application_args=["--verbose-epochs"])
+                   conf={"spark.sql.shuffle.partitions": 2}, application_args=["--verbose-epochs"],
+                   pipeline_args={"pipeline_id": PID, "rows": "20000", "keys": 5, "tags": ["a"]}, takeover=True)
     command, env, cluster = op.build_spark_submit("run-7", "latest", conns.dsn)
     assert cluster is False
     assert command[:3] == ["spark-submit", "--master", "local[2]"]
     assert "spark.sql.shuffle.partitions=2" in command and "--name" in command and "arroyo-orders" in command
     app = command.index(DRIVER_APPLICATION)
     assert command[app + 1:] == ["--pipeline", f"fake:{PID}", "--run-id", "run-7", "--restore-from", "latest",
-                                 "--storage-uri", "file:///data/orders", "--verbose-epochs"]
+                                 "--storage-uri", "file:///data/orders", "--takeover",
+                                 "--arg", f"pipeline_id={PID}", "--arg", "rows=20000", "--arg", "keys=5",
+                                 "--arg", 'tags=["a"]', "--verbose-epochs"]
     # the DSN travels in the environment, never on the command line
     assert env["ARROYO_DSN"] == conns.dsn and all(conns.dsn not in part for part in command)
     assert env["PATH"].split(os.pathsep)[0] == str(Path(os.sys.executable).parent)
@@ -183,6 +186,7 @@ def test_submit_defers_returns_once_running_and_on_kill_stops_it(conns: EpochSto
     assert event["status"] == "success", event
     assert op.execute_complete({"ti": ti}, event, **deferred.value.kwargs) == run_id  # type: ignore[arg-type]
     assert ti.xcom["spark_ui_url"] == "http://127.0.0.1:4040" and ti.xcom["spark_app_id"].startswith("local-fake-")
+    assert ti.xcom["epoch_at_start"] == 0 and ti.xcom["submit_process"]["pid"] == trigger.submit_pid
     pipeline = store.get_pipeline(PID)
     assert pipeline.state is PipelineState.RUNNING and pipeline.run_id == run_id
     assert pipeline.config["restore_from"] == "2"
@@ -224,6 +228,11 @@ def test_submit_refuses_bad_input_before_starting_anything(conns: EpochStore, tm
 
 
 # --------------------------------------------------------------------------- stop
+
+
+def test_stop_of_an_unknown_pipeline_has_nothing_to_do(conns: EpochStore) -> None:
+    result = StopPipelineOperator(task_id="stop", pipeline_id="never-ran", conn_id=CONN).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert result["state"] is None
 
 
 def test_stop_of_a_stopped_pipeline_returns_at_once(conns: EpochStore) -> None:
