@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import pickle
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -272,6 +273,28 @@ def test_remove_orphans(uri: str) -> None:
     size = (orphan / "part-00000.parquet").stat().st_size
     assert ch.remove_orphans() == size
     assert not orphan.exists() and len(data_dirs(uri)) == 1
+
+
+def test_whole_life_cycle_on_an_object_store_style_filesystem() -> None:
+    """The same protocol through fsspec (no rename, no hard links): puts and exclusive 'xb' creates."""
+    uri = f"memory://arroyo-{uuid.uuid4().hex}/chan"
+    ch = Channel.create(uri, SCHEMA)
+    assert not ch.fs.is_local
+    assert ch.append_table(rows(0, 3), 0, "w") == 0
+    assert ch.append_barrier(1, "w") == 1
+    assert ch.append_table(rows(3, 3), 1, "w") == 2
+    assert ch.append_table(rows(3, 3), 1, "w") is None
+    assert ch.append_barrier(2, "w") == 3
+    other = Channel.open(uri)
+    assert other.end_position() == 4 and ids(other.read_table()) == list(range(6))
+    assert other.find_barrier(2) == 3
+    assert other.truncate_before(2) > 0
+    assert ids(Channel.open(uri).read_table()) == [3, 4, 5]
+    other.truncate_from(3)
+    assert Channel.open(uri).end_position() == 3
+    assert ch.append_barrier(2, "w") == 3  # the stale handle notices the truncation
+    other.reset()
+    assert Channel.open(uri).end_position() == 0 and ch.fs.list_files("data") == []
 
 
 def test_pickle_and_reading_past_end(uri: str) -> None:
