@@ -6,13 +6,16 @@ One class, :class:`FileSystem`, rooted at a URI. Every path argument is relative
 * local paths and ``file://`` URIs: :class:`pyarrow.fs.LocalFileSystem`, with real atomic operations
   (``os.replace`` for atomic writes, a hard link for exclusive creation);
 * anything :func:`pyarrow.fs.FileSystem.from_uri` understands (``s3://``, ``gs://``, ``hdfs://``,
-  ``abfs://``...);
+  ``abfs://``...); Spark's spellings ``s3a://`` and ``s3n://`` are accepted too (a checkpoint URI
+  handed to Spark can be opened here as is);
 * otherwise any fsspec URI (``memory://``, ``az://``...), wrapped in :class:`pyarrow.fs.PyFileSystem`.
 
 Guarantees differ by backend and are stated per method. On object stores a write is a single PUT, which
 is atomic by itself; exclusive creation is exact on local disks and on fsspec backends that support the
 ``"xb"`` open mode, and best effort (check, then put) elsewhere. Channels have one writer each, so the
-best-effort case is a safety net, not the mechanism.
+best-effort case is a safety net, not the mechanism. Caveat (not tested here, no cluster): on HDFS
+through pyarrow a write is one create, and HDFS shows a file being written to readers, so a reader
+racing a write can see it partial; local disks and object stores do not have this problem.
 
 No fsync is done: like Spark's own checkpoint files, durability across a machine crash is left to the
 filesystem (use a replicated store such as HDFS or S3 for that).
@@ -33,10 +36,19 @@ import pyarrow.fs as pafs
 
 from airflow_arroyo.exceptions import ConfigurationError
 
-__all__ = ["FileEntry", "FileSystem"]
+__all__ = ["FileEntry", "FileSystem", "arrow_uri"]
 
 # Schemes that Spark (Hadoop) spells differently from pyarrow.
 _SPARK_SCHEMES = {"s3": "s3a"}
+_ARROW_SCHEMES = {"s3a": "s3", "s3n": "s3"}
+
+
+def arrow_uri(uri: str) -> str:
+    """``uri`` as pyarrow spells it: Hadoop's ``s3a://`` / ``s3n://`` become ``s3://``."""
+    scheme, sep, rest = uri.partition("://")
+    if sep and scheme.lower() in _ARROW_SCHEMES:
+        return f"{_ARROW_SCHEMES[scheme.lower()]}://{rest}"
+    return uri
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class FileSystem:
             path = os.path.abspath(parsed.path or "/")
             return cls("file://" + path, pafs.LocalFileSystem(), path)
         try:
-            arrow_fs, base = pafs.FileSystem.from_uri(uri)
+            arrow_fs, base = pafs.FileSystem.from_uri(arrow_uri(uri))
             return cls(uri, arrow_fs, base)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as arrow_error:
             try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.fs import FileSystem, arrow_uri
 
 
 @pytest.fixture(params=["local", "file-uri", "memory"])
@@ -86,6 +86,13 @@ def test_local_uris_and_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     clone = pickle.loads(pickle.dumps(rel))
     assert clone.uri == rel.uri and clone.read_bytes("f") == b"z"
     assert rel.spark_uri_of("f") == f"file://{tmp_path}/rel/dir/f"
+
+
+def test_hadoop_s3_spellings_are_understood() -> None:
+    assert arrow_uri("s3a://bucket/ck/offsets") == "s3://bucket/ck/offsets"
+    assert arrow_uri("S3N://bucket/x") == "s3://bucket/x"
+    assert arrow_uri("gs://bucket/x") == "gs://bucket/x"
+    assert arrow_uri("/local/path") == "/local/path"
 
 
 def test_spark_uri_maps_s3_scheme() -> None:
