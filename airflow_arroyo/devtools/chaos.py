@@ -145,6 +145,7 @@ class _Worker:
         self.rng = random.Random(f"{config.seed}:{name}")
         self.retry_seconds = config.retry_seconds[index % len(config.retry_seconds)]
         self.pipelines = list(config.pipeline_ids)  # an acker narrows this to its share
+        self.first_fates: list[str] | None = None  # an acker lane's fates of its first epochs (see _plan)
         self.counts: Counter[str] = Counter()
         self.errors: list[str] = []
         self._backoff = 0.05
@@ -358,7 +359,8 @@ def _cleanup_loop(w: _Worker) -> None:
             n += 1
             pid = w.rng.choice(cfg.pipeline_ids)
             holder = f"{w.name}#{n}"
-            r = w.rng.random()
+            # every worker's 2nd run crashes and its 4th stalls, so a short run surely has both
+            r = {2: 0.0, 4: cfg.crash_p}.get(n, w.rng.random())
             try:
                 if r < cfg.crash_p:
                     _crashing_cleanup(w, store, pid, holder)
@@ -534,19 +536,35 @@ def _ack_round(w: _Worker, store: Any, plans: dict[tuple[str, int], _Plan],
             del plans[(pid, epoch)]
 
 
+# The first epochs of every pipeline get each fate once, in a random order, so that a short run
+# surely sees every outcome; later epochs draw their fate with the configured probabilities.
+_FIRST_FATES = ("never", "fail", "partial", "complete", "complete", "complete", "complete", "complete")
+
+
 def _plan(w: _Worker, stages: Sequence[str], now: float) -> _Plan:
     cfg = w.config
-    r = w.rng.random()
+    if w.first_fates is None:
+        w.first_fates = list(_FIRST_FATES)
+        w.rng.shuffle(w.first_fates)
+    fate = w.first_fates.pop() if w.first_fates else _draw_fate(w)
     delays = sorted((now + w.rng.uniform(0, cfg.ack_delay), s) for s in stages)
-    if r < cfg.ack_never_p:
+    if fate == "never":
         return _Plan("never")
-    r -= cfg.ack_never_p
-    if r < cfg.ack_fail_p:
+    if fate == "fail":
         return _Plan("fail", delays[: w.rng.randrange(len(delays))] + [(now + cfg.ack_delay, "!fail")])
-    r -= cfg.ack_fail_p
-    if r < cfg.ack_partial_p and len(delays) > 1:
+    if fate == "partial" and len(delays) > 1:
         return _Plan("partial", delays[:-1])
     return _Plan("complete", delays)
+
+
+def _draw_fate(w: _Worker) -> str:
+    cfg = w.config
+    r = w.rng.random()
+    for fate, p in (("never", cfg.ack_never_p), ("fail", cfg.ack_fail_p), ("partial", cfg.ack_partial_p)):
+        if r < p:
+            return fate
+        r -= p
+    return "complete"
 
 
 def _snapshot(w: _Worker, store: Any, pid: str, epoch: int, stage: str, versions: dict[tuple[str, str], int]) -> None:

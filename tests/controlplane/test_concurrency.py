@@ -364,6 +364,7 @@ def config(dsn: str, storage_root: str) -> ChaosConfig:
 
 def describe(result: ChaosResult, report: HistoryReport) -> str:
     lines = [f"workers ready after {result.ready_seconds:.1f}s; history: {report.summary()}"]
+    lines += [f"  {pid}: {dict(sorted(figures.items()))}" for pid, figures in sorted(report.per_pipeline.items())]
     lines += [f"  {w['name']} (retry {w['retry_seconds']}s): {w['counts']}" for w in result.workers]
     return "\n".join(lines)
 
@@ -407,8 +408,17 @@ def test_everything_resumes_after_postgres_restarts(tmp_path: Path, storage: str
     try:
         cfg = config(pg.dsn, storage)
         prepare_pipelines(cfg)
+
+        def outage() -> None:
+            """A restart with the server down for 1.5 s: longer than the short retry budget (0.3 s) of
+            half of the workers, so they surely see TransientStoreError; shorter than the checkpoint
+            timeout (3 s), past which a trigger ends by design."""
+            pg.stop()
+            time.sleep(1.5)
+            pg.start()
+
         result = run_chaos(cfg, triggers=8, cleaners=4, duration=24.0, start_method=START_METHOD,
-                           actions=[(7.0, "restart-1", pg.restart), (15.0, "restart-2", pg.restart)])
+                           actions=[(7.0, "restart-1", pg.restart), (15.0, "restart-2", outage)])
         report = check_history(pg.dsn)
         print(describe(result, report))
         assert_workers_healthy(result)
