@@ -1,0 +1,1 @@
+"""Airflow operators of airflow-arroyo (import the modules directly; this package imports nothing)."""

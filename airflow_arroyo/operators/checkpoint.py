@@ -1,0 +1,185 @@
+"""The checkpoint controller as a deferrable task.
+
+:class:`CheckpointOperator` defers at once to :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger`,
+which fires the pipeline's epochs from the triggerer for as long as the pipeline runs. When the
+pipeline stops, the task resumes in :meth:`CheckpointOperator.execute_complete`, writes one line per
+epoch (number, outcome, duration, size) to the task log and succeeds; it fails with an
+``AirflowException`` (its ``__cause__`` says why) when the pipeline failed or too many consecutive
+epochs failed. Put it beside the task that runs the pipeline::
+
+    run = SparkSubmitOperator(task_id="run_pipeline", ...)
+    checkpoints = CheckpointOperator(task_id="checkpoints", pipeline_id="orders", interval=30,
+                                     pipeline_run_id="{{ run_id }}")
+
+The task's extra link "Arroyo checkpoints" opens the pipeline's page of the Airflow UI plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, BaseOperatorLink
+from airflow.sdk.exceptions import AirflowException
+
+from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.triggers.checkpoint import DEFAULT_CONN_ID, CheckpointTrigger, format_epoch_line
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+    from airflow.sdk.types import TaskInstanceKey
+
+__all__ = ["ArroyoCheckpointsLink", "CheckpointOperator"]
+
+
+class ArroyoCheckpointsLink(BaseOperatorLink):
+    """Extra link of a checkpoint task: the pipeline's epochs in the Airflow UI plugin, at
+    ``<[api] base_url>/arroyo/pipelines/<pipeline_id>`` (relative to the UI when no base URL is set)."""
+
+    name = "Arroyo checkpoints"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        pipeline_id = getattr(operator, "pipeline_id", None)
+        if not isinstance(pipeline_id, str) or not pipeline_id or _templated(pipeline_id):
+            return ""
+        return pipeline_page_url(pipeline_id)
+
+
+def _templated(value: object) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def _number(name: str, value: Any, *, optional: bool = False) -> Any:
+    """Rendered templates are strings: turn '30' into 30.0; leave numbers (and None) alone."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}") from None
+    return value
+
+
+class CheckpointOperator(BaseOperator):
+    """Fire checkpoint epochs of a running pipeline until it stops (deferrable; runs in the triggerer).
+
+    :param pipeline_id: the pipeline (as registered by its driver). Templated.
+    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store. Templated.
+    :param interval: seconds between the starts of two epochs. Templated.
+    :param timeout: seconds after which an unfinished epoch expires (default: ten intervals, at least
+        60 s; never below the interval). Templated.
+    :param min_pause: seconds between the end of an epoch and the start of the next. Templated.
+    :param tolerable_failures: consecutive failed/expired epochs tolerated; one more fails the task.
+        Templated.
+    :param poll_interval: longest sleep of the trigger between two looks (default: the interval, at
+        most 5 s). Templated.
+    :param pipeline_run_id: the run of the pipeline to control, e.g. ``"{{ run_id }}"`` when the
+        pipeline's driver registers with the DAG run id; an earlier run that already stopped is then
+        not mistaken for this one. Templated.
+    :param registration_timeout: seconds to wait for the pipeline (run) to register before failing.
+    """
+
+    template_fields: Sequence[str] = (
+        "pipeline_id", "conn_id", "interval", "timeout", "min_pause", "tolerable_failures", "poll_interval",
+        "pipeline_run_id",
+    )
+    operator_extra_links = (ArroyoCheckpointsLink(),)
+    ui_color = "#cfe8fc"
+
+    def __init__(
+        self,
+        *,
+        pipeline_id: str,
+        conn_id: str = DEFAULT_CONN_ID,
+        interval: float | str = 30.0,
+        timeout: float | str | None = None,
+        min_pause: float | str = 0.0,
+        tolerable_failures: int | str = 3,
+        poll_interval: float | str | None = None,
+        pipeline_run_id: str | None = None,
+        registration_timeout: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.pipeline_id = pipeline_id
+        self.conn_id = conn_id
+        self.interval = interval
+        self.timeout = timeout
+        self.min_pause = min_pause
+        self.tolerable_failures = tolerable_failures
+        self.poll_interval = poll_interval
+        self.pipeline_run_id = pipeline_run_id
+        self.registration_timeout = registration_timeout
+        # Bad input fails when the DAG is parsed, before anything is written. Templated values are
+        # checked once rendered, in execute().
+        if not any(_templated(v) for v in (pipeline_id, interval, timeout, min_pause, tolerable_failures,
+                                            poll_interval)):
+            self._trigger_kwargs()
+
+    def _trigger_kwargs(self) -> dict[str, Any]:
+        """The validated arguments of the trigger (from the rendered fields)."""
+        validate_pipeline_id(self.pipeline_id)
+        interval = _number("interval", self.interval)
+        timeout = _number("timeout", self.timeout, optional=True)
+        min_pause = _number("min_pause", self.min_pause)
+        poll = _number("poll_interval", self.poll_interval, optional=True)
+        failures: Any = self.tolerable_failures
+        if isinstance(failures, str):
+            if not failures.strip().isdigit():
+                raise ConfigurationError(f"tolerable_failures must be a whole number >= 0, got {failures!r}")
+            failures = int(failures)
+        CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause, tolerable_failures=failures)
+        if poll is not None and not (isinstance(poll, int | float) and poll > 0):
+            raise ConfigurationError(f"poll_interval must be a positive number of seconds, got {poll!r}")
+        return {
+            "pipeline_id": self.pipeline_id, "conn_id": self.conn_id, "interval": interval, "timeout": timeout,
+            "min_pause": min_pause, "tolerable_failures": failures, "poll_interval": poll,
+            "pipeline_run_id": self.pipeline_run_id or None, "registration_timeout": self.registration_timeout,
+        }
+
+    def execute(self, context: Context) -> None:
+        kwargs = self._trigger_kwargs()
+        ti = context["ti"]
+        triggered_by = f"airflow:{ti.dag_id}/{ti.task_id}/{ti.run_id}"
+        self.log.info(
+            "pipeline %s: handing the checkpoint controller to the triggerer (every %ss, timeout %ss, "
+            "min pause %ss, %s consecutive failures tolerated); epochs are listed here when it ends: %s",
+            self.pipeline_id, kwargs["interval"],
+            CheckpointPolicy(interval=kwargs["interval"], timeout=kwargs["timeout"]).effective_timeout,
+            kwargs["min_pause"], kwargs["tolerable_failures"], pipeline_page_url(self.pipeline_id),
+        )
+        self.defer(trigger=CheckpointTrigger(**kwargs, triggered_by=triggered_by), method_name="execute_complete")
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Log the epochs the controller saw, one line each; fail on a failure event."""
+        pipeline_id = str(event.get("pipeline_id") or self.pipeline_id)
+        summary = event.get("summary") or {}
+        if summary.get("omitted"):
+            self.log.info("pipeline %s: %s earlier epochs not listed (see the Arroyo UI)", pipeline_id,
+                          summary["omitted"])
+        for entry in summary.get("epochs", []):
+            if entry.get("state") == "completed":
+                self.log.info("%s", format_epoch_line(pipeline_id, entry))
+            else:
+                self.log.warning("%s", format_epoch_line(pipeline_id, entry))
+        counts = {k: int(summary.get(k, 0)) for k in ("completed", "failed", "expired")}
+        self.log.info("pipeline %s: %s epochs completed, %s failed, %s expired; controller ended: %s",
+                      pipeline_id, counts["completed"], counts["failed"], counts["expired"], event.get("message"))
+        if event.get("status") != "success":
+            cause: ArroyoError
+            if event.get("reason") == "pipeline_failed":
+                cause = PipelineFailedError(pipeline_id, event.get("cause"))
+            else:
+                cause = ArroyoError(str(event.get("message") or "checkpoint controller failed"))
+            raise AirflowException(f"checkpoint controller of pipeline {pipeline_id} failed: "
+                                   f"{event.get('message')}") from cause
+        epochs = summary.get("epochs", [])
+        return {
+            "pipeline_id": pipeline_id,
+            "pipeline_run_id": event.get("pipeline_run_id"),
+            **counts,
+            "last_epoch": epochs[-1]["epoch"] if epochs else None,
+        }
