@@ -206,10 +206,32 @@ def test_cap_key_and_read_limits(spark: Any, tmp_path: Path, run_query: Callable
 def test_reader_without_schema_fails_clearly(spark: Any, tmp_path: Path) -> None:
     uri = str(tmp_path / "noschema")
     Channel.create(uri)
-    with pytest.raises(Exception, match="has no schema yet"):
+    from pyspark.errors import AnalysisException
+
+    with pytest.raises(AnalysisException, match="has no schema yet"):
         read_channel(spark, uri)
-    with pytest.raises(Exception, match="no channel at"):
+    with pytest.raises(AnalysisException, match="no channel at"):
         read_channel(spark, str(tmp_path / "missing"))
+
+
+@pytest.mark.spark
+def test_available_now_trigger_drains_what_exists_and_stops(spark: Any, tmp_path: Path) -> None:
+    uri = str(tmp_path / "chan")
+    ch = Channel.create(uri, SCHEMA)
+    for b in range(3):
+        ch.append_table(rows(b * 2, 2), b, "up")
+        ch.append_barrier(b + 1, "up")
+    checkpoint = str(tmp_path / "ck")
+    rec = Recorder(checkpoint)
+    query = (
+        read_channel(spark, uri)
+        .writeStream.trigger(availableNow=True)
+        .foreachBatch(rec)
+        .option("checkpointLocation", checkpoint)
+        .start()
+    )
+    assert query.awaitTermination(300) is True
+    assert rec.ends == [2, 4, 6] and rec.ids == list(range(6))
 
 
 @pytest.mark.spark
