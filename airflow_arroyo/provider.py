@@ -23,11 +23,26 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "hooks": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.hooks.arroyo"]}],
         "triggers": [
-            {"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.triggers.checkpoint"]}
+            {
+                "integration-name": "Arroyo epochs",
+                "python-modules": ["airflow_arroyo.triggers.checkpoint", "airflow_arroyo.triggers.pipeline"],
+            }
         ],
         "operators": [
-            {"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.operators.checkpoint",
-                                                                      "airflow_arroyo.operators.retention"]}
+            {
+                "integration-name": "Arroyo epochs",
+                "python-modules": [
+                    "airflow_arroyo.operators.checkpoint",
+                    "airflow_arroyo.operators.pipeline",
+                    "airflow_arroyo.operators.retention",
+                ],
+            }
+        ],
+        "sensors": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.sensors.pipeline"]}],
+        "extra-links": [
+            "airflow_arroyo.operators.checkpoint.ArroyoCheckpointsLink",
+            "airflow_arroyo.links.ArroyoPipelineLink",
+            "airflow_arroyo.links.SparkUILink",
         ],
         "connection-types": [
             {"connection-type": "arroyo", "hook-class-name": "airflow_arroyo.hooks.arroyo.ArroyoHook"}
