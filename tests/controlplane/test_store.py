@@ -629,6 +629,35 @@ def test_the_store_reconnects_after_a_server_restart(private_pg: ThrowawayPostgr
     check_history(private_pg.dsn).assert_clean()
 
 
+def test_after_a_restart_a_full_pool_reconnects_at_once(private_pg: ThrowawayPostgres,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A restart kills every pooled connection: finding one dead must not cost one retry (and its
+    back-off) per idle connection before a fresh one is made."""
+    caplog.set_level(logging.WARNING, logger="airflow_arroyo.store._retry")
+    store = EpochStore(private_pg.dsn, max_connections=8)
+    try:
+        store.migrate()
+        barrier = threading.Barrier(8)
+
+        def hold_a_connection() -> None:  # 8 calls at once: the pool ends with 8 idle connections
+            store._tx(lambda cur: (barrier.wait(timeout=30), cur.execute("SELECT 1")))
+
+        with ThreadPoolExecutor(8) as pool:
+            for f in [pool.submit(hold_a_connection) for _ in range(8)]:
+                f.result(timeout=60)
+        assert len(store_backends(private_pg.dsn, "airflow-arroyo")) == 8
+        private_pg.restart()
+        caplog.clear()
+        t0 = time.monotonic()
+        store.db_now()
+        elapsed = time.monotonic() - t0
+        retries = [r for r in caplog.records if "transient error" in r.getMessage()]
+        assert len(retries) <= 1, [r.getMessage() for r in retries]
+        assert elapsed < 3, elapsed
+    finally:
+        store.close()
+
+
 def test_retries_are_bounded_then_raise_a_transient_store_error(private_pg: ThrowawayPostgres) -> None:
     store = EpochStore(private_pg.dsn, retry_seconds=1.0)
     try:
