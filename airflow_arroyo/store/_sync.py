@@ -19,7 +19,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
 import psycopg2.extras
-import psycopg2.pool
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extras import RealDictCursor as PgCursor
 
@@ -47,6 +46,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.store import _migrate
+from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store.records import (
     AckRecord,
@@ -98,16 +98,11 @@ class EpochStore:
             raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
         self.dsn = dsn
         self.retry_seconds = retry_seconds
-        self._pool = psycopg2.pool.ThreadedConnectionPool(
-            0, max_connections, dsn, connect_timeout=5, application_name=application_name,
-            options="-c lock_timeout=15000 -c statement_timeout=60000",
+        self._pool = ConnectionPool(
+            lambda: psycopg2.connect(dsn, connect_timeout=5, application_name=application_name,
+                                     options="-c lock_timeout=15000 -c statement_timeout=60000"),
+            max_connections,
         )
-        # psycopg2's pool keeps at most ``minconn`` idle connections and closes every other one it
-        # gets back: with minconn=0 nothing would ever be reused (a new server process per call).
-        # minconn=0 at construction keeps __init__ from connecting (connection errors belong in the
-        # retried calls); raising it now lets the pool keep up to max_connections idle connections.
-        self._pool.minconn = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
         self._closed = False
 
     @classmethod
@@ -125,30 +120,14 @@ class EpochStore:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.closeall()
+            self._pool.close()
 
     # ------------------------------------------------------------------ plumbing
 
     @contextmanager
     def _connection(self) -> Iterator[PgConnection]:
-        self._slots.acquire()
-        conn: PgConnection | None = None
-        broken = False
-        try:
-            conn = self._pool.getconn()
+        with self._pool.connection() as conn:
             yield conn
-        except (psycopg2.OperationalError, psycopg2.InterfaceError):
-            broken = True
-            raise
-        finally:
-            if conn is not None:
-                try:
-                    if not broken and not conn.closed:
-                        conn.rollback()
-                except psycopg2.Error:
-                    broken = True
-                self._pool.putconn(conn, close=broken or bool(conn.closed))
-            self._slots.release()
 
     def _tx(self, fn: Callable[[PgCursor], T]) -> T:
         """Run ``fn`` in one transaction, retried as a whole on transient errors."""
