@@ -1,0 +1,264 @@
+"""The checkpoint trigger's decision (``decide_trigger``), ``consecutive_failures`` and ``CheckpointPolicy``:
+property-based over every kind of fact the store can hand in, plus the exhaustive product of the discrete
+situations (pipeline state x in-flight epoch x cleanup lease x stop request x schedule)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from airflow_arroyo.epochs import (
+    CheckpointPolicy,
+    CleanupLease,
+    EpochState,
+    PipelineState,
+    TriggerAction,
+    TriggerFacts,
+    consecutive_failures,
+    decide_trigger,
+    next_start_at,
+)
+from airflow_arroyo.exceptions import ConfigurationError
+
+NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+WAITS = {TriggerAction.WAIT_IN_FLIGHT, TriggerAction.WAIT_CLEANUP, TriggerAction.WAIT_SCHEDULE,
+         TriggerAction.PIPELINE_NOT_RUNNING}
+
+offsets = st.floats(min_value=-3600, max_value=3600, allow_nan=False).map(lambda s: NOW + timedelta(seconds=s))
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> CheckpointPolicy:
+    interval = draw(st.floats(min_value=0.001, max_value=3600, allow_nan=False))
+    timeout = draw(st.none() | st.floats(min_value=interval, max_value=interval * 100, allow_nan=False))
+    min_pause = draw(st.sampled_from([0.0]) | st.floats(min_value=0, max_value=3600, allow_nan=False))
+    return CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause,
+                            tolerable_failures=draw(st.integers(0, 10)))
+
+
+@st.composite
+def facts(draw: st.DrawFn) -> TriggerFacts:
+    last_epoch = draw(st.integers(0, 10_000))
+    in_flight = draw(st.booleans()) and last_epoch > 0
+    lease = draw(st.none() | st.builds(CleanupLease, holder=st.sampled_from(["retention@w1", "ops"]),
+                                       expires_at=offsets))
+    return TriggerFacts(
+        now=NOW,
+        pipeline_state=draw(st.sampled_from(list(PipelineState))),
+        last_epoch=last_epoch,
+        in_flight_epoch=last_epoch if in_flight else None,
+        in_flight_timeout_at=draw(offsets) if in_flight else None,
+        last_triggered_at=draw(offsets) if last_epoch > 0 else None,
+        last_ended_at=draw(st.none() | offsets) if last_epoch > 0 else None,
+        cleanup_lease=lease,
+        stop_requested=draw(st.booleans()),
+    )
+
+
+def _due(f: TriggerFacts, p: CheckpointPolicy) -> bool:
+    if f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval):
+        return False
+    if f.last_ended_at is not None and p.min_pause > 0 and f.now < f.last_ended_at + timedelta(seconds=p.min_pause):
+        return False
+    return True
+
+
+def _lease_live(f: TriggerFacts) -> bool:
+    return f.cleanup_lease is not None and f.cleanup_lease.expires_at > f.now
+
+
+@settings(max_examples=400, deadline=None)
+@given(facts(), policies())
+def test_start_only_when_every_rule_allows_it_and_always_then(f: TriggerFacts, p: CheckpointPolicy) -> None:
+    d = decide_trigger(f, p)
+    may_start = (f.in_flight_epoch is None and f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
+                 and not _lease_live(f) and _due(f, p))
+    assert (d.action is TriggerAction.START) == may_start
+    if d.action is TriggerAction.START:
+        assert d.epoch == f.last_epoch + 1
+        assert f.in_flight_epoch is None  # never a second epoch in flight
+        assert not _lease_live(f)  # never under a live cleanup lease
+        assert f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
+
+
+@settings(max_examples=400, deadline=None)
+@given(facts(), policies())
+def test_expire_exactly_when_the_in_flight_epoch_is_past_its_timeout(f: TriggerFacts, p: CheckpointPolicy) -> None:
+    d = decide_trigger(f, p)
+    past = f.in_flight_epoch is not None and f.in_flight_timeout_at is not None and f.now >= f.in_flight_timeout_at
+    assert (d.action is TriggerAction.EXPIRE) == past
+    if past:
+        assert d.epoch == f.in_flight_epoch
+    elif f.in_flight_epoch is not None:
+        assert d.action is TriggerAction.WAIT_IN_FLIGHT and d.epoch == f.in_flight_epoch
+        assert d.recheck_at == f.in_flight_timeout_at  # next look: when it would time out
+
+
+@settings(max_examples=400, deadline=None)
+@given(facts(), policies())
+def test_a_decision_is_total_and_each_wait_says_when_to_look_again(f: TriggerFacts, p: CheckpointPolicy) -> None:
+    d = decide_trigger(f, p)
+    assert d == decide_trigger(f, p)  # deterministic
+    assert d.reason
+    if f.in_flight_epoch is None and f.pipeline_state.terminal:
+        assert d.action is TriggerAction.PIPELINE_ENDED
+    if d.action is TriggerAction.PIPELINE_ENDED:
+        assert f.pipeline_state.terminal and f.in_flight_epoch is None
+    if d.action is TriggerAction.PIPELINE_NOT_RUNNING:
+        assert f.pipeline_state is not PipelineState.RUNNING or f.stop_requested
+        assert d.recheck_at is not None and d.recheck_at > f.now
+    if d.action is TriggerAction.WAIT_CLEANUP:
+        assert f.cleanup_lease is not None and d.recheck_at == f.cleanup_lease.expires_at > f.now
+    if d.action is TriggerAction.WAIT_SCHEDULE:
+        assert d.recheck_at == next_start_at(f, p) and d.recheck_at is not None and d.recheck_at > f.now
+    if d.action in WAITS - {TriggerAction.WAIT_IN_FLIGHT}:
+        assert d.epoch is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(facts(), policies())
+def test_waiting_until_recheck_at_then_starts_if_nothing_else_changed(f: TriggerFacts, p: CheckpointPolicy) -> None:
+    d = decide_trigger(f, p)
+    if d.action is not TriggerAction.WAIT_SCHEDULE:
+        return
+    assert d.recheck_at is not None
+    later = TriggerFacts(**{**f.__dict__, "now": d.recheck_at})
+    assert decide_trigger(later, p).action is TriggerAction.START
+    just_before = TriggerFacts(**{**f.__dict__, "now": d.recheck_at - timedelta(microseconds=1)})
+    assert decide_trigger(just_before, p).action is TriggerAction.WAIT_SCHEDULE
+
+
+@settings(max_examples=300, deadline=None)
+@given(facts(), policies())
+def test_the_schedule_is_the_interval_after_a_start_and_the_min_pause_after_an_end(f: TriggerFacts,
+                                                                                 p: CheckpointPolicy) -> None:
+    due = next_start_at(f, p)
+    if f.last_triggered_at is None and (f.last_ended_at is None or p.min_pause == 0):
+        assert due is None
+        return
+    assert due is not None
+    if f.last_triggered_at is not None:
+        assert due >= f.last_triggered_at + timedelta(seconds=p.interval)
+    if f.last_ended_at is not None and p.min_pause > 0:
+        assert due >= f.last_ended_at + timedelta(seconds=p.min_pause)
+    assert due in {f.last_triggered_at + timedelta(seconds=p.interval) if f.last_triggered_at else None,
+                   f.last_ended_at + timedelta(seconds=p.min_pause) if f.last_ended_at else None}
+
+
+# --------------------------------------------------------------------------- exhaustive product
+
+IN_FLIGHT = {"none": None, "live": NOW + timedelta(seconds=5), "timed_out": NOW - timedelta(seconds=1),
+             "at_timeout": NOW}
+LEASE = {"none": None, "live": CleanupLease("retention", NOW + timedelta(seconds=30)),
+         "expired": CleanupLease("retention", NOW - timedelta(seconds=1)),
+         "expires_now": CleanupLease("retention", NOW)}
+SCHEDULE = {"never": (None, None), "not_due": (NOW - timedelta(seconds=5), None),
+            "due": (NOW - timedelta(seconds=10), None), "due_but_paused": (NOW - timedelta(seconds=60), NOW),
+            "due_after_pause": (NOW - timedelta(seconds=60), NOW - timedelta(seconds=30))}
+POLICY = CheckpointPolicy(interval=10, timeout=60, min_pause=20)
+
+
+@pytest.mark.parametrize(("state", "in_flight", "lease", "stop", "schedule"), list(itertools.product(
+    list(PipelineState), IN_FLIGHT, LEASE, [False, True], SCHEDULE)))
+def test_every_discrete_situation(state: PipelineState, in_flight: str, lease: str, stop: bool,
+                                  schedule: str) -> None:
+    last_triggered, last_ended = SCHEDULE[schedule]
+    f = TriggerFacts(now=NOW, pipeline_state=state, last_epoch=7,
+                     in_flight_epoch=7 if IN_FLIGHT[in_flight] is not None else None,
+                     in_flight_timeout_at=IN_FLIGHT[in_flight], last_triggered_at=last_triggered,
+                     last_ended_at=last_ended, cleanup_lease=LEASE[lease], stop_requested=stop)
+    d = decide_trigger(f, POLICY)
+    if in_flight in ("timed_out", "at_timeout"):
+        expected = TriggerAction.EXPIRE
+    elif in_flight == "live":
+        expected = TriggerAction.WAIT_IN_FLIGHT
+    elif state.terminal:
+        expected = TriggerAction.PIPELINE_ENDED
+    elif state is not PipelineState.RUNNING or stop:
+        expected = TriggerAction.PIPELINE_NOT_RUNNING
+    elif lease == "live":
+        expected = TriggerAction.WAIT_CLEANUP
+    elif schedule in ("not_due", "due_but_paused"):
+        expected = TriggerAction.WAIT_SCHEDULE
+    else:
+        expected = TriggerAction.START
+    assert d.action is expected, (d, f)
+    if expected in (TriggerAction.EXPIRE, TriggerAction.WAIT_IN_FLIGHT):
+        assert d.epoch == 7
+    if expected is TriggerAction.START:
+        assert d.epoch == 8
+
+
+# --------------------------------------------------------------------------- consecutive failures
+
+epoch_states = st.lists(st.sampled_from(list(EpochState)), max_size=30)
+
+
+@given(epoch_states)
+def test_consecutive_failures_by_induction_on_the_newest_epoch(newest_first: list[EpochState]) -> None:
+    """f([]) = 0; an in-flight newest epoch is skipped; a failed/expired one adds one; anything else
+    (completed, pruning, pruned) ends the streak. These four facts define the function completely."""
+    assert consecutive_failures([]) == 0
+    rest = consecutive_failures(newest_first)
+    assert consecutive_failures([EpochState.TRIGGERED, *newest_first]) == rest
+    assert consecutive_failures([EpochState.FAILED, *newest_first]) == rest + 1
+    assert consecutive_failures([EpochState.EXPIRED, *newest_first]) == rest + 1
+    for ender in (EpochState.COMPLETED, EpochState.PRUNING, EpochState.PRUNED):
+        assert consecutive_failures([ender, *newest_first]) == 0
+    assert consecutive_failures(iter(newest_first)) == rest  # any iterable, read once
+    assert 0 <= rest <= sum(s.ended_unsuccessfully for s in newest_first)
+
+
+def test_consecutive_failures_examples() -> None:
+    F, E, C, T = EpochState.FAILED, EpochState.EXPIRED, EpochState.COMPLETED, EpochState.TRIGGERED
+    assert consecutive_failures([T, F, E, F, C, F, F]) == 3
+    assert consecutive_failures([C, F, F]) == 0
+    assert consecutive_failures([F, T, E]) == 2
+
+
+# --------------------------------------------------------------------------- policy validation
+
+
+@given(st.one_of(st.floats(max_value=0), st.integers(max_value=0), st.just(math.nan), st.just(math.inf),
+                 st.just(-math.inf)))
+def test_non_positive_or_non_finite_interval_is_refused(interval: float) -> None:
+    with pytest.raises(ConfigurationError, match="interval must be a positive number"):
+        CheckpointPolicy(interval=interval)
+
+
+@given(st.floats(min_value=0.001, max_value=1e6), st.floats(min_value=0, max_value=0.999))
+def test_a_timeout_shorter_than_the_interval_is_refused(interval: float, fraction: float) -> None:
+    timeout = interval * fraction
+    if timeout >= interval:
+        return
+    with pytest.raises(ConfigurationError, match="shorter than the interval"):
+        CheckpointPolicy(interval=interval, timeout=timeout)
+
+
+@given(st.floats(min_value=0.001, max_value=1e6), st.floats(min_value=1, max_value=100))
+def test_a_timeout_at_least_the_interval_is_accepted_and_defaults_are_sane(interval: float, factor: float) -> None:
+    assert CheckpointPolicy(interval=interval, timeout=interval * factor).effective_timeout == interval * factor
+    default = CheckpointPolicy(interval=interval).effective_timeout
+    assert default >= interval and default >= 60.0 and default == max(10 * interval, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"interval": True}, "interval must be a positive"),
+        ({"interval": "30"}, "interval must be a positive"),
+        ({"interval": 10, "timeout": math.nan}, "shorter than the interval"),
+        ({"interval": 10, "min_pause": -0.5}, "min_pause"),
+        ({"interval": 10, "min_pause": math.inf}, "min_pause"),
+        ({"interval": 10, "tolerable_failures": -1}, "tolerable_failures"),
+        ({"interval": 10, "tolerable_failures": 1.5}, "tolerable_failures"),
+    ],
+)
+def test_other_bad_policies_are_refused(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigurationError, match=needle):
+        CheckpointPolicy(**kwargs)  # type: ignore[arg-type]
