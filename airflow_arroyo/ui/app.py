@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_arroyo.epochs import EpochState, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownPipelineError
+from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
 from airflow_arroyo.ui.queries import (
@@ -89,6 +90,17 @@ def _duration_s(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
     return (end - start).total_seconds()
+
+
+def _epoch_notes(e: EpochRecord) -> list[str]:
+    notes = []
+    if e.is_final:
+        notes.append("final epoch")
+    if e.failure_reason:
+        notes.append(e.failure_reason)
+    if e.pruned_at is not None:
+        notes.append(f"pruned {format.timestamp(e.pruned_at)}, freed {format.bytes_human(e.bytes_freed)}")
+    return notes
 
 
 def _json(value: Any) -> Any:
@@ -258,7 +270,7 @@ def create_app(source: StoreSource | None = None, *,
             newer_url=page_url(request, path, after=page.epochs.newer_after, limit=limit)
             if page.epochs.newer_after is not None else None,
             newest_url=page_url(request, path, limit=limit) if (before or after is not None) else None,
-            in_flight_state=EpochState.TRIGGERED,
+            in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes,
         )
 
     @app.get("/pipelines/{pipeline_id}/epochs/{epoch}", response_class=HTMLResponse, name="epoch_page")

@@ -1,7 +1,8 @@
 """Pure: server-side SVG charts (no JavaScript, no external assets: the page works offline).
 
-* :func:`history_chart` - a pipeline's checkpoint history: duration per epoch (bars coloured by
-  state) above checkpoint size (total as a line, new bytes as bars), epochs oldest to newest.
+* :func:`history_chart` - a pipeline's checkpoint history, epochs oldest to newest: duration per
+  epoch (bars coloured by state; expired epochs, which last a whole timeout, are clipped and marked
+  so that they do not flatten the rest), total checkpoint size (line), bytes new (bars).
 * :func:`timeline_chart` - one epoch, one row per stage: start delay, alignment, sync and async
   parts up to the acknowledgement; stages still waiting drawn as a dashed bar up to now.
 
@@ -21,7 +22,7 @@ from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.ui.format import bytes_human, duration_human
 from airflow_arroyo.ui.timeline import StageStatus, StageTiming
 
-__all__ = ["PART_COLOURS", "STATE_COLOURS", "history_chart", "nice_ticks", "timeline_chart"]
+__all__ = ["PART_COLOURS", "STATE_COLOURS", "duration_ticks", "history_chart", "nice_ticks", "timeline_chart"]
 
 STATE_COLOURS: dict[EpochState, str] = {
     EpochState.COMPLETED: "#16a34a",
@@ -40,7 +41,7 @@ PART_COLOURS: dict[str, str] = {
 PART_LABELS = {"start_delay": "start delay", "alignment": "alignment", "sync": "sync snapshot",
                "async": "async snapshot"}
 _TOTAL_COLOUR = "#7c3aed"
-_NEW_COLOUR = "#c4b5fd"
+_NEW_COLOUR = "#a78bfa"
 _GRID = "#e5e7eb"
 _TEXT = "#4b5563"
 _FONT = 'font-family="system-ui, sans-serif" font-size="11"'
@@ -102,11 +103,45 @@ def _legend(items: Sequence[tuple[str, str]], x: float, y: float) -> list[str]:
     return out
 
 
+_TIME_STEPS = (15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
+
+
+def duration_ticks(top: float, count: int = 4) -> list[float]:
+    """Like :func:`nice_ticks`, on steps a clock reads well above a minute (30 s, 1m, 5m, 1h...)."""
+    if not math.isfinite(top) or top <= 60:
+        return nice_ticks(top, count)
+    step = next((float(st) for st in _TIME_STEPS if top / st <= count), None)
+    if step is None:
+        return [d * 86400 for d in nice_ticks(top / 86400, count)]
+    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
+
+
+def _axis_duration(t: float) -> str:
+    return "0" if t == 0 else duration_human(t)
+
+
+def _axis_bytes(t: float) -> str:
+    return "0" if t == 0 else bytes_human(t)
+
+
+def _duration_scale(ordered: Sequence[EpochRecord], durations: Sequence[float | None]) -> list[float]:
+    """Ticks for the duration panel. Ended epochs that did not expire set the scale: an expired
+    epoch lasts a whole timeout and an in-flight one is still growing, so when other epochs exist
+    their bars are clipped and marked instead of flattening every other bar."""
+    basis = [d for e, d in zip(ordered, durations, strict=True)
+             if d is not None and e.state not in (EpochState.EXPIRED, EpochState.TRIGGERED)]
+    if not basis:
+        basis = [d for d in durations if d is not None]
+    return duration_ticks(max(basis or [1.0]))
+
+
 def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 960) -> Markup:
-    """Duration and size of ``epochs`` (any order; drawn oldest to newest)."""
+    """Three panels over ``epochs`` (any order; drawn oldest to newest): duration per epoch (bars by
+    state), total checkpoint size (line), bytes new per epoch (bars)."""
     ordered = sorted(epochs, key=lambda e: e.epoch)
-    left, right, top_pad, panel_h, gap, bottom = 72, 16, 34, 150, 48, 30
-    height = top_pad + panel_h + gap + panel_h + bottom
+    left, right, top_pad, gap, bottom = 72, 16, 40, 44, 28
+    panels = (140, 110, 80)
+    height = top_pad + sum(panels) + 2 * gap + bottom
     plot_w = width - left - right
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart history" viewBox="0 0 {width} {height}" '
              f'width="100%" role="img" aria-label="Checkpoint duration and size per epoch">']
@@ -118,66 +153,86 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
     n = len(ordered)
     band = plot_w / n
     bar_w = max(1.0, band * 0.7)
-    durations = [_duration_s(e, now) for e in ordered]
-    d_ticks = nice_ticks(max([d for d in durations if d is not None] or [1.0]))
-    sizes_total = [e.bytes_total for e in ordered]
-    sizes_new = [e.bytes_new for e in ordered]
-    b_top = max([float(b) for b in sizes_total + sizes_new if b is not None] or [1.0])
-    b_ticks = _bytes_ticks(b_top)
 
+    def bar_x(i: int) -> float:
+        return left + i * band + (band - bar_w) / 2
+
+    # -- duration
+    durations = [_duration_s(e, now) for e in ordered]
+    d_ticks = _duration_scale(ordered, durations)
+    d_top = d_ticks[-1] or 1.0
+    y, h_panel = top_pad, panels[0]
     present = sorted({e.state for e in ordered}, key=list(EpochState).index)
-    parts += _legend([(STATE_COLOURS[s], s.value) for s in present], left, 14)
-    parts.append(_text(left, top_pad - 4, "duration", extra=' font-weight="600"'))
-    y1 = top_pad
-    parts += _y_axis(left, left + plot_w, y1, panel_h, d_ticks, duration_human)
+    parts.append(_text(left, y - 8, "duration", extra=' font-weight="600"'))
+    parts += _legend([(STATE_COLOURS[s], s.value) for s in present], left + 70, y - 8)
+    parts += _y_axis(left, left + plot_w, y, h_panel, d_ticks, _axis_duration)
+    clipped = 0
     for i, (e, d) in enumerate(zip(ordered, durations, strict=True)):
         if d is None:
             continue
-        h = max(panel_h * d / d_ticks[-1], 0.5)
-        x = left + i * band + (band - bar_w) / 2
+        over = d > d_top
+        clipped += over
+        h = h_panel if over else max(h_panel * d / d_top, 0.5)
         tip = f"epoch {e.epoch} · {e.state.value} · {duration_human(d)}"
+        if e.state is EpochState.TRIGGERED:
+            tip += " so far"
         if e.failure_reason:
             tip += f" · {e.failure_reason}"
-        parts.append(f'<rect x="{_num(x)}" y="{_num(y1 + panel_h - h)}" width="{_num(bar_w)}" height="{_num(h)}" '
-                     f'fill="{STATE_COLOURS[e.state]}"><title>{escape(tip)}</title></rect>')
+        parts.append(f'<rect x="{_num(bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bar_w)}" '
+                     f'height="{_num(h)}" fill="{STATE_COLOURS[e.state]}"><title>{escape(tip)}</title></rect>')
+        if over:
+            cx = bar_x(i) + bar_w / 2
+            parts.append(f'<polygon points="{_num(cx - 4)},{_num(y - 1)} {_num(cx + 4)},{_num(y - 1)} '
+                         f'{_num(cx)},{_num(y - 7)}" fill="#111827"><title>{escape(tip)} (off the scale)</title>'
+                         "</polygon>")
+    if clipped:
+        parts.append(_text(left + plot_w, y - 8, f"▲ {clipped} off the scale", anchor="end"))
 
-    y2 = top_pad + panel_h + gap
-    parts.append(_text(left, y2 - 4, "checkpoint size", extra=' font-weight="600"'))
-    parts += _legend([(_TOTAL_COLOUR, "total"), (_NEW_COLOUR, "new")], left + 110, y2 - 4)
-    parts += _y_axis(left, left + plot_w, y2, panel_h, b_ticks, bytes_human)
-    b_max = b_ticks[-1] or 1.0
-    points: list[str] = []
-    segments: list[list[str]] = []
+    # -- total size
+    y += h_panel + gap
+    h_panel = panels[1]
+    totals = [float(e.bytes_total) for e in ordered if e.bytes_total is not None]
+    t_ticks = _bytes_ticks(max(totals or [1.0]))
+    t_top = t_ticks[-1] or 1.0
+    parts.append(_text(left, y - 8, "checkpoint size (total)", extra=' font-weight="600"'))
+    parts += _y_axis(left, left + plot_w, y, h_panel, t_ticks, _axis_bytes)
+    segments: list[list[str]] = [[]]
     for i, e in enumerate(ordered):
-        cx = left + i * band + band / 2
-        if e.bytes_new is not None:
-            h = max(panel_h * e.bytes_new / b_max, 0.5)
-            x = left + i * band + (band - bar_w) / 2
-            tip = f"epoch {e.epoch} · new {bytes_human(e.bytes_new)}"
-            parts.append(f'<rect x="{_num(x)}" y="{_num(y2 + panel_h - h)}" width="{_num(bar_w)}" '
-                         f'height="{_num(h)}" fill="{_NEW_COLOUR}"><title>{escape(tip)}</title></rect>')
         if e.bytes_total is None:
-            if points:
-                segments.append(points)
-                points = []
+            segments.append([])
             continue
-        cy = y2 + panel_h - panel_h * e.bytes_total / b_max
-        points.append(f"{_num(cx)},{_num(cy)}")
-        tip = f"epoch {e.epoch} · total {bytes_human(e.bytes_total)} · new {bytes_human(e.bytes_new)}"
+        cx = left + i * band + band / 2
+        cy = y + h_panel - h_panel * e.bytes_total / t_top
+        segments[-1].append(f"{_num(cx)},{_num(cy)}")
+        tip = f"epoch {e.epoch} · total {bytes_human(e.bytes_total)}"
         parts.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{2.5 if n <= 120 else 1.5}" '
                      f'fill="{_TOTAL_COLOUR}"><title>{escape(tip)}</title></circle>')
-    if points:
-        segments.append(points)
     for seg in segments:
         if len(seg) > 1:
             parts.append(f'<polyline points="{" ".join(seg)}" fill="none" stroke="{_TOTAL_COLOUR}" '
-                         f'stroke-width="1.5"/>')
+                         'stroke-width="1.5"/>')
+
+    # -- bytes new
+    y += h_panel + gap
+    h_panel = panels[2]
+    news = [float(e.bytes_new) for e in ordered if e.bytes_new is not None]
+    n_ticks = _bytes_ticks(max(news or [1.0]), 2)
+    n_top = n_ticks[-1] or 1.0
+    parts.append(_text(left, y - 8, "bytes new (incremental)", extra=' font-weight="600"'))
+    parts += _y_axis(left, left + plot_w, y, h_panel, n_ticks, _axis_bytes)
+    for i, e in enumerate(ordered):
+        if e.bytes_new is None:
+            continue
+        h = max(h_panel * e.bytes_new / n_top, 0.5)
+        tip = f"epoch {e.epoch} · new {bytes_human(e.bytes_new)}"
+        parts.append(f'<rect x="{_num(bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bar_w)}" '
+                     f'height="{_num(h)}" fill="{_NEW_COLOUR}"><title>{escape(tip)}</title></rect>')
 
     label_every = max(1, math.ceil(n / 10))
     for i, e in enumerate(ordered):
         if i % label_every == 0 or i == n - 1:
             cx = left + i * band + band / 2
-            parts.append(_text(cx, height - 10, str(e.epoch), anchor="middle"))
+            parts.append(_text(cx, height - 8, str(e.epoch), anchor="middle"))
     parts.append("</svg>")
     return Markup("".join(parts))
 
@@ -192,7 +247,7 @@ def timeline_chart(timings: Sequence[StageTiming], *, epoch_end_s: float | None 
              f'width="100%" role="img" aria-label="Per-stage checkpoint timeline">']
     parts += _legend([(PART_COLOURS[k], PART_LABELS[k]) for k in PART_COLOURS], label_w, 14)
     extent = max([t.end_to_end_s or 0.0 for t in timings] + [epoch_end_s or 0.0])
-    ticks = nice_ticks(extent if extent > 0 else 1.0, 6)
+    ticks = duration_ticks(extent if extent > 0 else 1.0, 6)
     span = ticks[-1] or 1.0
 
     def x_of(s: float) -> float:
@@ -202,7 +257,7 @@ def timeline_chart(timings: Sequence[StageTiming], *, epoch_end_s: float | None 
     for t in ticks:
         x = x_of(t)
         parts.append(f'<line x1="{_num(x)}" y1="{top_pad - 4}" x2="{_num(x)}" y2="{_num(axis_y)}" stroke="{_GRID}"/>')
-        parts.append(_text(x, axis_y + 14, duration_human(t), anchor="middle"))
+        parts.append(_text(x, axis_y + 14, _axis_duration(t), anchor="middle"))
     parts.append(_text(label_w + plot_w, axis_y + 28, "time since the epoch was triggered", anchor="end"))
 
     for row, timing in enumerate(timings):

@@ -13,9 +13,10 @@ from urllib.parse import urlsplit
 
 from airflow.plugins_manager import AirflowPlugin
 
-__all__ = ["URL_PREFIX", "ArroyoPlugin", "pipeline_url"]
+__all__ = ["URL_PREFIX", "ArroyoPlugin"]
 
-#: Where Airflow's api-server mounts the app.
+#: Where Airflow's api-server mounts the app (``airflow_arroyo.links`` builds the operators' extra
+#: links to ``{URL_PREFIX}/pipelines/{pipeline_id}``).
 URL_PREFIX = "/arroyo"
 
 
@@ -24,14 +25,6 @@ def _api_base_path() -> str:
     from airflow.configuration import conf
 
     return urlsplit(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
-
-
-def pipeline_url(pipeline_id: str, epoch: int | None = None) -> str:
-    """The UI path of a pipeline (or one of its epochs), for operator extra links."""
-    from urllib.parse import quote
-
-    url = f"{_api_base_path()}{URL_PREFIX}/pipelines/{quote(pipeline_id, safe='')}"
-    return url if epoch is None else f"{url}/epochs/{int(epoch)}"
 
 
 class _LazyFastAPIApps:

@@ -3,8 +3,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +99,101 @@ def anon(airflow_api: Any) -> Iterator[Any]:
 
     with TestClient(airflow_api) as c:
         yield c
+
+
+# --------------------------------------------------------------------------- a real `airflow api-server`
+
+REPO = Path(__file__).resolve().parents[2]
+USER, PASSWORD = "vera", "arroyo-ui-test-password"
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    url: str
+    home: Path
+    log: Path
+
+    def token(self) -> str:
+        """A JWT from the running server's own login endpoint (the simple auth manager)."""
+        req = urllib.request.Request(f"{self.url}/auth/token", method="POST",
+                                     data=json.dumps({"username": USER, "password": PASSWORD}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return str(json.load(r)["access_token"])
+
+    def get_json(self, path: str, token: str | None = None) -> Any:
+        req = urllib.request.Request(f"{self.url}{path}",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float,
+               proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+    """Poll ``predicate`` until true, failing with the log's tail at the deadline or if ``proc`` died."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log else ""
+            pytest.fail(f"{what}: the process exited with {proc.returncode}\n{tail}")
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-4000:] if log else ""
+            pytest.fail(f"{what}: not within {timeout:.0f}s\n{tail}")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def api_server(airflow_db: str, dataset: Dataset, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """``airflow api-server`` in its own process group: its own AIRFLOW_HOME (config, passwords), the
+    session's already migrated metadata DB, the repository's ``plugins/`` folder, the simple auth
+    manager with one known viewer, the test store as ``arroyo_default``. Stopped with SIGINT to its group."""
+    home = tmp_path_factory.mktemp("airflow-home")
+    (home / "dags").mkdir()
+    passwords = home / "passwords.json"
+    passwords.write_text(json.dumps({USER: PASSWORD}))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW__", "AIRFLOW_CONN_"))}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+                                                             f"sqlite:///{airflow_db}/airflow.db"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+        "AIRFLOW__API_AUTH__JWT_SECRET": "arroyo-ui-test-secret-" + "x" * 48,
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW_CONN_ARROYO_DEFAULT": dataset.dsn,
+    })
+    airflow = str(Path(sys.executable).parent / "airflow")
+    log = home / "api-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([airflow, "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(f"{url}/api/v2/monitor/health"), "airflow api-server healthy", 240, proc, log)
+        yield ApiServer(url=url, home=home, log=log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)

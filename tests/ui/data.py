@@ -161,6 +161,8 @@ def populate(store: EpochStore, seed: int = 7) -> Dataset:
     _sql(store, "UPDATE arroyo_cleanup_locks SET acquired_at = clock_timestamp() - interval '2 hours',"
                 " expires_at = clock_timestamp() - interval '1 hour' WHERE pipeline_id = 'clicks'")
     held = store.acquire_cleanup_lock("clicks", "retention__clicks", ttl=3600, policy={"keep_last": 20})
+    _sql(store, "UPDATE arroyo_cleanup_runs SET started_at = clock_timestamp() - interval '2 hours'"
+                " WHERE id = %s", (lost.id,))
 
     # payments: stopped, with an expired lease left behind by a crashed run.
     store.set_pipeline_state("payments", PipelineState.STOPPED)

@@ -6,6 +6,7 @@ followed the way a browser would.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,10 +137,13 @@ def test_pipeline_page_history_table_and_chart(client: TestClient, store: EpochS
             assert e.failure_reason in cells[7].text()
     svg = doc.find("svg")
     assert "history" in svg.attrs["class"]
-    bars = [t.text() for t in svg.find_all("title") if " · " in t.text() and "new" not in t.text()
-            and "total" not in t.text()]
+    states = "|".join(s.value for s in EpochState)
+    bars = [r.find("title").text() for r in svg.find_all("rect") if r.find_all("title")
+            and re.match(rf"epoch \d+ · ({states}) · ", r.find("title").text())]
     assert len(bars) == 50  # one duration bar per epoch on the page
-    assert sum(1 for t in svg.find_all("title") if t.text().startswith("epoch 241 · triggered")) == 1
+    assert [b.split(" · ")[1] for b in bars] == [e.state.value for e in reversed(expected)]
+    assert sum(1 for b in bars if b.startswith("epoch 241 · triggered")) == 1
+    assert len([c for c in svg.find_all("circle")]) == sum(1 for e in expected if e.bytes_total is not None)
 
 
 def test_pipeline_page_facts_and_warnings(client: TestClient, store: EpochStore) -> None:
