@@ -698,43 +698,45 @@ def test_unknown_pipelines_raise_unknown_pipeline_error(shared: EpochStore, call
         STORE_CALLS[call](shared)
 
 
-# name -> (needs a running pipeline "p" holding cleanup run 1, the call)
-BAD_INPUT: dict[str, tuple[bool, Callable[[EpochStore], object]]] = {
-    "empty pipeline id": (False, lambda s: s.register_pipeline("", stages=["s"], run_id="r")),
-    "slash in pipeline id": (False, lambda s: s.register_pipeline("a/b", stages=["s"], run_id="r")),
-    "dot-dot pipeline id": (False, lambda s: s.register_pipeline("..", stages=["s"], run_id="r")),
-    "long pipeline id": (False, lambda s: s.register_pipeline("x" * 201, stages=["s"], run_id="r")),
-    "non-ASCII pipeline id": (False, lambda s: s.register_pipeline("héllo", stages=["s"], run_id="r")),
-    "pipeline id not a string": (False, lambda s: s.register_pipeline(5, stages=["s"], run_id="r")),  # type: ignore[arg-type]
-    "no stages": (False, lambda s: s.register_pipeline("p", stages=[], run_id="r")),
-    "zero interval": (False, lambda s: s.register_pipeline("p", stages=["s"], run_id="r", checkpoint_interval=0)),
-    "NaN interval": (False, lambda s: s.register_pipeline("p", stages=["s"], run_id="r",
-                                                          checkpoint_interval=math.nan)),
-    "infinite interval": (False, lambda s: s.register_pipeline("p", stages=["s"], run_id="r",
-                                                               checkpoint_interval=math.inf)),
-    "stop mode": (True, lambda s: s.request_stop("p", "later")),
-    "zero lease": (True, lambda s: s.acquire_cleanup_lock("p", "h2", ttl=0)),
-    "NaN lease": (True, lambda s: s.acquire_cleanup_lock("p", "h2", ttl=math.nan)),
-    "negative renewal": (True, lambda s: s.renew_cleanup_lock("p", 1, ttl=-1)),
-    "NaN renewal": (True, lambda s: s.renew_cleanup_lock("p", 1, ttl=math.nan)),
-    "cleanup end state": (True, lambda s: s.release_cleanup_lock("p", 1, state="done")),
+# name -> (needs a running pipeline p whose cleanup run ``run`` holds the lease, the call)
+BAD_INPUT: dict[str, tuple[bool, Callable[[EpochStore, str, int], object]]] = {
+    "empty pipeline id": (False, lambda s, p, run: s.register_pipeline("", stages=["s"], run_id="r")),
+    "slash in pipeline id": (False, lambda s, p, run: s.register_pipeline("a/b", stages=["s"], run_id="r")),
+    "dot-dot pipeline id": (False, lambda s, p, run: s.register_pipeline("..", stages=["s"], run_id="r")),
+    "long pipeline id": (False, lambda s, p, run: s.register_pipeline("x" * 201, stages=["s"], run_id="r")),
+    "non-ASCII pipeline id": (False, lambda s, p, run: s.register_pipeline("héllo", stages=["s"], run_id="r")),
+    "pipeline id not a string": (False, lambda s, p, run: s.register_pipeline(5, stages=["s"], run_id="r")),  # type: ignore[arg-type]
+    "no stages": (False, lambda s, p, run: s.register_pipeline(p, stages=[], run_id="r")),
+    "zero interval": (False, lambda s, p, run: s.register_pipeline(p, stages=["s"], run_id="r",
+                                                                   checkpoint_interval=0)),
+    "NaN interval": (False, lambda s, p, run: s.register_pipeline(p, stages=["s"], run_id="r",
+                                                                  checkpoint_interval=math.nan)),
+    "infinite interval": (False, lambda s, p, run: s.register_pipeline(p, stages=["s"], run_id="r",
+                                                                       checkpoint_interval=math.inf)),
+    "stop mode": (True, lambda s, p, run: s.request_stop(p, "later")),
+    "zero lease": (True, lambda s, p, run: s.acquire_cleanup_lock(p, "h2", ttl=0)),
+    "NaN lease": (True, lambda s, p, run: s.acquire_cleanup_lock(p, "h2", ttl=math.nan)),
+    "negative renewal": (True, lambda s, p, run: s.renew_cleanup_lock(p, run, ttl=-1)),
+    "NaN renewal": (True, lambda s, p, run: s.renew_cleanup_lock(p, run, ttl=math.nan)),
+    "cleanup end state": (True, lambda s, p, run: s.release_cleanup_lock(p, run, state="done")),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_is_refused_before_anything_is_written(store: EpochStore, pg_dsn: str, case: str) -> None:
+def test_bad_input_is_refused_before_anything_is_written(shared: EpochStore, shared_dsn: str, case: str) -> None:
     needs_pipeline, call = BAD_INPUT[case]
+    pid, run = new_id("bad"), 0
     if needs_pipeline:
-        running(store, "p")
-        assert store.acquire_cleanup_lock("p", "h", ttl=60).id == 1
+        running(shared, pid)
+        run = shared.acquire_cleanup_lock(pid, "h", ttl=60).id
     tables = ("arroyo_pipelines", "arroyo_epochs", "arroyo_history", "arroyo_cleanup_runs", "arroyo_cleanup_locks")
-    before = {t: count(pg_dsn, t) for t in tables}
-    lease = store.cleanup_lock("p") if needs_pipeline else None
+    before = {t: count(shared_dsn, t) for t in tables}
+    lease = shared.cleanup_lock(pid) if needs_pipeline else None
     with pytest.raises(ConfigurationError):
-        call(store)
-    assert {t: count(pg_dsn, t) for t in tables} == before
+        call(shared, pid, run)
+    assert {t: count(shared_dsn, t) for t in tables} == before
     if needs_pipeline:
-        assert store.cleanup_lock("p") == lease
+        assert shared.cleanup_lock(pid) == lease
 
 
 def test_an_empty_dsn_is_a_configuration_error() -> None:
