@@ -169,8 +169,11 @@ class HistoryReport:
 
 def load_history(conn: PgConnection, pipeline_ids: Sequence[str] | None = None, *,
                  against_tables: bool = True) -> HistoryData:
-    """Read the history (and, with ``against_tables``, the tables to cross-check) in one snapshot."""
+    """Read the history (and, with ``against_tables``, the tables to cross-check) in one snapshot
+    (a repeatable-read transaction of its own: ``conn`` must not be in a transaction)."""
     ids = list(pipeline_ids) if pipeline_ids is not None else None
+    autocommit = conn.autocommit
+    conn.autocommit = True  # so that BEGIN below opens the transaction, not psycopg2's implicit one
     with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
         cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         try:
@@ -214,7 +217,8 @@ def load_history(conn: PgConnection, pipeline_ids: Sequence[str] | None = None, 
                 )
                 data.last_epochs = {r["pipeline_id"]: int(r["last_epoch"]) for r in cur.fetchall()}
         finally:
-            conn.rollback()
+            cur.execute("ROLLBACK")
+            conn.autocommit = autocommit
     return data
 
 
