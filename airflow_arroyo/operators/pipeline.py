@@ -282,7 +282,7 @@ class SubmitPipelineOperator(BaseOperator):
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
+                start_new_session=True, close_fds=True, cwd=log_dir,  # Spark writes spark-warehouse/ etc. here
             )
         process = LocalProcess.of(proc.pid)
         (log_dir / f"{safe_run}.pid").write_text(f"{process.pid} {process.start_ticks or ''} {process.host}\n")

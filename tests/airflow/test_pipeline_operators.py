@@ -351,3 +351,30 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airfl
     assert xcom["_link_ArroyoPipelineLink"] == f"/arroyo/pipelines/{PID}"
     assert xcom["_link_SparkUILink"] == "http://127.0.0.1:4040"
     assert xcom["run_id"] == pipeline.run_id
+
+
+# --------------------------------------------------------------------------- the example DAG
+
+
+def test_example_dag_shape_and_arguments() -> None:
+    """The example DAG parses, is wired submit -> [checkpoints, run_for], run_for -> stop (always),
+    and its pipeline arguments fit the demo pipeline's function."""
+    import importlib
+    import inspect
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags" / "example_streaming_pipeline.py"))
+    assert bag.import_errors == {}
+    dag = bag.dags["example_streaming_pipeline"]
+    tasks = {t.task_id: t for t in dag.tasks}
+    assert set(tasks) == {"submit", "checkpoints", "run_for", "stop"}
+    assert tasks["submit"].downstream_task_ids == {"checkpoints", "run_for"}
+    assert tasks["run_for"].downstream_task_ids == {"stop"}
+    assert tasks["stop"].trigger_rule == "all_done" and tasks["run_for"].soft_fail is True
+    submit = tasks["submit"]
+    module, attr = submit.pipeline.split(":")
+    function = getattr(importlib.import_module(module), attr)
+    inspect.signature(function).bind(**submit.pipeline_args)
+    assert submit.pipeline_args["pipeline_id"] == submit.pipeline_id == tasks["stop"].pipeline_id
+    assert set(dag.params) >= {"interval", "epochs", "minutes", "restore_from"}

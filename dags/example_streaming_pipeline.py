@@ -1,0 +1,113 @@
+"""Example: run the demo streaming pipeline with checkpoint epochs, then stop it.
+
+::
+
+    submit ──> checkpoints            (fires an epoch every `interval` s until the pipeline stops)
+       └─────> run_for ──> stop       (waits for `epochs` epochs or `minutes`, then a graceful stop)
+
+* ``submit`` starts ``airflow_arroyo.examples.pipelines:demo`` (two generator sources, a keyed
+  stream-stream join of both, a filter) as a long-running Spark application with spark-submit
+  (connection ``spark_default``; local mode on one machine) and succeeds once it is running.
+* ``checkpoints`` is the checkpoint controller: it runs in the triggerer for the pipeline's whole
+  life, never two epochs in flight, never while the retention DAG holds the cleanup lock.
+* ``run_for`` lets the run last ``epochs`` completed epochs of this run or ``minutes``, whichever
+  comes first (a timeout is a skip, not a failure); ``stop`` then stops the pipeline gracefully,
+  with a final epoch, which also ends ``checkpoints``. ``stop`` runs whatever happened upstream, so
+  a DAG run never leaves a pipeline behind.
+
+Trigger it with a conf to change the parameters, e.g. ``{"interval": 2, "epochs": 5}``;
+``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run.
+
+Settings from the environment (read when the DAG file is parsed): ``ARROYO_STORAGE_URI`` (root of
+channels and snapshots; default ``$AIRFLOW_HOME/arroyo-data``), ``ARROYO_EXAMPLE_PIPELINE_ID``
+(default ``arroyo-demo``), ``ARROYO_CONN_ID`` (default ``arroyo_default``), ``ARROYO_SPARK_CONN_ID``
+(default ``spark_default``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+from airflow.sdk import DAG, Param
+
+from airflow_arroyo.operators.checkpoint import CheckpointOperator
+from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
+from airflow_arroyo.sensors.pipeline import PipelineSensor
+
+PIPELINE_ID = os.environ.get("ARROYO_EXAMPLE_PIPELINE_ID", "arroyo-demo")
+CONN_ID = os.environ.get("ARROYO_CONN_ID", "arroyo_default")
+SPARK_CONN_ID = os.environ.get("ARROYO_SPARK_CONN_ID", "spark_default")
+STORAGE_URI = os.environ.get("ARROYO_STORAGE_URI") or str(
+    Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow") / "arroyo-data"
+)
+RUN_ID = "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
+
+with DAG(
+    dag_id="example_streaming_pipeline",
+    description="The demo streaming pipeline with checkpoint epochs, run for a while, then stopped",
+    schedule=None,
+    start_date=datetime(2024, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    tags=["arroyo", "example"],
+    doc_md=__doc__,
+    params={
+        "interval": Param(5, type="number", exclusiveMinimum=0, description="seconds between checkpoints"),
+        "epochs": Param(10, type="integer", minimum=1, description="stop after this many epochs of this run"),
+        "minutes": Param(10, type="number", exclusiveMinimum=0, description="... or after this many minutes"),
+        "restore_from": Param("", type="string", description="'' (fresh start), 'latest' or an epoch number"),
+        "rows": Param(20000, type="integer", minimum=1, description="rows each demo source generates"),
+        "rows_per_batch": Param(500, type="integer", minimum=1, description="rows per source micro-batch"),
+        "trigger_interval": Param(1.0, type="number", minimum=0, description="seconds between micro-batches"),
+    },
+) as dag:
+    submit = SubmitPipelineOperator(
+        task_id="submit",
+        pipeline="airflow_arroyo.examples.pipelines:demo",
+        pipeline_id=PIPELINE_ID,
+        pipeline_args={
+            "pipeline_id": PIPELINE_ID,
+            "rows": "{{ params.rows }}",
+            "rows_per_batch": "{{ params.rows_per_batch }}",
+            "trigger_interval": "{{ params.trigger_interval }}",
+        },
+        restore_from="{{ params.restore_from }}",
+        storage_uri=STORAGE_URI,
+        conn_id=CONN_ID,
+        spark_conn_id=SPARK_CONN_ID,
+        conf={
+            "spark.sql.shuffle.partitions": "2",
+            "spark.default.parallelism": "2",
+            "spark.driver.memory": "1g",
+            "spark.ui.showConsoleProgress": "false",
+        },
+    )
+    checkpoints = CheckpointOperator(
+        task_id="checkpoints",
+        pipeline_id=PIPELINE_ID,
+        conn_id=CONN_ID,
+        interval="{{ params.interval }}",
+        poll_interval="{{ [params.interval / 4, 5] | min }}",
+        pipeline_run_id=RUN_ID,
+    )
+    run_for = PipelineSensor(
+        task_id="run_for",
+        pipeline_id=PIPELINE_ID,
+        conn_id=CONN_ID,
+        run_id=RUN_ID,
+        epoch="{{ ti.xcom_pull(task_ids='submit', key='epoch_at_start') + params.epochs }}",
+        wait_timeout="{{ params.minutes * 60 }}",
+        trigger_poll_interval=2.0,
+        soft_fail=True,
+    )
+    stop = StopPipelineOperator(
+        task_id="stop",
+        pipeline_id=PIPELINE_ID,
+        conn_id=CONN_ID,
+        mode="graceful",
+        trigger_rule="all_done",
+    )
+    submit >> [checkpoints, run_for]
+    run_for >> stop
