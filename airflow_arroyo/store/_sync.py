@@ -558,9 +558,25 @@ class EpochStore:
         return self._tx(tx) if key_list else set()
 
     def record_snapshot(self, pipeline_id: str, epoch: int, stage: str, entries: Sequence[SnapshotEntry]) -> None:
-        """Record the files of a stage's snapshot for an epoch (objects are inserted once)."""
+        """Record the files of a stage's snapshot for an epoch (objects are inserted once).
+
+        Refused with :class:`ConcurrencyConflict` once the epoch is ``pruning`` or ``pruned`` (a late
+        acknowledgement after expiry and cleanup): recorded then, its objects would never be deleted.
+        The caller should delete the objects it wrote new for this snapshot.
+        """
 
         def tx(cur: PgCursor) -> None:
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
+                        (pipeline_id, epoch))
+            row = cur.fetchone()
+            if row is None:
+                self._get_pipeline(cur, pipeline_id)
+                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to record a snapshot for")
+            if row["state"] in (EpochState.PRUNING.value, EpochState.PRUNED.value):
+                raise ConcurrencyConflict(
+                    f"epoch {epoch} of {pipeline_id!r} is {row['state']}: the snapshot of stage {stage!r} came "
+                    "too late to be recorded"
+                )
             psycopg2.extras.execute_values(
                 cur,
                 "INSERT INTO arroyo_objects (pipeline_id, object_key, bytes, first_epoch) VALUES %s"
