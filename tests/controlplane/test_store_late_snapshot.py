@@ -1,5 +1,8 @@
+"""A snapshot recorded after its epoch was pruned must be refused (its objects would leak)."""
+
 import pytest
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
+
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict
 from airflow_arroyo.store import SnapshotEntry
 
