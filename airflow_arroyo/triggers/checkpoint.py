@@ -55,6 +55,7 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
+OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
 
 
 def format_bytes(n: int | None) -> str:
@@ -256,6 +257,7 @@ class _Controller:
         self.outage_since: float | None = None
         self.cleanup_wait: str | None = None  # the cleanup wait already logged (reason names the holder)
         self.idle_state: str | None = None  # last logged "pipeline not running" state
+        self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
 
     async def run(self) -> TriggerEvent:
         self.log.info(
@@ -413,18 +415,32 @@ class _Controller:
             self.idle_state = None
 
     def _delay(self, tick: TickResult) -> float:
+        """How long to sleep before the next tick: until the decision is worth making again.
+
+        After a start: one interval (the next epoch is due then). While waiting for the schedule or a
+        cleanup lease: until ``recheck_at``. While an epoch is in flight: until the next one is due,
+        and once it is overdue, in short polls that double (``interval / 50`` at first, at least
+        20 ms, then up to ``poll``), so that a late acknowledgement delays the next epoch by about
+        as much again at most, not by a whole poll interval. Never past ``poll``.
+        """
         decision = tick.decision
         now = tick.now
         delay = self.poll
+        overdue = False
         if tick.started is not None:
             delay = min(delay, self.policy.interval)
         elif decision.recheck_at is not None:
             delay = min(delay, (decision.recheck_at - now).total_seconds())
         if decision.action is TriggerAction.WAIT_IN_FLIGHT and decision.recheck_at is not None:
-            # Wake up when the next epoch is due, in case this one has ended by then. The in-flight
-            # epoch started one timeout before it times out (read from the database, not remembered).
+            # The in-flight epoch started one timeout before it times out (read from the database,
+            # not remembered: right after a restart too).
             started = decision.recheck_at - timedelta(seconds=self.policy.effective_timeout)
             due = (started - now).total_seconds() + self.policy.interval
             if due > 0:
                 delay = min(delay, due)
+            else:
+                overdue = True
+                base = max(OVERDUE_POLL_MIN, self.policy.interval / 50)
+                delay = min(delay, base * 2 ** min(self.overdue_polls, 30))
+        self.overdue_polls = self.overdue_polls + 1 if overdue else 0
         return max(delay, 0.0)

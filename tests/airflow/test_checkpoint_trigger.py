@@ -273,6 +273,31 @@ async def test_an_expired_epoch_within_the_tolerance_does_not_stop_checkpoints(r
         (1, "expired"), (2, "completed"), (3, "completed")]
 
 
+async def test_an_overdue_epoch_is_polled_for_in_short_doubling_steps(running: EpochStore, connection: str) -> None:
+    """The next epoch is due but the previous one is still in flight: look again soon (not after a whole
+    poll interval), backing off, so the lateness stays within about twice the overrun."""
+
+    def pipeline() -> None:
+        ep = running.in_flight_epoch(PID)
+        if ep is None:
+            return
+        age = (running.db_now() - ep.triggered_at).total_seconds()
+        if ep.epoch > 1 or age >= 10.7:  # epoch 1 is acknowledged 0.7 s after epoch 2 is due
+            ack(running)
+        if len(completed(running)) == 2:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    clock = VirtualClock(connection, pipeline)
+    event = await first_event(make_trigger(interval=10.0, poll_interval=5.0), clock)
+
+    assert event["status"] == "success"
+    first, second = running.list_epochs(PID)[::-1]
+    gap = (second.triggered_at - first.triggered_at).total_seconds()
+    assert 10.7 <= gap < 10.0 + 2 * 0.7 + 0.5, gap  # with 5 s polls it would be 15 s
+    overdue_sleeps = [round(s, 3) for s in clock.sleeps if s < 1.0]
+    assert overdue_sleeps[:3] == [0.2, 0.4, 0.8], clock.sleeps  # interval / 50, doubling
+
+
 async def test_min_pause_separates_the_end_of_an_epoch_from_the_next_start(running: EpochStore,
                                                                            connection: str) -> None:
     def pipeline() -> None:
