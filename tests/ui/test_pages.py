@@ -352,3 +352,28 @@ def test_security_headers(client: TestClient) -> None:
     assert r.headers["x-content-type-options"] == "nosniff"
     css = client.get("/arroyo/static/arroyo.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+
+
+def test_links_follow_a_deployment_path_prefix(airflow_api: Any, dataset: Dataset) -> None:
+    """Airflow behind ``[api] base_url = https://host/airflow``: every link keeps the prefix."""
+    from fastapi import FastAPI
+
+    from airflow_arroyo.ui.app import create_app
+    from airflow_arroyo.ui.store_source import StoreSource
+    from tests.ui.conftest import make_token
+
+    source = StoreSource(lambda: dataset.dsn)
+    parent = FastAPI(root_path="/airflow")
+    parent.mount("/arroyo", create_app(source))
+    try:
+        with TestClient(parent) as c:
+            c.headers["Authorization"] = f"Bearer {make_token()}"
+            doc = page(c, "/airflow/arroyo/")
+            hrefs = [a.attrs["href"] for a in doc.find_all("a") if a.attrs["href"].startswith("/")]
+            assert hrefs and all(h.startswith("/airflow/arroyo/") for h in hrefs), hrefs
+            assert doc.find("link").attrs["href"] == "/airflow/arroyo/static/arroyo.css"
+            for h in sorted(set(hrefs))[:12]:
+                assert c.get(h).status_code == 200, h
+            assert c.get("/airflow/arroyo/api/pipelines/nope").json()["detail"].startswith("no pipeline")
+    finally:
+        source.close()
