@@ -16,6 +16,8 @@ from fastapi.testclient import TestClient
 
 from tests.ui.conftest import make_token, mounted_arroyo_app
 
+pytestmark = pytest.mark.airflow
+
 # One concrete URL per route of the app (the test below checks that none is forgotten).
 URLS = {
     "/": "/arroyo/",

@@ -20,6 +20,8 @@ from tests.ui.conftest import mounted_arroyo_app
 from tests.ui.data import Dataset
 from tests.ui.html import Node, parse
 
+pytestmark = pytest.mark.airflow
+
 
 @pytest.fixture(scope="module")
 def store(dataset: Dataset) -> Iterator[EpochStore]:
