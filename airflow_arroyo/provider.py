@@ -47,5 +47,6 @@ def get_provider_info() -> dict[str, Any]:
         "connection-types": [
             {"connection-type": "arroyo", "hook-class-name": "airflow_arroyo.hooks.arroyo.ArroyoHook"}
         ],
-        "plugins": [{"name": "airflow_arroyo", "plugin-class": "airflow_arroyo.ui.plugin.ArroyoPlugin"}],
+        # The UI plugin is registered once, by the package's `airflow.plugins` entry point; listing it
+        # here too makes Airflow report a duplicate when providers are discovered eagerly.
     }

@@ -19,6 +19,7 @@ if [ "${1:-}" = "test" ]; then
   command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)
   command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium-driver)
   command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+  [ -d /usr/share/fonts/truetype/liberation ] || need_apt+=(fonts-liberation)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
