@@ -114,7 +114,8 @@ class EmbeddedAirflow:
 
     def start(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
-        self.pg = ThrowawayPostgres(base_dir=self.home / "postgres")
+        # its own temporary folder: as root the server runs as the postgres user, who must reach it
+        self.pg = ThrowawayPostgres()
         _say(f"starting PostgreSQL ({self.pg.bindir})")
         self.pg.start()
         self.store_dsn = self.pg.dsn
@@ -186,7 +187,7 @@ class EmbeddedAirflow:
             if self.pg is not None:
                 _say("stopping PostgreSQL")
                 with contextlib.suppress(RuntimeError):
-                    self.pg.stop()
+                    self.pg.cleanup()
                 self.pg = None
             if self._own_home and not self.settings.keep_home:
                 shutil.rmtree(self.home, ignore_errors=True)

@@ -1,0 +1,194 @@
+"""End to end on real Airflow 3: ``airflow standalone`` (scheduler, triggerer, dag-processor,
+api-server; LocalExecutor on PostgreSQL), a throwaway PostgreSQL for the epoch store, the real
+runtime driver under spark-submit in local mode, everything driven through the REST API v2.
+
+It uses the embedded launcher (``airflow_arroyo.devtools.embedded``, the README's run command) so
+that both stay true. The story:
+
+1. the example DAG is triggered (a JWT from ``/auth/token``); ``submit`` starts the demo pipeline;
+2. at least 3 epochs complete, fired by ``CheckpointTrigger`` in the triggerer;
+3. the retention DAG runs meanwhile; while its prune task holds the pipeline's cleanup lock the
+   checkpoint trigger defers (its trigger log says so, and no epoch starts inside the lock window
+   recorded in ``arroyo_history``) and resumes afterwards;
+4. an operator ends the run by marking ``run_for`` success; ``stop`` stops the pipeline gracefully
+   (a final epoch), which ends the ``checkpoints`` task; the DAG run succeeds;
+5. epochs and their states are checked in PostgreSQL; leaving the launcher stops everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg2
+import psycopg2.extras
+import pytest
+
+from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, RETENTION_DAG, EmbeddedAirflow, EmbeddedSettings
+from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.exceptions import UnknownPipelineError
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
+
+PIPELINE = "arroyo-demo"
+INTERVAL = 1.0
+CLEANUP_WAIT_LINE = "waiting for cleanup run"
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float, diagnose: Callable[[], str],
+             interval: float = 1.0) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``diagnose()`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}\n{diagnose()}")
+        time.sleep(interval)
+
+
+def rows(dsn: str, sql: str, *params: Any) -> list[dict[str, Any]]:
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+            cur.execute(sql, params)
+            return [dict(r) for r in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def trigger_logs(home: Path) -> str:
+    """Every trigger log of the example DAG's checkpoint task (beside the task logs)."""
+    return "\n".join(p.read_text(errors="replace")
+                     for p in sorted((home / "logs").rglob("*.trigger.*.log")) if "task_id=checkpoints" in str(p))
+
+
+def test_example_dag_on_airflow_standalone() -> None:
+    settings = EmbeddedSettings(
+        retention_schedule="0 0 1 1 *",  # only the runs this test triggers (and one at start-up, with no pipeline)
+        retention_keep_last=2,
+        startup_timeout=300,
+    )
+    with EmbeddedAirflow(settings) as airflow:
+        store = EpochStore(airflow.store_dsn, max_connections=2)
+        home = airflow.home
+        try:
+            _run(airflow, store, home)
+        finally:
+            store.close()
+        pid_files = sorted((home / "logs" / "arroyo").glob("*/*.pid"))
+        assert len(pid_files) == 1, pid_files
+        pid, ticks, host = pid_files[0].read_text().split()
+    # leaving the launcher stopped everything it started, the spark-submit process group included
+    assert not LocalProcess(int(pid), host, int(ticks)).group_alive()
+    assert airflow.process is None and airflow.pg is None and not home.exists()
+
+
+def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
+    run_id = airflow.trigger(EXAMPLE_DAG, {
+        "interval": INTERVAL, "epochs": 100_000, "minutes": 15,
+        "rows": 4000, "rows_per_batch": 200, "trigger_interval": 0.5,
+    })
+
+    def diagnose() -> str:
+        parts = [f"task instances: {airflow.task_instances(EXAMPLE_DAG, run_id)}"]
+        for log in sorted((home / "logs" / "arroyo").glob("*/*.log")):
+            parts.append(f"--- {log.name} (tail)\n{log_tail(str(log), 40)}")
+        parts.append(f"--- standalone.log (tail)\n{log_tail(str(airflow.log_path), 40)}")
+        return "\n".join(parts)
+
+    def run_state() -> str:
+        state = str(airflow.dag_run(EXAMPLE_DAG, run_id)["state"])
+        if state == "failed":
+            pytest.fail(f"the example DAG run failed\n{diagnose()}")
+        return state
+
+    def completed_epochs() -> list[int]:
+        run_state()
+        try:
+            epochs = store.list_epochs(PIPELINE, states=[EpochState.COMPLETED])
+        except UnknownPipelineError:  # not registered yet
+            return []
+        return [e.epoch for e in epochs]
+
+    # -- 1 + 2: running, and epochs completing, fired by the trigger of the `checkpoints` task
+    wait_for("3 completed epochs", lambda: len(completed_epochs()) >= 3, 420, diagnose)
+    tis = airflow.task_instances(EXAMPLE_DAG, run_id)
+    assert tis["submit"] == "success" and tis["checkpoints"] == "deferred" and tis["run_for"] == "deferred", tis
+    pipeline = store.get_pipeline(PIPELINE)
+    assert pipeline.state is PipelineState.RUNNING and pipeline.spark_ui_url
+    fired_by = {e.triggered_by for e in store.list_epochs(PIPELINE)}
+    assert fired_by == {f"airflow:{EXAMPLE_DAG}/checkpoints/{run_id}"}, fired_by
+
+    # -- 3: retention during the run; the trigger defers while the cleanup lock is held
+    cleanup_runs: list[str] = []
+    for _attempt in range(4):
+        retention_run = airflow.trigger(RETENTION_DAG, {"keep_last": "2"})
+        cleanup_runs.append(retention_run)
+        final = airflow.wait_run(RETENTION_DAG, retention_run, timeout=300, on_poll=run_state)
+        assert final == "success", (final, airflow.task_instances(RETENTION_DAG, retention_run))
+        if CLEANUP_WAIT_LINE in trigger_logs(home):
+            break
+    else:
+        pytest.fail(f"the checkpoint trigger never logged a cleanup wait in {len(cleanup_runs)} retention runs\n"
+                    f"{diagnose()}")
+    runs = store.list_cleanup_runs(PIPELINE)
+    print(f"retention DAG runs: {len(cleanup_runs)}; cleanup runs: "
+          f"{[(r.id, r.started_at.isoformat(), r.ended_at, r.epochs_pruned) for r in runs]}")
+    assert runs and all(r.state == "succeeded" for r in runs), runs
+    assert any(r.epochs_pruned for r in runs), runs  # keep_last=2 pruned the older epochs
+    _check_no_epoch_started_under_the_lock(airflow.store_dsn)
+    # checkpoints resumed after the lock was released
+    last_release = max(r.ended_at for r in runs if r.ended_at is not None)
+    wait_for("an epoch started after the cleanup", lambda: any(
+        e.triggered_at > last_release for e in store.list_epochs(PIPELINE, limit=5)), 120, diagnose)
+    assert "cleanup lock released; checkpoints resume" in trigger_logs(home)
+
+    # -- 4: end the run the way an operator would: mark `run_for` success -> `stop` -> graceful stop
+    airflow.api("PATCH", f"/dags/{EXAMPLE_DAG}/dagRuns/{run_id}/taskInstances/run_for",
+                json={"new_state": "success"})
+    final_state = airflow.wait_run(EXAMPLE_DAG, run_id, timeout=300)
+    tis = airflow.task_instances(EXAMPLE_DAG, run_id)
+    assert final_state == "success", (final_state, tis, diagnose())
+    assert tis == {"submit": "success", "checkpoints": "success", "run_for": "success", "stop": "success"}
+
+    # -- 5: what PostgreSQL says
+    pipeline = store.get_pipeline(PIPELINE)
+    assert pipeline.state is PipelineState.STOPPED and pipeline.failure_cause is None
+    epochs = sorted(store.list_epochs(PIPELINE, limit=10_000), key=lambda e: e.epoch)
+    states = {e.epoch: e.state for e in epochs}
+    assert all(s in (EpochState.COMPLETED, EpochState.PRUNED, EpochState.EXPIRED, EpochState.FAILED)
+               for s in states.values()), states
+    assert sum(1 for s in states.values() if s in (EpochState.COMPLETED, EpochState.PRUNED)) >= 4, states
+    final = epochs[-1]
+    assert final.is_final and final.state is EpochState.COMPLETED, final
+    assert [e.epoch for e in epochs] == list(range(epochs[0].epoch, final.epoch + 1))  # no gaps, increasing
+    checkpoints = next(ti for ti in airflow.api("GET", f"/dags/{EXAMPLE_DAG}/dagRuns/{run_id}/taskInstances")
+                       ["task_instances"] if ti["task_id"] == "checkpoints")
+    assert final.ended_at is not None
+    assert datetime.fromisoformat(checkpoints["end_date"]) >= final.ended_at  # the stop ended the checkpoint task
+
+
+def _check_no_epoch_started_under_the_lock(dsn: str) -> None:
+    """From the database's own history: no epoch was triggered between a lock acquisition and its release."""
+    history = rows(dsn, "SELECT seq, at, kind, epoch, old_state, new_state, cleanup_run FROM arroyo_history"
+                        " WHERE pipeline_id = %s ORDER BY seq", PIPELINE)
+    windows: list[tuple[datetime, datetime, int]] = []
+    open_at: dict[int, datetime] = {}
+    for h in history:
+        if h["kind"] == "lock_acquired":
+            open_at[h["cleanup_run"]] = h["at"]
+        elif h["kind"] == "lock_released" and h["cleanup_run"] in open_at:
+            windows.append((open_at.pop(h["cleanup_run"]), h["at"], h["cleanup_run"]))
+    assert windows and not open_at, history
+    starts = [h["at"] for h in history if h["kind"] == "epoch_state" and h["old_state"] is None]
+    for acquired, released, run in windows:
+        inside = [s for s in starts if acquired < s < released]
+        assert not inside, f"epochs started while cleanup run {run} held the lock: {inside}"
