@@ -409,7 +409,10 @@ class _Controller:
             self.cleanup_wait = None
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             if decision.reason != self.idle_state:
-                self.log.info("pipeline %s: %s; no checkpoint until it runs", self.pid, decision.reason)
+                if tick.pipeline_state is PipelineState.RUNNING:  # running, but asked to stop
+                    self.log.info("pipeline %s: a stop was requested; no new checkpoint while it stops", self.pid)
+                else:
+                    self.log.info("pipeline %s: %s; no checkpoint until it runs", self.pid, decision.reason)
                 self.idle_state = decision.reason
         else:
             self.idle_state = None

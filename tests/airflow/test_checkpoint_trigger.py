@@ -590,3 +590,22 @@ async def test_failures_left_by_an_earlier_run_do_not_end_a_new_trigger(store: E
 
     assert event["status"] == "success"
     assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [(3, "completed"), (4, "completed")]
+
+
+async def test_no_new_epoch_once_a_stop_is_requested(running: EpochStore, connection: str) -> None:
+    sleeps = 0
+
+    def pipeline() -> None:
+        nonlocal sleeps
+        sleeps += 1
+        if ack(running) == 1:
+            running.request_stop(PID, "graceful")
+        if sleeps == 8:  # the driver stops a while later
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(interval=10.0), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success"
+    assert [e.epoch for e in running.list_epochs(PID)] == [1]  # 12 s passed (> interval): none started
+    assert sum("a stop was requested" in m for m in messages(logs)) == 1
