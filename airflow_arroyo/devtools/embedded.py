@@ -10,9 +10,9 @@
 3. triggers ``example_streaming_pipeline`` through the REST API (a JWT from ``/auth/token``),
    prints where to look, follows the epochs as they complete;
 4. when the DAG run ends (after ``--epochs`` epochs or ``--minutes``), on Ctrl-C or at the
-   deadline: stops the pipeline (gracefully, then immediately), stops Airflow (SIGINT to its process
-   group, SIGTERM/SIGKILL only if it does not exit), ends any spark-submit left behind (by the pid
-   files the submit operator writes) and stops PostgreSQL.
+   deadline: stops the pipeline (gracefully, then immediately), stops Airflow (SIGINT to standalone,
+   which stops its components; signals to its whole process group only if it does not exit), ends
+   any spark-submit left behind (by the pid files the submit operator writes) and stops PostgreSQL.
 
 :class:`EmbeddedAirflow` is the same machinery as a context manager (the end-to-end test uses it):
 start, REST calls, wait for a DAG run, stop.
@@ -226,15 +226,20 @@ class EmbeddedAirflow:
             return
         self.process = None
         if proc.poll() is None:
-            _say("stopping airflow standalone (SIGINT to its process group)")
-            for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            # SIGINT to standalone alone: it terminates its components itself (about 10 s). SIGINT to
+            # the whole group also reaches LocalExecutor's workers, and the scheduler then waited on
+            # them for minutes here; the group only gets signals if standalone does not exit.
+            _say("stopping airflow standalone (SIGINT)")
+            steps = ((os.kill, signal.SIGINT, grace), (os.killpg, signal.SIGINT, 15.0),
+                     (os.killpg, signal.SIGTERM, 15.0), (os.killpg, signal.SIGKILL, 10.0))
+            for send, sig, wait in steps:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
+                    send(proc.pid, sig)
                 try:
                     proc.wait(timeout=wait)
                     break
                 except subprocess.TimeoutExpired:
-                    _say(f"airflow standalone still running after {wait:g}s")
+                    _say(f"airflow standalone still running {wait:g}s after {sig.name}")
         # the components (and LocalExecutor's workers) share the group: end any straggler
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
