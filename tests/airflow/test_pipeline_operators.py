@@ -124,6 +124,7 @@ def test_pipeline_page_url() -> None:
 
 def test_driver_application_is_the_runtime_driver() -> None:
     assert DRIVER_APPLICATION.endswith("airflow_arroyo/runtime/driver.py") and os.path.isabs(DRIVER_APPLICATION)
+    assert Path(DRIVER_APPLICATION).is_file()
 
 
 # --------------------------------------------------------------------------- the command
