@@ -26,8 +26,8 @@ from urllib.parse import quote
 from airflow.sdk import BaseOperatorLink
 
 if TYPE_CHECKING:
-    from airflow.sdk.types import TaskInstanceKey
     from airflow.sdk import BaseOperator
+    from airflow.sdk.types import TaskInstanceKey
 
 __all__ = [
     "XCOM_PIPELINE_ID",
