@@ -21,9 +21,9 @@ class AsyncEpochStore:
         return cls(EpochStore.shared(dsn))
 
     async def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
-                           force: bool = False, is_final: bool = False) -> TickResult:
+                           force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
         return await asyncio.to_thread(self.sync.trigger_tick, pipeline_id, policy, triggered_by=triggered_by,
-                                       force=force, is_final=is_final)
+                                       force=force, is_final=is_final, watch=tuple(watch))
 
     async def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
         return await asyncio.to_thread(self.sync.get_pipeline, pipeline_id)

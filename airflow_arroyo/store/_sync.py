@@ -334,13 +334,16 @@ class EpochStore:
     # ------------------------------------------------------------------ triggering
 
     def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
-                     force: bool = False, is_final: bool = False) -> TickResult:
+                     force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
         """One decision of the checkpoint controller, applied atomically under the pipeline's row lock.
 
         Reads the facts, asks :func:`decide_trigger`, and applies START (insert epoch n+1) or
         EXPIRE (mark the in-flight epoch expired). ``force`` ignores the schedule (a final epoch on
         a graceful stop, a manual checkpoint) but never the one-in-flight rule or the cleanup lock.
+        ``watch``: epoch numbers the caller saw in flight; those that have ended come back in
+        ``TickResult.ended`` (saves the controller a transaction per epoch to report its end).
         """
+        watched = sorted({int(e) for e in watch})
 
         def tx(cur: PgCursor) -> TickResult:
             pipe = self._lock_pipeline(cur, pipeline_id)
@@ -403,8 +406,16 @@ class EpochStore:
                 (pipeline_id, policy.tolerable_failures + 2),
             )
             failures = consecutive_failures(EpochState(r["state"]) for r in cur.fetchall())
+            ended: tuple[EpochRecord, ...] = ()
+            if watched:
+                cur.execute(
+                    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = ANY(%s)"  # noqa: S608
+                    " AND state <> 'triggered' ORDER BY epoch",
+                    (pipeline_id, watched),
+                )
+                ended = tuple(from_row(EpochRecord, r) for r in cur.fetchall())
             return TickResult(decision=decision, now=now, pipeline_state=state, started=started,
-                              expired=expired, consecutive_failures=failures)
+                              expired=expired, consecutive_failures=failures, ended=ended)
 
         return self._tx(tx)
 

@@ -139,6 +139,7 @@ class TickResult:
     started: EpochRecord | None = None
     expired: EpochRecord | None = None
     consecutive_failures: int = 0
+    ended: tuple[EpochRecord, ...] = ()  # epochs of the tick's ``watch`` that are no longer in flight
 
 
 @dataclass(frozen=True)
