@@ -298,7 +298,8 @@ class _Controller:
             if waited is not None:
                 return waited
         try:
-            tick = await self.store.trigger_tick(self.pid, self.policy, triggered_by=self.t.triggered_by)
+            tick = await self.store.trigger_tick(self.pid, self.policy, triggered_by=self.t.triggered_by,
+                                                 watch=sorted(self.watching))
         except UnknownPipelineError:
             return await self._not_registered(f"pipeline {self.pid} is not registered yet")
         self.outage_since = None
@@ -357,8 +358,9 @@ class _Controller:
             self._record(tick.expired)
             new_failure = True
         current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
+        ended = {rec.epoch: rec for rec in tick.ended}  # the watched epochs that ended, read in the tick
         for epoch in sorted(n for n in self.watching if n != current):
-            rec = await self.store.get_epoch(self.pid, epoch)
+            rec = ended.get(epoch) or await self.store.get_epoch(self.pid, epoch)
             if rec.state is EpochState.TRIGGERED:  # cannot be: another epoch is in flight or none is
                 continue
             self.watching.discard(epoch)

@@ -609,3 +609,33 @@ async def test_no_new_epoch_once_a_stop_is_requested(running: EpochStore, connec
     assert event["status"] == "success"
     assert [e.epoch for e in running.list_epochs(PID)] == [1]  # 12 s passed (> interval): none started
     assert sum("a stop was requested" in m for m in messages(logs)) == 1
+
+
+async def test_epoch_ends_are_read_in_the_tick_itself(running: EpochStore, connection: str) -> None:
+    """The end of an epoch (state, duration, bytes) comes back from the tick that notices it: no extra
+    transaction per epoch."""
+    gets: list[int] = []
+
+    class CountingStore(AsyncEpochStore):
+        async def get_epoch(self, pipeline_id: str, epoch: int) -> Any:
+            gets.append(epoch)
+            return await super().get_epoch(pipeline_id, epoch)
+
+    def pipeline() -> None:
+        ack(running)
+        if len(completed(running)) == 3:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    trigger = make_trigger(interval=10.0)
+
+    async def open_store() -> AsyncEpochStore:
+        return CountingStore(running)
+
+    trigger._open_store = open_store  # type: ignore[method-assign]
+    event = await first_event(trigger, VirtualClock(connection, pipeline))
+
+    assert [(e["epoch"], e["state"], e["bytes_new"]) for e in event["summary"]["epochs"]] == [
+        (n, "completed", running.get_epoch(PID, n).bytes_new) for n in (1, 2, 3)]
+    assert gets == []
+    tick = running.trigger_tick(PID, make_trigger().policy, watch=[1, 2, 3, 99])
+    assert [rec.epoch for rec in tick.ended] == [1, 2, 3]  # ended ones only, unknown numbers ignored
