@@ -1,0 +1,625 @@
+"""The pipeline driver: one Spark application runs a whole pipeline and takes part in its epochs.
+
+The driver validates the graph (before Spark starts), registers the run in the epoch store, restores
+the stages' checkpoints and truncates the channels when asked to, starts one streaming query per stage
+(concurrent queries sharing the executors), and then loops:
+
+* polls the store for the in-flight epoch and tells the source stages to inject it;
+* cuts idle source stages at their last completed micro-batch;
+* heartbeats; watches the queries (a failed query fails the pipeline with its cause and fails the
+  in-flight epoch);
+* on ``stop_requested == 'graceful'``: state ``stopping``, one **final epoch** (Flink's
+  stop-with-savepoint), wait for it, stop the queries, state ``stopped``; on ``'immediate'``: stop now.
+
+Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_DSN`` so that no
+secret is on the command line)::
+
+    spark-submit .../airflow_arroyo/runtime/driver.py --pipeline pkg.module:attr --run-id RUN \\
+        [--restore-from latest|N] [--storage-uri URI] [--takeover] [--arg key=value ...]
+
+``attr`` is a :class:`~airflow_arroyo.runtime.pipeline.Pipeline` or a function returning one (called
+with the ``--arg`` values as keyword arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
+from airflow_arroyo.exceptions import (
+    ArroyoError,
+    ConcurrencyConflict,
+    ConfigurationError,
+    PipelineFailedError,
+    SnapshotError,
+)
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
+from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
+from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
+from airflow_arroyo.store import EpochStore, PipelineRecord, redact_dsn
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "load_pipeline", "main"]
+
+log = logging.getLogger(__name__)
+
+RestoreFrom = str | int | None  # None (fresh start), "latest", or an epoch number
+
+# SQL confs the driver sets unless the session already has them.
+DEFAULT_SQL_CONF = {
+    # Spark must not delete checkpoint files an in-progress asynchronous snapshot still copies.
+    "spark.sql.streaming.minBatchesToRetain": "200",
+}
+
+
+class StopMode(enum.StrEnum):
+    GRACEFUL = "graceful"
+    IMMEDIATE = "immediate"
+
+
+@dataclass
+class DriverResult:
+    """How a run ended."""
+
+    pipeline_id: str
+    run_id: str
+    state: PipelineState
+    restored_from_epoch: int | None = None
+    final_epoch: int | None = None
+    epochs_seen: list[int] = field(default_factory=list)
+    failure_cause: str | None = None
+
+
+class PipelineDriver:
+    """Runs one pipeline in one Spark application. Use :meth:`run` (blocks until the pipeline ends)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        store: EpochStore,
+        *,
+        storage_uri: str,
+        run_id: str | None = None,
+        restore_from: RestoreFrom = None,
+        spark: SparkSession | None = None,
+        poll_interval: float = 0.15,
+        heartbeat_interval: float = 2.0,
+        final_epoch_timeout: float = 300.0,
+        takeover: bool = False,
+        stale_after: float = 30.0,
+        commit_timeout: float = 300.0,
+        own_spark: bool | None = None,
+    ) -> None:
+        self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
+        self.pipeline = pipeline
+        self.pipeline_id = pipeline.pipeline_id
+        self.store = store
+        self.storage_uri = storage_uri
+        self.run_id = run_id or f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.restore_from = _parse_restore_from(restore_from)
+        self.layout = StorageLayout.at(storage_uri, self.pipeline_id)
+        self.poll_interval = poll_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.final_epoch_timeout = final_epoch_timeout
+        self.takeover = takeover
+        self.stale_after = stale_after
+        self.commit_timeout = commit_timeout
+        self._spark = spark
+        self._own_spark = spark is None if own_spark is None else own_spark
+        self.runners: list[StageRunner] = []
+        self.snapshots = SnapshotStore(self.layout.fs, self.pipeline_id, store)
+        self._executor: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self._stop_mode: StopMode | None = None
+        self._epochs_seen: list[int] = []
+        self.restored_from_epoch: int | None = None
+        self.started = threading.Event()  # set once every query runs (tests wait on it)
+
+    # ------------------------------------------------------------------ public
+
+    def request_stop(self, mode: str = "graceful") -> None:
+        """Stop from inside the process (signal handlers, tests); the store's stop request works too."""
+        self._stop_mode = StopMode(mode)
+        self._stop.set()
+
+    def run(self) -> DriverResult:
+        """Restore if asked, start every stage, take part in epochs until stopped; returns how it ended.
+
+        Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
+        :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
+        """
+        epoch_to_restore = self._plan_restore()  # reads only: refuse bad input before writing anything
+        self._register(epoch_to_restore)
+        result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
+        try:
+            self._clean_leftovers()
+            if epoch_to_restore is not None:
+                self._restore(epoch_to_restore)
+            elif self.restore_from == "latest":
+                self._start_over()
+            spark = self._session()
+            self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, len(self.graph.stages))),
+                                                thread_name_prefix=f"arroyo-snapshot-{self.pipeline_id}")
+            self._start_stages(spark)
+            self.started.set()
+            log.info("pipeline=%s run=%s: running %d stages (restored from epoch %s)", self.pipeline_id,
+                     self.run_id, len(self.runners), self.restored_from_epoch)
+            result = self._loop()
+            return result
+        except ConcurrencyConflict:
+            self._stop_queries()
+            raise
+        except BaseException as exc:
+            cause = (exc.cause or "") if isinstance(exc, PipelineFailedError) else _cause(exc)
+            log.error("pipeline=%s run=%s: failed: %s", self.pipeline_id, self.run_id, cause)
+            self._stop_queries()
+            self._mark_failed(cause)
+            if isinstance(exc, ArroyoError | KeyboardInterrupt):
+                raise
+            raise PipelineFailedError(self.pipeline_id, cause) from exc
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+            if self._own_spark and self._spark is not None:
+                self._spark.stop()
+
+    # ------------------------------------------------------------------ restore planning
+
+    def _has_state(self) -> bool:
+        fs = self.layout.fs
+        for s in self.graph.stages:
+            if fs.list_dir(self.layout.checkpoint(s.name)):
+                return True
+        for c in self.graph.channels:
+            if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
+                return True
+        return False
+
+    def _plan_restore(self) -> int | None:
+        rf = self.restore_from
+        if rf is None:
+            if self._has_state():
+                raise ConfigurationError(
+                    f"pipeline {self.pipeline_id!r} has state of an earlier run under "
+                    f"{self.layout.fs.uri_of(self.pipeline_id)}; start with restore_from='latest' (or an epoch number) "
+                    "to resume from a completed epoch, or delete that folder to start over"
+                )
+            return None
+        try:
+            pipe = self.store.get_pipeline(self.pipeline_id)
+        except ArroyoError:
+            pipe = None
+        if rf == "latest":
+            latest = self.store.latest_completed_epoch(self.pipeline_id) if pipe is not None else None
+            if latest is None:
+                log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning",
+                         self.pipeline_id)
+                return None
+            epoch = latest
+        else:
+            assert isinstance(rf, int)
+            if pipe is None:
+                raise ConfigurationError(f"pipeline {self.pipeline_id!r} has no epoch {rf} to restore from")
+            epoch = self.store.get_epoch(self.pipeline_id, rf)
+            if epoch.state is not EpochState.COMPLETED:
+                raise ConfigurationError(
+                    f"epoch {rf} of pipeline {self.pipeline_id!r} is {epoch.state}, not completed; restore from a "
+                    "completed epoch (restore_from='latest' picks the newest one)"
+                )
+        missing = sorted(set(self.graph.stage_names) - set(epoch.stages))
+        if missing:
+            raise ConfigurationError(
+                f"epoch {epoch.epoch} of pipeline {self.pipeline_id!r} has no snapshot of stage(s) "
+                f"{', '.join(missing)} "
+                f"(its stages: {', '.join(epoch.stages)}); the graph changed since: restore needs the same stages"
+            )
+        return epoch.epoch
+
+    def _register(self, epoch: int | None) -> None:
+        takeover = self.takeover
+        if not takeover:
+            try:
+                current = self.store.get_pipeline(self.pipeline_id)
+            except ArroyoError:
+                current = None
+            if current is not None and not current.state.terminal and current.heartbeat_at is not None:
+                age = (self.store.db_now() - current.heartbeat_at).total_seconds()
+                if age > self.stale_after:
+                    log.warning("pipeline=%s: run %s has not heartbeated for %.0fs; taking over", self.pipeline_id,
+                                current.run_id, age)
+                    takeover = True
+        self.store.register_pipeline(
+            self.pipeline_id, stages=self.graph.stage_names, run_id=self.run_id,
+            channels={c: self.layout.channel_uri(c) for c in self.graph.channels},
+            storage_uri=self.storage_uri, restored_from_epoch=epoch, takeover=takeover,
+            config={"driver": "airflow_arroyo.runtime.driver", "stages": {
+                s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
+                         "output": s.output} for s in self.graph.stages}},
+        )
+
+    # ------------------------------------------------------------------ restore
+
+    def _clean_leftovers(self) -> None:
+        """Remove what a killed run may have left half-written: snapshot temp files and staging folders of
+        an interrupted restore (never a live checkpoint, a snapshot object or a set-aside checkpoint)."""
+        fs = self.layout.fs
+        fs.delete_tree(f"{self.pipeline_id}/snapshots/tmp")
+        for s in self.graph.stages:
+            for e in fs.list_dir(self.layout.stage_dir(s.name)):
+                if e.is_dir and e.name.startswith("checkpoint.restoring-"):
+                    fs.delete_tree(e.path)
+
+    def _restore(self, epoch: int) -> None:
+        """Rebuild every stage's checkpoint from ``epoch`` and truncate every channel after barrier ``epoch``.
+
+        All checkpoints are rebuilt and verified in staging folders first; only when every one is
+        complete are they swapped in (old folders moved aside) and the channels truncated.
+        """
+        t0 = time.monotonic()
+        channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
+        cut_positions = check_channels_have_barrier(channels, epoch)  # fail before touching anything
+        prepared: list[PreparedRestore] = []
+        try:
+            for s in self.graph.stages:
+                prepared.append(self.snapshots.prepare_restore(s.name, epoch, self.layout.checkpoint(s.name)))
+        except SnapshotError:
+            self.snapshots.discard(prepared)
+            raise
+        for p in prepared:
+            self.snapshots.commit_restore(p)
+        for name, ch in channels.items():
+            ch.truncate_from(cut_positions[name])
+            Channel.open(ch.uri).remove_orphans()
+        self.restored_from_epoch = epoch
+        log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
+                 self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
+                 time.monotonic() - t0)
+
+    def _start_over(self) -> None:
+        """restore_from='latest' with no completed epoch: begin again from empty checkpoints and channels."""
+        if not self._has_state():
+            return
+        fs = self.layout.fs
+        for s in self.graph.stages:
+            ckpt = self.layout.checkpoint(s.name)
+            if fs.exists(ckpt):
+                staging = PreparedRestore(s.name, 0, f"{ckpt}.restoring-0-{uuid.uuid4().hex[:8]}", ckpt, 0, 0)
+                fs.makedirs(staging.staging)
+                self.snapshots.commit_restore(staging)
+        for c in self.graph.channels:
+            uri = self.layout.channel_uri(c)
+            if Channel.exists(uri):
+                ch = Channel.open(uri)
+                ch.truncate_from(ch.start_position())
+                Channel.open(uri).remove_orphans()
+        log.info("pipeline=%s: no completed epoch; checkpoints set aside and channels emptied", self.pipeline_id)
+
+    # ------------------------------------------------------------------ Spark
+
+    def _session(self) -> SparkSession:
+        if self._spark is None:
+            from pyspark.sql import SparkSession
+
+            self._spark = SparkSession.builder.appName(f"arroyo-{self.pipeline_id}").getOrCreate()
+        spark = self._spark
+        for k, v in DEFAULT_SQL_CONF.items():
+            if spark.conf.get(k, None) in (None, "100"):
+                spark.conf.set(k, v)
+        return spark
+
+    def _start_stages(self, spark: SparkSession) -> None:
+        """Build every stage in topological order (a stage's input channels must exist, with their schema,
+        before its readers are planned), start the channel stages downstream first so that they are
+        ready when data comes, mark the pipeline running, then start the sources."""
+        assert self._executor is not None
+        last_cut = self.restored_from_epoch or 0
+        frames = []
+        for spec in self.graph.stages:
+            for fb in spec.feedback:
+                self._ensure_feedback_channel(spec.name, fb)
+            runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
+                                 executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
+                                 gated=True)
+            frames.append((runner, runner.build(spark)))
+            self.runners.append(runner)
+        for runner, df in reversed(frames):
+            if runner.kind is not StageKind.SOURCE:
+                self._start_one(spark, runner, df)
+        self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
+        for runner, df in frames:
+            if runner.kind is StageKind.SOURCE:
+                self._start_one(spark, runner, df)
+        for runner in self.runners:
+            runner.open_gate()
+
+    def _start_one(self, spark: SparkSession, runner: StageRunner, df: Any, attempts: int = 6,
+                   timeout: float = 300.0) -> None:
+        """Start queries one at a time, and retry a start whose source initialization failed: each Python
+        data source starts a Python process that must connect back to the JVM within a fixed 10 s, which a
+        busy machine can miss. A query that failed before its first batch is safe to start again."""
+        for attempt in range(1, attempts + 1):
+            query = runner.start(spark, df)
+            deadline = time.monotonic() + timeout
+            # up once its first trigger ran, or its first micro-batch reached the gate: sources are planned
+            while query.isActive and query.lastProgress is None and not runner.batch_started.is_set():
+                if time.monotonic() > deadline:
+                    raise ArroyoError(f"stage {runner.name!r}: its query did not initialize its sources in "
+                                      f"{timeout:g}s")
+                time.sleep(0.1)
+            if query.isActive or attempt == attempts:
+                return
+            error = query.exception()
+            text = str(error) if error is not None else ""
+            if "connect back" not in text and "CANNOT_OPEN_SOCKET" not in text:
+                return  # a real failure: the loop reports it with its cause
+            log.warning("pipeline=%s stage=%s: a Python data source process did not connect back in time "
+                        "(attempt %d of %d); starting the query again", self.pipeline_id, runner.name, attempt,
+                        attempts)
+
+    def _ensure_feedback_channel(self, head: str, channel: str) -> None:
+        """A loop's feedback channel is read before its writer is built: create it with the schema of the
+        head's first aligned input (a loop feeds back records shaped like its input)."""
+        uri = self.layout.channel_uri(channel)
+        if Channel.exists(uri) and Channel.open(uri).schema is not None:
+            return
+        first = self.graph.stage(head).inputs[0]
+        schema = Channel.open(self.layout.channel_uri(first)).spark_schema
+        Channel.create(uri, schema=schema)
+
+    def _stop_queries(self) -> None:
+        for r in reversed(self.runners):
+            try:
+                r.stop()
+            except Exception as exc:  # a query that cannot stop cleanly must not hide the real outcome
+                log.warning("pipeline=%s stage=%s: stopping the query raised %s", self.pipeline_id, r.name, exc,
+                            exc_info=True)
+
+    def _mark_failed(self, cause: str) -> None:
+        try:
+            self.store.set_pipeline_state(self.pipeline_id, PipelineState.FAILED, run_id=self.run_id,
+                                          failure_cause=cause[:4000])
+        except ArroyoError as exc:
+            log.error("pipeline=%s run=%s: could not record the failure (%s)", self.pipeline_id, self.run_id, exc)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> DriverResult:
+        last_heartbeat = 0.0
+        last_seen = self.restored_from_epoch or 0
+        final_epoch: int | None = None
+        final_attempts = 0
+        final_deadline = 0.0
+        stopping = False
+        spark = self._spark
+        assert spark is not None
+        app_id = spark.sparkContext.applicationId
+        ui_url = spark.sparkContext.uiWebUrl
+        while True:
+            self._check_queries()
+            in_flight = self.store.in_flight_epoch(self.pipeline_id)
+            if in_flight is not None and in_flight.epoch > last_seen and in_flight.run_id == self.run_id:
+                last_seen = in_flight.epoch
+                self._epochs_seen.append(in_flight.epoch)
+                log.info("pipeline=%s epoch=%s: triggered%s; injecting at the sources", self.pipeline_id,
+                         in_flight.epoch, " (final)" if in_flight.is_final else "")
+                for r in self.runners:
+                    r.request_epoch(in_flight.epoch)
+            for r in self.runners:
+                r.poll()
+            now = time.monotonic()
+            if now - last_heartbeat >= self.heartbeat_interval:
+                record = self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=app_id,
+                                              spark_ui_url=ui_url)
+                last_heartbeat = now
+                if record.stop_requested and self._stop_mode is None:
+                    self._stop_mode = StopMode(record.stop_requested)
+                    self._stop.set()
+            if self._stop.is_set() and self._stop_mode is StopMode.IMMEDIATE:
+                return self._finish(final_epoch)
+            if self._stop.is_set() and self._stop_mode is StopMode.GRACEFUL:
+                if not stopping:
+                    stopping = True
+                    self.store.set_pipeline_state(self.pipeline_id, PipelineState.STOPPING, run_id=self.run_id)
+                    log.info("pipeline=%s: graceful stop: taking a final epoch", self.pipeline_id)
+                if final_epoch is None:
+                    final_epoch, final_deadline = self._try_final_epoch()
+                    if final_epoch is not None:
+                        final_attempts += 1
+                else:
+                    state = self.store.get_epoch(self.pipeline_id, final_epoch).state
+                    if state is EpochState.COMPLETED:
+                        log.info("pipeline=%s epoch=%s: final epoch completed; stopping", self.pipeline_id,
+                                 final_epoch)
+                        return self._finish(final_epoch)
+                    if state is not EpochState.TRIGGERED or time.monotonic() > final_deadline:
+                        if final_attempts >= 3:
+                            log.error("pipeline=%s epoch=%s: final epoch %s three times; stopping without it",
+                                      self.pipeline_id, final_epoch, state)
+                            return self._finish(None, cause=f"final epoch {final_epoch} {state}")
+                        log.warning("pipeline=%s epoch=%s: final epoch %s; trying again", self.pipeline_id,
+                                    final_epoch, state)
+                        if state is EpochState.TRIGGERED:
+                            self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out")
+                        final_epoch = None
+            self._stop.wait(self.poll_interval)
+
+    def _try_final_epoch(self) -> tuple[int | None, float]:
+        policy = CheckpointPolicy(interval=1.0, timeout=max(1.0, self.final_epoch_timeout))
+        tick = self.store.trigger_tick(self.pipeline_id, policy, triggered_by="final-epoch", force=True,
+                                       is_final=True)
+        if tick.started is not None:
+            return tick.started.epoch, time.monotonic() + self.final_epoch_timeout
+        if tick.decision.action not in (TriggerAction.WAIT_IN_FLIGHT, TriggerAction.WAIT_CLEANUP,
+                                        TriggerAction.EXPIRE):
+            log.info("pipeline=%s: final epoch not started (%s)", self.pipeline_id, tick.decision.reason)
+        return None, 0.0
+
+    def _check_queries(self) -> None:
+        for r in self.runners:
+            q = r.query
+            if q is None or q.isActive:
+                continue
+            exc = q.exception()
+            detail = _cause(exc) if exc is not None else "the query stopped unexpectedly"
+            raise PipelineFailedError(self.pipeline_id, f"stage {r.name!r} failed: {detail}")
+
+    def _finish(self, final_epoch: int | None, cause: str | None = None) -> DriverResult:
+        self._stop_queries()
+        record: PipelineRecord = self.store.set_pipeline_state(
+            self.pipeline_id, PipelineState.STOPPED, run_id=self.run_id, failure_cause=cause)
+        log.info("pipeline=%s run=%s: stopped (final epoch %s)", self.pipeline_id, self.run_id, final_epoch)
+        return DriverResult(self.pipeline_id, self.run_id, record.state, self.restored_from_epoch, final_epoch,
+                            list(self._epochs_seen), cause)
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # Spark wraps Python errors from foreachBatch in long traces: keep the head and the Python error line
+    head = lines[:6]
+    tail = [ln for ln in lines[6:] if "Error:" in ln or "Exception:" in ln][-3:]
+    return "\n".join(head + tail)[:4000]
+
+
+def _parse_restore_from(value: RestoreFrom) -> RestoreFrom:
+    if value is None or value == "latest":
+        return value
+    if isinstance(value, str):
+        if value.lower() in ("", "none", "fresh"):
+            return None
+        if value.isdigit():
+            return int(value)
+        raise ConfigurationError(f"restore_from must be 'latest', an epoch number or None, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ConfigurationError(f"restore_from must be 'latest', an epoch number >= 1 or None, got {value!r}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def load_pipeline(ref: str, kwargs: dict[str, Any] | None = None) -> Pipeline:
+    """``module:attr`` -> a Pipeline (``attr`` is one, or a function returning one)."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(f"--pipeline must look like 'package.module:attr', got {ref!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r} for --pipeline {ref!r}: {exc}") from exc
+    target = getattr(module, attr, None)
+    if target is None:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r} (--pipeline {ref!r})")
+    value = target(**(kwargs or {})) if callable(target) and not isinstance(target, Pipeline) else target
+    if not isinstance(value, Pipeline):
+        raise ConfigurationError(f"--pipeline {ref!r} gave a {type(value).__name__}, not a Pipeline")
+    return value
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="airflow_arroyo.runtime.driver",
+                                     description="Run an airflow-arroyo pipeline in this Spark application.")
+    parser.add_argument("--pipeline", required=True, help="module:attr of a Pipeline or a function returning one")
+    parser.add_argument("--run-id", default=None, help="id of this run (default: generated)")
+    parser.add_argument("--restore-from", default=None, help="'latest' or an epoch number (default: fresh start)")
+    parser.add_argument("--storage-uri", default=os.environ.get("ARROYO_STORAGE_URI"),
+                        help="root of channels, checkpoints and snapshots (default: $ARROYO_STORAGE_URI)")
+    parser.add_argument("--takeover", action="store_true", help="supersede a run that is still registered")
+    parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the pipeline function (JSON values allowed); repeatable")
+    parser.add_argument("--master", default=None, help="Spark master when not run by spark-submit, e.g. local[2]")
+    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="Spark conf when not run by spark-submit; repeatable")
+    parser.add_argument("--poll-interval", type=float, default=0.15)
+    parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def _kv(items: list[str], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigurationError(f"{what} must be KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s")
+    for noisy in ("py4j", "py4j.clientserver"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    dsn = os.environ.get("ARROYO_DSN")
+    if not dsn:
+        print("error: set ARROYO_DSN to the epoch store DSN (kept off the command line on purpose)", file=sys.stderr)
+        return 2
+    if not args.storage_uri:
+        print("error: give --storage-uri or set ARROYO_STORAGE_URI", file=sys.stderr)
+        return 2
+    try:
+        pipeline = load_pipeline(args.pipeline, _kv(args.arg, "--arg"))
+        pipeline.validate()
+    except ConfigurationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = EpochStore(dsn, application_name=f"arroyo-driver-{pipeline.pipeline_id}")
+    log.info("pipeline=%s: epoch store %s, storage %s", pipeline.pipeline_id, redact_dsn(dsn), args.storage_uri)
+    spark = None
+    if args.master or args.conf:
+        from pyspark.sql import SparkSession
+
+        builder = SparkSession.builder.appName(f"arroyo-{pipeline.pipeline_id}")
+        if args.master:
+            builder = builder.master(args.master)
+        for k, v in _kv(args.conf, "--conf").items():
+            builder = builder.config(k, str(v))
+        spark = builder.getOrCreate()
+    driver = PipelineDriver(pipeline, store, storage_uri=args.storage_uri, run_id=args.run_id,
+                            restore_from=args.restore_from, spark=spark, takeover=args.takeover,
+                            poll_interval=args.poll_interval, own_spark=True)
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)
+        driver.request_stop("immediate")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        result = driver.run()
+    except ConfigurationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ArroyoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(json.dumps({"pipeline_id": result.pipeline_id, "run_id": result.run_id, "state": result.state.value,
+                      "restored_from_epoch": result.restored_from_epoch, "final_epoch": result.final_epoch,
+                      "failure_cause": result.failure_cause}))
+    return 0 if result.failure_cause is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Stage inputs: the channel reader with the input's name in every offset.
+
+``offsets/<b>`` of a checkpoint lists source offsets in the query's plan order, which depends on the
+user's transform (``b.join(a)`` puts ``b`` first). Carrying the input's name in the offset
+(``{"pos": 5, "key": "left"}``) lets the stage runner map the offsets of a micro-batch to its inputs
+without guessing.
+
+Kept in a module of its own with light imports: Spark unpickles the data source in a fresh Python
+process that must connect back to the JVM within a fixed 10 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import DataSourceStreamReader
+from pyspark.sql.streaming.datasource import ReadLimit
+from pyspark.sql.types import StructType
+
+from airflow_arroyo.runtime.sources import ChannelDataSource, ChannelStreamReader, register_data_sources
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["KeyedChannelReader", "StageInputDataSource", "read_stage_input"]
+
+
+class StageInputDataSource(ChannelDataSource):
+    """``arroyo_stage_input``: :class:`ChannelDataSource` whose offsets carry the input's name."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "arroyo_stage_input"
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return KeyedChannelReader(self._uri(), dict(self.options), schema)
+
+
+class KeyedChannelReader(ChannelStreamReader):
+    def _keyed(self, offset: Mapping[str, Any]) -> dict[str, Any]:
+        return {"pos": int(offset["pos"]), "key": self.cap_key}
+
+    def initialOffset(self) -> dict[str, Any]:
+        return self._keyed(super().initialOffset())
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        return self._keyed(super().latestOffset(start, limit))
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        return self._keyed(super().reportLatestOffset())
+
+
+_registered: weakref.WeakSet[Any] = weakref.WeakSet()
+_registered_lock = threading.Lock()
+
+
+def read_stage_input(spark: SparkSession, uri: str, *, key: str, cap_path: str | None,
+                     stop_at_barriers: bool) -> DataFrame:
+    """A streaming DataFrame over channel ``uri`` for the stage input named ``key`` (also its cap key)."""
+    register_data_sources(spark)
+    with _registered_lock:
+        if spark not in _registered:
+            spark.dataSource.register(StageInputDataSource)
+            _registered.add(spark)
+    reader = (spark.readStream.format(StageInputDataSource.name()).option("uri", uri).option("cap_key", key)
+              .option("stop_at_barriers", "true" if stop_at_barriers else "false"))
+    if cap_path:
+        reader = reader.option("cap_path", cap_path)
+    return reader.load()

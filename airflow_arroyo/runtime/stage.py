@@ -1,0 +1,496 @@
+"""The stage runner: one Structured Streaming query per stage, and its part of every epoch.
+
+Each stage's writer is a ``foreachBatch`` function running in the driver process, so that the
+runner sees every micro-batch boundary. For micro-batch *b* it:
+
+1. appends the batch's rows to the stage's output channel (idempotent per batch id), or hands them
+   to the sink;
+2. under the stage's lock, decides with :mod:`~airflow_arroyo.runtime.alignment` whether *b* is the
+   cut of a pending epoch: a **source** stage cuts when the driver told it an epoch is pending; a
+   **channel** stage reads ``offsets/b`` of its checkpoint (the end position of the batch on each
+   input) and cuts when every aligned input ended right after barrier *n*; inputs that delivered
+   *n* early are **capped** there through the stage's ``caps.json`` (read by the channel readers
+   when they plan the next batch);
+3. on a cut: appends barrier *n* to the output channel right after the batch's data, lifts the caps
+   and schedules the **asynchronous snapshot** of "checkpoint as of batch b"; the snapshot thread
+   waits for Spark's ``commits/b``, copies what is new and acknowledges the epoch with cursors and
+   figures. Later batches run meanwhile.
+
+A source stage with no new input runs no batch; the driver's poller then cuts it at its last
+completed batch (:meth:`StageRunner.poll`), under the same lock, so its barrier still lands after
+that batch's data and before the next one's.
+
+Storage layout (relative to the storage URI, see :class:`StorageLayout`)::
+
+    <pipeline>/channels/<channel>/          channel logs
+    <pipeline>/stages/<stage>/checkpoint/   the stage query's checkpointLocation
+    <pipeline>/stages/<stage>/caps.json     alignment caps of the stage's channel readers
+    <pipeline>/snapshots/objects/<key>      content-addressed snapshot objects
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, SnapshotError
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.alignment import (
+    AlignmentAction,
+    AlignmentDecision,
+    InputEnd,
+    decide_alignment,
+    feedback_returned,
+    source_cut,
+)
+from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind
+from airflow_arroyo.runtime.inputs import read_stage_input
+from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
+from airflow_arroyo.runtime.snapshot import SnapshotStore
+from airflow_arroyo.runtime.sources import checkpoint_offsets, write_caps
+from airflow_arroyo.store import EpochStore
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+__all__ = ["DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", "StorageLayout"]
+
+log = logging.getLogger(__name__)
+
+# Seconds between micro-batch starts when a stage sets none: an idle query then asks its sources for
+# new data 10 times a second instead of Spark's 100 (each ask is a call into a Python process).
+DEFAULT_TRIGGER_INTERVAL = 0.1
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Where a pipeline keeps its channels, checkpoints, caps and snapshots (paths relative to ``fs``)."""
+
+    fs: FileSystem
+    pipeline_id: str
+
+    @classmethod
+    def at(cls, storage_uri: str, pipeline_id: str) -> StorageLayout:
+        return cls(FileSystem.from_uri(storage_uri), pipeline_id)
+
+    def channel(self, name: str) -> str:
+        return f"{self.pipeline_id}/channels/{name}"
+
+    def channel_uri(self, name: str) -> str:
+        return self.fs.uri_of(self.channel(name))
+
+    def stage_dir(self, stage: str) -> str:
+        return f"{self.pipeline_id}/stages/{stage}"
+
+    def checkpoint(self, stage: str) -> str:
+        return f"{self.stage_dir(stage)}/checkpoint"
+
+    def checkpoint_uri(self, stage: str) -> str:
+        return self.fs.spark_uri_of(self.checkpoint(stage))
+
+    def caps(self, stage: str) -> str:
+        return f"{self.stage_dir(stage)}/caps.json"
+
+    def caps_uri(self, stage: str) -> str:
+        return self.fs.uri_of(self.caps(stage))
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@dataclass(frozen=True)
+class CutRecord:
+    """What a stage did at one cut (kept for tests and logs)."""
+
+    epoch: int
+    batch_id: int
+    cursors: Mapping[str, int]
+    alignment_ms: float
+    sync_ms: float
+    output_barrier: int | None  # index of the barrier in the output channel
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Pending:
+    """A feedback-deferred ack of an iteration head (FLIP-16)."""
+
+    epoch: int
+    batch_id: int
+    cursors: dict[str, int]
+    alignment_ms: float
+    sync_ms: float
+    snapshot: Any = None  # Future of the snapshot
+
+
+class StageRunner:
+    """Runs one stage of a pipeline: its query, its writer and its part of every epoch."""
+
+    def __init__(
+        self,
+        spec: StageSpec,
+        *,
+        layout: StorageLayout,
+        store: EpochStore,
+        snapshots: SnapshotStore,
+        executor: Executor,
+        last_cut_epoch: int = 0,
+        commit_timeout: float = 300.0,
+        gated: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.kind
+        self.layout = layout
+        self.store = store
+        self.snapshots = snapshots
+        self.executor = executor
+        self.pipeline_id = layout.pipeline_id
+        self.commit_timeout = commit_timeout
+        self.checkpoint = layout.checkpoint(spec.name)
+        self.checkpoint_uri = layout.checkpoint_uri(spec.name)
+        self.caps_uri = layout.caps_uri(spec.name)
+        self.output: Channel | None = None
+        self.inputs: dict[str, Channel] = {}
+        self.query: StreamingQuery | None = None
+        self.cuts: list[CutRecord] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()  # source stages: epochs to inject
+        self._last_cut_epoch = last_cut_epoch
+        self._last_completed = -1  # last batch whose output is in the channel
+        self._caps: dict[str, int] = {}
+        self._aligning_since: dict[int, float] = {}
+        self._deferred: list[_Pending] = []  # iteration head: acks waiting for the barrier to come back
+        self._feedback_ends: dict[str, int] = {}
+        # The driver starts the queries one by one and holds their first micro-batch at this gate until all
+        # are up, so that starting a query does not compete for CPU with the others' processing.
+        self._gate = threading.Event()
+        if not gated:
+            self._gate.set()
+        self.batch_started = threading.Event()
+        self._closing = False
+
+    def __repr__(self) -> str:
+        return f"StageRunner({self.pipeline_id}/{self.name}, {self.kind.value})"
+
+    # ------------------------------------------------------------------ build and start
+
+    @property
+    def last_cut_epoch(self) -> int:
+        return self._last_cut_epoch
+
+    def caps(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._caps)
+
+    def build(self, spark: SparkSession) -> DataFrame:
+        """The stage's output DataFrame (inputs are read from their channels, which must exist)."""
+        spec = self.spec
+        if spec.kind is StageKind.SOURCE:
+            assert spec.fn is not None
+            df = spec.fn(spark)
+        else:
+            frames = []
+            for channel in spec.all_inputs:
+                uri = self.layout.channel_uri(channel)
+                self.inputs[channel] = Channel.open(uri)
+                frames.append(read_stage_input(
+                    spark, uri, key=channel, cap_path=self.caps_uri, stop_at_barriers=channel not in spec.feedback,
+                ))
+            df = spec.fn(*frames) if spec.fn is not None else frames[0]
+        from pyspark.sql import DataFrame as SparkDataFrame
+
+        if not isinstance(df, SparkDataFrame) or not df.isStreaming:
+            what = "read(spark)" if spec.kind is StageKind.SOURCE else "transform(*inputs)"
+            raise ConfigurationError(
+                f"stage {spec.name!r}: {what} must return a streaming DataFrame (spark.readStream... or a "
+                f"transformation of the inputs), got {type(df).__name__}"
+                + ("" if not isinstance(df, SparkDataFrame) else " that is not streaming")
+            )
+        if spec.output is not None:
+            self.output = Channel.create(self.layout.channel_uri(spec.output), schema=df.schema)
+        return df
+
+    def start(self, spark: SparkSession, df: DataFrame) -> StreamingQuery:
+        """Start the stage's query (per-stage SQL confs apply to this query only)."""
+        self.batch_started.clear()
+        self._last_completed = _latest_commit(self.layout.fs, self.checkpoint)
+        self._write_caps({})
+        spec = self.spec
+        confs = dict(spec.spark_conf)
+        if spec.state_store is not None:
+            confs["spark.sql.streaming.stateStore.providerClass"] = STATE_STORES[spec.state_store]
+        previous = {k: spark.conf.get(k, None) for k in confs}
+        try:
+            for k, v in confs.items():
+                spark.conf.set(k, v)
+            writer = (df.writeStream.queryName(f"{self.pipeline_id}.{self.name}")
+                      .outputMode(spec.output_mode).foreachBatch(self._foreach_batch)
+                      .option("checkpointLocation", self.checkpoint_uri))
+            interval = DEFAULT_TRIGGER_INTERVAL if spec.trigger_interval is None else spec.trigger_interval
+            if interval > 0:
+                writer = writer.trigger(processingTime=f"{int(interval * 1000)} milliseconds")
+            self.query = writer.start()
+        finally:
+            for k, old in previous.items():
+                if old is None:
+                    spark.conf.unset(k)
+                else:
+                    spark.conf.set(k, old)
+        log.info("pipeline=%s stage=%s: query started (last committed batch %s, last cut epoch %s)",
+                 self.pipeline_id, self.name, self._last_completed, self._last_cut_epoch)
+        return self.query
+
+    def alive(self) -> bool:
+        return self.query is not None and self.query.isActive
+
+    # ------------------------------------------------------------------ epochs from the driver
+
+    def request_epoch(self, epoch: int) -> None:
+        """A new epoch is in flight: a source stage injects it at its next batch boundary."""
+        if self.kind is not StageKind.SOURCE:
+            return
+        with self._lock:
+            if epoch > self._last_cut_epoch:
+                self._pending.add(epoch)
+                self._aligning_since.setdefault(epoch, time.monotonic())
+        self.poll()
+
+    def poll(self) -> None:
+        """Between batches: cut an idle source stage at its last completed batch (never blocks on a
+        running batch: that batch's writer makes the cut itself when it ends)."""
+        if self.kind is not StageKind.SOURCE or not self._pending:
+            return
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._source_cut(self._last_completed)
+        finally:
+            self._lock.release()
+
+    # ------------------------------------------------------------------ the writer
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    def _foreach_batch(self, df: DataFrame, batch_id: int) -> None:
+        self.batch_started.set()
+        while not self._gate.wait(0.2):
+            if self._closing:
+                raise ArroyoError(f"stage {self.name!r} is stopping before its first micro-batch ran")
+        try:
+            self._write(df, batch_id)
+            with self._lock:
+                self._last_completed = batch_id
+                if self.kind is StageKind.SOURCE:
+                    self._source_cut(batch_id)
+                else:
+                    self._channel_cut(batch_id)
+        except BaseException as exc:
+            self.errors.append(exc)
+            log.exception("pipeline=%s stage=%s: micro-batch %s failed", self.pipeline_id, self.name, batch_id)
+            raise
+
+    def _write(self, df: DataFrame, batch_id: int) -> None:
+        spec = self.spec
+        if self.output is not None:
+            latest = self.output.last_batch_id(self.name)
+            if latest is not None and batch_id <= latest:
+                # a replay of a batch already in the channel: compute it anyway so that stateful
+                # operators commit their state version, but append nothing
+                df.write.format("noop").mode("overwrite").save()
+                return
+            self.output.append_spark_batch(df, batch_id, self.name)
+        elif spec.foreach_batch is not None:
+            spec.foreach_batch(df, batch_id)
+        elif spec.sink_format is not None:
+            df.write.format(spec.sink_format).options(**dict(spec.sink_options)).mode("append").save()
+
+    def _source_cut(self, batch_id: int) -> None:
+        """Under the lock: inject pending epochs after ``batch_id``'s data."""
+        epochs = source_cut(self._pending, self._last_cut_epoch)
+        self._pending.clear()
+        for epoch in epochs:
+            started = self._aligning_since.pop(epoch, time.monotonic())
+            self._cut(epoch, batch_id, cursors={}, alignment_ms=(time.monotonic() - started) * 1000)
+
+    def _channel_cut(self, batch_id: int) -> None:
+        """Under the lock: align on the inputs' barriers; cut when all delivered."""
+        offsets = self._input_offsets(batch_id)
+        spec = self.spec
+        ends = []
+        for channel in spec.inputs:
+            end = offsets[channel]
+            ends.append(InputEnd(channel, end, self._barrier_before(channel, end)))
+        for channel in spec.feedback:
+            self._feedback_ends[channel] = offsets[channel]
+        decision = decide_alignment(ends, self._last_cut_epoch)
+        if decision.action is AlignmentAction.ALIGNING:
+            assert decision.epoch is not None
+            if decision.epoch not in self._aligning_since:
+                self._aligning_since[decision.epoch] = time.monotonic()
+                log.info("pipeline=%s epoch=%s stage=%s: aligning: barrier delivered on %s, waiting for %s",
+                         self.pipeline_id, decision.epoch, self.name, ", ".join(decision.delivered),
+                         ", ".join(decision.waiting_for))
+            self._write_caps(dict(decision.caps))
+        elif decision.action is AlignmentAction.CUT:
+            self._on_cut(decision, batch_id)
+        self._release_feedback_acks()
+
+    def _on_cut(self, decision: AlignmentDecision, batch_id: int) -> None:
+        assert decision.epoch is not None
+        started = self._aligning_since.pop(decision.epoch, None)
+        alignment_ms = 0.0 if started is None else (time.monotonic() - started) * 1000
+        cursors = dict(decision.cursors)
+        for channel in self.spec.feedback:
+            cursors[channel] = self._feedback_ends.get(channel, self.inputs[channel].start_position())
+        self._cut(decision.epoch, batch_id, cursors=cursors, alignment_ms=alignment_ms)
+
+    def _cut(self, epoch: int, batch_id: int, *, cursors: dict[str, int], alignment_ms: float) -> None:
+        """Under the lock: forward barrier ``epoch`` after ``batch_id``'s output, lift caps, snapshot."""
+        t0 = time.monotonic()
+        barrier = self.output.append_barrier(epoch, self.name) if self.output is not None else None
+        self._write_caps({})
+        self._last_cut_epoch = epoch
+        sync_ms = (time.monotonic() - t0) * 1000
+        record = CutRecord(epoch, batch_id, dict(cursors), alignment_ms, sync_ms, barrier)
+        self.cuts.append(record)
+        log.info("pipeline=%s epoch=%s stage=%s: cut at batch %s (barrier at %s, alignment %.0f ms)",
+                 self.pipeline_id, epoch, self.name, batch_id, barrier, alignment_ms)
+        pending = _Pending(epoch, batch_id, dict(cursors), alignment_ms, sync_ms)
+        if self.spec.feedback:
+            pending.snapshot = self.executor.submit(self._snapshot, epoch, batch_id)
+            self._deferred.append(pending)
+        else:
+            self.executor.submit(self._snapshot_and_ack, pending)
+
+    # ------------------------------------------------------------------ snapshot and ack (async)
+
+    def _snapshot(self, epoch: int, batch_id: int) -> Any:
+        if not self._epoch_in_flight(epoch):
+            return None
+        return self.snapshots.capture(self.name, epoch, self.checkpoint, batch_id,
+                                      commit_timeout=self.commit_timeout, alive=self.alive)
+
+    def _snapshot_and_ack(self, pending: _Pending) -> None:
+        epoch = pending.epoch
+        try:
+            result = pending.snapshot.result() if pending.snapshot is not None else self._snapshot(
+                epoch, pending.batch_id)
+            if result is None:
+                log.info("pipeline=%s epoch=%s stage=%s: epoch no longer in flight; snapshot skipped",
+                         self.pipeline_id, epoch, self.name)
+                return
+            state = self.store.ack_epoch(
+                self.pipeline_id, epoch, self.name, cursors=pending.cursors, alignment_ms=pending.alignment_ms,
+                sync_ms=pending.sync_ms, async_ms=result.wait_ms + result.copy_ms,
+                bytes_new=result.bytes_new, bytes_total=result.bytes_total,
+                snapshot_uri=self.layout.fs.uri_of(f"{self.pipeline_id}/snapshots"),
+                details={"batch_id": pending.batch_id, "files": len(result.entries),
+                         "files_copied": result.files_copied, "commit_wait_ms": round(result.wait_ms, 1),
+                         "copy_ms": round(result.copy_ms, 1)},
+            )
+            log.info("pipeline=%s epoch=%s stage=%s: acknowledged (%s bytes new of %s); epoch is %s",
+                     self.pipeline_id, epoch, self.name, result.bytes_new, result.bytes_total, state)
+        except (SnapshotError, ArroyoError, OSError) as exc:
+            log.error("pipeline=%s epoch=%s stage=%s: snapshot failed: %s", self.pipeline_id, epoch, self.name, exc)
+            self._fail_epoch(epoch, f"stage {self.name}: snapshot failed: {exc}")
+        except Exception as exc:  # an unexpected bug must still fail the epoch, not vanish
+            log.exception("pipeline=%s epoch=%s stage=%s: snapshot crashed", self.pipeline_id, epoch, self.name)
+            self._fail_epoch(epoch, f"stage {self.name}: snapshot crashed: {type(exc).__name__}: {exc}")
+
+    def _fail_epoch(self, epoch: int, reason: str) -> None:
+        try:
+            self.store.fail_epoch(self.pipeline_id, epoch, reason[:2000])
+        except ArroyoError:
+            log.exception("pipeline=%s epoch=%s stage=%s: could not mark the epoch failed", self.pipeline_id,
+                          epoch, self.name)
+
+    def _epoch_in_flight(self, epoch: int) -> bool:
+        try:
+            return bool(self.store.get_epoch(self.pipeline_id, epoch).state.in_flight)
+        except ConfigurationError:
+            return False
+
+    def _release_feedback_acks(self) -> None:
+        """Iteration head: acknowledge an epoch once its barrier came back on every feedback input."""
+        if not self._deferred:
+            return
+        still: list[_Pending] = []
+        for p in self._deferred:
+            positions = {c: self.inputs[c].find_barrier(p.epoch) for c in self.spec.feedback}
+            if feedback_returned(p.epoch, positions, {c: self._feedback_ends.get(c, 0) for c in self.spec.feedback}):
+                self.executor.submit(self._snapshot_and_ack, p)
+            else:
+                still.append(p)
+        self._deferred = still
+
+    # ------------------------------------------------------------------ helpers
+
+    def _input_offsets(self, batch_id: int) -> dict[str, int]:
+        raw = checkpoint_offsets(self.checkpoint_uri, batch_id)
+        out: dict[str, int] = {}
+        for offset in raw:
+            if offset is not None and "key" in offset:
+                out[str(offset["key"])] = int(offset["pos"])
+        missing = [c for c in self.spec.all_inputs if c not in out]
+        if missing:
+            raise ConfigurationError(
+                f"stage {self.name!r}: the query does not read input(s) {', '.join(missing)} (no offsets in batch "
+                f"{batch_id}); the transform must use every DataFrame it is given, or drop the input from inputs=[...]"
+            )
+        return out
+
+    def _barrier_before(self, channel: str, end: int) -> int | None:
+        if end <= 0:
+            return None
+        ch = self.inputs[channel]
+        if end - 1 < ch.start_position():
+            return None
+        entry = ch.entry(end - 1)
+        return entry.epoch if entry.kind is EntryKind.BARRIER else None
+
+    def _write_caps(self, caps: dict[str, int]) -> None:
+        if self.kind is StageKind.SOURCE:
+            return
+        if caps == self._caps and self.layout.fs.exists(self.layout.caps(self.name)):
+            return
+        write_caps(self.caps_uri, caps)
+        self._caps = dict(caps)
+
+    def stop(self) -> None:
+        self._closing = True
+        if self.query is not None and self.query.isActive:
+            self.query.stop()
+
+
+def _latest_commit(fs: FileSystem, checkpoint: str) -> int:
+    latest = -1
+    for e in fs.list_dir(f"{checkpoint}/commits"):
+        if not e.is_dir and e.name.isdigit():
+            latest = max(latest, int(e.name))
+    return latest
+
+
+def check_channels_have_barrier(channels: Mapping[str, Channel], epoch: int) -> dict[str, int]:
+    """Each channel's position right after barrier ``epoch`` (restore truncates there)."""
+    out: dict[str, int] = {}
+    for name, ch in channels.items():
+        pos = ch.find_barrier(epoch)
+        if pos is None:
+            raise ChannelError(
+                f"channel {name!r} ({ch.uri}) has no barrier of epoch {epoch}; it cannot be restored to that epoch "
+                "(was it truncated or written by another pipeline?): choose another epoch"
+            )
+        out[name] = pos + 1
+    return out

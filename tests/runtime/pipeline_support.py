@@ -1,0 +1,108 @@
+"""Helpers for pipeline tests: a checkpoint controller thread, waiting with deadlines, channel contents."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from airflow_arroyo.epochs import CheckpointPolicy
+from airflow_arroyo.runtime.channel import Channel
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Controller:
+    """Plays the checkpoint trigger: one ``trigger_tick`` every ``tick`` seconds (what the Airflow trigger does)."""
+
+    def __init__(self, store: Any, pipeline_id: str, *, interval: float = 1.5, timeout: float = 120.0,
+                 tick: float = 0.25) -> None:
+        self.store = store
+        self.pipeline_id = pipeline_id
+        self.policy = CheckpointPolicy(interval=interval, timeout=timeout)
+        self.tick = tick
+        self.started: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"controller-{pipeline_id}", daemon=True)
+
+    def __enter__(self) -> Controller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        from airflow_arroyo.exceptions import ArroyoError
+
+        while not self._stop.wait(self.tick):
+            try:
+                result = self.store.trigger_tick(self.pipeline_id, self.policy, triggered_by="test-controller")
+            except ArroyoError as exc:  # e.g. the pipeline is not registered yet
+                self.errors.append(exc)
+                continue
+            if result.started is not None:
+                self.started.append(result.started.epoch)
+
+
+class DriverThread:
+    """Runs ``driver.run()`` in a thread and keeps its result or exception."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="driver", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = self.driver.run()
+        except BaseException as exc:  # reported to the test
+            self.error = exc
+
+    def start(self) -> DriverThread:
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the driver did not end within {timeout:g}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def rows_of(uri: str) -> list[tuple[Any, ...]]:
+    table = Channel.open(uri).read_table()
+    return sorted(tuple(r.values()) for r in table.to_pylist())
+
+
+def row_count(uri: str) -> int:
+    if not Channel.exists(uri):
+        return 0
+    return int(Channel.open(uri).read_table().num_rows)
+
+
+def barriers(uri: str) -> list[tuple[int, int]]:
+    """(index, epoch) of every barrier entry, in log order."""
+    ch = Channel.open(uri)
+    return [(e.index, int(e.epoch)) for e in ch.entries(ch.start_position()) if e.is_barrier and e.epoch is not None]

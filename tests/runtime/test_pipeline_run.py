@@ -1,0 +1,213 @@
+"""The demo pipeline run in-process on real Spark with a real epoch store: epochs while it runs, the
+output against plain Python, every stage's acks and barriers, a graceful stop with a final epoch, a
+restore from a middle epoch that gives the same output, and the refusals of impossible restores."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.examples import OUTPUT_CHANNEL, demo, expected_report
+from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
+from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.snapshot import object_path
+from airflow_arroyo.runtime.stage import StorageLayout
+from airflow_arroyo.store import EpochStore
+from tests.runtime.pipeline_support import Controller, DriverThread, barriers, row_count, rows_of, wait_for
+
+pytestmark = [pytest.mark.spark]
+
+ROWS = 2400
+PER_BATCH = 100
+STAGES = ["left", "right", "joined", "report"]
+
+
+@pytest.fixture(scope="module")
+def module_store(pg_server: Any) -> Iterator[EpochStore]:
+    store = EpochStore(pg_server.create_database(f"run_{uuid.uuid4().hex[:10]}"))
+    store.migrate()
+    yield store
+    store.close()
+
+
+@dataclass
+class Ran:
+    pipeline_id: str
+    storage: Path
+    result: Any
+    expected: list[tuple[Any, ...]]
+    layout: StorageLayout
+
+
+def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
+               epochs: bool = True, run_id: str | None = None) -> Any:
+    """Run the demo until its report has every expected row, then stop gracefully (final epoch)."""
+    driver = PipelineDriver(demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), store, storage_uri=str(storage),
+                            run_id=run_id, restore_from=restore_from, spark=spark)
+    expected = len(expected_report(ROWS))
+    thread = DriverThread(driver).start()
+    controller = Controller(store, pipeline_id, interval=1.5)
+    if epochs:
+        controller.__enter__()
+    try:
+        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
+        wait_for(lambda: thread.error or row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
+                 timeout=600, what=f"{expected} rows in the report channel")
+    finally:
+        controller.stop()
+    store.request_stop(pipeline_id, "graceful")
+    return thread.join(300)
+
+
+@pytest.fixture(scope="module")
+def ran(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    pid = f"run-{uuid.uuid4().hex[:8]}"
+    storage = tmp_path_factory.mktemp("storage")
+    result = run_to_end(spark, module_store, pid, storage, run_id="straight")
+    return Ran(pid, storage, result, expected_report(ROWS), StorageLayout.at(str(storage), pid))
+
+
+def test_output_equals_plain_python(ran: Ran) -> None:
+    got = rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
+    assert len(got) == len(ran.expected)
+    assert got == ran.expected
+
+
+def test_graceful_stop_took_a_completed_final_epoch(ran: Ran, module_store: EpochStore) -> None:
+    assert ran.result.state is PipelineState.STOPPED
+    assert ran.result.final_epoch is not None
+    final = module_store.get_epoch(ran.pipeline_id, ran.result.final_epoch)
+    assert final.state is EpochState.COMPLETED and final.is_final
+    assert module_store.get_pipeline(ran.pipeline_id).state is PipelineState.STOPPED
+
+
+def test_epochs_completed_while_running_with_every_stage_acknowledged(ran: Ran, module_store: EpochStore) -> None:
+    epochs = module_store.list_epochs(ran.pipeline_id)
+    completed = sorted(e.epoch for e in epochs if e.state is EpochState.COMPLETED)
+    assert len(completed) >= 3, [(e.epoch, e.state, e.failure_reason) for e in epochs]
+    layout = ran.layout
+    positions = {c: dict((e, i) for i, e in barriers(layout.channel_uri(c))) for c in STAGES}
+    for n in completed:
+        acks = {a.stage: a for a in module_store.acks(ran.pipeline_id, n)}
+        assert sorted(acks) == sorted(STAGES)
+        # cursors: right after barrier n on each input channel
+        assert acks["joined"].cursors == {"left": positions["left"][n] + 1, "right": positions["right"][n] + 1}
+        assert acks["report"].cursors == {"joined": positions["joined"][n] + 1}
+        assert acks["left"].cursors == {}
+        for a in acks.values():
+            assert a.bytes_total is not None and a.bytes_total > 0 and a.bytes_new is not None
+            assert a.alignment_ms is not None and a.sync_ms is not None and a.async_ms is not None
+        epoch = module_store.get_epoch(ran.pipeline_id, n)
+        assert epoch.bytes_total == sum(a.bytes_total for a in acks.values())
+    for c in STAGES:
+        seen = [e for _, e in barriers(layout.channel_uri(c))]
+        assert seen == sorted(seen), f"barriers out of order in {c}: {seen}"
+        assert set(completed) <= set(seen)
+
+
+def test_barrier_n_separates_the_data_of_epoch_n(ran: Ran, module_store: EpochStore) -> None:
+    """Consistency of the cut across stages: the joined rows before barrier n in 'joined' are exactly the
+    join of the left and right rows before barrier n (nothing in flight is lost or counted twice)."""
+    from airflow_arroyo.runtime.channel import Channel
+
+    layout = ran.layout
+    completed = [e.epoch for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED]
+    left, right, joined = (Channel.open(layout.channel_uri(c)) for c in ("left", "right", "joined"))
+    for n in completed:
+        ids_l = set(left.read_table(0, left.find_barrier(n)).column("id").to_pylist())
+        ids_r = set(right.read_table(0, right.find_barrier(n)).column("id").to_pylist())
+        ids_j = joined.read_table(0, joined.find_barrier(n)).column("id").to_pylist()
+        assert len(ids_j) == len(set(ids_j))
+        assert set(ids_j) == ids_l & ids_r
+
+
+def copy_of(ran: Ran, tmp_path: Path) -> Path:
+    target = tmp_path / "storage"
+    shutil.copytree(ran.storage, target)
+    return target
+
+
+def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_store: EpochStore, spark: Any,
+                                                           tmp_path: Path) -> None:
+    storage = copy_of(ran, tmp_path)
+    completed = sorted(e.epoch for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED)
+    middle = completed[len(completed) // 2 - 1] if len(completed) > 1 else completed[0]
+    layout = StorageLayout.at(str(storage), ran.pipeline_id)
+    result = run_to_end(spark, module_store, ran.pipeline_id, storage, restore_from=middle, epochs=False,
+                        run_id="restored")
+    assert result.restored_from_epoch == middle
+    assert module_store.get_pipeline(ran.pipeline_id).restored_from_epoch == middle
+    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    # the channels were cut right after barrier `middle`: no later barrier of the first run survived
+    for c in STAGES:
+        seen = [e for _, e in barriers(layout.channel_uri(c))]
+        later = [e for e in seen if middle < e < result.final_epoch]
+        assert later == [], (c, seen)
+
+
+def test_fresh_start_over_existing_state_is_refused_before_anything_is_written(ran: Ran, module_store: EpochStore,
+                                                                                  spark: Any, tmp_path: Path) -> None:
+    storage = copy_of(ran, tmp_path)
+    before = module_store.get_pipeline(ran.pipeline_id)
+    driver = PipelineDriver(demo(ran.pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), module_store,
+                            storage_uri=str(storage), spark=spark)
+    with pytest.raises(ConfigurationError, match="restore_from='latest'"):
+        driver.run()
+    assert module_store.get_pipeline(ran.pipeline_id).run_id == before.run_id
+    with pytest.raises(ConfigurationError, match="not completed|has no epoch"):
+        PipelineDriver(demo(ran.pipeline_id), module_store, storage_uri=str(storage), spark=spark,
+                       restore_from=999).run()
+
+
+def test_corrupt_snapshot_fails_the_restore_naming_epoch_and_file_and_deletes_nothing(
+        ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    storage = copy_of(ran, tmp_path)
+    pid = ran.pipeline_id
+    epoch = ran.result.final_epoch
+    entries = module_store.snapshot_entries(pid, epoch, "joined")
+    victim = next(e for e in entries if e.rel_path.startswith("state/"))
+    obj = storage / object_path(pid, victim.object_key)
+    obj.write_bytes(b"garbage")
+    files_before = sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.is_file())
+    driver = PipelineDriver(demo(pid, rows=ROWS, rows_per_batch=PER_BATCH), module_store, storage_uri=str(storage),
+                            spark=spark, restore_from=epoch, run_id="corrupt")
+    with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}") as err:
+        driver.run()
+    assert err.value.epoch == epoch
+    assert sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.is_file()) == files_before
+    record = module_store.get_pipeline(pid)
+    assert record.state is PipelineState.FAILED and f"epoch {epoch} cannot be restored" in (record.failure_cause or "")
+
+
+def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochStore, spark: Any,
+                                                           tmp_path: Path) -> None:
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType
+
+    from airflow_arroyo.runtime.generator import generator_source
+    from airflow_arroyo.runtime.pipeline import Pipeline
+
+    def explode_at_500(i: int) -> int:
+        if i == 500:
+            raise ValueError("row 500 is cursed")
+        return i
+
+    boom = F.udf(explode_at_500, LongType())
+    pid = f"fail-{uuid.uuid4().hex[:8]}"
+    p = Pipeline(pid)
+    src = p.source("src", lambda s: generator_source(s, seed=3, total_rows=1000, rows_per_batch=200))
+    p.stage("boom", lambda df: df.select(boom("id").alias("id")), inputs=[src])
+    driver = PipelineDriver(p, module_store, storage_uri=str(tmp_path), spark=spark)
+    with pytest.raises(PipelineFailedError, match="boom") as err:
+        driver.run()
+    assert "row 500 is cursed" in str(err.value)
+    record = module_store.get_pipeline(pid)
+    assert record.state is PipelineState.FAILED
+    assert "stage 'boom' failed" in (record.failure_cause or "") and "row 500 is cursed" in (record.failure_cause or "")
