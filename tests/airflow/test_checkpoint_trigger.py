@@ -194,7 +194,7 @@ async def test_fires_epochs_on_schedule_and_succeeds_when_the_pipeline_stops(run
     # starts are one interval apart (never early; late only by the real time a tick takes)
     starts = [e.triggered_at for e in epochs]
     gaps = [(b - a).total_seconds() for a, b in zip(starts, starts[1:], strict=False)]
-    assert all(10.0 <= g < 10.5 for g in gaps), gaps
+    assert all(10.0 <= g < 11.0 for g in gaps), gaps  # slack: the real time ticks take on a busy machine
     assert all(s <= 10.0 for s in clock.sleeps), clock.sleeps  # never sleeps past a due start
     text = messages(logs)
     for n in (1, 2, 3):
@@ -250,9 +250,9 @@ async def test_an_epoch_past_its_timeout_expires(running: EpochStore, connection
     assert event["status"] == "failure" and event["reason"] == "too_many_failures"
     (rec,) = running.list_epochs(PID)
     assert rec.state is EpochState.EXPIRED and rec.failure_reason is not None and "25s" in rec.failure_reason
-    assert 25.0 <= rec.duration_s < 25.5  # expired at the first tick past its timeout
+    assert 25.0 <= rec.duration_s < 26.0  # expired at the first tick past its timeout
     assert event["summary"]["expired"] == 1 and event["summary"]["epochs"][0]["state"] == "expired"
-    assert sum(clock.sleeps) == pytest.approx(25.0, abs=0.5)
+    assert sum(clock.sleeps) == pytest.approx(25.0, abs=1.0)
     assert any("epoch 1 expired" in m for m in messages(logs))
 
 
@@ -293,9 +293,10 @@ async def test_an_overdue_epoch_is_polled_for_in_short_doubling_steps(running: E
     assert event["status"] == "success"
     first, second = running.list_epochs(PID)[::-1]
     gap = (second.triggered_at - first.triggered_at).total_seconds()
-    assert 10.7 <= gap < 10.0 + 2 * 0.7 + 0.5, gap  # with 5 s polls it would be 15 s
-    overdue_sleeps = [round(s, 3) for s in clock.sleeps if s < 1.0]
-    assert overdue_sleeps[:3] == [0.2, 0.4, 0.8], clock.sleeps  # interval / 50, doubling
+    assert 10.7 <= gap < 10.0 + 2 * 0.7 + 1.0, gap  # with 5 s polls it would be 15 s
+    # (a sleep of a few ms "until due" may come first: the real time a tick takes)
+    rounded = [round(s, 3) for s in clock.sleeps]
+    assert any(rounded[i:i + 3] == [0.2, 0.4, 0.8] for i in range(len(rounded))), clock.sleeps  # interval/50, x2
 
 
 async def test_min_pause_separates_the_end_of_an_epoch_from_the_next_start(running: EpochStore,
@@ -313,7 +314,7 @@ async def test_min_pause_separates_the_end_of_an_epoch_from_the_next_start(runni
     for prev, nxt in zip(epochs, epochs[1:], strict=False):
         assert prev.ended_at is not None
         pause = (nxt.triggered_at - prev.ended_at).total_seconds()
-        assert 30.0 <= pause < 30.5, pause
+        assert 30.0 <= pause < 31.0, pause
 
 
 async def test_waits_while_the_cleanup_lock_is_held_and_says_so_once(running: EpochStore, connection: str) -> None:
