@@ -26,18 +26,6 @@ from tests.ui.data import Dataset, populate
 
 
 @pytest.fixture(scope="session")
-def pg_server() -> Iterator[ThrowawayPostgres]:
-    """Overrides the root fixture: pytest's 0700 temp folders are closed to the ``postgres`` user the
-    server runs as when the tests run as root; ThrowawayPostgres makes its own reachable folder."""
-    pg = ThrowawayPostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.cleanup()
-
-
-@pytest.fixture(scope="session")
 def dataset(pg_server: ThrowawayPostgres) -> Iterator[Dataset]:
     """Five pipelines, hundreds of epochs, acks, cleanup runs and a held lock (see tests/ui/data.py).
     Session-wide: the UI only reads, and no test here writes to it."""
