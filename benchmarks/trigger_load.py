@@ -46,11 +46,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -198,9 +199,9 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
     def shared_store(dsn: str, *, max_connections: int, retry_seconds: float, migrate: bool) -> Any:
         return real_shared(dsn, max_connections=variant.pool, retry_seconds=retry_seconds, migrate=migrate)
 
-    hook_module._shared_store = shared_store  # type: ignore[assignment]
+    hook_module._shared_store = shared_store
     if not variant.overdue_polling:
-        trigger_module.OVERDUE_POLL_MIN = 1e9  # type: ignore[misc]  # the first overdue look-again: a whole poll
+        trigger_module.OVERDUE_POLL_MIN = 1e9  # the first overdue look-again: a whole poll
     loop = asyncio.get_running_loop()
     if variant.threads:
         loop.set_default_executor(ThreadPoolExecutor(variant.threads))
@@ -219,7 +220,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
 
     async def drive(pid: str) -> dict[str, Any]:
         trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000, triggered_by="bench")
-        gen = trigger.run()
+        gen = cast(AsyncGenerator[Any, None], trigger.run())
         try:
             event = await anext(gen)
         finally:
@@ -259,8 +260,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
         if not variant.ends_in_tick:
             AsyncEpochStore.trigger_tick = timed_tick  # type: ignore[method-assign]
         undo()
-        hook_module._shared_store = real_shared  # type: ignore[assignment]
-        trigger_module.OVERDUE_POLL_MIN = real_overdue  # type: ignore[misc]
+        hook_module._shared_store = real_shared
+        trigger_module.OVERDUE_POLL_MIN = real_overdue
         hook_module._reset_shared_stores()
     return {"window": (window_start, window_end), "cpu": cpu1 - cpu0, "wall": wall1 - wall0, "events": events,
             "loop_lag": lags, "calls": window_calls}
