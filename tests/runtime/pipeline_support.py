@@ -76,7 +76,7 @@ class DriverThread:
     def _run(self) -> None:
         try:
             self.result = self.driver.run()
-        except BaseException as exc:  # reported to the test
+        except BaseException as exc:  # noqa: BLE001 - handed to the test, which re-raises it in join()
             self.error = exc
 
     def start(self) -> DriverThread:

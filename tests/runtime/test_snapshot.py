@@ -316,7 +316,8 @@ def test_missing_or_corrupt_object_names_epoch_and_file_and_changes_nothing(spar
     obj = tmp_path / object_path(pipeline, victim.object_key)
     good = obj.read_bytes()
     obj.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
-    with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*corrupt") as ei:
+    pattern = rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*corrupt"
+    with pytest.raises(SnapshotError, match=pattern) as ei:
         snaps.prepare_restore("agg", epoch, "ckpt")
     assert ei.value.epoch == epoch and ei.value.path is not None
     obj.unlink()

@@ -1,0 +1,205 @@
+"""Exactly-once under SIGKILL: the whole driver (Python, JVM, Python workers) is killed at moments chosen
+by watching the epoch store and the channels: while it restores and starts its queries, while stages
+align, while a snapshot is being copied, between epochs, at a random time. Each time it restarts with
+``--restore-from latest``; at the end the final channel must hold exactly the rows computed in plain
+Python: none lost, none twice. The test plays the checkpoint controller (``trigger_tick`` in a loop).
+
+Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
+from airflow_arroyo.exceptions import UnknownPipelineError
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.stage import StorageLayout
+from airflow_arroyo.store import EpochStore
+from tests.runtime.pipeline_support import Controller, row_count, rows_of, wait_for
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+ROWS = 2000
+PER_BATCH = 100
+STAGES = ("left", "right", "joined", "report")
+MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
+
+
+class Driver:
+    """The driver as a subprocess in its own process group (so that SIGKILL takes the JVM too)."""
+
+    def __init__(self, *, dsn: str, storage: Path, pipeline_id: str, run_id: str, logs: Path) -> None:
+        self.run_id = run_id
+        self.log_path = logs / f"{run_id}.log"
+        cmd = [
+            sys.executable, "-m", "airflow_arroyo.runtime.driver",
+            "--pipeline", "airflow_arroyo.examples.pipelines:demo",
+            "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={ROWS}", "--arg", f"rows_per_batch={PER_BATCH}",
+            "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",
+            "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.ui.enabled=false",
+            "--conf", "spark.driver.memory=1g", "--poll-interval", "0.05",
+        ]
+        env = {**os.environ, "ARROYO_DSN": dsn, "PYSPARK_PYTHON": sys.executable,
+               "PYSPARK_DRIVER_PYTHON": sys.executable}
+        self._log = open(self.log_path, "wb")  # closed in wait()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.wait(60)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def current(store: EpochStore, pid: str) -> Any:
+    try:
+        return store.get_pipeline(pid)
+    except UnknownPipelineError:
+        return None
+
+
+def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layout: StorageLayout,
+                     completed_before: int, rng: random.Random) -> Callable[[], bool]:
+    """A condition that is true at the moment to kill."""
+    left = layout.channel_uri("left")
+    random_at: list[float] = []
+
+    def ours_running() -> bool:
+        rec = current(store, pid)
+        return rec is not None and rec.run_id == run_id and rec.state is PipelineState.RUNNING
+
+    def starting() -> bool:  # registered, restoring or starting its queries, not yet running
+        rec = current(store, pid)
+        return rec is not None and rec.run_id == run_id and rec.state is PipelineState.REGISTERED
+
+    def aligning() -> bool:
+        e = store.in_flight_epoch(pid)
+        if e is None or e.run_id != run_id:
+            return False
+        n = len(store.acks(pid, e.epoch))
+        return 1 <= n < len(STAGES)
+
+    def snapshot() -> bool:
+        e = store.in_flight_epoch(pid)
+        if e is None or e.run_id != run_id:
+            return False
+        acked = {a.stage for a in store.acks(pid, e.epoch)}
+        return "left" not in acked and Channel.open(left).find_barrier(e.epoch) is not None
+
+    def between() -> bool:
+        latest = store.latest_completed_epoch(pid)
+        return (latest is not None and latest.epoch > completed_before and latest.run_id == run_id
+                and store.in_flight_epoch(pid) is None)
+
+    def at_random() -> bool:
+        if not ours_running():
+            return False
+        if not random_at:
+            random_at.append(time.monotonic() + rng.uniform(1.0, 12.0))
+        return time.monotonic() >= random_at[0]
+
+    chosen = {"starting": starting, "aligning": aligning, "snapshot": snapshot, "between": between,
+              "random": at_random}[moment]
+    return lambda: current(store, pid) is not None and chosen()  # nothing to watch before it registers
+
+
+def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: str, tmp_path: Path) -> None:
+    seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    print(f"ARROYO_TEST_SEED={seed}")
+    store = EpochStore(pg_dsn)
+    store.migrate()
+    pid = f"eo-{uuid.uuid4().hex[:8]}"
+    storage = tmp_path / "storage"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    layout = StorageLayout.at(str(storage), pid)
+    expected = expected_report(ROWS)
+    # every kind of moment once, in random order after a first "between" (so that every later run has
+    # a completed epoch to restore from)
+    rest = list(MOMENTS[1:])
+    rng.shuffle(rest)
+    plan = [MOMENTS[0], *rest]
+    kills: list[dict[str, Any]] = []
+    with Controller(store, pid, interval=1.5, timeout=60.0, tick=0.2):
+        for k, moment in enumerate(plan):
+            run_id = f"run-{k}-{moment}"
+            latest = store.latest_completed_epoch(pid) if current(store, pid) else None
+            completed_before = latest.epoch if latest else 0
+            driver = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs)
+            condition = moment_condition(moment, store, pid, run_id, layout, completed_before, rng)
+            try:
+                wait_for(lambda: condition() or not driver.alive(), timeout=300, interval=0.01,  # noqa: B023
+                         what=f"moment {moment!r} in run {run_id}")
+            except AssertionError:
+                driver.kill()
+                raise AssertionError(f"{moment!r} never happened in {run_id}:\n{driver.tail()}") from None
+            assert driver.alive(), f"driver {run_id} ended by itself:\n{driver.tail()}"
+            driver.kill()
+            rec = store.get_pipeline(pid)
+            kills.append({"run": run_id, "moment": moment, "restored_from": rec.restored_from_epoch,
+                          "completed_before": completed_before,
+                          "report_rows": row_count(layout.channel_uri(OUTPUT_CHANNEL))})
+        print(json.dumps(kills, indent=1))
+        # the last run: to the end of the input, then a graceful stop with a final epoch
+        final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs)
+        try:
+            wait_for(lambda: not final.alive() or (
+                row_count(layout.channel_uri("left")) >= ROWS and row_count(layout.channel_uri("right")) >= ROWS
+                and row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected)), timeout=600, interval=0.5,
+                what="the final run to reach the end of the input")
+        except AssertionError:
+            final.kill()
+            raise
+        assert final.alive(), final.tail()
+    store.request_stop(pid, "graceful")
+    code = final.wait(300)
+    assert code == 0, final.tail()
+
+    # every run after the first restored from the latest epoch completed before it started
+    for k in kills[1:]:
+        assert k["restored_from"] is not None and k["restored_from"] == k["completed_before"], kills
+    record = store.get_pipeline(pid)
+    assert record.state is PipelineState.STOPPED
+    epochs = store.list_epochs(pid, limit=1000)
+    final_epoch = max(e.epoch for e in epochs if e.state is EpochState.COMPLETED)
+    assert store.get_epoch(pid, final_epoch).is_final
+
+    # exactly once: no record lost, none duplicated, on every channel
+    for channel in ("left", "right", "joined"):
+        ids = Channel.open(layout.channel_uri(channel)).read_table().column("id").to_pylist()
+        dup = [i for i, n in Counter(ids).items() if n > 1]
+        assert not dup, f"{channel}: ids written twice: {dup[:10]}"
+        assert sorted(ids) == list(range(ROWS)), f"{channel}: {len(ids)} ids, expected {ROWS}"
+    got = rows_of(layout.channel_uri(OUTPUT_CHANNEL))
+    assert Counter(got) == Counter(expected)
+    assert got == expected
