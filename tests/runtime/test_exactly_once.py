@@ -129,6 +129,20 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
 
     chosen = {"starting": starting, "aligning": aligning, "snapshot": snapshot, "between": between,
               "random": at_random}[moment]
+    if moment in ("aligning", "snapshot", "between"):
+        # armed a random while after the run started processing, so that kills (and the epochs
+        # restored from) spread over the input instead of clustering at start-up
+        delay = rng.uniform(0.0, 6.0)
+        armed: list[float] = []
+
+        def after_delay() -> bool:
+            if not armed:
+                if not ours_running():
+                    return False
+                armed.append(time.monotonic() + delay)
+            return time.monotonic() >= armed[0] and chosen()
+
+        return lambda: current(store, pid) is not None and after_delay()
     return lambda: current(store, pid) is not None and chosen()  # nothing to watch before it registers
 
 
