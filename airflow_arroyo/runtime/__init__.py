@@ -25,6 +25,17 @@ _EXPORTS: dict[str, str] = {
     "GeneratorDataSource": "airflow_arroyo.runtime.generator",
     "generate_rows": "airflow_arroyo.runtime.generator",
     "generator_source": "airflow_arroyo.runtime.generator",
+    # pipeline runtime (airflow_arroyo.runtime.pipeline, .driver, .stage, .snapshot, .alignment)
+    "Pipeline": "airflow_arroyo.runtime.pipeline",
+    "PipelineGraph": "airflow_arroyo.runtime.pipeline",
+    "StageKind": "airflow_arroyo.runtime.pipeline",
+    "Stream": "airflow_arroyo.runtime.pipeline",
+    "PipelineDriver": "airflow_arroyo.runtime.driver",
+    "DriverResult": "airflow_arroyo.runtime.driver",
+    "StageRunner": "airflow_arroyo.runtime.stage",
+    "StorageLayout": "airflow_arroyo.runtime.stage",
+    "SnapshotStore": "airflow_arroyo.runtime.snapshot",
+    "AlignmentError": "airflow_arroyo.runtime.alignment",
 }
 
 __all__ = list(_EXPORTS)
