@@ -30,6 +30,9 @@ if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
     os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_airflow_home}/airflow.db"
     os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
     os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+    # Airflow writes a JWT secret into airflow.cfg only when it creates the file; whichever test
+    # happens to import Airflow first must not decide whether later ones can mint tokens.
+    os.environ.setdefault("AIRFLOW__API_AUTH__JWT_SECRET", uuid.uuid4().hex + uuid.uuid4().hex)
     os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parent.parent / "dags")
 # Put the venv's bin first: spark-submit's find-spark-home runs `python3` from PATH.
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
