@@ -1,14 +1,18 @@
 """What do checkpoint epochs cost? The demo pipeline with epochs every 10 s and without, side by side.
 
-One invocation, one SparkSession (local[2]), one throwaway PostgreSQL. The demo pipeline
-(two unbounded generators -> stream-stream join -> filter) runs once without epochs and once with an
-epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger: ``trigger_tick`` every
-0.5 s), in alternating order over ``--rounds`` rounds. Each run warms up, then counts the rows that
-reach the final channel over ``--duration`` seconds. Prints throughput of both (records/s), their
-ratio (target >= 0.95), epoch duration p50/p95 and bytes new/total per epoch.
+One invocation, one SparkSession (local[2]), one throwaway PostgreSQL. Two copies of the demo pipeline
+(two unbounded generators -> stream-stream join -> filter) run at the same time in the same Spark
+application, one without epochs and one with an epoch every ``--interval`` seconds (the benchmark
+plays the Airflow trigger: ``trigger_tick`` every 0.5 s). Running them together means both see the
+same machine (on a shared machine, load changes from one minute to the next would otherwise decide the
+ratio). After a warm-up, the rows reaching each final channel are counted over ``--rounds`` windows
+of ``--duration`` seconds. Prints throughput of both (records/s), their ratio per window and overall
+(target >= 0.95), epoch duration p50/p95 and bytes new/total per epoch.
+
+``--mode alternate`` runs the two one after the other instead (rounds alternate the order).
 
     python benchmarks/epoch_overhead.py                 # about 3 minutes
-    python benchmarks/epoch_overhead.py --long          # 3 rounds of 3 minutes each
+    python benchmarks/epoch_overhead.py --long          # 3 windows of 3 minutes
 """
 
 from __future__ import annotations
@@ -58,57 +62,83 @@ def channel_rows(ch: Channel) -> int:
     return sum(e.rows for e in ch.data_entries(ch.start_position(), ch.end_position()))
 
 
-def run_once(spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float, warmup: float,
-             duration: float, rows_per_batch: int) -> RunResult:
-    name = "epochs" if epochs else "no-epochs"
-    pid = f"bench-{name}-{uuid.uuid4().hex[:6]}"
-    pipeline = demo(pid, rows=None, rows_per_batch=rows_per_batch)
-    driver = PipelineDriver(pipeline, store, storage_uri=str(storage), spark=spark)
-    failure: list[BaseException] = []
+class Running:
+    """One copy of the demo pipeline running in a driver thread (with or without a controller)."""
 
-    def drive() -> None:
+    def __init__(self, spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float,
+                 rows_per_batch: int) -> None:
+        self.name = "epochs" if epochs else "no-epochs"
+        self.epochs = epochs
+        self.store = store
+        self.pid = f"bench-{self.name}-{uuid.uuid4().hex[:6]}"
+        self.interval = interval
+        self.driver = PipelineDriver(demo(self.pid, rows=None, rows_per_batch=rows_per_batch), store,
+                                     storage_uri=str(storage), spark=spark)
+        self.failure: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drive, daemon=True)
+        self._controller = threading.Thread(target=self._control, daemon=True)
+
+    def _drive(self) -> None:
         try:
-            driver.run()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            failure.append(exc)
+            self.driver.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_started()/stop()
+            self.failure.append(exc)
 
-    thread = threading.Thread(target=drive, daemon=True)
-    thread.start()
-    if not driver.started.wait(600) or failure:
-        raise SystemExit(f"{name}: the pipeline did not start: {failure}")
-    stop = threading.Event()
+    def _control(self) -> None:
+        policy = CheckpointPolicy(interval=self.interval, timeout=max(60.0, 6 * self.interval))
+        while not self._stop.wait(0.5):
+            self.store.trigger_tick(self.pid, policy, triggered_by="benchmark")
 
-    def control() -> None:
-        policy = CheckpointPolicy(interval=interval, timeout=max(60.0, 6 * interval))
-        while not stop.wait(0.5):
-            store.trigger_tick(pid, policy, triggered_by="benchmark")
+    def start(self) -> None:
+        self._thread.start()
 
-    controller = threading.Thread(target=control, daemon=True)
-    if epochs:
-        controller.start()
-    report = Channel.open(driver.layout.channel_uri(OUTPUT_CHANNEL))
-    left = Channel.open(driver.layout.channel_uri("left"))
+    def wait_started(self) -> None:
+        if not self.driver.started.wait(900) or self.failure:
+            raise SystemExit(f"{self.name}: the pipeline did not start: {self.failure}")
+        self.report = Channel.open(self.driver.layout.channel_uri(OUTPUT_CHANNEL))
+        if self.epochs:
+            self._controller.start()
+
+    def rows(self) -> int:
+        return channel_rows(self.report)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._controller.is_alive():
+            self._controller.join()
+        self.store.request_stop(self.pid, "immediate")
+        self._thread.join(300)
+        if self.failure:
+            raise SystemExit(f"{self.name}: the pipeline failed: {self.failure[0]}")
+
+    def epochs_since(self, first_epoch: int, result: RunResult) -> None:
+        for e in sorted(self.store.list_epochs(self.pid, limit=10_000), key=lambda e: e.epoch):
+            if e.epoch > first_epoch and e.state is EpochState.COMPLETED and e.duration_s is not None:
+                result.epoch_durations.append(e.duration_s)
+                result.bytes_new.append(int(e.bytes_new or 0))
+                result.bytes_total.append(int(e.bytes_total or 0))
+
+
+def measure(runs: list[Running], *, warmup: float, duration: float, windows: int) -> list[list[RunResult]]:
+    """Count final-channel rows of every run over ``windows`` consecutive windows (after a warm-up)."""
     time.sleep(warmup)
-    t0, r0, s0 = time.monotonic(), channel_rows(report), channel_rows(left)
-    first_epoch = store.get_pipeline(pid).last_epoch
-    time.sleep(duration)
-    t1, r1, s1 = time.monotonic(), channel_rows(report), channel_rows(left)
-    stop.set()
-    if epochs:
-        controller.join()
-    store.request_stop(pid, "immediate")
-    thread.join(300)
-    if failure:
-        raise SystemExit(f"{name}: the pipeline failed: {failure[0]}")
-    result = RunResult(name, epochs, r1 - r0, t1 - t0, s1 - s0)
-    for e in store.list_epochs(pid, limit=10_000):
-        if e.epoch > first_epoch and e.state is EpochState.COMPLETED and e.duration_s is not None:
-            result.epoch_durations.append(e.duration_s)
-            result.bytes_new.append(int(e.bytes_new or 0))
-            result.bytes_total.append(int(e.bytes_total or 0))
-    print(f"  {name:10s} {result.throughput:10.0f} records/s  ({result.rows} rows in {result.seconds:.0f}s; "
-          f"{len(result.epoch_durations)} epochs completed)", flush=True)
-    return result
+    out: list[list[RunResult]] = []
+    for w in range(windows):
+        t0 = time.monotonic()
+        r0 = [r.rows() for r in runs]
+        e0 = [r.store.get_pipeline(r.pid).last_epoch for r in runs]
+        time.sleep(duration)
+        t1 = time.monotonic()
+        window = []
+        for r, rows0, epoch0 in zip(runs, r0, e0, strict=True):
+            result = RunResult(r.name, r.epochs, r.rows() - rows0, t1 - t0, 0)
+            r.epochs_since(epoch0, result)
+            window.append(result)
+            print(f"  window {w + 1}: {r.name:10s} {result.throughput:8.0f} records/s ({result.rows} rows in "
+                  f"{result.seconds:.0f}s, {len(result.epoch_durations)} epochs completed)", flush=True)
+        out.append(window)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,11 +152,13 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (default 10)")
-    parser.add_argument("--duration", type=float, default=60.0, help="measured seconds per run (default 60)")
-    parser.add_argument("--warmup", type=float, default=15.0, help="seconds before measuring (default 15)")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of (no-epochs, epochs) runs (default 1)")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds per measured window (default 45)")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring (default 20)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured windows (concurrent) or rounds of "
+                        "(no-epochs, epochs) runs (alternate); default 2")
+    parser.add_argument("--mode", choices=("concurrent", "alternate"), default="concurrent")
     parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
-    parser.add_argument("--long", action="store_true", help="3 rounds of 180 s runs")
+    parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
     if args.long:
@@ -137,20 +169,47 @@ def main(argv: list[str] | None = None) -> int:
 
     spark = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
              .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-             .config("spark.ui.enabled", "false").config("spark.driver.memory", "2g").getOrCreate())
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "2g").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     results: list[RunResult] = []
+    ratios: list[float] = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()
-        print(f"demo pipeline, local[2], epochs every {args.interval:g}s, {args.duration:g}s measured per run, "
-              f"{args.rounds} round(s)", flush=True)
-        for r in range(args.rounds):
-            order = [False, True] if r % 2 == 0 else [True, False]
-            for with_epochs in order:
-                results.append(run_once(spark, store, Path(tmp) / f"r{r}-{int(with_epochs)}", epochs=with_epochs,
-                                        interval=args.interval, warmup=args.warmup, duration=args.duration,
-                                        rows_per_batch=args.rows_per_batch))
+        print(f"demo pipeline, local[2], epochs every {args.interval:g}s, mode {args.mode}, "
+              f"{args.rounds} x {args.duration:g}s measured", flush=True)
+
+        def make(epochs: bool, tag: str) -> Running:
+            return Running(spark, store, Path(tmp) / tag, epochs=epochs, interval=args.interval,
+                           rows_per_batch=args.rows_per_batch)
+
+        if args.mode == "concurrent":
+            runs = [make(False, "off"), make(True, "on")]
+            for r in runs:
+                r.start()
+            for r in runs:
+                r.wait_started()
+            windows = measure(runs, warmup=args.warmup, duration=args.duration, windows=args.rounds)
+            for r in runs:
+                r.stop()
+            for window in windows:
+                results.extend(window)
+                off, on = window
+                ratios.append(on.throughput / off.throughput if off.throughput else float("nan"))
+        else:
+            for rnd in range(args.rounds):
+                pair: dict[bool, RunResult] = {}
+                for with_epochs in ([False, True] if rnd % 2 == 0 else [True, False]):
+                    run = make(with_epochs, f"r{rnd}-{int(with_epochs)}")
+                    run.start()
+                    run.wait_started()
+                    (window,) = measure([run], warmup=args.warmup, duration=args.duration, windows=1)
+                    run.stop()
+                    pair[with_epochs] = window[0]
+                    results.append(window[0])
+                ratios.append(pair[True].throughput / pair[False].throughput if pair[False].throughput
+                              else float("nan"))
         store.close()
     spark.stop()
 
@@ -163,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     total = [b for r in with_e for b in r.bytes_total]
     ratio = tp_e / tp_base if tp_base else float("nan")
     print()
+    print(f"ratio per window/round: {', '.join(f'{r:.3f}' for r in ratios)}")
     print(f"{'':28s}{'without epochs':>16s}{'with epochs':>16s}")
     print(f"{'throughput (records/s)':28s}{tp_base:16.0f}{tp_e:16.0f}")
     print(f"ratio with/without          {ratio:.3f}   (target >= 0.95)")
@@ -175,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"throughput_without": tp_base, "throughput_with": tp_e, "ratio": ratio,
                           "epoch_p50_s": percentile(durations, 0.5), "epoch_p95_s": percentile(durations, 0.95),
-                          "bytes_new": new, "bytes_total": total,
+                          "ratios": ratios, "bytes_new": new, "bytes_total": total,
                           "runs": [r.__dict__ for r in results]}, default=str))
     return 0
 
