@@ -210,7 +210,6 @@ class SnapshotStore:
         self.pipeline_id = pipeline_id
         self.store = store
         self._hash_cache: dict[tuple[str, int, int], str] = {}
-        self._written: set[str] = set()  # object keys written by this process (not yet recorded maybe)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ capture
@@ -283,22 +282,22 @@ class SnapshotStore:
                 f"checkpoint file vanished while snapshotting epoch {epoch} of stage {stage!r}: {exc}; Spark deleted "
                 "it (raise spark.sql.streaming.minBatchesToRetain)", epoch=epoch,
             ) from exc
-        keys = {e.object_key for e in entries}
-        known = self.store.known_objects(self.pipeline_id, keys)
-        with self._lock:
-            known |= keys & self._written
+        # Only the store says what is held: an object this process copied earlier may since have been
+        # deleted by retention (if only a failed epoch referenced it), so no local memory of copies.
+        known = self.store.known_objects(self.pipeline_id, {e.object_key for e in entries})
         bytes_new = 0
         copied = 0
         done: set[str] = set()
         for e in entries:
-            if e.object_key in known or e.object_key in done:
+            if e.object_key in done:
+                continue
+            if e.object_key in known and self._object_present(e):
+                done.add(e.object_key)
                 continue
             self._copy_in(infos[e.rel_path], e, epoch, stage)
             done.add(e.object_key)
             bytes_new += e.bytes
             copied += 1
-        with self._lock:
-            self._written |= done
         self.store.record_snapshot(self.pipeline_id, epoch, stage, entries)
         unique = {e.object_key: e.bytes for e in entries}
         result = CaptureResult(
@@ -308,6 +307,14 @@ class SnapshotStore:
         log.info("pipeline=%s epoch=%s stage=%s: snapshot of batch %s: %s files, %s new (%s bytes of %s)",
                  self.pipeline_id, epoch, stage, batch_id, len(entries), copied, bytes_new, result.bytes_total)
         return result
+
+    def _object_present(self, entry: SnapshotEntry) -> bool:
+        """A known object is referenced only if its file is really there: retention may have deleted an
+        object that only a pruned (e.g. failed) epoch referenced while a later snapshot still saw its row."""
+        try:
+            return self.fs.size(object_path(self.pipeline_id, entry.object_key)) == entry.bytes
+        except FileNotFoundError:
+            return False
 
     def _copy_in(self, info: pafs.FileInfo, entry: SnapshotEntry, epoch: int, stage: str) -> None:
         """Copy one checkpoint file into its object, verifying that the content still hashes to the key."""

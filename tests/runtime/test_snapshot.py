@@ -332,3 +332,24 @@ def test_missing_or_corrupt_object_names_epoch_and_file_and_changes_nothing(spar
     assert prepared.files == len(result.entries)
     snaps.discard([prepared])
     assert json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
+
+
+def test_known_object_whose_file_is_gone_is_copied_again(store: Any, pipeline: str, tmp_path: Path) -> None:
+    """Retention may delete an object that only a pruned epoch referenced while a later snapshot still
+    sees its row: a snapshot references a known object only if its file is really there."""
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    for rel, text in {"metadata": '{"id":"q"}', "offsets/0": "v1\n{}\n{\"pos\":1}", "commits/0": "v1\n{}"}.items():
+        (tmp_path / "ckpt" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ckpt" / rel).write_text(text)
+    e1 = new_epoch(store, pipeline)
+    r1 = snaps.capture("agg", e1, "ckpt", 0)
+    complete(store, pipeline, e1, r1)
+    assert r1.files_copied == 3
+    victim = r1.entries[0]
+    (tmp_path / object_path(pipeline, victim.object_key)).unlink()
+    e2 = new_epoch(store, pipeline)
+    r2 = snaps.capture("agg", e2, "ckpt", 0)
+    assert (r2.files_copied, r2.bytes_new) == (1, victim.bytes)
+    assert (tmp_path / object_path(pipeline, victim.object_key)).read_bytes() == (tmp_path / "ckpt" /
+                                                                                  victim.rel_path).read_bytes()
