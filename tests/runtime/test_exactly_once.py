@@ -187,6 +187,10 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
         # the last run: to the end of the input, then a graceful stop with a final epoch
         final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs)
         try:
+            # channels are read only once the driver restored them and runs
+            wait_for(lambda: not final.alive() or (
+                (rec := current(store, pid)) is not None and rec.run_id == "run-final"
+                and rec.state is PipelineState.RUNNING), timeout=300, what="the final run to start")
             wait_for(lambda: not final.alive() or (
                 row_count(layout.channel_uri("left")) >= ROWS and row_count(layout.channel_uri("right")) >= ROWS
                 and row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected)), timeout=600, interval=0.5,

@@ -59,6 +59,8 @@ def run(spark: Any, store: Any, pid: str, storage: Path, *, restore_from: Any = 
     if epochs:
         controller.__enter__()
     try:
+        # channels are read only once the driver restored and started (a restore truncates them)
+        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
         wait_for(lambda: thread.error or (row_count(layout.channel_uri("done")) >= ROWS
                                           and row_count(layout.channel_uri("loop")) >= total),
                  timeout=600, what="every record to leave the loop")

@@ -47,8 +47,8 @@ class Ran:
 
 
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
-               epochs: bool = True, run_id: str | None = None) -> Any:
-    """Run the demo until its report has every expected row, then stop gracefully (final epoch)."""
+               epochs: bool = True, run_id: str | None = None, stop: str = "graceful") -> Any:
+    """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = PipelineDriver(demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark)
     expected = len(expected_report(ROWS))
@@ -62,7 +62,7 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
                  timeout=600, what=f"{expected} rows in the report channel")
     finally:
         controller.stop()
-    store.request_stop(pipeline_id, "graceful")
+    store.request_stop(pipeline_id, stop)
     return thread.join(300)
 
 
@@ -126,6 +126,18 @@ def test_barrier_n_separates_the_data_of_epoch_n(ran: Ran, module_store: EpochSt
         ids_j = joined.read_table(0, joined.find_barrier(n)).column("id").to_pylist()
         assert len(ids_j) == len(set(ids_j))
         assert set(ids_j) == ids_l & ids_r
+
+
+def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_store: EpochStore, spark: Any,
+                                                           tmp_path: Path) -> None:
+    """Straight (no epoch at all), with checkpoints (``ran``) and restored (below): one golden output."""
+    pid = f"straight-{uuid.uuid4().hex[:8]}"
+    result = run_to_end(spark, module_store, pid, tmp_path, epochs=False, stop="immediate")
+    assert result.final_epoch is None and module_store.list_epochs(pid) == []
+    layout = StorageLayout.at(str(tmp_path), pid)
+    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
+    for c in STAGES:
+        assert barriers(layout.channel_uri(c)) == []
 
 
 def copy_of(ran: Ran, tmp_path: Path) -> Path:
