@@ -305,9 +305,8 @@ class PipelineDriver:
         for c in self.graph.channels:
             uri = self.layout.channel_uri(c)
             if Channel.exists(uri):
-                ch = Channel.open(uri)
-                ch.truncate_from(ch.start_position())
-                Channel.open(uri).remove_orphans()
+                # fresh checkpoints restart batch ids at 0: forget the writers' ids too (retention watermark)
+                Channel.open(uri).reset()
         log.info("pipeline=%s: no completed epoch; checkpoints set aside and channels emptied", self.pipeline_id)
 
     # ------------------------------------------------------------------ Spark
