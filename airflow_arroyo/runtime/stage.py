@@ -289,8 +289,10 @@ class StageRunner:
             if self._closing:
                 raise ArroyoError(f"stage {self.name!r} is stopping before its first micro-batch ran")
         try:
-            self._write(df, batch_id)
+            # The lock covers the data append too: a cut decided by the driver's poller (at the last
+            # completed batch) must never slip its barrier between this batch's data and its bookkeeping.
             with self._lock:
+                self._write(df, batch_id)
                 self._last_completed = batch_id
                 if self.kind is StageKind.SOURCE:
                     self._source_cut(batch_id)

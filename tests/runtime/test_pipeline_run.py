@@ -138,6 +138,29 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
     for c in STAGES:
         assert barriers(layout.channel_uri(c)) == []
+    # no completed epoch to restore from: 'latest' starts over (checkpoints set aside, channels reset)
+    again = run_to_end(spark, module_store, pid, tmp_path, restore_from="latest", epochs=False, stop="immediate")
+    assert again.restored_from_epoch is None
+    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert any(p.name.startswith("checkpoint.replaced-") for p in (tmp_path / pid / "stages" / "joined").iterdir())
+
+
+def test_each_barrier_sits_right_after_its_cut_batch(ran: Ran, module_store: EpochStore) -> None:
+    """Barrier n follows the output of the stage's cut batch and precedes any later batch's output."""
+    from airflow_arroyo.runtime.channel import Channel
+
+    completed = [e.epoch for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED]
+    for stage in STAGES:
+        ch = Channel.open(ran.layout.channel_uri(stage))
+        entries = ch.entries(ch.start_position())
+        for n in completed:
+            (ack,) = [a for a in module_store.acks(ran.pipeline_id, n) if a.stage == stage]
+            cut = ack.details["batch_id"]
+            at = ch.find_barrier(n)
+            before = [e.batch_id for e in entries if e.index < at and not e.is_barrier]
+            after = [e.batch_id for e in entries if e.index > at and not e.is_barrier]
+            assert all(b <= cut for b in before), (stage, n, cut, before[-3:])
+            assert all(b > cut for b in after), (stage, n, cut, after[:3])
 
 
 def copy_of(ran: Ran, tmp_path: Path) -> Path:
