@@ -105,6 +105,7 @@ class PipelineDriver:
         stale_after: float = 30.0,
         commit_timeout: float = 300.0,
         own_spark: bool | None = None,
+        max_backlog_entries: int | None = 16,
     ) -> None:
         self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         self.pipeline = pipeline
@@ -120,6 +121,7 @@ class PipelineDriver:
         self.takeover = takeover
         self.stale_after = stale_after
         self.commit_timeout = commit_timeout
+        self.max_backlog_entries = max_backlog_entries
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
         self.runners: list[StageRunner] = []
@@ -337,6 +339,7 @@ class PipelineDriver:
                                  gated=True)
             frames.append((runner, runner.build(spark)))
             self.runners.append(runner)
+        self._wire_backpressure()
         for runner, df in reversed(frames):
             if runner.kind is not StageKind.SOURCE:
                 self._start_one(spark, runner, df)
@@ -346,6 +349,25 @@ class PipelineDriver:
                 self._start_one(spark, runner, df)
         for runner in self.runners:
             runner.open_gate()
+
+    def _wire_backpressure(self) -> None:
+        """Bound each channel's unread backlog on aligned edges (never on a loop's feedback edge: a loop
+        whose head waited for its tail and whose tail waited for its head would deadlock)."""
+        if not self.max_backlog_entries:
+            return
+        for writer in self.runners:
+            out = writer.output
+            channel = writer.spec.output
+            if out is None or channel is None:
+                continue
+            readers = [r for r in self.runners if channel in r.spec.inputs]
+            if not readers:
+                continue
+
+            def backlog(out: Channel = out, channel: str = channel, readers: list[StageRunner] = readers) -> int:
+                return out.end_position() - min(r.consumed.get(channel, 0) for r in readers)
+
+            writer.set_backpressure(backlog, self.max_backlog_entries)
 
     def _start_one(self, spark: SparkSession, runner: StageRunner, df: Any, attempts: int = 6,
                    timeout: float = 300.0) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -179,6 +179,11 @@ class StageRunner:
             self._gate.set()
         self.batch_started = threading.Event()
         self._closing = False
+        # Flow control: how far each input has been read (end of the last micro-batch), and a bound on
+        # this stage's own unread output (set by the driver; see set_backpressure).
+        self.consumed: dict[str, int] = {}
+        self._backlog: Callable[[], int] | None = None
+        self._max_backlog = 0
 
     def __repr__(self) -> str:
         return f"StageRunner({self.pipeline_id}/{self.name}, {self.kind.value})"
@@ -207,6 +212,8 @@ class StageRunner:
                 frames.append(read_stage_input(
                     spark, uri, key=channel, cap_path=self.caps_uri, stop_at_barriers=channel not in spec.feedback,
                 ))
+                # a restored reader resumes right after barrier N, where the restore cut the channel
+                self.consumed[channel] = self.inputs[channel].end_position()
             df = spec.fn(*frames) if spec.fn is not None else frames[0]
         from pyspark.sql import DataFrame as SparkDataFrame
 
@@ -283,11 +290,28 @@ class StageRunner:
     def open_gate(self) -> None:
         self._gate.set()
 
+    def set_backpressure(self, backlog: Callable[[], int], max_entries: int) -> None:
+        """Hold this stage's next micro-batch while ``backlog()`` (entries of its output its slowest
+        aligned reader has not read yet) exceeds ``max_entries``: a fast stage cannot run ahead of a slow
+        one without bound, so a barrier never waits behind an unbounded queue."""
+        self._backlog = backlog
+        self._max_backlog = max_entries
+
+    def _wait_for_readers(self) -> None:
+        # Outside the stage lock: the driver's poller may cut this (source) stage meanwhile.
+        if self._backlog is None:
+            return
+        delay = 0.01
+        while not self._closing and self._backlog() > self._max_backlog:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
     def _foreach_batch(self, df: DataFrame, batch_id: int) -> None:
         self.batch_started.set()
         while not self._gate.wait(0.2):
             if self._closing:
                 raise ArroyoError(f"stage {self.name!r} is stopping before its first micro-batch ran")
+        self._wait_for_readers()
         try:
             # The lock covers the data append too: a cut decided by the driver's poller (at the last
             # completed batch) must never slip its barrier between this batch's data and its bookkeeping.
@@ -329,6 +353,7 @@ class StageRunner:
     def _channel_cut(self, batch_id: int) -> None:
         """Under the lock: align on the inputs' barriers; cut when all delivered."""
         offsets = self._input_offsets(batch_id)
+        self.consumed.update(offsets)
         spec = self.spec
         ends = []
         for channel in spec.inputs:

@@ -108,3 +108,27 @@ def barriers(uri: str) -> list[tuple[int, int]]:
     """(index, epoch) of every barrier entry, in log order."""
     ch = Channel.open(uri)
     return [(e.index, int(e.epoch)) for e in ch.entries(ch.start_position()) if e.is_barrier and e.epoch is not None]
+
+
+def check_barriers_follow_cuts(store: Any, pipeline_id: str, channel_uris: dict[str, str]) -> int:
+    """For every completed epoch and every stage writing a channel: barrier n follows the output of the
+    stage's cut batch (its ack's ``details["batch_id"]``) and precedes any later batch's output.
+    Returns how many (epoch, stage) pairs were checked."""
+    from airflow_arroyo.epochs import EpochState
+
+    completed = [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000) if e.state is EpochState.COMPLETED]
+    checked = 0
+    for stage, uri in channel_uris.items():
+        ch = Channel.open(uri)
+        entries = ch.entries(ch.start_position())
+        for n in completed:
+            (ack,) = [a for a in store.acks(pipeline_id, n) if a.stage == stage]
+            cut = ack.details["batch_id"]
+            at = ch.find_barrier(n)
+            assert at is not None, (stage, n)
+            before = [e.batch_id for e in entries if e.index < at and not e.is_barrier]
+            after = [e.batch_id for e in entries if e.index > at and not e.is_barrier]
+            assert all(b <= cut for b in before), (stage, n, cut, before[-3:])
+            assert all(b > cut for b in after), (stage, n, cut, after[:3])
+            checked += 1
+    return checked

@@ -30,7 +30,7 @@ from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import Controller, row_count, rows_of, wait_for
+from tests.runtime.pipeline_support import Controller, check_barriers_follow_cuts, row_count, rows_of, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -221,3 +221,5 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     got = rows_of(layout.channel_uri(OUTPUT_CHANNEL))
     assert Counter(got) == Counter(expected)
     assert got == expected
+    # and every barrier of a completed epoch sits right after its stage's cut batch, across the restores
+    assert check_barriers_follow_cuts(store, pid, {c: layout.channel_uri(c) for c in STAGES}) > 0
