@@ -1,5 +1,12 @@
 """Example pipelines: used by the tests, the benchmark and the example DAG."""
 
-from airflow_arroyo.examples.pipelines import OUTPUT_CHANNEL, demo, expected_report
+from airflow_arroyo.examples.pipelines import (
+    OUTPUT_CHANNEL,
+    STATEFUL_OUTPUTS,
+    demo,
+    expected_report,
+    expected_stateful,
+    stateful_ops,
+)
 
-__all__ = ["OUTPUT_CHANNEL", "demo", "expected_report"]
+__all__ = ["OUTPUT_CHANNEL", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops"]

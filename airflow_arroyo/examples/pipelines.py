@@ -20,7 +20,7 @@ Run it with the driver::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -28,7 +28,7 @@ from airflow_arroyo.runtime.pipeline import Pipeline
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["OUTPUT_CHANNEL", "demo", "expected_report"]
+__all__ = ["OUTPUT_CHANNEL", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops"]
 
 OUTPUT_CHANNEL = "report"
 LEFT_SEED = 1
@@ -83,3 +83,110 @@ def expected_report(rows: int, keys: int = 100) -> list[tuple[int, str, int, int
         if (lv + rv) % 7 != 0:
             out.append((i, k, lv, rv, lv + rv))
     return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stateful operators: dropDuplicates, an event-time window aggregation and transformWithState, each a stage.
+
+MILESTONE_EVERY = 25
+WINDOW_SECONDS = 2
+STATEFUL_SEED = 5
+STATEFUL_OUTPUTS = ("distinct_buckets", "windows", "milestones")
+
+
+def _milestone_processor() -> Any:
+    """A ``StatefulProcessor`` (built lazily so importing this module does not import pyspark)."""
+    from pyspark.sql import Row
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor, StatefulProcessorHandle
+
+    class Milestones(StatefulProcessor):
+        """Counts rows per key in a value state; emits (key, m) each time the count reaches a multiple of
+        :data:`MILESTONE_EVERY`. What it emits depends only on the counts, not on micro-batch boundaries."""
+
+        def init(self, handle: StatefulProcessorHandle) -> None:
+            self.count = handle.getValueState("count", "n long")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # Spark's method name
+            held = self.count.get()
+            before = int(held[0]) if held is not None else 0
+            after = before + sum(1 for _ in rows)
+            self.count.update((after,))
+            for m in range((before // MILESTONE_EVERY + 1) * MILESTONE_EVERY, after + 1, MILESTONE_EVERY):
+                yield Row(key=key[0], milestone=m)
+
+        def close(self) -> None:
+            pass
+
+    return Milestones()
+
+
+def stateful_ops(
+    pipeline_id: str = "arroyo-stateful",
+    rows: int = 3_000,
+    rows_per_batch: int = 200,
+    keys: int = 20,
+    trigger_interval: float | None = None,
+) -> Pipeline:
+    """One generator source read by three stateful stages, each writing a channel::
+
+        events ─┬─> distinct_buckets   dropDuplicates over (key, value % 100)       (default state store)
+                ├─> windows            2 s tumbling event-time windows, watermark 0  (default state store)
+                └─> milestones         transformWithState, a count per key       (RocksDB, required)
+
+    Every output is independent of batching (see :func:`expected_stateful`)."""
+
+    def events(spark: SparkSession) -> DataFrame:
+        return generator_source(spark, seed=STATEFUL_SEED, keys=keys, total_rows=rows,
+                                rows_per_batch=rows_per_batch)
+
+    def distinct_buckets(df: DataFrame) -> DataFrame:
+        return df.selectExpr("key", "value % 100 AS bucket").dropDuplicates()
+
+    def windows(df: DataFrame) -> DataFrame:
+        from pyspark.sql import functions as F
+
+        return (df.withWatermark("ts", "0 seconds")
+                .groupBy(F.window("ts", f"{WINDOW_SECONDS} seconds"), "key")
+                .agg(F.count("*").alias("n"), F.sum("value").alias("total"))
+                .selectExpr("key", "window.start AS window_start", "n", "total"))
+
+    def milestones(df: DataFrame) -> DataFrame:
+        return df.groupBy("key").transformWithState(
+            statefulProcessor=_milestone_processor(), outputStructType="key string, milestone long",
+            outputMode="Append", timeMode="None")
+
+    p = Pipeline(pipeline_id, description="dropDuplicates, event-time windows and transformWithState on one source")
+    src = p.source("events", events, trigger_interval=trigger_interval)
+    p.stage("distinct_buckets", distinct_buckets, inputs=[src], trigger_interval=trigger_interval)
+    p.stage("windows", windows, inputs=[src], trigger_interval=trigger_interval)
+    p.stage("milestones", milestones, inputs=[src], state_store="rocksdb", trigger_interval=trigger_interval)
+    return p
+
+
+def expected_stateful(rows: int = 3_000, keys: int = 20) -> dict[str, list[tuple[Any, ...]]]:
+    """The final content of each :func:`stateful_ops` output channel, computed in plain Python (sorted)."""
+    import datetime as dt
+    from collections import Counter, defaultdict
+
+    t = generate_rows(STATEFUL_SEED, 0, rows, keys).to_pydict()
+    buckets = sorted({(k, v % 100) for k, v in zip(t["key"], t["value"], strict=True)})
+    counts = Counter(t["key"])
+    milestones = sorted((k, m) for k, n in counts.items() for m in range(MILESTONE_EVERY, n + 1, MILESTONE_EVERY))
+    # append mode emits a window once the watermark (the largest event time seen, delay 0) reaches its end
+    width = WINDOW_SECONDS * 1_000_000
+    watermark = max(_micros(ts) for ts in t["ts"])
+    agg: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
+    for k, v, ts in zip(t["key"], t["value"], t["ts"], strict=True):
+        cell = agg[(k, _micros(ts) // width * width)]
+        cell[0] += 1
+        cell[1] += v
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    windows = sorted((k, epoch + dt.timedelta(microseconds=start), n, total)
+                     for (k, start), (n, total) in agg.items() if start + width <= watermark)
+    return {"distinct_buckets": buckets, "windows": windows, "milestones": milestones}
+
+
+def _micros(ts: Any) -> int:
+    import datetime as dt
+
+    return (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
