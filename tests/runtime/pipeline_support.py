@@ -132,3 +132,22 @@ def check_barriers_follow_cuts(store: Any, pipeline_id: str, channel_uris: dict[
             assert all(b > cut for b in after), (stage, n, cut, after[:3])
             checked += 1
     return checked
+
+
+def run_until(driver: Any, store: Any, done: Callable[[], bool], *, what: str, epochs: bool = True,
+              stop: str = "graceful", interval: float = 1.5) -> Any:
+    """Run ``driver`` in a thread (with a checkpoint controller if ``epochs``) until ``done()``, then
+    request ``stop`` and return the driver's result. ``done`` is first called once the driver started
+    (a restore truncates channels, so they are read only after it)."""
+    pipeline_id = driver.pipeline.pipeline_id
+    thread = DriverThread(driver).start()
+    controller = Controller(store, pipeline_id, interval=interval)
+    if epochs:
+        controller.__enter__()
+    try:
+        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
+        wait_for(lambda: thread.error or done(), timeout=600, what=what)
+    finally:
+        controller.stop()
+    store.request_stop(pipeline_id, stop)
+    return thread.join(300)

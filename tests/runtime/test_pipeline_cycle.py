@@ -25,7 +25,7 @@ from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.stage import StorageLayout
-from tests.runtime.pipeline_support import Controller, DriverThread, barriers, row_count, wait_for
+from tests.runtime.pipeline_support import barriers, row_count, run_until
 
 pytestmark = [pytest.mark.spark]
 
@@ -54,20 +54,9 @@ def run(spark: Any, store: Any, pid: str, storage: Path, *, restore_from: Any = 
                             restore_from=restore_from)
     layout = driver.layout
     total = sum(expected_loop().values())
-    thread = DriverThread(driver).start()
-    controller = Controller(store, pid, interval=1.5)
-    if epochs:
-        controller.__enter__()
-    try:
-        # channels are read only once the driver restored and started (a restore truncates them)
-        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
-        wait_for(lambda: thread.error or (row_count(layout.channel_uri("done")) >= ROWS
-                                          and row_count(layout.channel_uri("loop")) >= total),
-                 timeout=600, what="every record to leave the loop")
-    finally:
-        controller.stop()
-    store.request_stop(pid, "graceful")
-    return thread.join(300)
+    return run_until(driver, store, lambda: row_count(layout.channel_uri("done")) >= ROWS
+                     and row_count(layout.channel_uri("loop")) >= total,
+                     what="every record to leave the loop", epochs=epochs)
 
 
 def check_outputs(layout: StorageLayout) -> None:

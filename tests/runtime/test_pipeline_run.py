@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,11 @@ from airflow_arroyo.runtime.snapshot import object_path
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
-    Controller,
-    DriverThread,
     barriers,
     check_barriers_follow_cuts,
     row_count,
     rows_of,
-    wait_for,
+    run_until,
 )
 
 pytestmark = [pytest.mark.spark]
@@ -35,14 +32,6 @@ pytestmark = [pytest.mark.spark]
 ROWS = 2400
 PER_BATCH = 100
 STAGES = ["left", "right", "joined", "report"]
-
-
-@pytest.fixture(scope="module")
-def module_store(pg_server: Any) -> Iterator[EpochStore]:
-    store = EpochStore(pg_server.create_database(f"run_{uuid.uuid4().hex[:10]}"))
-    store.migrate()
-    yield store
-    store.close()
 
 
 @dataclass
@@ -60,18 +49,8 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
     driver = PipelineDriver(demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark)
     expected = len(expected_report(ROWS))
-    thread = DriverThread(driver).start()
-    controller = Controller(store, pipeline_id, interval=1.5)
-    if epochs:
-        controller.__enter__()
-    try:
-        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
-        wait_for(lambda: thread.error or row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
-                 timeout=600, what=f"{expected} rows in the report channel")
-    finally:
-        controller.stop()
-    store.request_stop(pipeline_id, stop)
-    return thread.join(300)
+    return run_until(driver, store, lambda: row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
+                     what=f"{expected} rows in the report channel", epochs=epochs, stop=stop)
 
 
 @pytest.fixture(scope="module")
