@@ -311,6 +311,12 @@ class FileSystem:
         self._ensure_parent(dst)
         self._fs.copy_file(self._abs(src), self._abs(dst))
 
+    def move(self, src: str, dst: str) -> None:
+        """Move one file within this filesystem (a rename on local disks and HDFS; copy + delete on object
+        stores, where a reader may briefly see both)."""
+        self._ensure_parent(dst)
+        self._fs.move(self._abs(src), self._abs(dst))
+
     # ------------------------------------------------------------------ deletes
     def delete(self, path: str) -> bool:
         """Delete one file; False if it did not exist."""

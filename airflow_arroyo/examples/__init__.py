@@ -2,6 +2,7 @@
 
 from airflow_arroyo.examples.pipelines import (
     OUTPUT_CHANNEL,
+    SINK_STAGE,
     STATEFUL_OUTPUTS,
     demo,
     expected_report,
@@ -9,4 +10,6 @@ from airflow_arroyo.examples.pipelines import (
     stateful_ops,
 )
 
-__all__ = ["OUTPUT_CHANNEL", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops"]
+__all__ = [
+    "OUTPUT_CHANNEL", "SINK_STAGE", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops",
+]

@@ -4,7 +4,7 @@
 
     left  (generator, seed 1) ─┐
                                ├─> joined (stream-stream join on id: keyed state) ─> report (channel)
-    right (generator, seed 2) ─┘
+    right (generator, seed 2) ─┘                                   [─> report_files (Parquet sink)]
 
 Every row id appears once on each side, so ``joined`` emits each id exactly once whatever the
 micro-batch boundaries are, and ``report`` keeps the rows whose total is not a multiple of 7. The final
@@ -28,9 +28,12 @@ from airflow_arroyo.runtime.pipeline import Pipeline
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["OUTPUT_CHANNEL", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops"]
+__all__ = [
+    "OUTPUT_CHANNEL", "SINK_STAGE", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops",
+]
 
 OUTPUT_CHANNEL = "report"
+SINK_STAGE = "report_files"
 LEFT_SEED = 1
 RIGHT_SEED = 2
 
@@ -43,9 +46,11 @@ def demo(
     state_store: Literal["hdfs", "rocksdb"] | None = None,
     trigger_interval: float | None = None,
     partitions: int = 2,
+    sink_path: str | None = None,
 ) -> Pipeline:
     """The demo pipeline. ``rows=None`` makes the generators unbounded (benchmarks); ``rows_per_batch``
-    paces them (rows per micro-batch of each source)."""
+    paces them (rows per micro-batch of each source). ``sink_path`` adds an exactly-once Parquet sink
+    ``report_files`` writing the report there (committed epoch by epoch)."""
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,
@@ -69,6 +74,9 @@ def demo(
     rhs = p.source("right", right, trigger_interval=trigger_interval)
     joined = p.stage("joined", join, inputs=[lhs, rhs], state_store=state_store, trigger_interval=trigger_interval)
     p.stage(OUTPUT_CHANNEL, report, inputs=[joined], trigger_interval=trigger_interval)
+    if sink_path is not None:
+        p.sink(SINK_STAGE, inputs=[OUTPUT_CHANNEL], format="parquet", options={"path": sink_path},
+               trigger_interval=trigger_interval)
     return p
 
 

@@ -47,6 +47,7 @@ from airflow_arroyo.exceptions import (
     SnapshotError,
 )
 from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
@@ -132,6 +133,12 @@ class PipelineDriver:
         self._epochs_seen: list[int] = []
         self.restored_from_epoch: int | None = None
         self.started = threading.Event()  # set once every query runs (tests wait on it)
+        # exactly-once file sinks: pre-committed by their stage, committed here when an epoch completes
+        self.file_sinks: dict[str, TransactionalFileSink] = {
+            s.name: TransactionalFileSink(self.pipeline_id, s.name, s.sink_format, s.sink_options)
+            for s in self.graph.stages if s.kind is StageKind.SINK and s.sink_format in FILE_SINK_FORMATS
+        }
+        self._sinks_committed = 0  # the last epoch whose sink batches are committed
 
     # ------------------------------------------------------------------ public
 
@@ -155,6 +162,8 @@ class PipelineDriver:
                 self._restore(epoch_to_restore)
             elif self.restore_from == "latest":
                 self._start_over()
+            for sink in self.file_sinks.values():
+                sink.claim()
             spark = self._session()
             self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, len(self.graph.stages))),
                                                 thread_name_prefix=f"arroyo-snapshot-{self.pipeline_id}")
@@ -191,10 +200,21 @@ class PipelineDriver:
         for c in self.graph.channels:
             if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
                 return True
-        return False
+        return any(sink.has_state() for sink in self.file_sinks.values())
+
+    def _check_sink_owners(self) -> None:
+        for sink in self.file_sinks.values():
+            owner = sink.owner()
+            if owner is not None and (owner.get("pipeline"), owner.get("stage")) != (self.pipeline_id, sink.stage):
+                raise ConfigurationError(
+                    f"sink {sink.stage!r} of pipeline {self.pipeline_id!r}: {sink.uri} is written by stage "
+                    f"{owner.get('stage')!r} of pipeline {owner.get('pipeline')!r}; one folder has one writer: "
+                    "choose another path"
+                )
 
     def _plan_restore(self) -> int | None:
         rf = self.restore_from
+        self._check_sink_owners()
         if rf is None:
             if self._has_state():
                 raise ConfigurationError(
@@ -276,6 +296,7 @@ class PipelineDriver:
         t0 = time.monotonic()
         channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)  # fail before touching anything
+        sink_cuts = self._sink_cuts(epoch)
         prepared: list[PreparedRestore] = []
         try:
             for s in self.graph.stages:
@@ -288,6 +309,9 @@ class PipelineDriver:
         for name, ch in channels.items():
             ch.truncate_from(cut_positions[name])
             Channel.open(ch.uri).remove_orphans()
+        for name, sink in self.file_sinks.items():
+            sink.rollback_to(sink_cuts[name])
+        self._sinks_committed = epoch
         self.restored_from_epoch = epoch
         log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
                  self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
@@ -309,6 +333,8 @@ class PipelineDriver:
             if Channel.exists(uri):
                 # fresh checkpoints restart batch ids at 0: forget the writers' ids too (retention watermark)
                 Channel.open(uri).reset()
+        for sink in self.file_sinks.values():
+            sink.rollback_to(-1)  # no epoch ever completed: nothing of it was committed
         log.info("pipeline=%s: no completed epoch; checkpoints set aside and channels emptied", self.pipeline_id)
 
     # ------------------------------------------------------------------ Spark
@@ -336,7 +362,7 @@ class PipelineDriver:
                 self._ensure_feedback_channel(spec.name, fb)
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
-                                 gated=True)
+                                 gated=True, file_sink=self.file_sinks.get(spec.name))
             frames.append((runner, runner.build(spark)))
             self.runners.append(runner)
         self._wire_backpressure()
@@ -431,9 +457,14 @@ class PipelineDriver:
         assert spark is not None
         app_id = spark.sparkContext.applicationId
         ui_url = spark.sparkContext.uiWebUrl
+        previous_in_flight: int | None = None
         while True:
             self._check_queries()
             in_flight = self.store.in_flight_epoch(self.pipeline_id)
+            current = in_flight.epoch if in_flight is not None else None
+            if self.file_sinks and current != previous_in_flight:
+                self._commit_sinks()  # an epoch ended (completed or not): commit what completed
+            previous_in_flight = current
             if in_flight is not None and in_flight.epoch > last_seen and in_flight.run_id == self.run_id:
                 last_seen = in_flight.epoch
                 self._epochs_seen.append(in_flight.epoch)
@@ -467,6 +498,7 @@ class PipelineDriver:
                     if state is EpochState.COMPLETED:
                         log.info("pipeline=%s epoch=%s: final epoch completed; stopping", self.pipeline_id,
                                  final_epoch)
+                        self._commit_sinks()
                         return self._finish(final_epoch)
                     if state is not EpochState.TRIGGERED or time.monotonic() > final_deadline:
                         if final_attempts >= 3:
@@ -479,6 +511,34 @@ class PipelineDriver:
                             self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out")
                         final_epoch = None
             self._stop.wait(self.poll_interval)
+
+    def _sink_cuts(self, epoch: int) -> dict[str, int]:
+        """Each file sink's cut batch in ``epoch`` (from its acknowledgement)."""
+        if not self.file_sinks:
+            return {}
+        acks = {a.stage: a for a in self.store.acks(self.pipeline_id, epoch)}
+        out: dict[str, int] = {}
+        for name in self.file_sinks:
+            batch = (acks[name].details or {}).get("batch_id") if name in acks else None
+            if batch is None:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {self.pipeline_id!r} has no cut batch of sink {name!r}; it cannot be "
+                    "restored with that sink: choose another epoch"
+                )
+            out[name] = int(batch)
+        return out
+
+    def _commit_sinks(self) -> None:
+        """Second phase of the file sinks: commit every batch up to the cut of the newest epoch this run
+        took part in that completed (never an epoch of an earlier run: after a restore of an older epoch,
+        the newer epochs of the abandoned run are still marked completed, but their cuts are not ours)."""
+        for epoch in sorted((e for e in self._epochs_seen if e > self._sinks_committed), reverse=True):
+            if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
+                cuts = self._sink_cuts(epoch)
+                for name, sink in self.file_sinks.items():
+                    sink.commit_through(cuts[name])
+                self._sinks_committed = epoch
+                return
 
     def _try_final_epoch(self) -> tuple[int | None, float]:
         policy = CheckpointPolicy(interval=1.0, timeout=max(1.0, self.final_epoch_timeout))

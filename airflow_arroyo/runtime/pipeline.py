@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -196,10 +197,14 @@ class Pipeline:
              spark_conf: Mapping[str, str] | None = None) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
-        Give either ``foreach_batch(df, batch_id)`` or a batch writer ``format`` (+ ``options``, e.g.
-        ``path``). ``transform`` (default: the single input as is) shapes what is written.
-        Such sinks are at-least-once across a restore (a re-run batch id may carry other rows); only
-        channels are exactly-once (see docs/runtime.md).
+        Give either ``foreach_batch(df, batch_id)`` or a batch writer ``format`` (+ ``options``).
+        ``transform`` (default: the single input as is) shapes what is written.
+
+        A file format (``parquet``, ``orc``, ``json``, ``csv``, ``text``; ``options={"path": ...}``) is
+        **exactly-once**: batches are committed into the folder when an epoch covering them completes,
+        and a restore rolls the folder back to the restored epoch
+        (:mod:`~airflow_arroyo.runtime.file_sink`). ``foreach_batch`` and other formats are
+        at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
         """
         spec = StageSpec(
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
@@ -271,6 +276,16 @@ class PipelineGraph:
                 )
             writers[s.output] = s.name
         sinks = {s.name for s in specs if s.kind is StageKind.SINK}
+        paths: dict[str, str] = {}
+        for s in specs:
+            if s.sink_format in FILE_SINK_FORMATS:
+                path = s.sink_options["path"].rstrip("/")
+                if path in paths:
+                    raise PipelineGraphError(
+                        f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a sink folder has one writer: "
+                        "give each sink its own path"
+                    )
+                paths[path] = s.name
         for s in specs:
             for channel in s.all_inputs:
                 if channel in writers:
@@ -340,6 +355,11 @@ def _check_spec(s: StageSpec) -> None:
                 raise PipelineGraphError(
                     f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)> or "
                     "format='<batch writer format>' (with options={'path': ...})"
+                )
+            if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
+                raise PipelineGraphError(
+                    f"sink {s.name!r}: format {s.sink_format!r} writes files: "
+                    "give options={'path': '<folder or URI>'}"
                 )
             if s.foreach_batch is not None and not callable(s.foreach_batch):
                 raise PipelineGraphError(f"sink {s.name!r}: foreach_batch must be callable, got {s.foreach_batch!r}")

@@ -2,7 +2,9 @@
 by watching the epoch store and the channels: while it restores and starts its queries, while stages
 align, while a snapshot is being copied, between epochs, at a random time. Each time it restarts with
 ``--restore-from latest``; at the end the final channel must hold exactly the rows computed in plain
-Python: none lost, none twice. The test plays the checkpoint controller (``trigger_tick`` in a loop).
+Python: none lost, none twice; so must the demo's exactly-once Parquet sink (whose folder, read after
+every kill, never shows a row twice). The test plays the checkpoint controller (``trigger_tick`` in a
+loop).
 
 Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
 """
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow.dataset as ds
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
@@ -43,13 +46,14 @@ MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
 class Driver:
     """The driver as a subprocess in its own process group (so that SIGKILL takes the JVM too)."""
 
-    def __init__(self, *, dsn: str, storage: Path, pipeline_id: str, run_id: str, logs: Path) -> None:
+    def __init__(self, *, dsn: str, storage: Path, pipeline_id: str, run_id: str, logs: Path, sink: Path) -> None:
         self.run_id = run_id
         self.log_path = logs / f"{run_id}.log"
         cmd = [
             sys.executable, "-m", "airflow_arroyo.runtime.driver",
             "--pipeline", "airflow_arroyo.examples.pipelines:demo",
             "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={ROWS}", "--arg", f"rows_per_batch={PER_BATCH}",
+            "--arg", f"sink_path={sink}",
             "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",
             "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.ui.enabled=false",
             "--conf", "spark.driver.memory=1g", "--poll-interval", "0.05",
@@ -78,6 +82,14 @@ class Driver:
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def committed_rows(path: Path) -> list[tuple[Any, ...]]:
+    """What a reader of the sink's folder sees (it skips '_arroyo_sink', where pending batches wait)."""
+    if not path.exists():
+        return []
+    table = ds.dataset(str(path), format="parquet").to_table()
+    return [tuple(r.values()) for r in table.to_pylist()]
 
 
 def current(store: EpochStore, pid: str) -> Any:
@@ -156,6 +168,7 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     storage = tmp_path / "storage"
     logs = tmp_path / "logs"
     logs.mkdir()
+    sink = tmp_path / "report_files"  # the demo's exactly-once Parquet sink
     layout = StorageLayout.at(str(storage), pid)
     expected = expected_report(ROWS)
     # every kind of moment once, in random order after a first "between" (so that every later run has
@@ -169,7 +182,7 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
             run_id = f"run-{k}-{moment}"
             latest = store.latest_completed_epoch(pid) if current(store, pid) else None
             completed_before = latest.epoch if latest else 0
-            driver = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs)
+            driver = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs, sink=sink)
             condition = moment_condition(moment, store, pid, run_id, layout, completed_before, rng)
             try:
                 wait_for(lambda: condition() or not driver.alive(), timeout=300, interval=0.01,  # noqa: B023
@@ -180,12 +193,15 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
             assert driver.alive(), f"driver {run_id} ended by itself:\n{driver.tail()}"
             driver.kill()
             rec = store.get_pipeline(pid)
+            visible = committed_rows(sink)
             kills.append({"run": run_id, "moment": moment, "restored_from": rec.restored_from_epoch,
                           "completed_before": completed_before,
-                          "report_rows": row_count(layout.channel_uri(OUTPUT_CHANNEL))})
+                          "report_rows": row_count(layout.channel_uri(OUTPUT_CHANNEL)), "sink_rows": len(visible)})
+            # read-committed: what the sink shows after a kill holds no duplicate and nothing unexpected
+            assert not Counter(visible) - Counter(expected), f"sink after killing {run_id}: rows twice or unexpected"
         print(json.dumps(kills, indent=1))
         # the last run: to the end of the input, then a graceful stop with a final epoch
-        final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs)
+        final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs, sink=sink)
         try:
             # channels are read only once the driver restored them and runs
             wait_for(lambda: not final.alive() or (
@@ -221,5 +237,8 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     got = rows_of(layout.channel_uri(OUTPUT_CHANNEL))
     assert Counter(got) == Counter(expected)
     assert got == expected
+    # the Parquet sink too: its committed files hold each row exactly once
+    assert Counter(committed_rows(sink)) == Counter(expected)
+    assert any(k["sink_rows"] for k in kills), kills  # commits happened between kills, not only at the end
     # and every barrier of a completed epoch sits right after its stage's cut batch, across the restores
     assert check_barriers_follow_cuts(store, pid, {c: layout.channel_uri(c) for c in STAGES}) > 0

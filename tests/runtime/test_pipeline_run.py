@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.dataset as ds
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.examples import OUTPUT_CHANNEL, demo, expected_report
+from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_report
 from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.snapshot import object_path
@@ -31,7 +32,18 @@ pytestmark = [pytest.mark.spark]
 
 ROWS = 2400
 PER_BATCH = 100
-STAGES = ["left", "right", "joined", "report"]
+CHANNELS = ["left", "right", "joined", "report"]
+STAGES = [*CHANNELS, SINK_STAGE]  # the demo with its exactly-once Parquet sink
+
+
+def pipeline(pipeline_id: str, storage: Path) -> Any:
+    return demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH, sink_path=str(storage / "report_files"))
+
+
+def sink_rows(storage: Path) -> list[tuple[Any, ...]]:
+    """What a reader of the sink's folder sees (committed batches only)."""
+    table = ds.dataset(str(storage / "report_files"), format="parquet").to_table()
+    return sorted(tuple(r.values()) for r in table.to_pylist())
 
 
 @dataclass
@@ -46,7 +58,7 @@ class Ran:
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                epochs: bool = True, run_id: str | None = None, stop: str = "graceful") -> Any:
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
-    driver = PipelineDriver(demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), store, storage_uri=str(storage),
+    driver = PipelineDriver(pipeline(pipeline_id, storage), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark)
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
@@ -65,6 +77,9 @@ def test_output_equals_plain_python(ran: Ran) -> None:
     got = rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
     assert len(got) == len(ran.expected)
     assert got == ran.expected
+    # the Parquet sink committed every batch with the final epoch; nothing is left pending
+    assert sink_rows(ran.storage) == ran.expected
+    assert not list((ran.storage / "report_files" / "_arroyo_sink" / "pending").iterdir())
 
 
 def test_graceful_stop_took_a_completed_final_epoch(ran: Ran, module_store: EpochStore) -> None:
@@ -80,20 +95,21 @@ def test_epochs_completed_while_running_with_every_stage_acknowledged(ran: Ran, 
     completed = sorted(e.epoch for e in epochs if e.state is EpochState.COMPLETED)
     assert len(completed) >= 3, [(e.epoch, e.state, e.failure_reason) for e in epochs]
     layout = ran.layout
-    positions = {c: dict((e, i) for i, e in barriers(layout.channel_uri(c))) for c in STAGES}
+    positions = {c: dict((e, i) for i, e in barriers(layout.channel_uri(c))) for c in CHANNELS}
     for n in completed:
         acks = {a.stage: a for a in module_store.acks(ran.pipeline_id, n)}
         assert sorted(acks) == sorted(STAGES)
         # cursors: right after barrier n on each input channel
         assert acks["joined"].cursors == {"left": positions["left"][n] + 1, "right": positions["right"][n] + 1}
         assert acks["report"].cursors == {"joined": positions["joined"][n] + 1}
+        assert acks[SINK_STAGE].cursors == {"report": positions["report"][n] + 1}
         assert acks["left"].cursors == {}
         for a in acks.values():
             assert a.bytes_total is not None and a.bytes_total > 0 and a.bytes_new is not None
             assert a.alignment_ms is not None and a.sync_ms is not None and a.async_ms is not None
         epoch = module_store.get_epoch(ran.pipeline_id, n)
         assert epoch.bytes_total == sum(a.bytes_total for a in acks.values())
-    for c in STAGES:
+    for c in CHANNELS:
         seen = [e for _, e in barriers(layout.channel_uri(c))]
         assert seen == sorted(seen), f"barriers out of order in {c}: {seen}"
         assert set(completed) <= set(seen)
@@ -123,8 +139,9 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     assert result.final_epoch is None and module_store.list_epochs(pid) == []
     layout = StorageLayout.at(str(tmp_path), pid)
     assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
-    for c in STAGES:
+    for c in CHANNELS:
         assert barriers(layout.channel_uri(c)) == []
+    assert sink_rows(tmp_path) == []  # no epoch, no commit: the sink's batches stay pending
     # no completed epoch to restore from: 'latest' starts over (checkpoints set aside, channels reset)
     again = run_to_end(spark, module_store, pid, tmp_path, restore_from="latest", epochs=False, stop="immediate")
     assert again.restored_from_epoch is None
@@ -134,8 +151,8 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
 
 def test_each_barrier_sits_right_after_its_cut_batch(ran: Ran, module_store: EpochStore) -> None:
     """Barrier n follows the output of the stage's cut batch and precedes any later batch's output."""
-    uris = {c: ran.layout.channel_uri(c) for c in STAGES}
-    assert check_barriers_follow_cuts(module_store, ran.pipeline_id, uris) >= 3 * len(STAGES)
+    uris = {c: ran.layout.channel_uri(c) for c in CHANNELS}
+    assert check_barriers_follow_cuts(module_store, ran.pipeline_id, uris) >= 3 * len(CHANNELS)
 
 
 def copy_of(ran: Ran, tmp_path: Path) -> Path:
@@ -155,8 +172,9 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
     assert result.restored_from_epoch == middle
     assert module_store.get_pipeline(ran.pipeline_id).restored_from_epoch == middle
     assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert sink_rows(storage) == ran.expected  # the sink was rolled back to `middle`, then re-committed
     # the channels were cut right after barrier `middle`: no later barrier of the first run survived
-    for c in STAGES:
+    for c in CHANNELS:
         seen = [e for _, e in barriers(layout.channel_uri(c))]
         later = [e for e in seen if middle < e < result.final_epoch]
         assert later == [], (c, seen)
@@ -166,7 +184,7 @@ def test_fresh_start_over_existing_state_is_refused_before_anything_is_written(r
                                                                                   spark: Any, tmp_path: Path) -> None:
     storage = copy_of(ran, tmp_path)
     before = module_store.get_pipeline(ran.pipeline_id)
-    driver = PipelineDriver(demo(ran.pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH), module_store,
+    driver = PipelineDriver(pipeline(ran.pipeline_id, storage), module_store,
                             storage_uri=str(storage), spark=spark)
     with pytest.raises(ConfigurationError, match="restore_from='latest'"):
         driver.run()
@@ -186,7 +204,7 @@ def test_corrupt_snapshot_fails_the_restore_naming_epoch_and_file_and_deletes_no
     obj = storage / object_path(pid, victim.object_key)
     obj.write_bytes(b"garbage")
     files_before = sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.is_file())
-    driver = PipelineDriver(demo(pid, rows=ROWS, rows_per_batch=PER_BATCH), module_store, storage_uri=str(storage),
+    driver = PipelineDriver(pipeline(pid, storage), module_store, storage_uri=str(storage),
                             spark=spark, restore_from=epoch, run_id="corrupt")
     with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}") as err:
         driver.run()

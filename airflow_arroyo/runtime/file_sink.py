@@ -1,0 +1,172 @@
+"""An exactly-once file sink: Spark's batch file writers with a two-phase commit over epochs.
+
+Spark's own streaming file sink remembers batch ids in ``_spark_metadata`` and skips a batch id it has
+seen; after a restore the same batch id can carry other rows, so it would lose or duplicate them. This
+sink instead follows Flink's two-phase commit sink: a micro-batch is *pre-committed* to a pending
+folder, and *committed* (made visible) only when an epoch whose cut covers it completes. A restore
+rolls it back to the restored epoch's cut. Readers of the sink's folder see whole epochs only.
+
+Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.fs.FileSystem` understands)::
+
+    <path>/<batch:012d>-<part file>          committed data files (what readers read)
+    <path>/_arroyo_sink/owner.json           {"pipeline": ..., "stage": ..., "format": ...}
+    <path>/_arroyo_sink/pending/<batch>/     a pre-committed micro-batch, as Spark's batch writer left it
+
+Spark, pyarrow and pandas skip files and folders starting with ``_`` or ``.``, so ``_arroyo_sink`` is
+invisible to readers of ``<path>``.
+
+* **Pre-commit** (the stage's writer, micro-batch *b*): ``df.write.mode("overwrite")`` into
+  ``pending/b``: a re-run of *b* after a restore replaces what an earlier attempt left.
+* **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
+  every ``pending/b`` with ``b <= c`` is moved into ``<path>`` file by file under names prefixed by
+  *b*, then removed. Moving is idempotent: a commit cut short by a crash is finished by the next one.
+* **Rollback** (restore of epoch *N*, cut *c*): finish the commit of ``pending/b <= c`` (epoch *N*
+  completed; its commit may not have run), delete ``pending/b > c`` and committed files of batches
+  ``> c`` (left by epochs after *N* when an older epoch is restored).
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.fs import FileSystem
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+__all__ = ["FILE_SINK_FORMATS", "TransactionalFileSink"]
+
+log = logging.getLogger(__name__)
+
+# Spark batch writers that write files into a folder (what ships with pyspark; avro needs a jar).
+FILE_SINK_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
+_META = "_arroyo_sink"
+_BATCH_DIGITS = 12
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(("_", "."))
+
+
+class TransactionalFileSink:
+    """The files of one sink stage (see the module docstring)."""
+
+    def __init__(self, pipeline_id: str, stage: str, fmt: str, options: Mapping[str, str]) -> None:
+        if fmt not in FILE_SINK_FORMATS:
+            raise ConfigurationError(
+                f"sink {stage!r}: format {fmt!r} is not a file format this sink commits "
+                f"({', '.join(sorted(FILE_SINK_FORMATS))})"
+            )
+        path = options.get("path")
+        if not path:
+            raise ConfigurationError(f"sink {stage!r}: format {fmt!r} needs options={{'path': '<folder or URI>'}}")
+        self.pipeline_id = pipeline_id
+        self.stage = stage
+        self.format = fmt
+        self.options = {k: v for k, v in options.items() if k != "path"}
+        self.fs = FileSystem.from_uri(path)
+        self.uri = self.fs.uri
+
+    def __repr__(self) -> str:
+        return f"TransactionalFileSink({self.pipeline_id}/{self.stage} -> {self.uri})"
+
+    # ------------------------------------------------------------------ ownership
+
+    def owner(self) -> dict[str, str] | None:
+        try:
+            value = self.fs.read_json(f"{_META}/owner.json")
+        except FileNotFoundError:
+            return None
+        return dict(value) if isinstance(value, dict) else None
+
+    def claim(self) -> None:
+        """Record this pipeline and stage as the folder's writer; refuse a folder another one writes."""
+        mine = {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format}
+        current = self.owner()
+        if current is None:
+            if self.committed_batches() or any(not _hidden(e.name) for e in self.fs.list_dir()):
+                raise ConfigurationError(
+                    f"sink {self.stage!r}: {self.uri} already holds files this sink did not write; give the sink "
+                    "an empty or new folder (its content is replaced epoch by epoch on restore)"
+                )
+            self.fs.write_json_atomic(f"{_META}/owner.json", mine)
+            return
+        if (current.get("pipeline"), current.get("stage")) != (self.pipeline_id, self.stage):
+            raise ConfigurationError(
+                f"sink {self.stage!r} of pipeline {self.pipeline_id!r}: {self.uri} is written by stage "
+                f"{current.get('stage')!r} of pipeline {current.get('pipeline')!r}; one folder has one writer: "
+                "choose another path"
+            )
+
+    def has_state(self) -> bool:
+        return self.owner() is not None and (bool(self.pending_batches()) or bool(self.committed_batches()))
+
+    # ------------------------------------------------------------------ phases
+
+    def write_batch(self, df: DataFrame, batch_id: int) -> None:
+        """Pre-commit micro-batch ``batch_id`` (overwrites an earlier attempt of the same batch)."""
+        target = self.fs.spark_uri_of(self._pending(batch_id))
+        df.write.format(self.format).options(**self.options).mode("overwrite").save(target)
+
+    def commit_through(self, batch_id: int) -> int:
+        """Make every pending batch ``<= batch_id`` visible; returns how many files were moved."""
+        moved = 0
+        for b in self.pending_batches():
+            if b > batch_id:
+                continue
+            folder = self._pending(b)
+            for e in self.fs.list_files(folder):
+                rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
+                if any(_hidden(part) for part in rel.split("/")):
+                    continue  # _SUCCESS, .crc files, an unfinished _temporary
+                self.fs.move(e.path, self._committed_name(b, rel))
+                moved += 1
+            self.fs.delete_tree(folder)
+        if moved:
+            log.info("pipeline=%s sink=%s: committed batches <= %s (%d files) to %s", self.pipeline_id, self.stage,
+                     batch_id, moved, self.uri)
+        return moved
+
+    def rollback_to(self, batch_id: int) -> None:
+        """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
+        self.commit_through(batch_id)
+        for b in self.pending_batches():
+            if b > batch_id:
+                self.fs.delete_tree(self._pending(b))
+        dropped = 0
+        for b, path in self._committed_files():
+            if b > batch_id:
+                self.fs.delete(path)
+                dropped += 1
+        log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
+                 self.pipeline_id, self.stage, batch_id, dropped)
+
+    # ------------------------------------------------------------------ listing
+
+    def pending_batches(self) -> list[int]:
+        return sorted(int(e.name) for e in self.fs.list_dir(f"{_META}/pending") if e.is_dir and e.name.isdigit())
+
+    def committed_batches(self) -> list[int]:
+        return sorted({b for b, _ in self._committed_files()})
+
+    def _committed_files(self) -> list[tuple[int, str]]:
+        out = []
+        for e in self.fs.list_files():
+            if any(_hidden(part) for part in e.path.split("/")):
+                continue
+            head, _, _ = posixpath.basename(e.path).partition("-")
+            if len(head) == _BATCH_DIGITS and head.isdigit():
+                out.append((int(head), e.path))
+        return out
+
+    def _pending(self, batch_id: int) -> str:
+        return f"{_META}/pending/{batch_id}"
+
+    @staticmethod
+    def _committed_name(batch_id: int, rel: str) -> str:
+        folder, name = posixpath.split(rel)  # partitioned writes keep their key=value folders
+        return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{name}")

@@ -1,0 +1,118 @@
+"""The exactly-once file sink's two phases and its rollback, on real files written by real Spark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as ds
+import pytest
+
+from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.runtime.file_sink import TransactionalFileSink
+from airflow_arroyo.runtime.pipeline import Pipeline
+
+pytestmark = [pytest.mark.spark]
+
+
+def visible_ids(path: Path) -> list[int]:
+    """What a reader of the folder sees (pyarrow skips '_' and '.' names, as Spark does)."""
+    if not path.exists():
+        return []
+    table = ds.dataset(str(path), format="parquet").to_table()
+    return sorted(table.column("id").to_pylist()) if table.num_columns else []
+
+
+def batch(spark: Any, start: int, end: int) -> Any:
+    return spark.range(start, end).repartition(2)  # two part files per batch
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> TransactionalFileSink:
+    s = TransactionalFileSink("p1", "out", "parquet", {"path": str(tmp_path / "out"), "compression": "snappy"})
+    s.claim()
+    return s
+
+
+def test_batches_become_visible_only_when_committed(spark: Any, sink: TransactionalFileSink, tmp_path: Path) -> None:
+    for b in range(4):
+        sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
+    assert visible_ids(tmp_path / "out") == []
+    assert sink.pending_batches() == [0, 1, 2, 3]
+    moved = sink.commit_through(1)
+    assert moved == 4  # two part files per batch
+    assert visible_ids(tmp_path / "out") == list(range(20))
+    assert sink.committed_batches() == [0, 1] and sink.pending_batches() == [2, 3]
+    assert sink.commit_through(1) == 0  # idempotent
+    # Spark itself reads exactly the committed rows (it skips _arroyo_sink like pyarrow does)
+    assert sorted(r.id for r in spark.read.parquet(str(tmp_path / "out")).collect()) == list(range(20))
+
+
+def test_a_rerun_batch_replaces_its_earlier_attempt(spark: Any, sink: TransactionalFileSink, tmp_path: Path) -> None:
+    sink.write_batch(batch(spark, 0, 10), 0)
+    sink.write_batch(batch(spark, 100, 105), 0)  # after a restore, batch 0 carries other rows
+    sink.commit_through(0)
+    assert visible_ids(tmp_path / "out") == list(range(100, 105))
+
+
+def test_rollback_keeps_exactly_the_batches_of_the_restored_cut(spark: Any, sink: TransactionalFileSink,
+                                                                  tmp_path: Path) -> None:
+    for b in range(5):
+        sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
+    sink.commit_through(3)  # a later epoch committed batches 0-3; 4 is pending
+    sink.rollback_to(1)  # restore an older epoch whose cut was batch 1
+    assert visible_ids(tmp_path / "out") == list(range(20))
+    assert sink.committed_batches() == [0, 1] and sink.pending_batches() == []
+    sink.write_batch(batch(spark, 500, 503), 2)  # the restored run re-runs batch 2 with other rows
+    sink.commit_through(2)
+    assert visible_ids(tmp_path / "out") == [*range(20), 500, 501, 502]
+
+
+def test_rollback_finishes_the_commit_of_the_restored_epoch(spark: Any, sink: TransactionalFileSink,
+                                                            tmp_path: Path) -> None:
+    """Killed after epoch N completed but before (or while) its batches were committed."""
+    for b in range(3):
+        sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
+    # a commit cut short: one file of batch 1 already moved, the other not
+    folder = tmp_path / "out" / "_arroyo_sink" / "pending" / "1"
+    first = sorted(p for p in folder.iterdir() if p.name.startswith("part-"))[0]
+    first.rename(tmp_path / "out" / f"{1:012d}-{first.name}")
+    sink.rollback_to(1)
+    assert visible_ids(tmp_path / "out") == list(range(20))
+    assert sink.pending_batches() == []
+
+
+def test_start_over_removes_everything_it_wrote(spark: Any, sink: TransactionalFileSink, tmp_path: Path) -> None:
+    sink.write_batch(batch(spark, 0, 10), 0)
+    sink.commit_through(0)
+    sink.write_batch(batch(spark, 10, 20), 1)
+    sink.rollback_to(-1)
+    assert visible_ids(tmp_path / "out") == [] and sink.pending_batches() == [] and not sink.has_state()
+
+
+def test_a_folder_has_one_writer(tmp_path: Path, sink: TransactionalFileSink) -> None:
+    other = TransactionalFileSink("p2", "out", "parquet", {"path": str(tmp_path / "out")})
+    with pytest.raises(ConfigurationError, match="written by stage 'out' of pipeline 'p1'.*choose another path"):
+        other.claim()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.parquet").write_bytes(b"not ours")
+    with pytest.raises(ConfigurationError, match="already holds files this sink did not write"):
+        TransactionalFileSink("p1", "x", "parquet", {"path": str(foreign)}).claim()
+    assert (foreign / "data.parquet").read_bytes() == b"not ours"
+
+
+def test_bad_sink_options_are_refused_before_spark_starts(tmp_path: Path) -> None:
+    p = Pipeline("p")
+    src = p.source("src", lambda spark: spark.readStream.format("rate").load())
+    p.sink("files", inputs=[src], format="parquet")
+    with pytest.raises(PipelineGraphError, match=r"sink 'files': format 'parquet' writes files: give options="):
+        p.validate()
+    p = Pipeline("p")
+    src = p.source("src", lambda spark: spark.readStream.format("rate").load())
+    p.sink("a", inputs=[src], format="parquet", options={"path": str(tmp_path / "x")})
+    p.sink("b", inputs=[src], format="json", options={"path": str(tmp_path / "x") + "/"})
+    with pytest.raises(PipelineGraphError, match="sinks 'a' and 'b' both write"):
+        p.validate()
+    with pytest.raises(ConfigurationError, match="not a file format"):
+        TransactionalFileSink("p", "s", "jdbc", {"path": "x"})
