@@ -7,11 +7,16 @@ plays the Airflow trigger: ``trigger_tick`` every 0.5 s). Running them together 
 same machine (on a shared machine, load changes from one minute to the next would otherwise decide the
 ratio). After a warm-up, the rows reaching each final channel are counted over ``--rounds`` windows
 of ``--duration`` seconds. Prints throughput of both (records/s), their ratio per window and overall
-(target >= 0.95), epoch duration p50/p95 and bytes new/total per epoch.
+(target >= 0.95), epoch duration p50/p95, bytes new/total per epoch and, per stage, when it
+acknowledged after the trigger and how long alignment, the wait for Spark's commit and the copy took.
 
-``--mode alternate`` runs the two one after the other instead (rounds alternate the order).
+``--mode alternate`` runs the two one after the other instead (rounds alternate the order: ABBA...).
+In concurrent mode the pipelines share Spark's job scheduler and the snapshot threads' CPU, which
+pulls the ratio towards 1; on an idle machine alternate mode is the sharper comparison. Figures
+measured here are in docs/runtime.md ("Figures").
 
     python benchmarks/epoch_overhead.py                 # about 3 minutes
+    python benchmarks/epoch_overhead.py --mode alternate --rounds 2 --duration 45   # about 7 minutes
     python benchmarks/epoch_overhead.py --long          # 3 windows of 3 minutes
 """
 
@@ -52,6 +57,8 @@ class RunResult:
     epoch_durations: list[float] = field(default_factory=list)
     bytes_new: list[int] = field(default_factory=list)
     bytes_total: list[int] = field(default_factory=list)
+    # per stage, per completed epoch: seconds from trigger to ack, alignment ms, commit wait ms, copy ms
+    stage_times: dict[str, list[tuple[float, float, float, float]]] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -66,14 +73,14 @@ class Running:
     """One copy of the demo pipeline running in a driver thread (with or without a controller)."""
 
     def __init__(self, spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float,
-                 rows_per_batch: int) -> None:
+                 rows_per_batch: int, max_backlog: int) -> None:
         self.name = "epochs" if epochs else "no-epochs"
         self.epochs = epochs
         self.store = store
         self.pid = f"bench-{self.name}-{uuid.uuid4().hex[:6]}"
         self.interval = interval
         self.driver = PipelineDriver(demo(self.pid, rows=None, rows_per_batch=rows_per_batch), store,
-                                     storage_uri=str(storage), spark=spark)
+                                     storage_uri=str(storage), spark=spark, max_backlog_entries=max_backlog)
         self.failure: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True)
@@ -118,6 +125,10 @@ class Running:
                 result.epoch_durations.append(e.duration_s)
                 result.bytes_new.append(int(e.bytes_new or 0))
                 result.bytes_total.append(int(e.bytes_total or 0))
+                for a in self.store.acks(self.pid, e.epoch):
+                    result.stage_times.setdefault(a.stage, []).append((
+                        (a.acked_at - e.triggered_at).total_seconds(), a.alignment_ms or 0.0,
+                        float(a.details.get("commit_wait_ms", 0.0)), float(a.details.get("copy_ms", 0.0))))
 
 
 def measure(runs: list[Running], *, warmup: float, duration: float, windows: int) -> list[list[RunResult]]:
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(no-epochs, epochs) runs (alternate); default 2")
     parser.add_argument("--mode", choices=("concurrent", "alternate"), default="concurrent")
     parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
+    parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
+                        help="flow control: entries a channel may hold unread (default: the driver's)")
     parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
@@ -182,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def make(epochs: bool, tag: str) -> Running:
             return Running(spark, store, Path(tmp) / tag, epochs=epochs, interval=args.interval,
-                           rows_per_batch=args.rows_per_batch)
+                           rows_per_batch=args.rows_per_batch, max_backlog=args.max_backlog)
 
         if args.mode == "concurrent":
             runs = [make(False, "off"), make(True, "on")]
@@ -233,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         fractions = [n / t for n, t in zip(new, total, strict=True) if t]
         print(f"bytes new / total per epoch median {statistics.median(new):,.0f} / {statistics.median(total):,.0f} "
               f"(new = {100 * statistics.median(fractions):.1f}% of total; last epoch {new[-1]:,} / {total[-1]:,})")
+    stage_times: dict[str, list[tuple[float, float, float, float]]] = {}
+    for res in with_e:
+        for stage, rows in res.stage_times.items():
+            stage_times.setdefault(stage, []).extend(rows)
+    if stage_times:
+        print("where an epoch's time goes, per stage (medians over the completed epochs):")
+        print(f"  {'stage':10s}{'acked after':>14s}{'alignment':>12s}{'commit wait':>14s}{'copy':>10s}")
+        for stage, rows in sorted(stage_times.items(), key=lambda kv: statistics.median(t[0] for t in kv[1])):
+            med = [statistics.median(t[i] for t in rows) for i in range(4)]
+            print(f"  {stage:10s}{med[0]:12.2f} s{med[1]:10.0f} ms{med[2]:12.0f} ms{med[3]:8.0f} ms")
     if args.json:
         print(json.dumps({"throughput_without": tp_base, "throughput_with": tp_e, "ratio": ratio,
                           "epoch_p50_s": percentile(durations, 0.5), "epoch_p95_s": percentile(durations, 0.95),

@@ -90,6 +90,9 @@ class DriverResult:
 class PipelineDriver:
     """Runs one pipeline in one Spark application. Use :meth:`run` (blocks until the pipeline ends)."""
 
+    # Flow control: entries a channel may hold that its slowest aligned reader has not read (0: no bound).
+    DEFAULT_MAX_BACKLOG = 16
+
     def __init__(
         self,
         pipeline: Pipeline,
@@ -106,7 +109,7 @@ class PipelineDriver:
         stale_after: float = 30.0,
         commit_timeout: float = 300.0,
         own_spark: bool | None = None,
-        max_backlog_entries: int | None = 16,
+        max_backlog_entries: int | None = None,
     ) -> None:
         self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         self.pipeline = pipeline
@@ -122,7 +125,7 @@ class PipelineDriver:
         self.takeover = takeover
         self.stale_after = stale_after
         self.commit_timeout = commit_timeout
-        self.max_backlog_entries = max_backlog_entries
+        self.max_backlog_entries = self.DEFAULT_MAX_BACKLOG if max_backlog_entries is None else max_backlog_entries
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
         self.runners: list[StageRunner] = []
