@@ -400,10 +400,13 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
         if channel is None:
             log.warning("pipeline %s: channel %s does not exist any more; nothing to truncate", pipeline_id, uri)
             continue
-        channel_freed = channel.truncate_before(pos)
+        # pos is where the oldest retained epoch resumes: right after its barrier, which a restore
+        # looks up to cut the channel there; keep that one entry
+        start = max(0, pos - 1)
+        channel_freed = channel.truncate_before(start)
         report.channel_bytes_freed += channel_freed
         freed[newest] += channel_freed
-        log.info("pipeline %s: channel %s truncated before %s (%s bytes)", pipeline_id, uri, pos, channel_freed)
+        log.info("pipeline %s: channel %s truncated before %s (%s bytes)", pipeline_id, uri, start, channel_freed)
     lease.renew()
     done = store.finish_prune(pipeline_id, lease.run_id, freed)
     report.epochs_pruned = done
