@@ -6,7 +6,8 @@ what they decide; the tests drive them exhaustively.
 Epoch life cycle (one table, :data:`EPOCH_TRANSITIONS`)::
 
     triggered ──> completed ──> pruning ──> pruned
-        │                          ^
+        │             │            ^
+        │             └─> superseded ┤   (a restore of an older epoch abandoned it)
         ├──> failed ───────────────┤
         └──> expired ──────────────┘
 
@@ -55,6 +56,8 @@ class EpochState(enum.StrEnum):
     EXPIRED = "expired"
     PRUNING = "pruning"
     PRUNED = "pruned"
+    # completed, but a restore of an older epoch abandoned it: its snapshot no longer matches the channels
+    SUPERSEDED = "superseded"
 
     @property
     def in_flight(self) -> bool:
@@ -79,7 +82,8 @@ class PipelineState(enum.StrEnum):
 
 EPOCH_TRANSITIONS: dict[EpochState, frozenset[EpochState]] = {
     EpochState.TRIGGERED: frozenset({EpochState.COMPLETED, EpochState.FAILED, EpochState.EXPIRED}),
-    EpochState.COMPLETED: frozenset({EpochState.PRUNING}),
+    EpochState.COMPLETED: frozenset({EpochState.PRUNING, EpochState.SUPERSEDED}),
+    EpochState.SUPERSEDED: frozenset({EpochState.PRUNING}),
     EpochState.FAILED: frozenset({EpochState.PRUNING}),
     EpochState.EXPIRED: frozenset({EpochState.PRUNING}),
     EpochState.PRUNING: frozenset({EpochState.PRUNED}),
@@ -353,6 +357,9 @@ def select_prunable(epochs: Sequence[EpochFacts], policy: RetentionPolicy, now: 
         elif e.state.ended_unsuccessfully:
             prune.append(e.epoch)
             reasons[e.epoch] = f"{e.state.value}: partial data only"
+        elif e.state is EpochState.SUPERSEDED:
+            prune.append(e.epoch)
+            reasons[e.epoch] = "superseded: a restore of an older epoch abandoned it"
         elif e.epoch == latest_completed:
             keep.append(e.epoch)
             reasons[e.epoch] = "latest completed"

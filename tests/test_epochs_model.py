@@ -92,7 +92,7 @@ def test_retention_policy_rejects_policies_that_keep_nothing(kwargs: dict[str, o
 
 end_states = st.sampled_from(
     [EpochState.COMPLETED, EpochState.COMPLETED, EpochState.FAILED, EpochState.EXPIRED, EpochState.PRUNED,
-     EpochState.PRUNING]
+     EpochState.PRUNING, EpochState.SUPERSEDED]
 )
 
 
@@ -145,9 +145,9 @@ def test_select_prunable_never_prunes_what_must_stay(history: list[EpochFacts], 
             assert ended is not None
             if NOW - ended < policy.keep_newer_than:
                 assert e not in pruned
-    # failed/expired partial data and unfinished pruning always go
+    # failed/expired partial data, abandoned (superseded) epochs and unfinished pruning always go
     for e in history:
-        if e.state in (EpochState.FAILED, EpochState.EXPIRED, EpochState.PRUNING):
+        if e.state in (EpochState.FAILED, EpochState.EXPIRED, EpochState.PRUNING, EpochState.SUPERSEDED):
             assert e.epoch in pruned
     # and nothing else goes: a completed epoch is pruned only when no rule keeps it
     for e in pruned:

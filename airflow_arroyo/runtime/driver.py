@@ -207,13 +207,7 @@ class PipelineDriver:
 
     def _check_sink_owners(self) -> None:
         for sink in self.file_sinks.values():
-            owner = sink.owner()
-            if owner is not None and (owner.get("pipeline"), owner.get("stage")) != (self.pipeline_id, sink.stage):
-                raise ConfigurationError(
-                    f"sink {sink.stage!r} of pipeline {self.pipeline_id!r}: {sink.uri} is written by stage "
-                    f"{owner.get('stage')!r} of pipeline {owner.get('pipeline')!r}; one folder has one writer: "
-                    "choose another path"
-                )
+            sink.check_writable()  # read-only: before any restore touches the folder
 
     def _plan_restore(self) -> int | None:
         rf = self.restore_from

@@ -83,17 +83,16 @@ class TransactionalFileSink:
             return None
         return dict(value) if isinstance(value, dict) else None
 
-    def claim(self) -> None:
-        """Record this pipeline and stage as the folder's writer; refuse a folder another one writes."""
-        mine = {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format}
+    def check_writable(self) -> None:
+        """Refuse (before anything is written or rolled back) a folder another pipeline or stage writes,
+        or one that holds files this sink did not write."""
         current = self.owner()
         if current is None:
-            if self.committed_batches() or any(not _hidden(e.name) for e in self.fs.list_dir()):
+            if any(not _hidden(e.name) for e in self.fs.list_dir()):
                 raise ConfigurationError(
                     f"sink {self.stage!r}: {self.uri} already holds files this sink did not write; give the sink "
                     "an empty or new folder (its content is replaced epoch by epoch on restore)"
                 )
-            self.fs.write_json_atomic(f"{_META}/owner.json", mine)
             return
         if (current.get("pipeline"), current.get("stage")) != (self.pipeline_id, self.stage):
             raise ConfigurationError(
@@ -101,6 +100,13 @@ class TransactionalFileSink:
                 f"{current.get('stage')!r} of pipeline {current.get('pipeline')!r}; one folder has one writer: "
                 "choose another path"
             )
+
+    def claim(self) -> None:
+        """Record this pipeline and stage as the folder's writer (after :meth:`check_writable`)."""
+        self.check_writable()
+        if self.owner() is None:
+            self.fs.write_json_atomic(f"{_META}/owner.json",
+                                      {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format})
 
     def has_state(self) -> bool:
         return self.owner() is not None and (bool(self.pending_batches()) or bool(self.committed_batches()))

@@ -189,6 +189,9 @@ class EpochStore:
         A pipeline whose previous run stopped or failed starts a new run. A pipeline still
         registered/running/stopping is refused (two drivers would fight) unless ``takeover``:
         then the old run is marked failed ("superseded") and its in-flight epoch failed.
+        With ``restored_from_epoch`` N, the completed epochs after N become ``superseded``: the restore
+        cuts the channels right after barrier N, so they can never be restored again; "latest
+        completed" and retention's guarantees then mean N until the new run completes an epoch.
         """
         validate_pipeline_id(pipeline_id)
         if not stages:
@@ -241,7 +244,15 @@ class EpochStore:
                 " updated_at = now() WHERE pipeline_id = %(pipeline_id)s RETURNING *",
                 params,
             )
-            return from_row(PipelineRecord, _one(cur))
+            record = from_row(PipelineRecord, _one(cur))
+            if restored_from_epoch is not None:
+                # the restore cuts the channels right after barrier N: completed epochs after N are abandoned
+                cur.execute(
+                    "UPDATE arroyo_epochs SET state = 'superseded', failure_reason = %(reason)s"
+                    " WHERE pipeline_id = %(pipeline_id)s AND epoch > %(restored)s AND state = 'completed'",
+                    {**params, "reason": f"superseded: run {run_id} restored the older epoch {restored_from_epoch}"},
+                )
+            return record
 
         return self._tx(tx)
 

@@ -31,6 +31,7 @@ STATE_COLOURS: dict[EpochState, str] = {
     EpochState.EXPIRED: "#ea580c",
     EpochState.PRUNING: "#9ca3af",
     EpochState.PRUNED: "#9ca3af",
+    EpochState.SUPERSEDED: "#a78bfa",
 }
 PART_COLOURS: dict[str, str] = {
     "start_delay": "#cbd5e1",

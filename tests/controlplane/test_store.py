@@ -475,6 +475,31 @@ def test_registering_a_live_pipeline_again_is_refused_unless_taking_over(store: 
     assert (again.state, again.run_id) == (PipelineState.REGISTERED, "r3")
 
 
+def test_restoring_an_older_epoch_supersedes_the_completed_epochs_after_it(store: EpochStore, pg_dsn: str) -> None:
+    """The restore cuts the channels right after barrier N: later completed epochs cannot be restored
+    again, so 'latest completed' (restore, retention) must mean N until the new run completes one."""
+    running(store, "older", run_id="r1")
+    e1, e2, e3 = complete(store, "older"), complete(store, "older"), complete(store, "older")
+    e4 = expire(store, "older")
+    store.set_pipeline_state("older", PipelineState.STOPPED)
+    store.register_pipeline("older", stages=["src", "sink"], run_id="r2", restored_from_epoch=e1)
+    states = {e.epoch: e.state for e in store.list_epochs("older")}
+    assert states == {e1: EpochState.COMPLETED, e2: EpochState.SUPERSEDED, e3: EpochState.SUPERSEDED,
+                      e4: EpochState.EXPIRED}
+    assert "run r2 restored the older epoch" in (store.get_epoch("older", e3).failure_reason or "")
+    latest = store.latest_completed_epoch("older")
+    assert latest is not None and latest.epoch == e1
+    store.set_pipeline_state("older", PipelineState.RUNNING)
+    e5 = complete(store, "older")  # the new run's epochs go on with higher numbers
+    latest = store.latest_completed_epoch("older")
+    assert e5 > e4 and latest is not None and latest.epoch == e5
+    # superseded epochs are pruned like any ended epoch; the history checker accepts the transition
+    plan_run = store.acquire_cleanup_lock("older", "test", ttl=60, policy={"keep_last": 1})
+    plan = store.begin_prune("older", plan_run.id, [e2, e3])
+    assert plan.epochs == [e2, e3]
+    check_history(pg_dsn, ["older"]).assert_clean()
+
+
 # ============================================================================= the cleanup lease
 
 

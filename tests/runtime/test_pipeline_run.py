@@ -180,6 +180,38 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
         assert later == [], (c, seen)
 
 
+def test_latest_after_restoring_an_older_epoch_is_that_epoch_until_a_new_one_completes(
+        ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    """Restore the first epoch of a finished run, stop before any new epoch completes, restore 'latest':
+    the restore cut the newer epochs' barriers from the channels, so they became 'superseded' and
+    'latest' is the first epoch again (not an epoch that can no longer be restored)."""
+    storage = copy_of(ran, tmp_path)
+    pid = ran.pipeline_id
+    completed = sorted(e.epoch for e in module_store.list_epochs(pid) if e.state is EpochState.COMPLETED)
+    first, newest = completed[0], completed[-1]
+    assert first < newest
+    driver = PipelineDriver(pipeline(pid, storage), module_store, storage_uri=str(storage), spark=spark,
+                            restore_from=first, run_id="older")
+    run_until(driver, module_store, lambda: True, what="the restored run to start", epochs=False, stop="immediate")
+    states = {e.epoch: e.state for e in module_store.list_epochs(pid, limit=1000)}
+    assert {n: states[n] for n in completed if n > first} == {n: EpochState.SUPERSEDED for n in completed if n > first}
+    assert module_store.latest_completed_epoch(pid).epoch == first
+    again = PipelineDriver(pipeline(pid, storage), module_store, storage_uri=str(storage), spark=spark,
+                           restore_from="latest", run_id="latest-again")
+    result = run_until(again, module_store, lambda: True, what="the second restore to start", epochs=False,
+                       stop="immediate")
+    assert result.restored_from_epoch == first
+    assert sink_rows(storage) == sorted(sink_rows_until(storage, module_store, pid, first))
+
+
+def sink_rows_until(storage: Path, store: EpochStore, pid: str, epoch: int) -> list[tuple[Any, ...]]:
+    """The report rows before barrier ``epoch``: what the sink committed as of that epoch."""
+    from airflow_arroyo.runtime.channel import Channel
+
+    ch = Channel.open(StorageLayout.at(str(storage), pid).channel_uri(OUTPUT_CHANNEL))
+    return [tuple(r.values()) for r in ch.read_table(0, ch.find_barrier(epoch)).to_pylist()]
+
+
 def test_fresh_start_over_existing_state_is_refused_before_anything_is_written(ran: Ran, module_store: EpochStore,
                                                                                   spark: Any, tmp_path: Path) -> None:
     storage = copy_of(ran, tmp_path)
@@ -198,7 +230,8 @@ def test_corrupt_snapshot_fails_the_restore_naming_epoch_and_file_and_deletes_no
         ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
     storage = copy_of(ran, tmp_path)
     pid = ran.pipeline_id
-    epoch = ran.result.final_epoch
+    # the oldest epoch: still completed whatever the restores of the tests above superseded
+    epoch = min(e.epoch for e in module_store.list_epochs(pid, limit=1000) if e.state is EpochState.COMPLETED)
     entries = module_store.snapshot_entries(pid, epoch, "joined")
     victim = next(e for e in entries if e.rel_path.startswith("state/"))
     obj = storage / object_path(pid, victim.object_key)
