@@ -272,3 +272,32 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
     record = module_store.get_pipeline(pid)
     assert record.state is PipelineState.FAILED
     assert "stage 'boom' failed" in (record.failure_cause or "") and "row 500 is cursed" in (record.failure_cause or "")
+
+
+def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_store: EpochStore, spark: Any,
+                                                                        tmp_path: Path) -> None:
+    """What production does: the pipeline dies mid-way, the retention DAG prunes (keep_last=1: snapshot
+    objects of older epochs and channel entries before the kept epoch's barrier go), the pipeline is
+    restarted with restore_from='latest' and runs to the end. The Parquet sink, which retention does not
+    touch, ends with exactly the plain-Python rows."""
+    from airflow_arroyo.epochs import RetentionPolicy
+    from airflow_arroyo.retention import prune_pipeline
+
+    pid = f"pruned-{uuid.uuid4().hex[:8]}"
+    expected = expected_report(ROWS)
+    driver = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
+                            run_id="first")
+    run_until(driver, module_store,
+              lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 3,
+              what="three completed epochs", stop="immediate")
+    assert row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
+    report = prune_pipeline(module_store, pid, RetentionPolicy(keep_last=1), holder="test")
+    assert len(report.epochs_pruned) >= 2 and report.channel_bytes_freed > 0
+    latest = module_store.latest_completed_epoch(pid)
+    assert latest is not None
+    again = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
+                           restore_from="latest", run_id="after-retention")
+    result = run_until(again, module_store, lambda: len(sink_rows(tmp_path)) >= len(expected),
+                       what="the sink to commit every row")
+    assert result.restored_from_epoch == latest.epoch
+    assert sink_rows(tmp_path) == expected
