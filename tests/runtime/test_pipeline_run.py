@@ -31,7 +31,7 @@ from tests.runtime.pipeline_support import (
 pytestmark = [pytest.mark.spark]
 
 ROWS = 2400
-PER_BATCH = 100
+PER_BATCH = 150
 CHANNELS = ["left", "right", "joined", "report"]
 STAGES = [*CHANNELS, SINK_STAGE]  # the demo with its exactly-once Parquet sink
 
@@ -180,38 +180,6 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
         assert later == [], (c, seen)
 
 
-def test_latest_after_restoring_an_older_epoch_is_that_epoch_until_a_new_one_completes(
-        ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
-    """Restore the first epoch of a finished run, stop before any new epoch completes, restore 'latest':
-    the restore cut the newer epochs' barriers from the channels, so they became 'superseded' and
-    'latest' is the first epoch again (not an epoch that can no longer be restored)."""
-    storage = copy_of(ran, tmp_path)
-    pid = ran.pipeline_id
-    completed = sorted(e.epoch for e in module_store.list_epochs(pid) if e.state is EpochState.COMPLETED)
-    first, newest = completed[0], completed[-1]
-    assert first < newest
-    driver = PipelineDriver(pipeline(pid, storage), module_store, storage_uri=str(storage), spark=spark,
-                            restore_from=first, run_id="older")
-    run_until(driver, module_store, lambda: True, what="the restored run to start", epochs=False, stop="immediate")
-    states = {e.epoch: e.state for e in module_store.list_epochs(pid, limit=1000)}
-    assert {n: states[n] for n in completed if n > first} == {n: EpochState.SUPERSEDED for n in completed if n > first}
-    assert module_store.latest_completed_epoch(pid).epoch == first
-    again = PipelineDriver(pipeline(pid, storage), module_store, storage_uri=str(storage), spark=spark,
-                           restore_from="latest", run_id="latest-again")
-    result = run_until(again, module_store, lambda: True, what="the second restore to start", epochs=False,
-                       stop="immediate")
-    assert result.restored_from_epoch == first
-    assert sink_rows(storage) == sorted(sink_rows_until(storage, module_store, pid, first))
-
-
-def sink_rows_until(storage: Path, store: EpochStore, pid: str, epoch: int) -> list[tuple[Any, ...]]:
-    """The report rows before barrier ``epoch``: what the sink committed as of that epoch."""
-    from airflow_arroyo.runtime.channel import Channel
-
-    ch = Channel.open(StorageLayout.at(str(storage), pid).channel_uri(OUTPUT_CHANNEL))
-    return [tuple(r.values()) for r in ch.read_table(0, ch.find_barrier(epoch)).to_pylist()]
-
-
 def test_fresh_start_over_existing_state_is_refused_before_anything_is_written(ran: Ran, module_store: EpochStore,
                                                                                   spark: Any, tmp_path: Path) -> None:
     storage = copy_of(ran, tmp_path)
@@ -288,11 +256,11 @@ def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_s
     driver = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
                             run_id="first")
     run_until(driver, module_store,
-              lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 3,
-              what="three completed epochs", stop="immediate")
+              lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 2,
+              what="two completed epochs", stop="immediate")
     assert row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
     report = prune_pipeline(module_store, pid, RetentionPolicy(keep_last=1), holder="test")
-    assert len(report.epochs_pruned) >= 2 and report.channel_bytes_freed > 0
+    assert len(report.epochs_pruned) >= 1 and report.channel_bytes_freed > 0
     latest = module_store.latest_completed_epoch(pid)
     assert latest is not None
     again = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
