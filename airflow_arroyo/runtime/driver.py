@@ -205,13 +205,10 @@ class PipelineDriver:
                 return True
         return any(sink.has_state() for sink in self.file_sinks.values())
 
-    def _check_sink_owners(self) -> None:
-        for sink in self.file_sinks.values():
-            sink.check_writable()  # read-only: before any restore touches the folder
-
     def _plan_restore(self) -> int | None:
         rf = self.restore_from
-        self._check_sink_owners()
+        for sink in self.file_sinks.values():
+            sink.check_writable()  # read-only: before any restore touches the folder
         if rf is None:
             if self._has_state():
                 raise ConfigurationError(
@@ -526,9 +523,9 @@ class PipelineDriver:
         return out
 
     def _commit_sinks(self) -> None:
-        """Second phase of the file sinks: commit every batch up to the cut of the newest epoch this run
-        took part in that completed (never an epoch of an earlier run: after a restore of an older epoch,
-        the newer epochs of the abandoned run are still marked completed, but their cuts are not ours)."""
+        """Second phase of the file sinks: commit every batch up to the cut of the newest completed epoch
+        this run took part in (never an epoch of an earlier run, e.g. one whose storage was deleted for a
+        fresh start: its cut batch ids are not this run's)."""
         for epoch in sorted((e for e in self._epochs_seen if e > self._sinks_committed), reverse=True):
             if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
                 cuts = self._sink_cuts(epoch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -151,3 +152,14 @@ def run_until(driver: Any, store: Any, done: Callable[[], bool], *, what: str, e
         controller.stop()
     store.request_stop(pipeline_id, stop)
     return thread.join(300)
+
+
+def committed_rows(path: Any) -> list[tuple[Any, ...]]:
+    """What a reader of a file sink's folder sees, sorted (pyarrow skips '_arroyo_sink', where pending
+    batches wait)."""
+    import pyarrow.dataset as ds
+
+    if not os.path.exists(path):
+        return []
+    table = ds.dataset(str(path), format="parquet").to_table()
+    return sorted(tuple(r.values()) for r in table.to_pylist())

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
@@ -33,7 +32,14 @@ from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import Controller, check_barriers_follow_cuts, row_count, rows_of, wait_for
+from tests.runtime.pipeline_support import (
+    Controller,
+    check_barriers_follow_cuts,
+    committed_rows,
+    row_count,
+    rows_of,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -82,14 +88,6 @@ class Driver:
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-def committed_rows(path: Path) -> list[tuple[Any, ...]]:
-    """What a reader of the sink's folder sees (it skips '_arroyo_sink', where pending batches wait)."""
-    if not path.exists():
-        return []
-    table = ds.dataset(str(path), format="parquet").to_table()
-    return [tuple(r.values()) for r in table.to_pylist()]
 
 
 def current(store: EpochStore, pid: str) -> Any:

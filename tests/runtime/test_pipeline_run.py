@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
@@ -23,6 +22,7 @@ from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
     barriers,
     check_barriers_follow_cuts,
+    committed_rows,
     row_count,
     rows_of,
     run_until,
@@ -42,8 +42,7 @@ def pipeline(pipeline_id: str, storage: Path) -> Any:
 
 def sink_rows(storage: Path) -> list[tuple[Any, ...]]:
     """What a reader of the sink's folder sees (committed batches only)."""
-    table = ds.dataset(str(storage / "report_files"), format="parquet").to_table()
-    return sorted(tuple(r.values()) for r in table.to_pylist())
+    return committed_rows(storage / "report_files")
 
 
 @dataclass
