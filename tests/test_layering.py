@@ -1,0 +1,65 @@
+"""The Spark side never imports Airflow: a pipeline's driver runs on cluster nodes without it.
+
+Each module of the model, the store, the runtime and the example pipelines is imported in a fresh
+interpreter in which any ``import airflow`` fails, so an Airflow import added anywhere on that side
+(directly or through a module it imports) fails this test with the module that pulled it in.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import airflow_arroyo
+import airflow_arroyo.examples
+import airflow_arroyo.runtime
+import airflow_arroyo.store
+
+_AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.exceptions", "airflow_arroyo.fs"]
+
+
+def _spark_side_modules() -> list[str]:
+    mods = list(_AIRFLOW_FREE_TOP)
+    for package in (airflow_arroyo.store, airflow_arroyo.runtime, airflow_arroyo.examples):
+        mods.append(package.__name__)
+        mods += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    return mods
+
+
+_BLOCKER = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class _NoAirflow(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "airflow" or name.startswith("airflow."):
+                raise ImportError(f"Airflow is not installed here (imported {name!r})")
+            return None
+
+    sys.meta_path.insert(0, _NoAirflow())
+    import importlib
+    for mod in sys.argv[1:]:
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            print(f"{mod}: {exc}")
+            sys.exit(1)
+    """
+)
+
+
+def test_the_blocker_blocks_airflow() -> None:
+    """The check itself can fail: importing an Airflow-side module is refused."""
+    proc = subprocess.run([sys.executable, "-c", _BLOCKER, "airflow_arroyo.hooks.arroyo"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Airflow is not installed here" in proc.stdout
+
+
+def test_spark_side_modules_import_without_airflow() -> None:
+    modules = _spark_side_modules()
+    assert "airflow_arroyo.runtime.driver" in modules and "airflow_arroyo.store._sync" in modules
+    proc = subprocess.run([sys.executable, "-c", _BLOCKER, *modules], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
