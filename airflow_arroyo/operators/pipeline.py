@@ -15,14 +15,18 @@ process to the task. Then the operator defers to
   worker host. If that process exits before the run registers, the task fails at once with the tail
   of its log. In cluster deploy modes ``spark-submit`` exits once the application is submitted
   (``spark.yarn.submit.waitAppCompletion`` / ``spark.kubernetes.submission.waitAppCompletion`` are
-  set to ``false`` unless given), and only ``register_timeout`` guards the wait.
-* The store DSN reaches the driver as the environment variable ``ARROYO_DSN`` (for local/client
-  mode an environment variable of the process; for YARN/Kubernetes the provider passes it as the
-  application master's/driver's environment, i.e. on the ``spark-submit`` command line).
+  set to ``false`` unless given): the operator waits for that, reads the application's handle (YARN
+  application id, driver pod) with the provider's parser, and the trigger tracks and kills it
+  through its cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
+* The store DSN is never on the command line: ``ARROYO_DSN`` in the process environment (local and
+  client mode), a 0600 file shipped with ``--files`` (YARN cluster mode), a Kubernetes secret
+  (``dsn_secret``, Kubernetes cluster mode). Application, interpreter and DSN per mode:
+  :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit` (``docs/clusters.md``).
 * XCom: ``pipeline_id``, ``run_id`` (also the return value), ``spark_ui_url``, ``spark_app_id``,
   ``epoch_at_start`` (the pipeline's last epoch number when this run started: epoch numbers go on
   across runs), ``submit_log``, ``submit_process`` (pid, host, start time and log of the local
-  ``spark-submit``). Extra links: the pipeline's checkpoint page and the Spark UI.
+  ``spark-submit``), ``cluster_application`` (cluster mode). Extra links: the pipeline's
+  checkpoint page and the Spark UI.
 * Killing the task stops the pipeline: ``on_kill`` (while ``execute`` runs) and the trigger's
   ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
   process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
