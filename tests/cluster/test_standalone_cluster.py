@@ -72,6 +72,12 @@ def submit(tmp_path: Path, run: str, **kwargs: Any) -> tuple[SubmitPipelineOpera
     return op, ti, driver
 
 
+def tail(ti: _TI, lines: int = 40) -> str:
+    """The driver's log (spark-submit's output), for failure messages."""
+    text = Path(ti.xcom["submit_log"]).read_text(errors="replace").splitlines()
+    return "\n".join(line for line in text if not line.lstrip().startswith("at "))[-lines * 200:]
+
+
 def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
     spark_cluster: StandaloneCluster, store: EpochStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -87,22 +93,24 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
             _, ti, driver = submit(tmp_path, "run-1")
             drivers.append(driver)
             # a standalone application (app-*, not local-*), reported by the driver's heartbeat
-            wait_for(lambda: (store.get_pipeline(PID).spark_app_id or "").startswith("app-"), timeout=60,
-                     what="the driver to report its standalone application id")
+            wait_for(lambda: (store.get_pipeline(PID).spark_app_id or "").startswith("app-")
+                     or not driver.group_alive(), timeout=180, what="the driver to report its application id")
+            assert (store.get_pipeline(PID).spark_app_id or "").startswith("app-"), tail(ti)
             wait_for(lambda: all(spark_cluster.executor_pids(i) for i in (0, 1)), timeout=120,
                      what="an executor JVM on each worker")
             wait_for(lambda: (e := store.latest_completed_epoch(PID)) is not None and e.epoch >= 2, timeout=180,
-                     what=f"two epochs on the cluster\n{spark_cluster.logs()}")
+                     what=f"two epochs on the cluster\n{tail(ti)}")
 
             # 2. kill a worker while an epoch is in flight
             in_flight = wait_for(lambda: store.in_flight_epoch(PID), timeout=60, interval=0.02,
                                  what="an epoch in flight")
+            assert in_flight is not None
             spark_cluster.kill_worker(0)
             outcome = wait_for(
                 lambda: "failed" if store.get_pipeline(PID).state is PipelineState.FAILED else (
                     "went on" if (e := store.latest_completed_epoch(PID)) is not None and e.epoch > in_flight.epoch
                     else None),
-                timeout=180, what=f"the pipeline to go on or fail after the worker kill\n{spark_cluster.logs()}")
+                timeout=180, what=f"the pipeline to go on or fail after the worker kill\n{tail(ti)}")
             record = store.get_pipeline(PID)
             print(f"worker killed during epoch {in_flight.epoch}: the pipeline {outcome} "
                   f"(cause: {record.failure_cause!r})")
@@ -123,7 +131,7 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
             drivers.append(driver2)
             assert store.get_pipeline(PID).restored_from_epoch == restore_point.epoch
             wait_for(lambda: row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected), timeout=300,
-                     interval=0.5, what=f"the restored run to reach the end of the input\n{spark_cluster.logs()}")
+                     interval=0.5, what=f"the restored run to reach the end of the input\n{tail(ti2)}")
         store.request_stop(PID, "graceful")
         wait_for(lambda: store.get_pipeline(PID).state in (PipelineState.STOPPED, PipelineState.FAILED),
                  timeout=180, what="a graceful stop")
@@ -131,7 +139,7 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
         for d in drivers:
             d.signal_group(signal.SIGKILL)
     final = store.get_pipeline(PID)
-    assert final.state is PipelineState.STOPPED, (final.failure_cause, Path(ti2.xcom["submit_log"]).read_text()[-4000:])
+    assert final.state is PipelineState.STOPPED, (final.failure_cause, tail(ti2))
     latest = store.latest_completed_epoch(PID)
     assert latest is not None and latest.is_final and latest.state is EpochState.COMPLETED
 
