@@ -277,8 +277,14 @@ class ClusterApplication:
         """End the application through its cluster manager, the provider's way: the ResourceManager's
         REST API (``yarn_resourcemanager_webapp_address`` in the connection) or ``yarn application
         -kill``; the Kubernetes API (delete the driver pod). Blocking; best effort (logged)."""
-        hook = self._hook()
         log.info("Killing %s through its cluster manager", self.describe())
+        try:
+            self._kill(log)
+        except Exception as exc:  # noqa: BLE001 - best effort: the stop request in the store stands
+            log.warning("Could not kill %s: %s", self.describe(), exc)
+
+    def _kill(self, log: Any) -> None:
+        hook = self._hook()
         if self.manager == ClusterManager.YARN:
             if not self.application_id:
                 return

@@ -324,3 +324,23 @@ def test_no_rm_address_means_status_unknown(monkeypatch: pytest.MonkeyPatch) -> 
     yarn = _conn(monkeypatch, "spark_yarn", "yarn", **{"deploy-mode": "cluster"})
     assert ClusterApplication("yarn", yarn, application_id="application_1_0003").status() is None
     assert os.environ  # the connection came from the environment only
+
+
+def test_kubernetes_run_without_a_reachable_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No Kubernetes configuration here: the status is unknown (the trigger keeps waiting on the store)
+    and a kill is logged, not raised (the stop request in the store stands)."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    k8s = _conn(monkeypatch, "spark_k8s", "k8s://https://127.0.0.1:1", **{"deploy-mode": "cluster",
+                                                                          "namespace": "spark"})
+    app = ClusterApplication("kubernetes", k8s, driver_pod="arroyo-orders-1-driver", namespace="spark")
+    assert app.status() is None
+    warnings: list[str] = []
+
+    class _Log:
+        def info(self, *a: Any) -> None: ...
+        def warning(self, msg: str, *a: Any) -> None:
+            warnings.append(msg % a)
+
+    app.kill(_Log())
+    assert warnings and "arroyo-orders-1-driver" in warnings[0]
