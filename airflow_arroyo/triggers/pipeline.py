@@ -19,7 +19,8 @@ When the submit operator defers to it, it also knows the detached ``spark-submit
 (``submit_pid``/``submit_host``/``submit_start_ticks``) and sets ``stop_on_kill``: if a user kills the
 deferred task (mark failed/success, clear), :meth:`PipelineStateTrigger.on_kill` asks the pipeline to
 stop immediately and, when the triggerer runs on the host that started ``spark-submit``, kills its
-process group.
+process group. A cluster-mode run (``cluster_application``) is instead watched and killed through its
+cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
 
 Usage (inside an operator)::
 
@@ -384,8 +385,8 @@ class PipelineStateTrigger(BaseTrigger):
         return ClusterApplication.from_dict(self.cluster_application)
 
     async def _cluster_app_ended(self) -> str | None:
-        """What the cluster manager says when the application has ended ('' is never returned); None while
-        it runs, cannot be told, or was asked less than ``cluster_poll_interval`` seconds ago."""
+        """What the cluster manager says once the application has ended; None while it runs, when it
+        cannot be told, or when it was asked less than ``cluster_poll_interval`` seconds ago."""
         app = self.cluster_app
         if app is None or time.monotonic() - self._cluster_checked_at < self.cluster_poll_interval:
             return None
