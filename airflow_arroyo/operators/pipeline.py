@@ -15,14 +15,18 @@ process to the task. Then the operator defers to
   worker host. If that process exits before the run registers, the task fails at once with the tail
   of its log. In cluster deploy modes ``spark-submit`` exits once the application is submitted
   (``spark.yarn.submit.waitAppCompletion`` / ``spark.kubernetes.submission.waitAppCompletion`` are
-  set to ``false`` unless given), and only ``register_timeout`` guards the wait.
-* The store DSN reaches the driver as the environment variable ``ARROYO_DSN`` (for local/client
-  mode an environment variable of the process; for YARN/Kubernetes the provider passes it as the
-  application master's/driver's environment, i.e. on the ``spark-submit`` command line).
+  set to ``false`` unless given): the operator waits for that, reads the application's handle (YARN
+  application id, driver pod) with the provider's parser, and the trigger tracks and kills it
+  through its cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
+* The store DSN is never on the command line: ``ARROYO_DSN`` in the process environment (local and
+  client mode), a 0600 file shipped with ``--files`` (YARN cluster mode), a Kubernetes secret
+  (``dsn_secret``, Kubernetes cluster mode). Application, interpreter and DSN per mode:
+  :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit` (``docs/clusters.md``).
 * XCom: ``pipeline_id``, ``run_id`` (also the return value), ``spark_ui_url``, ``spark_app_id``,
   ``epoch_at_start`` (the pipeline's last epoch number when this run started: epoch numbers go on
   across runs), ``submit_log``, ``submit_process`` (pid, host, start time and log of the local
-  ``spark-submit``). Extra links: the pipeline's checkpoint page and the Spark UI.
+  ``spark-submit``), ``cluster_application`` (cluster mode). Extra links: the pipeline's
+  checkpoint page and the Spark UI.
 * Killing the task stops the pipeline: ``on_kill`` (while ``execute`` runs) and the trigger's
   ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
   process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
@@ -36,12 +40,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.sdk import BaseOperator
 
@@ -53,20 +59,36 @@ from airflow_arroyo.exceptions import (
     PipelineFailedError,
     UnknownPipelineError,
 )
+from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, stop_run
+from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, log_tail, stop_run
 
 if TYPE_CHECKING:
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
     from airflow.sdk import Context
 
     from airflow_arroyo.store import EpochStore
 
-__all__ = ["DRIVER_APPLICATION", "StopPipelineOperator", "SubmitPipelineOperator", "parse_restore_from"]
+__all__ = [
+    "DRIVER_APPLICATION", "StopPipelineOperator", "SubmitCommand", "SubmitPipelineOperator", "parse_restore_from",
+]
 
 #: The runtime driver: a spark-submit application (absolute path of the installed file).
 DRIVER_APPLICATION = str(Path(__file__).resolve().parent.parent / "runtime" / "driver.py")
 
 _CLUSTER_WAIT_CONFS = ("spark.yarn.submit.waitAppCompletion", "spark.kubernetes.submission.waitAppCompletion")
+
+
+class SubmitCommand(NamedTuple):
+    """A run's spark-submit: the command, its process environment, whether it exits once the
+    application is submitted (cluster deploy mode), the provider's hook that built it, and the DSN
+    file to write before it runs and delete after (YARN cluster mode; never logged)."""
+
+    command: list[str]
+    env: dict[str, str]
+    cluster: bool
+    hook: SparkSubmitHook
+    secret_file: tuple[str, str] | None = None
 
 
 def parse_restore_from(value: str | int | None) -> str | None:
@@ -115,6 +137,13 @@ def _reap_detached() -> None:
     _DETACHED[:] = [p for p in _DETACHED if p.poll() is None]
 
 
+def _write_private(path: str, content: str) -> None:
+    """Write a secret file only its owner can read (created 0600, never world-readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+
+
 def _store(conn_id: str) -> EpochStore:
     from airflow_arroyo.hooks.arroyo import ArroyoHook
 
@@ -153,6 +182,11 @@ class SubmitPipelineOperator(BaseOperator):
     :param register_timeout: seconds the run may take to reach ``running`` before the task fails
         (and the run is stopped).
     :param poll_interval: seconds between two looks at the epoch store while deferred.
+    :param cluster_python: the Python interpreter on the cluster's nodes (``spark.pyspark.python``;
+        in cluster deploy mode the driver's too). Default: the cluster's own ``python3`` (the
+        Airflow worker's interpreter only for local masters and standalone client mode).
+    :param dsn_secret: Kubernetes cluster mode: the Kubernetes secret holding the epoch store DSN,
+        ``"name:key"`` (the driver pod gets it as ``ARROYO_DSN``; the DSN is never on the command line).
 
     Usage::
 
@@ -169,6 +203,7 @@ class SubmitPipelineOperator(BaseOperator):
     template_fields: Sequence[str] = (
         "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "conn_id",
         "spark_conn_id", "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
+        "cluster_python", "dsn_secret",
     )
     template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json",
                                  "pipeline_args": "json"}
@@ -196,6 +231,8 @@ class SubmitPipelineOperator(BaseOperator):
         submit_log_dir: str | None = None,
         register_timeout: float = 600.0,
         poll_interval: float = 2.0,
+        cluster_python: str | None = None,
+        dsn_secret: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -217,7 +254,11 @@ class SubmitPipelineOperator(BaseOperator):
         self.submit_log_dir = submit_log_dir
         self.register_timeout = register_timeout
         self.poll_interval = poll_interval
+        self.cluster_python = cluster_python
+        self.dsn_secret = dsn_secret
         self._process: LocalProcess | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._cluster_app: ClusterApplication | None = None
         self._submitted_run: str | None = None
 
     # ------------------------------------------------------------------ pieces
@@ -232,9 +273,11 @@ class SubmitPipelineOperator(BaseOperator):
             raise ConfigurationError("register_timeout and poll_interval must be positive numbers of seconds")
         return parse_restore_from(self.restore_from)
 
-    def build_spark_submit(self, run_id: str, restore: str | None, dsn: str) -> tuple[list[str], dict[str, str], bool]:
-        """The spark-submit command, its environment, and whether spark-submit exits once the
-        application is submitted (cluster deploy mode). Built by the provider's hook."""
+    def build_spark_submit(self, run_id: str, restore: str | None, dsn: str, *,
+                           secret_dir: str | None = None) -> SubmitCommand:
+        """The spark-submit command of a run, built by the provider's hook; what goes into it per
+        cluster manager and deploy mode is :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit`'s
+        decision (application, interpreter, where the DSN travels)."""
         from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
         args = ["--pipeline", self.pipeline, "--run-id", run_id]
@@ -248,30 +291,39 @@ class SubmitPipelineOperator(BaseOperator):
             args += ["--arg", f"{key}={_arg_value(value)}"]
         args += [str(a) for a in self.application_args]
         conf = {str(k): str(v) for k, v in self.conf.items()}
-        python = os.environ.get("PYSPARK_PYTHON") or sys.executable
-        env = {"ARROYO_DSN": dsn, "PYSPARK_PYTHON": python, **{str(k): str(v) for k, v in self.env_vars.items()}}
         hook = SparkSubmitHook(
             conf=conf,
             conn_id=self.spark_conn_id,
             name=self.name or f"arroyo-{self.pipeline_id}",
             application_args=args,
-            env_vars=env,
+            env_vars={str(k): str(v) for k, v in self.env_vars.items()} or None,
             **self.spark_submit_kwargs,
         )
-        cluster = hook._connection["deploy_mode"] == "cluster"
-        if cluster:
+        target = DeployTarget.from_hook(hook)
+        if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:
+            secret_dir = tempfile.mkdtemp(prefix="arroyo-submit-")  # 0700: only this user reads the DSN file
+        plan = plan_submit(
+            target, dsn=dsn, driver_application=DRIVER_APPLICATION,
+            application=str(self.application) if self.application else None, conf=conf,
+            cluster_python=self.cluster_python, dsn_secret=self.dsn_secret, secret_dir=secret_dir,
+            local_python=os.environ.get("PYSPARK_PYTHON") if target.manager is ClusterManager.LOCAL else None,
+        )
+        hook._conf.update(plan.conf)
+        if target.cluster_mode:
             for key in _CLUSTER_WAIT_CONFS:
                 hook._conf.setdefault(key, "false")
+        if plan.files:
+            hook._files = ",".join([*filter(None, [hook._files]), *plan.files])
         # _build_spark_submit_command is the provider's own command builder (SparkSubmitHook.submit
-        # uses it too); it also decides how env_vars travel (process env, or --conf for YARN/K8s).
-        command = hook._build_spark_submit_command(self.application or DRIVER_APPLICATION)
-        process_env = dict(os.environ)
+        # uses it too); it also decides how the user's env_vars travel (process env, or --conf for YARN/K8s).
+        command = hook._build_spark_submit_command(plan.application)
+        process_env = {k: v for k, v in os.environ.items() if k not in plan.drop_env}
         # spark-submit is found on PATH, and its find-spark-home runs `python3` from PATH: the
         # interpreter that has pyspark installed must come first.
         process_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), process_env.get("PATH", "")])
-        process_env.setdefault("PYSPARK_PYTHON", python)
+        process_env.update(plan.process_env)
         process_env.update({k: str(v) for k, v in (hook._env or {}).items()})
-        return command, process_env, cluster
+        return SubmitCommand(command, process_env, target.cluster_mode, hook, plan.secret_file)
 
     def start_detached(self, command: list[str], env: Mapping[str, str], run_id: str) -> tuple[LocalProcess, Path]:
         """Start spark-submit in its own session so it outlives this task; output to a log file."""
@@ -290,6 +342,7 @@ class SubmitPipelineOperator(BaseOperator):
         # process live on (dag.test()), the child is reaped once it exits instead of lingering.
         _reap_detached()
         _DETACHED.append(proc)
+        self._popen = proc
         return process, log_path
 
     # ------------------------------------------------------------------ execute
@@ -307,30 +360,67 @@ class SubmitPipelineOperator(BaseOperator):
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
                 "(StopPipelineOperator or `airflow-arroyo stop`) before submitting a new run"
             )
-        command, env, cluster = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
-        process, log_path = self.start_detached(command, env, run_id)
-        self._process, self._submitted_run = process, run_id
-        self.log.info("Pipeline %s run %s: spark-submit started (pid %s), log %s", self.pipeline_id, run_id,
-                      process.pid, log_path)
+        submit_cmd = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
+        cluster_app: ClusterApplication | None = None
+        try:
+            if submit_cmd.secret_file is not None:
+                _write_private(*submit_cmd.secret_file)
+            process, log_path = self.start_detached(submit_cmd.command, submit_cmd.env, run_id)
+            self._process, self._submitted_run = process, run_id
+            self.log.info("Pipeline %s run %s: spark-submit started (pid %s), log %s", self.pipeline_id, run_id,
+                          process.pid, log_path)
+            if submit_cmd.cluster:
+                cluster_app = self._cluster_app = self._await_cluster_submission(submit_cmd, log_path)
+        finally:
+            if submit_cmd.secret_file is not None:  # spark-submit has shipped it (or failed): delete it here
+                shutil.rmtree(Path(submit_cmd.secret_file[0]).parent, ignore_errors=True)
         ti = context["ti"]
         ti.xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         ti.xcom_push(key="run_id", value=run_id)
         ti.xcom_push(key="submit_log", value=str(log_path))
         ti.xcom_push(key=XCOM_SPARK_UI_URL, value=None)  # known once the driver reports it
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
-                  "log": str(log_path), "run_id": run_id}
+                  "log": str(log_path), "run_id": run_id,
+                  "cluster_application": cluster_app.to_dict() if cluster_app else None}
         ti.xcom_push(key="submit_process", value=submit)
+        if cluster_app is not None:
+            ti.xcom_push(key="cluster_application", value=cluster_app.to_dict())
         self.defer(
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
                 conn_id=self.conn_id, poll_interval=self.poll_interval,
                 deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
                 submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
-                submit_log=str(log_path), submit_exits=cluster,
+                submit_log=str(log_path), submit_exits=submit_cmd.cluster,
+                cluster_application=cluster_app.to_dict() if cluster_app else None,
             ),
             method_name="execute_complete",
             kwargs={"submit": submit},
         )
+
+    def _await_cluster_submission(self, submit_cmd: SubmitCommand, log_path: Path) -> ClusterApplication:
+        """Cluster deploy mode: spark-submit exits once the cluster accepted the application
+        (``waitAppCompletion=false``). Wait for that (bounded by ``register_timeout``), then read the
+        application's handle from its output with the provider's own parser."""
+        popen = self._popen
+        assert popen is not None
+        try:
+            code = popen.wait(timeout=self.register_timeout)
+        except subprocess.TimeoutExpired:
+            stop_run(_store(self.conn_id), self.pipeline_id, self._submitted_run, self._process, log=self.log)
+            raise ArroyoError(
+                f"spark-submit of pipeline {self.pipeline_id!r} did not return within {self.register_timeout:g}s "
+                f"in cluster deploy mode (it should exit once the application is accepted); see {log_path}"
+            ) from None
+        if code != 0:
+            raise ArroyoError(
+                f"spark-submit of pipeline {self.pipeline_id!r} failed (exit code {code}); its last lines:\n"
+                f"{log_tail(str(log_path))}"
+            )
+        with open(log_path, encoding="utf-8", errors="replace") as lines:
+            app = ClusterApplication.from_submit_output(submit_cmd.hook, lines, self.spark_conn_id)
+        self.log.info("Pipeline %s: submitted as %s", self.pipeline_id, app.describe())
+        return app
 
     def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
         ti = context["ti"]
@@ -341,7 +431,8 @@ class SubmitPipelineOperator(BaseOperator):
             process = None
             if submit.get("pid") is not None and submit.get("host"):
                 process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
-            stop_run(_store(self.conn_id), self.pipeline_id, run_id, process, log=self.log)
+            stop_run(_store(self.conn_id), self.pipeline_id, run_id, process, log=self.log,
+                     cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
             raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
@@ -357,7 +448,8 @@ class SubmitPipelineOperator(BaseOperator):
     def on_kill(self) -> None:
         if self._submitted_run is None:
             return
-        stop_run(_store(self.conn_id), self.pipeline_id, self._submitted_run, self._process, log=self.log)
+        stop_run(_store(self.conn_id), self.pipeline_id, self._submitted_run, self._process, log=self.log,
+                 cluster_app=self._cluster_app)
 
 
 class StopPipelineOperator(BaseOperator):

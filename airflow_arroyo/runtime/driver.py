@@ -11,8 +11,8 @@ the stages' checkpoints and truncates the channels when asked to, starts one str
 * on ``stop_requested == 'graceful'``: state ``stopping``, one **final epoch** (Flink's
   stop-with-savepoint), wait for it, stop the queries, state ``stopped``; on ``'immediate'``: stop now.
 
-Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_DSN`` so that no
-secret is on the command line)::
+Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_DSN`` or the file
+``ARROYO_DSN_FILE`` names, so that no secret is on the command line)::
 
     spark-submit .../airflow_arroyo/runtime/driver.py --pipeline pkg.module:attr --run-id RUN \\
         [--restore-from latest|N] [--storage-uri URI] [--takeover] [--arg key=value ...]
@@ -56,7 +56,7 @@ from airflow_arroyo.store import EpochStore, PipelineRecord, redact_dsn
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "load_pipeline", "main"]
+__all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "dsn_from_environment", "load_pipeline", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -639,15 +639,39 @@ def _kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
+def dsn_from_environment() -> str:
+    """The epoch store DSN: ``ARROYO_DSN`` (local and client mode; a Kubernetes secret in K8s cluster
+    mode), or the file ``ARROYO_DSN_FILE`` names (YARN cluster mode: shipped with ``--files``, in the
+    container's working directory). Never a command-line argument."""
+    dsn = os.environ.get("ARROYO_DSN", "").strip()
+    if dsn:
+        return dsn
+    path = os.environ.get("ARROYO_DSN_FILE", "").strip()
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                dsn = f.read().strip()
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read the epoch store DSN from ARROYO_DSN_FILE={path!r}: {exc}") from exc
+        if dsn:
+            return dsn
+        raise ConfigurationError(f"ARROYO_DSN_FILE={path!r} is empty: it must hold the epoch store DSN")
+    raise ConfigurationError(
+        "set ARROYO_DSN to the epoch store DSN, or ARROYO_DSN_FILE to a file holding it "
+        "(kept off the command line on purpose)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s")
     for noisy in ("py4j", "py4j.clientserver"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    dsn = os.environ.get("ARROYO_DSN")
-    if not dsn:
-        print("error: set ARROYO_DSN to the epoch store DSN (kept off the command line on purpose)", file=sys.stderr)
+    try:
+        dsn = dsn_from_environment()
+    except ConfigurationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.storage_uri:
         print("error: give --storage-uri or set ARROYO_STORAGE_URI", file=sys.stderr)

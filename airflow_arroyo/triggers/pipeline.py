@@ -19,7 +19,8 @@ When the submit operator defers to it, it also knows the detached ``spark-submit
 (``submit_pid``/``submit_host``/``submit_start_ticks``) and sets ``stop_on_kill``: if a user kills the
 deferred task (mark failed/success, clear), :meth:`PipelineStateTrigger.on_kill` asks the pipeline to
 stop immediately and, when the triggerer runs on the host that started ``spark-submit``, kills its
-process group.
+process group. A cluster-mode run (``cluster_application``) is instead watched and killed through its
+cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
 
 Usage (inside an operator)::
 
@@ -48,6 +49,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
 
 __all__ = [
@@ -302,6 +304,11 @@ class PipelineStateTrigger(BaseTrigger):
     :param submit_log: its log file (its tail goes into the failure message).
     :param submit_exits: True when ``spark-submit`` exits once the application is submitted (cluster
         deploy modes): then its exit is not a failure.
+    :param cluster_application: a cluster-mode run's handle
+        (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication` as a dict): while the run has
+        not reached the target, its cluster manager is asked every ``cluster_poll_interval`` seconds
+        whether the application ended (YARN ResourceManager, driver pod phase); killing the task kills
+        it there.
     """
 
     def __init__(
@@ -320,6 +327,8 @@ class PipelineStateTrigger(BaseTrigger):
         submit_start_ticks: int | None = None,
         submit_log: str | None = None,
         submit_exits: bool = False,
+        cluster_application: dict[str, Any] | None = None,
+        cluster_poll_interval: float = 30.0,
     ) -> None:
         super().__init__()
         validate_pipeline_id(pipeline_id)
@@ -340,6 +349,9 @@ class PipelineStateTrigger(BaseTrigger):
         self.submit_start_ticks = submit_start_ticks
         self.submit_log = submit_log
         self.submit_exits = submit_exits
+        self.cluster_application = dict(cluster_application) if cluster_application else None
+        self.cluster_poll_interval = float(cluster_poll_interval)
+        self._cluster_checked_at = 0.0
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -359,12 +371,30 @@ class PipelineStateTrigger(BaseTrigger):
                 "submit_start_ticks": self.submit_start_ticks,
                 "submit_log": self.submit_log,
                 "submit_exits": self.submit_exits,
+                "cluster_application": self.cluster_application,
+                "cluster_poll_interval": self.cluster_poll_interval,
             },
         )
 
     @property
     def target_description(self) -> str:
         return f"epoch {self.epoch} completed" if self.epoch is not None else f"state {self.state}"
+
+    @property
+    def cluster_app(self) -> ClusterApplication | None:
+        return ClusterApplication.from_dict(self.cluster_application)
+
+    async def _cluster_app_ended(self) -> str | None:
+        """What the cluster manager says once the application has ended; None while it runs, when it
+        cannot be told, or when it was asked less than ``cluster_poll_interval`` seconds ago."""
+        app = self.cluster_app
+        if app is None or time.monotonic() - self._cluster_checked_at < self.cluster_poll_interval:
+            return None
+        self._cluster_checked_at = time.monotonic()
+        status = await asyncio.to_thread(app.status)
+        if status is None or not status[0]:
+            return None
+        return status[1]
 
     @property
     def process(self) -> LocalProcess | None:
@@ -429,6 +459,12 @@ class PipelineStateTrigger(BaseTrigger):
                     if tail:
                         msg += f"; its last lines:\n{tail}"
                     verdict = WaitVerdict(Verdict.UNREACHABLE, msg)
+            if verdict.verdict is Verdict.WAIT and (ended := await self._cluster_app_ended()) is not None:
+                verdict, pipeline, latest = await self.look(store)
+                if verdict.verdict is Verdict.WAIT:
+                    verdict = WaitVerdict(Verdict.UNREACHABLE, (
+                        f"the application of pipeline {self.pipeline_id!r} ended before it reached "
+                        f"{self.target_description}: {ended}; see the driver's log on the cluster"))
             if verdict.verdict is not Verdict.WAIT:
                 self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
                 yield self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
@@ -455,21 +491,31 @@ class PipelineStateTrigger(BaseTrigger):
         if not self.stop_on_kill:
             return
         store = await self._store()
-        await asyncio.to_thread(stop_run, store.sync, self.pipeline_id, self.run_id, self.process, log=self.log)
+        await asyncio.to_thread(stop_run, store.sync, self.pipeline_id, self.run_id, self.process, log=self.log,
+                                cluster_app=self.cluster_app)
 
 
 def stop_run(store: EpochStore, pipeline_id: str, run_id: str | None, process: LocalProcess | None,
-             *, log: Any, grace: float = 10.0) -> None:
-    """Ask run ``run_id`` of the pipeline to stop immediately, then end the local spark-submit process
-    group (SIGTERM, SIGKILL after ``grace`` seconds). Used when the user kills the task and when a
-    submit fails. Blocking: triggers call it in a thread."""
+             *, log: Any, grace: float = 10.0, cluster_app: ClusterApplication | None = None) -> None:
+    """Ask run ``run_id`` of the pipeline to stop immediately, then end what runs it: the local
+    spark-submit process group (SIGTERM, SIGKILL after ``grace`` seconds), or a cluster-mode
+    application through its cluster manager if it has not stopped within ``grace`` seconds. Used when
+    the user kills the task and when a submit fails. Blocking: triggers call it in a thread."""
     try:
         pipeline: PipelineRecord | None = store.get_pipeline(pipeline_id)
     except UnknownPipelineError:
         pipeline = None
-    if pipeline is not None and not pipeline.state.terminal and (run_id is None or pipeline.run_id == run_id):
+    ours = pipeline is not None and (run_id is None or pipeline.run_id == run_id)
+    if pipeline is not None and ours and not pipeline.state.terminal:
         log.info("Requesting an immediate stop of pipeline %s (run %s)", pipeline_id, pipeline.run_id)
         store.request_stop(pipeline_id, "immediate")
+    if cluster_app is not None:
+        deadline = time.monotonic() + grace
+        while ours and time.monotonic() < deadline and not store.get_pipeline(pipeline_id).state.terminal:
+            time.sleep(0.5)
+        if not ours or not store.get_pipeline(pipeline_id).state.terminal:
+            cluster_app.kill(log)
+        return
     if process is None or not process.on_this_host:
         return
     if process.signal_group(signal.SIGTERM):

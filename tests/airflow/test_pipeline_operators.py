@@ -134,8 +134,8 @@ def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) 
     op = submit_op(tmp_path, application=None, restore_from="latest", storage_uri="file:///data/orders",
                    conf={"spark.sql.shuffle.partitions": 2}, application_args=["--verbose-epochs"],
                    pipeline_args={"pipeline_id": PID, "rows": "20000", "keys": 5, "tags": ["a"]}, takeover=True)
-    command, env, cluster = op.build_spark_submit("run-7", "latest", conns.dsn)
-    assert cluster is False
+    command, env, cluster, _, secret_file = op.build_spark_submit("run-7", "latest", conns.dsn)
+    assert cluster is False and secret_file is None
     assert command[:3] == ["spark-submit", "--master", "local[2]"]
     assert "spark.sql.shuffle.partitions=2" in command and "--name" in command and "arroyo-orders" in command
     app = command.index(DRIVER_APPLICATION)
@@ -147,18 +147,6 @@ def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) 
     assert env["ARROYO_DSN"] == conns.dsn and all(conns.dsn not in part for part in command)
     assert env["PATH"].split(os.pathsep)[0] == str(Path(os.sys.executable).parent)
     assert env["PYSPARK_PYTHON"]
-
-
-def test_spark_submit_command_for_yarn_cluster_mode(conns: EpochStore, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_CONN_SPARK_YARN", json.dumps({"conn_type": "spark", "host": "yarn",
-                                                               "extra": {"deploy-mode": "cluster", "queue": "q"}}))
-    op = submit_op(tmp_path, spark_conn_id="spark_yarn")
-    command, env, cluster = op.build_spark_submit("r", None, "postgresql://db/x")
-    assert cluster is True
-    assert ["--master", "yarn"] == command[1:3] and "--deploy-mode" in command and "--queue" in command
-    assert "spark.yarn.submit.waitAppCompletion=false" in command  # spark-submit returns once submitted
-    assert "spark.yarn.appMasterEnv.ARROYO_DSN=postgresql://db/x" in command  # the provider's way for YARN
 
 
 # --------------------------------------------------------------------------- submit, for real
