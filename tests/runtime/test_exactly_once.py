@@ -253,6 +253,7 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
             pg_epoch = pg_tables_match_a_completed_epoch(store, pid, layout.channel_uri(OUTPUT_CHANNEL), sink_dsn)
             assert pg_epoch is not None, f"PostgreSQL sinks after killing {run_id} hold no completed epoch's cut"
             kills[-1]["pg_epoch"] = pg_epoch
+            print(f"{time.strftime('%H:%M:%S')} killed: {kills[-1]}", flush=True)
         print(json.dumps(kills, indent=1))
         # the last run: to the end of the input, then a graceful stop with a final epoch
         final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs, sink=sink,

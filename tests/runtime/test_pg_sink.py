@@ -7,14 +7,27 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import psycopg2
 import pytest
 
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.examples import (
+    OUTPUT_CHANNEL,
+    PG_REPORT_DDL,
+    PG_TOTALS_DDL,
+    demo,
+    expected_report,
+    expected_totals,
+)
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.runtime.pipeline import Pipeline
+from tests.runtime.pipeline_support import DriverThread, row_count, run_until, wait_for
 
 pytestmark = [pytest.mark.spark]
 
@@ -194,3 +207,66 @@ def test_dsn_from_environment_and_airflow_connection(monkeypatch: pytest.MonkeyP
     sink = TransactionalPostgresSink("p", "s", PostgresTarget(table="events", dsn_env="SINK_DSN"))
     assert "p@ss" not in repr(PostgresTarget(table="t", dsn="postgresql://u:p@ss@h/d"))
     assert "postgresql" not in repr(sink)
+
+
+def test_restore_from_an_older_epoch_rolls_the_tables_back_then_recommits(
+        spark: Any, module_store: Any, target_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo with both PostgreSQL sinks runs to the end with epochs; a restore of a middle epoch first rolls
+    both tables back to exactly that epoch's cut (append: rows after it deleted; upsert: totals as they were),
+    then, run to the end, commits the same rows again: each once."""
+    rows, per_batch = 1200, 150
+    monkeypatch.setenv("ARROYO_TEST_SINK_DSN", target_dsn)
+    sql(target_dsn, PG_REPORT_DDL.format(table="report_rows"))
+    sql(target_dsn, PG_TOTALS_DDL.format(table="key_totals"))
+    pid = f"pgr-{uuid.uuid4().hex[:8]}"
+    expected = expected_report(rows)
+
+    def driver(**kw: Any) -> PipelineDriver:
+        p = demo(pid, rows=rows, rows_per_batch=per_batch, pg_dsn_env="ARROYO_TEST_SINK_DSN",
+                 pg_report_table="report_rows", pg_totals_table="key_totals")
+        return PipelineDriver(p, module_store, storage_uri=str(tmp_path), spark=spark, **kw)
+
+    def report() -> Counter[tuple[Any, ...]]:
+        return Counter(sql(target_dsn, "SELECT id, key, left_value, right_value, total FROM report_rows"))
+
+    def totals() -> dict[str, tuple[int, int]]:
+        return {k: (n, t) for k, n, t in sql(target_dsn, "SELECT key, n, total FROM key_totals")}
+
+    first = driver(run_id="first")
+    run_until(first, module_store, lambda: len(report()) >= len(expected), what="every row committed")
+    assert report() == Counter(expected) and totals() == expected_totals(rows)
+    completed = sorted(e.epoch for e in module_store.list_epochs(pid) if e.state is EpochState.COMPLETED)
+    middle = next(e for e in completed if 0 < sum(report_cut(first, e).values()) < len(expected))
+
+    restored = driver(run_id="restored", restore_from=middle)
+    thread = DriverThread(restored).start()
+    try:
+        wait_for(lambda: restored.started.is_set() or thread.error, timeout=300, what="the restored run to start")
+        # no controller: nothing commits before the final epoch, so the tables show the rollback
+        cut = report_cut(restored, middle)
+        assert report() == cut, "the append table was not rolled back to the restored epoch's cut"
+        assert totals() == expected_totals_of(cut), "the upsert table was not rolled back to the restored epoch's cut"
+        wait_for(lambda: thread.error or row_count(restored.layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
+                 timeout=600, what="the restored run to reach the end")
+    finally:
+        module_store.request_stop(pid, "graceful")
+    thread.join(300)
+    assert report() == Counter(expected), "rows after the restored epoch were committed twice or lost"
+    assert totals() == expected_totals(rows)
+
+
+def report_cut(driver: PipelineDriver, epoch: int) -> Counter[tuple[Any, ...]]:
+    """The report channel's rows before barrier ``epoch``: what the sinks hold once that epoch committed."""
+    channel = Channel.open(driver.layout.channel_uri(OUTPUT_CHANNEL))
+    pos = channel.find_barrier(epoch)
+    assert pos is not None
+    return Counter(tuple(r.values()) for r in channel.read_table(end=pos).to_pylist())
+
+
+def expected_totals_of(rows: Counter[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for (_, key, _, _, total), times in rows.items():
+        for _ in range(times):
+            n, s = out.get(key, (0, 0))
+            out[key] = (n + 1, s + total)
+    return out
