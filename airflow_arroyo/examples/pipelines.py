@@ -23,17 +23,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
+from airflow_arroyo.runtime.pg_sink import PostgresTarget
 from airflow_arroyo.runtime.pipeline import Pipeline
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
-    "OUTPUT_CHANNEL", "SINK_STAGE", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops",
+    "OUTPUT_CHANNEL", "PG_REPORT_DDL", "PG_REPORT_STAGE", "PG_TOTALS_DDL", "PG_TOTALS_STAGE", "SINK_STAGE",
+    "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "stateful_ops",
 ]
 
 OUTPUT_CHANNEL = "report"
 SINK_STAGE = "report_files"
+PG_REPORT_STAGE = "report_pg"
+PG_TOTALS_STAGE = "totals_pg"
+# The demo's PostgreSQL target tables ({table} is the table's name): the sinks never create tables.
+PG_REPORT_DDL = ("CREATE TABLE {table} (id bigint NOT NULL, key text NOT NULL, left_value bigint, "
+                 "right_value bigint, total bigint)")
+PG_TOTALS_DDL = "CREATE TABLE {table} (key text PRIMARY KEY, n bigint NOT NULL, total bigint NOT NULL)"
 LEFT_SEED = 1
 RIGHT_SEED = 2
 
@@ -47,10 +55,16 @@ def demo(
     trigger_interval: float | None = None,
     partitions: int = 2,
     sink_path: str | None = None,
+    pg_dsn_env: str | None = None,
+    pg_report_table: str = "arroyo_demo_report",
+    pg_totals_table: str = "arroyo_demo_totals",
 ) -> Pipeline:
     """The demo pipeline. ``rows=None`` makes the generators unbounded (benchmarks); ``rows_per_batch``
     paces them (rows per micro-batch of each source). ``sink_path`` adds an exactly-once Parquet sink
-    ``report_files`` writing the report there (committed epoch by epoch)."""
+    ``report_files`` writing the report there (committed epoch by epoch). ``pg_dsn_env`` (the name of an
+    environment variable holding a PostgreSQL DSN) adds two exactly-once PostgreSQL sinks: ``report_pg``
+    appends the report's rows to ``pg_report_table`` (:data:`PG_REPORT_DDL`), ``totals_pg`` upserts per key
+    the count and sum of ``total`` into ``pg_totals_table`` (:data:`PG_TOTALS_DDL`; update output mode)."""
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,
@@ -77,7 +91,27 @@ def demo(
     if sink_path is not None:
         p.sink(SINK_STAGE, inputs=[OUTPUT_CHANNEL], format="parquet", options={"path": sink_path},
                trigger_interval=trigger_interval)
+    if pg_dsn_env is not None:
+        p.sink(PG_REPORT_STAGE, inputs=[OUTPUT_CHANNEL], trigger_interval=trigger_interval,
+               postgres=PostgresTarget(table=pg_report_table, dsn_env=pg_dsn_env, mode="append"))
+        p.sink(PG_TOTALS_STAGE, inputs=[OUTPUT_CHANNEL], transform=_totals, output_mode="update",
+               trigger_interval=trigger_interval,
+               postgres=PostgresTarget(table=pg_totals_table, dsn_env=pg_dsn_env, mode="upsert", key=("key",)))
     return p
+
+
+def _totals(report: DataFrame) -> DataFrame:
+    return report.groupBy("key").agg({"*": "count", "total": "sum"}).withColumnsRenamed(
+        {"count(1)": "n", "sum(total)": "total"})
+
+
+def expected_totals(rows: int, keys: int = 100) -> dict[str, tuple[int, int]]:
+    """What ``totals_pg`` ends with, in plain Python: key -> (count, sum of total) over :func:`expected_report`."""
+    out: dict[str, tuple[int, int]] = {}
+    for _, k, _, _, total in expected_report(rows, keys):
+        n, s = out.get(k, (0, 0))
+        out[k] = (n + 1, s + total)
+    return out
 
 
 def expected_report(rows: int, keys: int = 100) -> list[tuple[int, str, int, int, int]]:

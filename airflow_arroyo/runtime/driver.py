@@ -47,8 +47,8 @@ from airflow_arroyo.exceptions import (
     SnapshotError,
 )
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
+from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
 from airflow_arroyo.store import EpochStore, PipelineRecord, redact_dsn
@@ -136,10 +136,10 @@ class PipelineDriver:
         self._epochs_seen: list[int] = []
         self.restored_from_epoch: int | None = None
         self.started = threading.Event()  # set once every query runs (tests wait on it)
-        # exactly-once file sinks: pre-committed by their stage, committed here when an epoch completes
-        self.file_sinks: dict[str, TransactionalFileSink] = {
-            s.name: TransactionalFileSink(self.pipeline_id, s.name, s.sink_format, s.sink_options)
-            for s in self.graph.stages if s.kind is StageKind.SINK and s.sink_format in FILE_SINK_FORMATS
+        # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
+        self.sinks: dict[str, TransactionalSink] = {
+            s.name: sink for s in self.graph.stages if s.kind is StageKind.SINK
+            if (sink := transactional_sink(self.pipeline_id, s)) is not None
         }
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
 
@@ -165,7 +165,7 @@ class PipelineDriver:
                 self._restore(epoch_to_restore)
             elif self.restore_from == "latest":
                 self._start_over()
-            for sink in self.file_sinks.values():
+            for sink in self.sinks.values():
                 sink.claim()
             spark = self._session()
             self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, len(self.graph.stages))),
@@ -203,11 +203,11 @@ class PipelineDriver:
         for c in self.graph.channels:
             if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
                 return True
-        return any(sink.has_state() for sink in self.file_sinks.values())
+        return any(sink.has_state() for sink in self.sinks.values())
 
     def _plan_restore(self) -> int | None:
         rf = self.restore_from
-        for sink in self.file_sinks.values():
+        for sink in self.sinks.values():
             sink.check_writable()  # read-only: before any restore touches the folder
         if rf is None:
             if self._has_state():
@@ -303,7 +303,7 @@ class PipelineDriver:
         for name, ch in channels.items():
             ch.truncate_from(cut_positions[name])
             Channel.open(ch.uri).remove_orphans()
-        for name, sink in self.file_sinks.items():
+        for name, sink in self.sinks.items():
             sink.rollback_to(sink_cuts[name])
         self._sinks_committed = epoch
         self.restored_from_epoch = epoch
@@ -327,7 +327,7 @@ class PipelineDriver:
             if Channel.exists(uri):
                 # fresh checkpoints restart batch ids at 0: forget the writers' ids too (retention watermark)
                 Channel.open(uri).reset()
-        for sink in self.file_sinks.values():
+        for sink in self.sinks.values():
             sink.rollback_to(-1)  # no epoch ever completed: nothing of it was committed
         log.info("pipeline=%s: no completed epoch; checkpoints set aside and channels emptied", self.pipeline_id)
 
@@ -356,7 +356,7 @@ class PipelineDriver:
                 self._ensure_feedback_channel(spec.name, fb)
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
-                                 gated=True, file_sink=self.file_sinks.get(spec.name))
+                                 gated=True, sink=self.sinks.get(spec.name))
             frames.append((runner, runner.build(spark)))
             self.runners.append(runner)
         self._wire_backpressure()
@@ -456,7 +456,7 @@ class PipelineDriver:
             self._check_queries()
             in_flight = self.store.in_flight_epoch(self.pipeline_id)
             current = in_flight.epoch if in_flight is not None else None
-            if self.file_sinks and current != previous_in_flight:
+            if self.sinks and current != previous_in_flight:
                 self._commit_sinks()  # an epoch ended (completed or not): commit what completed
             previous_in_flight = current
             if in_flight is not None and in_flight.epoch > last_seen and in_flight.run_id == self.run_id:
@@ -507,12 +507,12 @@ class PipelineDriver:
             self._stop.wait(self.poll_interval)
 
     def _sink_cuts(self, epoch: int) -> dict[str, int]:
-        """Each file sink's cut batch in ``epoch`` (from its acknowledgement)."""
-        if not self.file_sinks:
+        """Each exactly-once sink's cut batch in ``epoch`` (from its acknowledgement)."""
+        if not self.sinks:
             return {}
         acks = {a.stage: a for a in self.store.acks(self.pipeline_id, epoch)}
         out: dict[str, int] = {}
-        for name in self.file_sinks:
+        for name in self.sinks:
             batch = (acks[name].details or {}).get("batch_id") if name in acks else None
             if batch is None:
                 raise ConfigurationError(
@@ -523,15 +523,21 @@ class PipelineDriver:
         return out
 
     def _commit_sinks(self) -> None:
-        """Second phase of the file sinks: commit every batch up to the cut of the newest completed epoch
-        this run took part in (never an epoch of an earlier run, e.g. one whose storage was deleted for a
-        fresh start: its cut batch ids are not this run's)."""
+        """Second phase of the exactly-once sinks: commit every batch up to the cut of the newest completed
+        epoch this run took part in (never an epoch of an earlier run, e.g. one whose storage was deleted for a
+        fresh start: its cut batch ids are not this run's); then let them forget what only a restore behind
+        the oldest completed epoch could need."""
         for epoch in sorted((e for e in self._epochs_seen if e > self._sinks_committed), reverse=True):
             if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
                 cuts = self._sink_cuts(epoch)
-                for name, sink in self.file_sinks.items():
+                for name, sink in self.sinks.items():
                     sink.commit_through(cuts[name])
                 self._sinks_committed = epoch
+                oldest = self.store.oldest_completed_epoch(self.pipeline_id)
+                if oldest is not None:
+                    floors = self._sink_cuts(oldest.epoch) if oldest.epoch != epoch else cuts
+                    for name, sink in self.sinks.items():
+                        sink.trim_through(floors[name])
                 return
 
     def _try_final_epoch(self) -> tuple[int | None, float]:

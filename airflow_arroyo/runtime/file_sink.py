@@ -151,6 +151,9 @@ class TransactionalFileSink:
         log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
                  self.pipeline_id, self.stage, batch_id, dropped)
 
+    def trim_through(self, batch_id: int) -> None:
+        """Nothing to forget: committed files are the sink's output, and a rollback deletes by batch id."""
+
     # ------------------------------------------------------------------ listing
 
     def pending_batches(self) -> list[int]:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS
+from airflow_arroyo.runtime.pg_sink import PostgresTarget
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -101,6 +102,7 @@ class StageSpec:
     foreach_batch: ForeachBatchFn | None = None  # sinks
     sink_format: str | None = None  # sinks: a batch writer format, e.g. "parquet"
     sink_options: Mapping[str, str] = field(default_factory=dict)
+    postgres: PostgresTarget | None = None  # sinks: an exactly-once PostgreSQL table
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
 
     @property
@@ -192,24 +194,28 @@ class Pipeline:
 
     def sink(self, name: str, inputs: Sequence[Stream | str], *, foreach_batch: ForeachBatchFn | None = None,
              format: str | None = None, options: Mapping[str, str] | None = None,
-             transform: TransformFn | None = None, output_mode: Literal["append", "update", "complete"] = "append",
+             postgres: PostgresTarget | None = None, transform: TransformFn | None = None,
+             output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
              spark_conf: Mapping[str, str] | None = None) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
-        Give either ``foreach_batch(df, batch_id)`` or a batch writer ``format`` (+ ``options``).
+        Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``) or a
+        ``postgres=PostgresTarget(table=..., dsn_env=..., mode="append"|"upsert", key=(...))``.
         ``transform`` (default: the single input as is) shapes what is written.
 
         A file format (``parquet``, ``orc``, ``json``, ``csv``, ``text``; ``options={"path": ...}``) is
         **exactly-once**: batches are committed into the folder when an epoch covering them completes,
         and a restore rolls the folder back to the restored epoch
-        (:mod:`~airflow_arroyo.runtime.file_sink`). ``foreach_batch`` and other formats are
+        (:mod:`~airflow_arroyo.runtime.file_sink`). So is a PostgreSQL table: rows are staged per
+        micro-batch from the executors and committed in one transaction per epoch; a restore rolls the
+        table back (:mod:`~airflow_arroyo.runtime.pg_sink`). ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
         """
         spec = StageSpec(
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
-            foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}),
+            foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
             spark_conf=dict(spark_conf or {}),
         )
         self._add(spec)
@@ -286,6 +292,14 @@ class PipelineGraph:
                         "give each sink its own path"
                     )
                 paths[path] = s.name
+            elif s.postgres is not None and isinstance(s.postgres, PostgresTarget):
+                where = f"{s.postgres.dsn or s.postgres.dsn_env or s.postgres.conn_id}#{s.postgres.table}"
+                if where in paths:
+                    raise PipelineGraphError(
+                        f"sinks {paths[where]!r} and {s.name!r} both write table {s.postgres.table!r}; a table has one "
+                        "exactly-once writer: give each sink its own table"
+                    )
+                paths[where] = s.name
         for s in specs:
             for channel in s.all_inputs:
                 if channel in writers:
@@ -351,11 +365,18 @@ def _check_spec(s: StageSpec) -> None:
         if s.kind is StageKind.SINK:
             if s.fn is not None and not callable(s.fn):
                 raise PipelineGraphError(f"sink {s.name!r}: transform must be callable, got {s.fn!r}")
-            if (s.foreach_batch is None) == (s.sink_format is None):
+            if [s.foreach_batch, s.sink_format, s.postgres].count(None) != 2:
                 raise PipelineGraphError(
-                    f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)> or "
-                    "format='<batch writer format>' (with options={'path': ...})"
+                    f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)>, "
+                    "format='<batch writer format>' (with options={'path': ...}) or postgres=PostgresTarget(...)"
                 )
+            if s.postgres is not None:
+                if not isinstance(s.postgres, PostgresTarget):
+                    raise PipelineGraphError(f"sink {s.name!r}: postgres= takes a PostgresTarget(table=..., ...), "
+                                             f"got {s.postgres!r}")
+                problem = s.postgres.problem()
+                if problem:
+                    raise PipelineGraphError(f"sink {s.name!r}: {problem}")
             if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
                 raise PipelineGraphError(
                     f"sink {s.name!r}: format {s.sink_format!r} writes files: "

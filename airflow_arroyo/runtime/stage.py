@@ -4,7 +4,7 @@ Each stage's writer is a ``foreachBatch`` function running in the driver process
 runner sees every micro-batch boundary. For micro-batch *b* it:
 
 1. appends the batch's rows to the stage's output channel (idempotent per batch id), or hands them
-   to the sink (a file sink pre-commits them; see :mod:`~airflow_arroyo.runtime.file_sink`);
+   to the sink (an exactly-once sink pre-commits them; see :mod:`~airflow_arroyo.runtime.sinks`);
 2. under the stage's lock, decides with :mod:`~airflow_arroyo.runtime.alignment` whether *b* is the
    cut of a pending epoch: a **source** stage cuts when the driver told it an epoch is pending; a
    **channel** stage reads ``offsets/b`` of its checkpoint (the end position of the batch on each
@@ -49,7 +49,6 @@ from airflow_arroyo.runtime.alignment import (
     source_cut,
 )
 from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind
-from airflow_arroyo.runtime.file_sink import TransactionalFileSink
 from airflow_arroyo.runtime.inputs import read_stage_input
 from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
@@ -59,6 +58,8 @@ from airflow_arroyo.store import EpochStore
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming import StreamingQuery
+
+    from airflow_arroyo.runtime.sinks import TransactionalSink
 
 __all__ = ["DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", "StorageLayout"]
 
@@ -147,10 +148,10 @@ class StageRunner:
         last_cut_epoch: int = 0,
         commit_timeout: float = 300.0,
         gated: bool = False,
-        file_sink: TransactionalFileSink | None = None,
+        sink: TransactionalSink | None = None,
     ) -> None:
         self.spec = spec
-        self.file_sink = file_sink
+        self.sink = sink  # an exactly-once sink (files, PostgreSQL) this stage pre-commits to
         self.name = spec.name
         self.kind = spec.kind
         self.layout = layout
@@ -340,8 +341,8 @@ class StageRunner:
                 df.write.format("noop").mode("overwrite").save()
                 return
             self.output.append_spark_batch(df, batch_id, self.name)
-        elif self.file_sink is not None:
-            self.file_sink.write_batch(df, batch_id)  # pre-commit; the driver commits it with its epoch
+        elif self.sink is not None:
+            self.sink.write_batch(df, batch_id)  # pre-commit; the driver commits it with its epoch
         elif spec.foreach_batch is not None:
             spec.foreach_batch(df, batch_id)
         elif spec.sink_format is not None:

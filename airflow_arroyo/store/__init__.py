@@ -3,7 +3,7 @@ snapshot objects and cleanup runs. Never imports Airflow (Spark drivers use it t
 
 from airflow_arroyo.store._async import AsyncEpochStore
 from airflow_arroyo.store._migrate import available_migrations
-from airflow_arroyo.store._retry import is_transient
+from airflow_arroyo.store._retry import is_transient, retrying
 from airflow_arroyo.store._sync import EpochStore, redact_dsn
 from airflow_arroyo.store.records import (
     AckRecord,
@@ -30,4 +30,5 @@ __all__ = [
     "available_migrations",
     "is_transient",
     "redact_dsn",
+    "retrying",
 ]

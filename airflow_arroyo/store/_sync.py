@@ -472,6 +472,20 @@ class EpochStore:
         rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.COMPLETED])
         return rows[0] if rows else None
 
+    def oldest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
+        """The oldest epoch a restore can still pick (completed, not pruned or superseded)."""
+
+        def tx(cur: PgCursor) -> EpochRecord | None:
+            cur.execute(
+                f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %s AND state = %s"  # noqa: S608
+                " ORDER BY epoch LIMIT 1",
+                (pipeline_id, EpochState.COMPLETED.value),
+            )
+            row = cur.fetchone()
+            return from_row(EpochRecord, row) if row else None
+
+        return self._tx(tx)
+
     def ack_epoch(
         self,
         pipeline_id: str,

@@ -3,8 +3,10 @@ by watching the epoch store and the channels: while it restores and starts its q
 align, while a snapshot is being copied, between epochs, at a random time. Each time it restarts with
 ``--restore-from latest``; at the end the final channel must hold exactly the rows computed in plain
 Python: none lost, none twice; so must the demo's exactly-once Parquet sink (whose folder, read after
-every kill, never shows a row twice). The test plays the checkpoint controller (``trigger_tick`` in a
-loop).
+every kill, never shows a row twice), and so must its two exactly-once PostgreSQL sinks (an append table
+of the report and an upsert table of per-key totals, in a database of their own), which, read after every
+kill, hold exactly what some completed epoch's cut holds. The test plays the checkpoint controller
+(``trigger_tick`` in a loop).
 
 Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
 """
@@ -24,10 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
+from airflow_arroyo.examples import (
+    OUTPUT_CHANNEL,
+    PG_REPORT_DDL,
+    PG_TOTALS_DDL,
+    expected_report,
+    expected_totals,
+)
 from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
@@ -45,26 +54,29 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 ROWS = 2000
 PER_BATCH = 100
-STAGES = ("left", "right", "joined", "report")
+STAGES = ("left", "right", "joined", "report", "report_files", "report_pg", "totals_pg")
+SINK_DSN_ENV = "ARROYO_TEST_SINK_DSN"
 MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
 
 
 class Driver:
     """The driver as a subprocess in its own process group (so that SIGKILL takes the JVM too)."""
 
-    def __init__(self, *, dsn: str, storage: Path, pipeline_id: str, run_id: str, logs: Path, sink: Path) -> None:
+    def __init__(self, *, dsn: str, storage: Path, pipeline_id: str, run_id: str, logs: Path, sink: Path,
+                 sink_dsn: str) -> None:
         self.run_id = run_id
         self.log_path = logs / f"{run_id}.log"
         cmd = [
             sys.executable, "-m", "airflow_arroyo.runtime.driver",
             "--pipeline", "airflow_arroyo.examples.pipelines:demo",
             "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={ROWS}", "--arg", f"rows_per_batch={PER_BATCH}",
-            "--arg", f"sink_path={sink}",
+            "--arg", f"sink_path={sink}", "--arg", f"pg_dsn_env={SINK_DSN_ENV}",
+            "--arg", "pg_report_table=report_rows", "--arg", "pg_totals_table=key_totals",
             "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",
             "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.ui.enabled=false",
             "--conf", "spark.driver.memory=1g", "--poll-interval", "0.05",
         ]
-        env = {**os.environ, "ARROYO_DSN": dsn, "PYSPARK_PYTHON": sys.executable,
+        env = {**os.environ, "ARROYO_DSN": dsn, SINK_DSN_ENV: sink_dsn, "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable}
         self._log = open(self.log_path, "wb")  # closed in wait()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -156,7 +168,43 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
     return lambda: current(store, pid) is not None and chosen()  # nothing to watch before it registers
 
 
-def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: str, tmp_path: Path) -> None:
+def sql(dsn: str, query: str) -> list[tuple[Any, ...]]:
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(query)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+def totals_of(rows: list[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for _, key, _, _, total in rows:
+        n, s = out.get(key, (0, 0))
+        out[key] = (n + 1, s + total)
+    return out
+
+
+def pg_tables_match_a_completed_epoch(store: EpochStore, pid: str, report_uri: str, sink_dsn: str) -> int | None:
+    """The epoch whose cut the append table holds (exactly the report channel's rows before that epoch's
+    barrier; -1: empty), provided the upsert table also holds the totals of some completed epoch's cut (the
+    sinks commit one after the other: a kill between them leaves one an epoch ahead); else ``None``."""
+    report = Counter(sql(sink_dsn, "SELECT id, key, left_value, right_value, total FROM report_rows"))
+    totals = {k: (n, t) for k, n, t in sql(sink_dsn, "SELECT key, n, total FROM key_totals")}
+    channel = Channel.open(report_uri)
+    cuts: dict[int, list[tuple[Any, ...]]] = {-1: []}
+    for e in store.list_epochs(pid, limit=1000, states=[EpochState.COMPLETED]):
+        pos = channel.find_barrier(e.epoch)
+        if pos is not None:
+            cuts[e.epoch] = [tuple(r.values()) for r in channel.read_table(end=pos).to_pylist()]
+    if not any(totals_of(rows) == totals for rows in cuts.values()):
+        return None
+    return next((epoch for epoch, rows in cuts.items() if Counter(rows) == report), None)
+
+
+def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: str, pg_server: Any,
+                                                                        tmp_path: Path) -> None:
     seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     print(f"ARROYO_TEST_SEED={seed}")
@@ -167,6 +215,10 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     logs = tmp_path / "logs"
     logs.mkdir()
     sink = tmp_path / "report_files"  # the demo's exactly-once Parquet sink
+    # ... and its two PostgreSQL sinks, in a database that is not the epoch store's
+    sink_dsn = pg_server.create_database(f"sink_{uuid.uuid4().hex[:10]}")
+    sql(sink_dsn, PG_REPORT_DDL.format(table="report_rows"))
+    sql(sink_dsn, PG_TOTALS_DDL.format(table="key_totals"))
     layout = StorageLayout.at(str(storage), pid)
     expected = expected_report(ROWS)
     # every kind of moment once, in random order after a first "between" (so that every later run has
@@ -180,7 +232,8 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
             run_id = f"run-{k}-{moment}"
             latest = store.latest_completed_epoch(pid) if current(store, pid) else None
             completed_before = latest.epoch if latest else 0
-            driver = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs, sink=sink)
+            driver = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs, sink=sink,
+                            sink_dsn=sink_dsn)
             condition = moment_condition(moment, store, pid, run_id, layout, completed_before, rng)
             try:
                 wait_for(lambda: condition() or not driver.alive(), timeout=300, interval=0.01,  # noqa: B023
@@ -197,9 +250,14 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
                           "report_rows": row_count(layout.channel_uri(OUTPUT_CHANNEL)), "sink_rows": len(visible)})
             # read-committed: what the sink shows after a kill holds no duplicate and nothing unexpected
             assert not Counter(visible) - Counter(expected), f"sink after killing {run_id}: rows twice or unexpected"
+            pg_epoch = pg_tables_match_a_completed_epoch(store, pid, layout.channel_uri(OUTPUT_CHANNEL), sink_dsn)
+            assert pg_epoch is not None, f"PostgreSQL sinks after killing {run_id} hold no completed epoch's cut"
+            kills[-1]["pg_epoch"] = pg_epoch
+            print(f"{time.strftime('%H:%M:%S')} killed: {kills[-1]}", flush=True)
         print(json.dumps(kills, indent=1))
         # the last run: to the end of the input, then a graceful stop with a final epoch
-        final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs, sink=sink)
+        final = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-final", logs=logs, sink=sink,
+                       sink_dsn=sink_dsn)
         try:
             # channels are read only once the driver restored them and runs
             wait_for(lambda: not final.alive() or (
@@ -238,5 +296,10 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     # the Parquet sink too: its committed files hold each row exactly once
     assert Counter(committed_rows(sink)) == Counter(expected)
     assert any(k["sink_rows"] for k in kills), kills  # commits happened between kills, not only at the end
+    # the PostgreSQL sinks: the append table holds each row once, the upsert table the plain-Python totals
+    got_pg = sql(sink_dsn, "SELECT id, key, left_value, right_value, total FROM report_rows")
+    assert Counter(got_pg) == Counter(expected)
+    assert {k: (n, t) for k, n, t in sql(sink_dsn, "SELECT key, n, total FROM key_totals")} == expected_totals(ROWS)
+    assert any(k["pg_epoch"] > 0 for k in kills), kills
     # and every barrier of a completed epoch sits right after its stage's cut batch, across the restores
     assert check_barriers_follow_cuts(store, pid, {c: layout.channel_uri(c) for c in STAGES}) > 0

@@ -1,0 +1,62 @@
+"""Exactly-once sinks: what the driver and a sink stage need of a two-phase-commit sink, and which one
+a sink stage gets.
+
+A sink stage *pre-commits* each micro-batch (:meth:`TransactionalSink.write_batch`); the driver
+*commits* every batch up to the sink's cut when an epoch completes, *rolls back* to a restored epoch's
+cut, and *trims* what no restore can need. Two kinds exist: files
+(:mod:`~airflow_arroyo.runtime.file_sink`) and PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`).
+Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
+from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from airflow_arroyo.runtime.pipeline import StageSpec
+
+__all__ = ["TransactionalSink", "transactional_sink"]
+
+
+class TransactionalSink(Protocol):
+    """A sink that commits with epochs (batch ids are the sink stage's micro-batch ids)."""
+
+    @property
+    def uri(self) -> str:
+        """Where it writes (no credentials)."""
+
+    def check_writable(self) -> None:
+        """Read-only: refuse (``ConfigurationError``) a target this sink may not write."""
+
+    def claim(self) -> None:
+        """Record this sink as the target's one writer; prepare what it needs."""
+
+    def has_state(self) -> bool:
+        """Has an earlier run of this sink written anything?"""
+
+    def write_batch(self, df: DataFrame, batch_id: int) -> None:
+        """Pre-commit a micro-batch (replacing an earlier attempt of it)."""
+
+    def commit_through(self, batch_id: int) -> int:
+        """Make every pre-committed batch ``<= batch_id`` visible (idempotent); returns what was moved."""
+
+    def rollback_to(self, batch_id: int) -> None:
+        """Keep exactly the batches ``<= batch_id``, all committed (``-1``: nothing)."""
+
+    def trim_through(self, batch_id: int) -> None:
+        """Forget what is kept only to roll back batches ``<= batch_id``."""
+
+
+def transactional_sink(pipeline_id: str, spec: StageSpec) -> TransactionalSink | None:
+    """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one."""
+    if spec.postgres is not None:
+        return TransactionalPostgresSink(pipeline_id, spec.name, spec.postgres)
+    if spec.sink_format in FILE_SINK_FORMATS:
+        assert spec.sink_format is not None
+        return TransactionalFileSink(pipeline_id, spec.name, spec.sink_format, spec.sink_options)
+    return None

@@ -1,0 +1,272 @@
+"""The exactly-once PostgreSQL sink, phase by phase, on a real PostgreSQL with batches written by real Spark
+executors: nothing visible before a commit, a re-run batch replaces its earlier attempt, a commit cut short
+changes nothing and is finished once, rollback to an older cut (append and upsert), trimming, bad input
+refused before any write. The whole pipeline under SIGKILL is in ``test_exactly_once.py``."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.examples import (
+    OUTPUT_CHANNEL,
+    PG_REPORT_DDL,
+    PG_TOTALS_DDL,
+    demo,
+    expected_report,
+    expected_totals,
+)
+from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
+from airflow_arroyo.runtime.pipeline import Pipeline
+from tests.runtime.pipeline_support import DriverThread, row_count, run_until, wait_for
+
+pytestmark = [pytest.mark.spark]
+
+SCHEMA = "id BIGINT, key STRING, amount BIGINT"
+
+
+@pytest.fixture
+def target_dsn(pg_server: Any) -> str:
+    """A database of its own (not the epoch store's), with the tables the tests write."""
+    dsn = pg_server.create_database(f"sink_{uuid.uuid4().hex[:10]}")
+    sql(dsn, "CREATE TABLE events (id bigint NOT NULL, key text NOT NULL, amount bigint)")
+    sql(dsn, "CREATE TABLE totals (key text PRIMARY KEY, amount bigint NOT NULL, id bigint)")
+    return dsn
+
+
+def sql(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(query, params)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+def batch(spark: Any, rows: list[tuple[int, str, int | None]], partitions: int = 2) -> Any:
+    df = spark.createDataFrame(rows, SCHEMA)
+    return df.coalesce(1) if partitions == 1 else df.repartition(partitions)  # coalesce keeps the rows' order
+
+
+def make(dsn: str, table: str, mode: str = "append", key: tuple[str, ...] = (), stage: str = "out",
+         pipeline: str = "p1") -> TransactionalPostgresSink:
+    sink = TransactionalPostgresSink(pipeline, stage, PostgresTarget(table=table, dsn=dsn, mode=mode,  # type: ignore[arg-type]
+                                                                      key=key))
+    sink.check_writable()
+    sink.claim()
+    return sink
+
+
+def events(dsn: str) -> Counter[tuple[Any, ...]]:
+    return Counter(sql(dsn, "SELECT id, key, amount FROM events"))
+
+
+def rows_of_batches(*batches: list[tuple[int, str, int | None]]) -> Counter[tuple[Any, ...]]:
+    return Counter(r for b in batches for r in b)
+
+
+def test_append_commit_replay_rollback_and_trim(spark: Any, target_dsn: str) -> None:
+    sink = make(target_dsn, "events")
+    b = {i: [(i * 10 + j, f"k{j % 3}", j) for j in range(5)] for i in range(4)}
+    for i in range(3):
+        sink.write_batch(batch(spark, b[i]), i)
+    assert events(target_dsn) == Counter(), "pre-committed rows are visible before the commit"
+    # a re-run of batch 2 (after a restore it may carry other rows) replaces its earlier attempt
+    b[2] = [(200 + j, "k9", j) for j in range(3)]
+    sink.write_batch(batch(spark, b[2], partitions=1), 2)
+    assert sink.commit_through(1) == 10
+    assert events(target_dsn) == rows_of_batches(b[0], b[1])
+    assert sink.commit_through(1) == 0, "a commit is idempotent"
+    sink.write_batch(batch(spark, b[3]), 3)
+    sink.commit_through(3)
+    assert events(target_dsn) == rows_of_batches(b[0], b[1], b[2], b[3])
+    # rows equal to committed ones that the sink did not write survive a rollback (it deletes by count)
+    sql(target_dsn, "INSERT INTO events VALUES (30, 'k0', 0), (999, 'x', NULL)")
+    sink.rollback_to(1)
+    assert events(target_dsn) == rows_of_batches(b[0], b[1]) + Counter([(30, "k0", 0), (999, "x", None)])
+    assert sink.committed_batch() == 1
+    # the restored run re-runs batches 2, 3 and commits them again: each row once
+    sink.write_batch(batch(spark, b[2]), 2)
+    sink.write_batch(batch(spark, b[3]), 3)
+    sink.commit_through(3)
+    assert events(target_dsn) == rows_of_batches(b[0], b[1], b[2], b[3]) + Counter([(30, "k0", 0), (999, "x", None)])
+    # trimming forgets what only rollbacks behind batch 2 need; a rollback to 2 still works
+    sink.trim_through(2)
+    sink.rollback_to(2)
+    assert events(target_dsn) == rows_of_batches(b[0], b[1], b[2]) + Counter([(30, "k0", 0), (999, "x", None)])
+    pending = sql(target_dsn, f"SELECT count(*) FROM {sink._pending_name}")[0][0]  # noqa: S608
+    assert pending == 0, "journal rows of trimmed batches are kept"
+    # a batch at or before the committed one is refused: the stage's checkpoint is behind the table
+    with pytest.raises(ConfigurationError, match="already committed"):
+        sink.write_batch(batch(spark, b[2]), 2)
+
+
+def test_upsert_keeps_the_last_row_per_key_and_rolls_back_to_pre_images(spark: Any, target_dsn: str) -> None:
+    sql(target_dsn, "INSERT INTO totals VALUES ('old', 1, NULL), ('k1', 5, NULL)")
+    sink = make(target_dsn, "totals", mode="upsert", key=("key",))
+    sink.write_batch(batch(spark, [(1, "k1", 10), (2, "k2", 20)]), 0)
+    sink.write_batch(batch(spark, [(3, "k2", 21), (4, "k3", 30), (5, "k3", 31)], partitions=1), 1)
+    sink.write_batch(batch(spark, [(6, "k1", 11), (7, "old", 2)]), 2)
+    assert sink.commit_through(2) > 0
+
+    def totals() -> dict[str, int]:
+        return dict(sql(target_dsn, "SELECT key, amount FROM totals"))
+
+    # the last row of a key within a batch wins (a batch's order within a partition)
+    assert totals() == {"old": 2, "k1": 11, "k2": 21, "k3": 31}
+    sink.rollback_to(0)
+    assert totals() == {"old": 1, "k1": 10, "k2": 20}, "k3 was new after batch 0: it must go; 'old' comes back"
+    sink.rollback_to(-1)
+    assert totals() == {"old": 1, "k1": 5}, "rows the sink never wrote are put back as they were"
+    sink.write_batch(batch(spark, [(1, "k1", 10), (2, "k2", 20)]), 0)
+    sink.commit_through(0)
+    assert totals() == {"old": 1, "k1": 10, "k2": 20}
+
+
+def test_a_commit_cut_short_changes_nothing_and_is_finished_once(spark: Any, target_dsn: str) -> None:
+    sink = make(target_dsn, "events")
+    rows = [(i, "k", i) for i in range(50)]
+    sink.write_batch(batch(spark, rows[:25]), 0)
+    sink.write_batch(batch(spark, rows[25:]), 1)
+    # the 40th row inserted by the commit fails it, as a crash of the commit's transaction would
+    sql(target_dsn, """
+        CREATE FUNCTION fail_at_40() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+          IF (SELECT count(*) FROM events) >= 39 THEN RAISE EXCEPTION 'commit cut short'; END IF;
+          RETURN NEW;
+        END $$;
+        CREATE TRIGGER cut_short BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION fail_at_40();
+    """)
+    with pytest.raises(ConfigurationError, match="commit cut short"):
+        sink.commit_through(1)
+    assert events(target_dsn) == Counter() and sink.committed_batch() == -1, "a failed commit left rows behind"
+    sql(target_dsn, "DROP TRIGGER cut_short ON events")
+    sink.commit_through(1)
+    assert events(target_dsn) == Counter(rows)
+
+
+def test_bad_input_is_refused_before_any_write(spark: Any, target_dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="'missing' does not exist"):
+        make(target_dsn, "missing")
+    with pytest.raises(ConfigurationError, match="PRIMARY KEY or UNIQUE"):
+        make(target_dsn, "events", mode="upsert", key=("id",))
+    sink = make(target_dsn, "events")
+    with pytest.raises(ConfigurationError, match="'amount': the output is string but the table's column is int8"):
+        sink.write_batch(spark.createDataFrame([(1, "k", "x")], "id BIGINT, key STRING, amount STRING"), 0)
+    with pytest.raises(ConfigurationError, match="output column 'extra' is not a column"):
+        sink.write_batch(spark.createDataFrame([(1, "k", 1, 2)], f"{SCHEMA}, extra INT"), 0)
+    with pytest.raises(ConfigurationError, match="column 'key' of 'events' is NOT NULL without a default"):
+        sink.write_batch(spark.createDataFrame([(1, 1)], "id BIGINT, amount BIGINT"), 0)
+    assert sql(target_dsn, f"SELECT count(*) FROM {sink._pending_name}")[0][0] == 0  # noqa: S608
+    # another sink (of another pipeline) on the same table is refused: one exactly-once writer per table
+    with pytest.raises(ConfigurationError, match="is written by sink 'out' of pipeline 'p1'"):
+        make(target_dsn, "events", pipeline="p2")
+
+
+def test_graph_validation_names_the_sink() -> None:
+    def build(target: Any) -> None:
+        p = Pipeline("v")
+        src = p.source("src", lambda spark: spark)
+        p.sink("to_pg", inputs=[src], postgres=target)
+        p.validate()
+
+    with pytest.raises(PipelineGraphError, match="sink 'to_pg': give exactly one of dsn="):
+        build(PostgresTarget(table="t"))
+    with pytest.raises(PipelineGraphError, match="sink 'to_pg': mode='upsert' needs key="):
+        build(PostgresTarget(table="t", dsn_env="X", mode="upsert"))
+    with pytest.raises(PipelineGraphError, match="takes a PostgresTarget"):
+        build({"table": "t"})
+    p = Pipeline("v2")
+    src = p.source("src", lambda spark: spark)
+    p.sink("a", inputs=[src], postgres=PostgresTarget(table="t", dsn_env="X"))
+    p.sink("b", inputs=[src], postgres=PostgresTarget(table="t", dsn_env="X"))
+    with pytest.raises(PipelineGraphError, match="sinks 'a' and 'b' both write table 't'"):
+        p.validate()
+
+
+def test_dsn_from_environment_and_airflow_connection(monkeypatch: pytest.MonkeyPatch, target_dsn: str) -> None:
+    monkeypatch.setenv("SINK_DSN", target_dsn)
+    assert PostgresTarget(table="t", dsn_env="SINK_DSN").resolve_dsn() == target_dsn
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", '{"conn_type": "postgres", "host": "db", "login": "u", '
+                                                  '"password": "p@ss", "port": 5433, "schema": "w"}')
+    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://u:p%40ss@db:5433/w"
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgres://u:p@db:5432/w")
+    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://u:p@db:5432/w"
+    with pytest.raises(ConfigurationError, match="set AIRFLOW_CONN_NOPE"):
+        PostgresTarget(table="t", conn_id="nope").resolve_dsn()
+    sink = TransactionalPostgresSink("p", "s", PostgresTarget(table="events", dsn_env="SINK_DSN"))
+    assert "p@ss" not in repr(PostgresTarget(table="t", dsn="postgresql://u:p@ss@h/d"))
+    assert "postgresql" not in repr(sink)
+
+
+def test_restore_from_an_older_epoch_rolls_the_tables_back_then_recommits(
+        spark: Any, module_store: Any, target_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo with both PostgreSQL sinks runs to the end with epochs; a restore of a middle epoch first rolls
+    both tables back to exactly that epoch's cut (append: rows after it deleted; upsert: totals as they were),
+    then, run to the end, commits the same rows again: each once."""
+    rows, per_batch = 1200, 150
+    monkeypatch.setenv("ARROYO_TEST_SINK_DSN", target_dsn)
+    sql(target_dsn, PG_REPORT_DDL.format(table="report_rows"))
+    sql(target_dsn, PG_TOTALS_DDL.format(table="key_totals"))
+    pid = f"pgr-{uuid.uuid4().hex[:8]}"
+    expected = expected_report(rows)
+
+    def driver(**kw: Any) -> PipelineDriver:
+        p = demo(pid, rows=rows, rows_per_batch=per_batch, pg_dsn_env="ARROYO_TEST_SINK_DSN",
+                 pg_report_table="report_rows", pg_totals_table="key_totals")
+        return PipelineDriver(p, module_store, storage_uri=str(tmp_path), spark=spark, **kw)
+
+    def report() -> Counter[tuple[Any, ...]]:
+        return Counter(sql(target_dsn, "SELECT id, key, left_value, right_value, total FROM report_rows"))
+
+    def totals() -> dict[str, tuple[int, int]]:
+        return {k: (n, t) for k, n, t in sql(target_dsn, "SELECT key, n, total FROM key_totals")}
+
+    first = driver(run_id="first")
+    run_until(first, module_store, lambda: len(report()) >= len(expected), what="every row committed")
+    assert report() == Counter(expected) and totals() == expected_totals(rows)
+    completed = sorted(e.epoch for e in module_store.list_epochs(pid) if e.state is EpochState.COMPLETED)
+    middle = next(e for e in completed if 0 < sum(report_cut(first, e).values()) < len(expected))
+
+    restored = driver(run_id="restored", restore_from=middle)
+    thread = DriverThread(restored).start()
+    try:
+        wait_for(lambda: restored.started.is_set() or thread.error, timeout=300, what="the restored run to start")
+        # no controller: nothing commits before the final epoch, so the tables show the rollback
+        cut = report_cut(restored, middle)
+        assert report() == cut, "the append table was not rolled back to the restored epoch's cut"
+        assert totals() == expected_totals_of(cut), "the upsert table was not rolled back to the restored epoch's cut"
+        wait_for(lambda: thread.error or row_count(restored.layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
+                 timeout=600, what="the restored run to reach the end")
+    finally:
+        module_store.request_stop(pid, "graceful")
+    thread.join(300)
+    assert report() == Counter(expected), "rows after the restored epoch were committed twice or lost"
+    assert totals() == expected_totals(rows)
+
+
+def report_cut(driver: PipelineDriver, epoch: int) -> Counter[tuple[Any, ...]]:
+    """The report channel's rows before barrier ``epoch``: what the sinks hold once that epoch committed."""
+    channel = Channel.open(driver.layout.channel_uri(OUTPUT_CHANNEL))
+    pos = channel.find_barrier(epoch)
+    assert pos is not None
+    return Counter(tuple(r.values()) for r in channel.read_table(end=pos).to_pylist())
+
+
+def expected_totals_of(rows: Counter[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    for (_, key, _, _, total), times in rows.items():
+        for _ in range(times):
+            n, s = out.get(key, (0, 0))
+            out[key] = (n + 1, s + total)
+    return out
