@@ -49,6 +49,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
+from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = [
     "WAITABLE_STATES",
@@ -302,6 +303,8 @@ class PipelineStateTrigger(BaseTrigger):
     :param submit_log: its log file (its tail goes into the failure message).
     :param submit_exits: True when ``spark-submit`` exits once the application is submitted (cluster
         deploy modes): then its exit is not a failure.
+    :param not_before: UNIX time before which no event is yielded (one reached earlier is held):
+        the deferring task's settle time, see :mod:`airflow_arroyo.triggers.settle`.
     """
 
     def __init__(
@@ -320,6 +323,7 @@ class PipelineStateTrigger(BaseTrigger):
         submit_start_ticks: int | None = None,
         submit_log: str | None = None,
         submit_exits: bool = False,
+        not_before: float | None = None,
     ) -> None:
         super().__init__()
         validate_pipeline_id(pipeline_id)
@@ -340,6 +344,7 @@ class PipelineStateTrigger(BaseTrigger):
         self.submit_start_ticks = submit_start_ticks
         self.submit_log = submit_log
         self.submit_exits = submit_exits
+        self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -359,6 +364,7 @@ class PipelineStateTrigger(BaseTrigger):
                 "submit_start_ticks": self.submit_start_ticks,
                 "submit_log": self.submit_log,
                 "submit_exits": self.submit_exits,
+                "not_before": self.not_before,
             },
         )
 
@@ -409,6 +415,14 @@ class PipelineStateTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        event = await self._wait()
+        held = await hold_until(self.not_before)
+        if held:
+            self.log.info("Pipeline %s: event held %.1fs until the deferral settled (apache/airflow#67287)",
+                          self.pipeline_id, held)
+        yield event
+
+    async def _wait(self) -> TriggerEvent:
         store = await self._store()
         self.log.info("Waiting for pipeline %s (run %s) to reach %s", self.pipeline_id, self.run_id or "any",
                       self.target_description)
@@ -417,8 +431,7 @@ class PipelineStateTrigger(BaseTrigger):
             try:
                 verdict, pipeline, latest = await self.look(store)
             except ArroyoError as exc:
-                yield self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
-                return
+                return self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
             if verdict.verdict is Verdict.WAIT and self._submit_process_exited():
                 # The process may have written its last state just before it exited: look once more.
                 verdict, pipeline, latest = await self.look(store)
@@ -431,8 +444,7 @@ class PipelineStateTrigger(BaseTrigger):
                     verdict = WaitVerdict(Verdict.UNREACHABLE, msg)
             if verdict.verdict is not Verdict.WAIT:
                 self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
-                yield self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
-                return
+                return self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
             if verdict.message != last_message:
                 self.log.info("Pipeline %s: %s; waiting for %s", self.pipeline_id, verdict.message,
                               self.target_description)
@@ -440,8 +452,7 @@ class PipelineStateTrigger(BaseTrigger):
             if self.deadline is not None and time.time() >= self.deadline:
                 msg = (f"pipeline {self.pipeline_id!r} did not reach {self.target_description} by "
                        f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
-                yield self._event("timeout", msg, pipeline, latest)
-                return
+                return self._event("timeout", msg, pipeline, latest)
             await asyncio.sleep(self.poll_interval)
 
     def _submit_process_exited(self) -> bool:
