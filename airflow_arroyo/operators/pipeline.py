@@ -54,7 +54,16 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, stop_run
+from airflow_arroyo.triggers.pipeline import (
+    LocalProcess,
+    PipelineStateTrigger,
+    Verdict,
+    WaitVerdict,
+    evaluate_wait,
+    log_tail,
+    stop_run,
+)
+from airflow_arroyo.triggers.settle import settle_deadline
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -106,6 +115,51 @@ def _log_dir(submit_log_dir: str | None) -> Path:
         return Path(submit_log_dir)
     home = os.environ.get("AIRFLOW_HOME") or str(Path.home() / "airflow")
     return Path(home) / "logs" / "arroyo"
+
+
+def driver_log_path(pipeline_id: str, run_id: str, submit_log_dir: str | None = None) -> Path:
+    """Where the submit task put the driver's own log (``spark-submit``'s output) of a run, on the
+    host that ran it: ``<submit_log_dir or $AIRFLOW_HOME/logs/arroyo>/<pipeline_id>/<run_id>.log``."""
+    return _log_dir(submit_log_dir) / pipeline_id / f"{re.sub(r'[^A-Za-z0-9_.+-]', '_', run_id)}.log"
+
+
+def _log_driver_tail(log: Any, pipeline_id: str, run_id: str | None, submit_log_dir: str | None,
+                     lines: int = 20) -> None:
+    """Put the driver log's path and last lines into this task's log (when this host has the file)."""
+    if not run_id:
+        return
+    path = driver_log_path(pipeline_id, run_id, submit_log_dir)
+    tail = log_tail(str(path), lines)
+    if tail:
+        log.info("Driver log of pipeline %s run %s: %s; its last %s lines:\n%s", pipeline_id, run_id, path,
+                 len(tail.splitlines()), tail)
+    else:
+        log.info("Driver log of pipeline %s run %s: %s on the host that ran the submit task", pipeline_id,
+                 run_id, path)
+
+
+def _parse_stop_mode(mode: str) -> str:
+    text = str(mode).strip().lower()
+    if text not in ("graceful", "immediate"):
+        raise ConfigurationError(
+            f"stop mode must be 'graceful' (a final epoch, then stop) or 'immediate' (stop now), got {mode!r}"
+        )
+    return text
+
+
+def _templated(value: object) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def _at_parse(task_id: str, check: Any, *args: Any) -> None:
+    """Run a check when the DAG is parsed, naming the task in the error (templated values are checked
+    once rendered, in execute)."""
+    if any(_templated(a) for a in args):
+        return
+    try:
+        check(*args)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {task_id!r}: {exc}") from None
 
 
 _DETACHED: list[subprocess.Popen[bytes]] = []
@@ -219,6 +273,8 @@ class SubmitPipelineOperator(BaseOperator):
         self.poll_interval = poll_interval
         self._process: LocalProcess | None = None
         self._submitted_run: str | None = None
+        _at_parse(self.task_id, parse_restore_from, restore_from)
+        _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
 
     # ------------------------------------------------------------------ pieces
 
@@ -319,6 +375,8 @@ class SubmitPipelineOperator(BaseOperator):
         ti.xcom_push(key=XCOM_SPARK_UI_URL, value=None)  # known once the driver reports it
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
                   "log": str(log_path), "run_id": run_id}
+        self.log.info("The driver's own log (spark-submit output): %s on %s; its last lines are copied here once "
+                      "the run is running", log_path, process.host)
         ti.xcom_push(key="submit_process", value=submit)
         self.defer(
             trigger=PipelineStateTrigger(
@@ -326,7 +384,7 @@ class SubmitPipelineOperator(BaseOperator):
                 conn_id=self.conn_id, poll_interval=self.poll_interval,
                 deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
                 submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
-                submit_log=str(log_path), submit_exits=cluster,
+                submit_log=str(log_path), submit_exits=cluster, not_before=settle_deadline(),
             ),
             method_name="execute_complete",
             kwargs={"submit": submit},
@@ -345,13 +403,22 @@ class SubmitPipelineOperator(BaseOperator):
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
             raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
-        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=event.get("spark_ui_url"))
-        ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id"))
+        # The driver reports its Spark UI before `running`; an older driver only with its first heartbeat:
+        # read the record again rather than leave the "Spark UI" link empty.
+        record = _store(self.conn_id).get_pipeline(self.pipeline_id)
+        same_run = record.run_id == run_id
+        ui_url = event.get("spark_ui_url") or (record.spark_ui_url if same_run else None)
+        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=ui_url)
+        ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id") or (record.spark_app_id if same_run else None))
         # Epoch numbers go on across runs: downstream tasks count this run's epochs from here,
         # e.g. PipelineSensor(epoch="{{ ti.xcom_pull(task_ids='submit', key='epoch_at_start') + 3 }}").
-        ti.xcom_push(key="epoch_at_start", value=_store(self.conn_id).get_pipeline(self.pipeline_id).last_epoch)
+        ti.xcom_push(key="epoch_at_start", value=record.last_epoch)
         self.log.info("Pipeline %s run %s is %s; Spark UI: %s", self.pipeline_id, run_id, event.get("state"),
-                      event.get("spark_ui_url") or "not reported")
+                      ui_url or "not reported")
+        if submit.get("log"):
+            tail = log_tail(str(submit["log"]), 20)
+            self.log.info("Driver log: %s on %s%s", submit["log"], submit.get("host") or "the worker",
+                          f"; its last lines:\n{tail}" if tail else "")
         return run_id
 
     def on_kill(self) -> None:
@@ -371,6 +438,12 @@ class StopPipelineOperator(BaseOperator):
         pipeline's cause; with False the task just reports it.
     :param poll_interval: seconds between two looks at the epoch store while deferred.
     :param stop_timeout: seconds to wait for ``stopped`` before the task fails.
+    :param wait_before_defer: seconds the task first waits in the worker (polling every
+        ``poll_interval``) before it defers: a stop that ends in that time (a graceful stop takes one
+        final epoch, usually seconds) never makes the deferral round trip that apache/airflow#67287
+        can fail. 0 defers at once.
+    :param submit_log_dir: the submit task's ``submit_log_dir``: where the driver's log is (its last
+        lines are copied into this task's log).
 
     Returns (XCom) the pipeline's final state and its latest completed epoch.
 
@@ -393,6 +466,8 @@ class StopPipelineOperator(BaseOperator):
         fail_if_failed: bool = True,
         poll_interval: float = 2.0,
         stop_timeout: float = 600.0,
+        wait_before_defer: float = 30.0,
+        submit_log_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -402,12 +477,14 @@ class StopPipelineOperator(BaseOperator):
         self.fail_if_failed = fail_if_failed
         self.poll_interval = poll_interval
         self.stop_timeout = stop_timeout
+        self.wait_before_defer = wait_before_defer
+        self.submit_log_dir = submit_log_dir
+        _at_parse(self.task_id, _parse_stop_mode, mode)
+        _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
 
     def execute(self, context: Context) -> dict[str, Any]:
         validate_pipeline_id(self.pipeline_id)
-        mode = str(self.mode).strip().lower()
-        if mode not in ("graceful", "immediate"):
-            raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {self.mode!r}")
+        mode = _parse_stop_mode(self.mode)
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         store = _store(self.conn_id)
         try:
@@ -422,16 +499,36 @@ class StopPipelineOperator(BaseOperator):
                                  "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
         store.request_stop(self.pipeline_id, mode)
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
+        done = self._wait_in_worker(store, pipeline.run_id)
+        if done is not None:
+            return self.execute_complete(context, done)
         self.defer(
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
                 conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.stop_timeout),
+                deadline=time.time() + float(self.stop_timeout), not_before=settle_deadline(),
             ),
             method_name="execute_complete",
         )
 
+    def _wait_in_worker(self, store: EpochStore, run_id: str | None) -> dict[str, Any] | None:
+        """Poll for ``stopped`` up to ``wait_before_defer`` seconds; the event if it ended, else None."""
+        deadline = time.monotonic() + min(float(self.wait_before_defer), float(self.stop_timeout))
+        while True:
+            try:
+                pipeline = store.get_pipeline(self.pipeline_id)
+            except UnknownPipelineError:
+                pipeline = None
+            verdict: WaitVerdict = evaluate_wait(pipeline, state=PipelineState.STOPPED, run_id=run_id)
+            if verdict.verdict is not Verdict.WAIT and pipeline is not None:
+                return {"status": verdict.verdict.value, "state": pipeline.state.value, "run_id": pipeline.run_id,
+                        "message": verdict.message, "cause": verdict.cause}
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(float(self.poll_interval), max(0.0, deadline - time.monotonic())))
+
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        _log_driver_tail(self.log, self.pipeline_id, event.get("run_id"), self.submit_log_dir)
         status = event.get("status")
         if status == "success":
             return self._result(event, None)
