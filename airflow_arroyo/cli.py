@@ -31,9 +31,9 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, NoReturn
+from urllib.parse import urlsplit
 
 import psycopg2
 
