@@ -33,9 +33,10 @@ __all__ = ["DEFER_SETTLE_S", "hold_until", "settle_deadline"]
 DEFER_SETTLE_S = 10.0
 
 
-def settle_deadline(now: float | None = None, settle: float = DEFER_SETTLE_S) -> float:
-    """``not_before`` for a trigger deferred now (UNIX seconds)."""
-    return (time.time() if now is None else now) + settle
+def settle_deadline(now: float | None = None, settle: float | None = None) -> float:
+    """``not_before`` for a trigger deferred now (UNIX seconds); ``settle`` defaults to
+    :data:`DEFER_SETTLE_S` (read at call time)."""
+    return (time.time() if now is None else now) + (DEFER_SETTLE_S if settle is None else settle)
 
 
 async def hold_until(not_before: float | None) -> float:

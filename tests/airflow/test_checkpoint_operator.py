@@ -24,6 +24,12 @@ from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 PID = "orders"
 
 
+@pytest.fixture(autouse=True)
+def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
+    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
+
+
 def operator(**kwargs: Any) -> CheckpointOperator:
     args: dict[str, Any] = {"task_id": "checkpoints", "pipeline_id": PID, "interval": 30}
     args.update(kwargs)
@@ -92,18 +98,25 @@ def _event(status: str, reason: str, epochs: list[dict[str, Any]], **extra: Any)
             "pipeline_run_id": "r1", "summary": {**counts, "epochs": epochs, "omitted": 0}, **extra}
 
 
-def test_execute_complete_logs_one_line_per_epoch_and_returns_the_figures() -> None:
+def test_execute_complete_logs_one_summary_line_and_returns_the_figures() -> None:
+    """The trigger's log (shown in the task log) has a line per epoch; the task adds one summary, once."""
     epochs = [_entry(1, "completed", 0.25, 1024), _entry(2, "expired", 60.0, 0, "not acknowledged within 60s"),
               _entry(3, "completed", 1.5, 3 * 1024 * 1024)]
     with structlog.testing.capture_logs() as logs:
         result = operator().execute_complete(context(), _event("success", "pipeline_stopped", epochs))  # type: ignore[arg-type]
     lines = [str(entry["event"]) for entry in logs]
-    assert "pipeline orders epoch 1 completed in 0.250s: 1.0 KiB new, 10.0 KiB total" in lines
-    assert "pipeline orders epoch 2 expired in 60.000s: 0 B new, 0 B total (not acknowledged within 60s)" in lines
-    assert "pipeline orders epoch 3 completed in 1.500s: 3.0 MiB new, 30.0 MiB total" in lines
-    assert [e["log_level"] for e in logs if "epoch 2" in str(e["event"])] == ["warning"]
+    assert lines == ["pipeline orders stopped: 2 epochs completed, 0 failed, 1 expired; duration p50 250 ms, "
+                     "p99 1.5 s; size p50 10.0 KiB, p99 30.0 MiB"]
     assert result == {"pipeline_id": PID, "pipeline_run_id": "r1", "completed": 2, "failed": 0, "expired": 1,
                       "last_epoch": 3}
+
+
+def test_stop_after_epochs_is_checked_when_parsed_and_rendered() -> None:
+    with pytest.raises(ConfigurationError, match="stop_after_epochs must be a whole number >= 1"):
+        operator(stop_after_epochs=0)
+    op = operator(stop_after_epochs="{{ params.epochs }}")
+    op.stop_after_epochs = "5"  # rendered
+    assert op._trigger_kwargs()["stop_after_epochs"] == 5
 
 
 def test_execute_complete_fails_with_the_pipeline_failure_as_cause() -> None:

@@ -46,6 +46,12 @@ CONN = "arroyo_test"
 SPARK = "spark_test"
 
 
+@pytest.fixture(autouse=True)
+def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
+    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
+
+
 @pytest.fixture
 def conns(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> EpochStore:
     """Connections as environment variables: the epoch store, and Spark local[2] as JSON."""
@@ -118,8 +124,9 @@ def test_parse_restore_from_refuses(value: Any) -> None:
 
 
 def test_pipeline_page_url() -> None:
-    assert pipeline_page_url("orders", base_url="") == "/arroyo/pipelines/orders"
-    assert pipeline_page_url("a.b-c", base_url="https://airflow.example/") == "https://airflow.example/arroyo/pipelines/a.b-c"
+    assert pipeline_page_url("orders", base_url="") == "/plugin/arroyo/arroyo/pipelines/orders"
+    assert (pipeline_page_url("a.b-c", base_url="https://airflow.example/")
+            == "https://airflow.example/plugin/arroyo/arroyo/pipelines/a.b-c")
 
 
 def test_driver_application_is_the_runtime_driver() -> None:
@@ -379,3 +386,53 @@ def test_example_dag_shape_and_arguments() -> None:
     inspect.signature(function).bind(**submit.pipeline_args)
     assert submit.pipeline_args["pipeline_id"] == submit.pipeline_id == tasks["stop"].pipeline_id
     assert set(dag.params) >= {"interval", "epochs", "minutes", "restore_from"}
+
+
+# --------------------------------------------------------------------------- parse time, links
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: SubmitPipelineOperator(task_id="submit_eu", pipeline="m:p", pipeline_id=PID, restore_from="lastest"),
+         "task 'submit_eu': restore_from must be 'latest', an epoch number >= 1"),
+        (lambda: SubmitPipelineOperator(task_id="submit_eu", pipeline="m:p", pipeline_id=PID, restore_from=0),
+         "task 'submit_eu': restore_from must be"),
+        (lambda: StopPipelineOperator(task_id="stop_eu", pipeline_id=PID, mode="gracefull"),
+         "task 'stop_eu': stop mode must be 'graceful'"),
+    ],
+)
+def test_bad_arguments_fail_when_the_dag_is_parsed_naming_the_task(make: Callable[[], Any], needle: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        make()
+    assert needle in str(info.value)
+
+
+def test_templated_arguments_are_checked_once_rendered() -> None:
+    submit = SubmitPipelineOperator(task_id="s", pipeline="m:p", pipeline_id=PID, restore_from="{{ params.r }}")
+    submit.restore_from = "soon"  # rendered
+    with pytest.raises(ConfigurationError, match="restore_from must be"):
+        submit._validate()
+    stop = StopPipelineOperator(task_id="t", pipeline_id=PID, mode="{{ params.mode }}")
+    assert stop.mode == "{{ params.mode }}"
+
+
+def test_the_checkpoint_link_stays_inside_airflows_ui() -> None:
+    """Airflow's UI frames the plugin at /plugin/arroyo and follows the path after it."""
+    assert pipeline_page_url("orders", base_url="") == "/plugin/arroyo/arroyo/pipelines/orders"
+    assert (pipeline_page_url("orders", base_url="https://af.example/team/")
+            == "https://af.example/team/plugin/arroyo/team/arroyo/pipelines/orders")
+    assert pipeline_page_url("orders", base_url="", framed=False) == "/arroyo/pipelines/orders"
+
+
+def test_spark_ui_url_is_read_from_the_store_when_the_event_lacks_it(conns: EpochStore, tmp_path: Path) -> None:
+    """An older driver reports its Spark UI with its first heartbeat, after `running`."""
+    conns.register_pipeline(PID, stages=["a"], run_id="r9")
+    conns.set_pipeline_state(PID, PipelineState.RUNNING, run_id="r9")
+    conns.heartbeat(PID, "r9", spark_ui_url="http://driver:4041", spark_app_id="app-9")
+    ti = _TI()
+    ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
+    op = submit_op(tmp_path)
+    event = {"status": "success", "state": "running", "run_id": "r9", "spark_ui_url": None, "spark_app_id": None}
+    assert op.execute_complete({"ti": ti}, event, submit={"run_id": "r9"}) == "r9"  # type: ignore[arg-type]
+    assert ti.xcom["spark_ui_url"] == "http://driver:4041" and ti.xcom["spark_app_id"] == "app-9"
