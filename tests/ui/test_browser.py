@@ -166,3 +166,76 @@ def test_the_plugin_is_in_airflows_navigation(api_server: ApiServer, browser: An
     assert ids == ["clicks", "fresh", "orders", "payments", "sessions"]
     d.switch_to.default_content()
     _shot(d, "08-embedded-in-airflow")
+
+
+def _overflow(driver: Any) -> int:
+    """How many pixels the page is wider than the window (0: nothing to scroll sideways)."""
+    return int(driver.execute_script(
+        "return document.documentElement.scrollWidth - document.documentElement.clientWidth"))
+
+
+def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, dataset: Dataset) -> None:
+    """Issue 10, section 4, in a browser 1440 px wide: tables fit, the summary and the restore hint
+    are there, the retention policy reads as words, an empty chart does not repeat "0 B", a page
+    with an epoch in flight reloads itself, and the checkpoint link keeps Airflow's frame."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d = browser
+    d.get(f"{api_server.url}/arroyo/pipelines/orders")
+    if "/auth/login" in d.current_url or d.find_element(By.TAG_NAME, "h1").text == "Sign in to Airflow":
+        if "/auth/login" not in d.current_url:
+            d.find_element(By.LINK_TEXT, "Sign in").click()
+        _wait_for(d, "input[name=username]").send_keys(USER)
+        d.find_element(By.CSS_SELECTOR, "input[name=password]").send_keys(PASSWORD)
+        d.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        WebDriverWait(d, 30).until(lambda drv: drv.current_url.endswith("/arroyo/pipelines/orders"))
+    d.set_window_size(1440, 1000)
+
+    # The history: no sideways scrolling at 1440 px; the summary; the interval recorded.
+    _wait_for(d, "table#summary")
+    assert _overflow(d) <= 0, _overflow(d)
+    summary = d.find_element(By.ID, "summary").text
+    assert "Completed" in summary and "Duration p50" in summary and "Size p99" in summary
+    assert d.find_element(By.ID, "interval").text == "30 s"
+    # An epoch is in flight: the page reloads itself (no script of ours: a <meta> refresh).
+    assert "refreshes every 5 s" in d.find_element(By.ID, "auto-refresh").text
+    d.execute_script("window.__before_refresh = true")
+    WebDriverWait(d, 20).until(lambda drv: drv.execute_script("return window.__before_refresh") is None)
+    _shot(d, "09-history-1440-summary")
+
+    # A completed epoch says how to restore from it.
+    d.get(f"{api_server.url}/arroyo/pipelines/orders/epochs/240")
+    hint = _wait_for(d, "#restore").text
+    assert "restore_from=240" in hint and "--restore-from 240" in hint
+    assert _overflow(d) <= 0, _overflow(d)
+    _shot(d, "10-epoch-240-restore-hint")
+
+    # Retention: fits, and the policy is words, not a Python dict.
+    d.get(f"{api_server.url}/arroyo/pipelines/orders/retention")
+    _wait_for(d, "#cleanup-runs")
+    assert _overflow(d) <= 0, _overflow(d)
+    policies = [td.text for td in d.find_elements(By.CSS_SELECTOR, "#cleanup-runs td.policy")]
+    assert policies and all(p.startswith("keep the last") for p in policies), policies
+    _shot(d, "11-retention-1440")
+
+    # A pipeline without sizes: its size panels say so instead of an axis of "0 B, 0 B, 0 B, 1 B".
+    d.get(f"{api_server.url}/arroyo/pipelines/fresh")
+    chart = _wait_for(d, "svg.history")
+    labels = [t.text for t in chart.find_elements(By.TAG_NAME, "text")]
+    assert labels.count("0 B") == 0 and "no size reported yet" in labels, labels
+    _element_shot(d, "figure.chart-box", "12-empty-chart")
+
+    # The checkpoint link of a task opens the page inside Airflow's UI (its navigation around it).
+    from airflow_arroyo.links import pipeline_page_url
+
+    d.get(pipeline_page_url("orders", base_url=api_server.url))
+    frame = _wait_for(d, "iframe", timeout=60)
+    assert frame.get_attribute("src").endswith("/arroyo/pipelines/orders")
+    assert d.find_elements(By.CSS_SELECTOR, "nav, [role=navigation]")
+    d.switch_to.frame(frame)
+    _wait_for(d, "table#epochs")
+    assert _overflow(d) <= 0, _overflow(d)  # fits the frame Airflow leaves it at 1440 px
+    d.switch_to.default_content()
+    d.set_window_size(1440, 1000)
+    d.save_screenshot(str(OUT / "13-checkpoint-link-in-airflow-frame.png"))
