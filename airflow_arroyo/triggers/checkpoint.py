@@ -239,10 +239,7 @@ class CheckpointTrigger(BaseTrigger):
             return
         controller = _Controller(self, store, summary)
         event = await controller.run()
-        held = await hold_until(self.not_before)
-        if held:
-            self.log.info("pipeline %s: event held %.1fs until the deferral settled (apache/airflow#67287)",
-                          self.pipeline_id, held)
+        await hold_until(self.not_before, self.log, self.pipeline_id)
         yield event
 
     def _event(self, status: str, summary: _Summary, *, reason: str, message: str,
@@ -371,6 +368,8 @@ class _Controller:
         counted = self.summary.counts["completed"] + len(self.watching)
         if counted >= limit - 1:
             self.stop_requested = True
+            if (await self.store.get_pipeline(self.pid)).stop_requested:
+                return  # someone asked already: never turn an immediate stop into a graceful one
             await self.store.request_stop(self.pid, "graceful")
             self.log.info("pipeline %s: %s epochs completed or in flight; requested a graceful stop, whose final "
                           "epoch makes %s (stop_after_epochs)", self.pid, counted, limit)

@@ -416,10 +416,7 @@ class PipelineStateTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         event = await self._wait()
-        held = await hold_until(self.not_before)
-        if held:
-            self.log.info("Pipeline %s: event held %.1fs until the deferral settled (apache/airflow#67287)",
-                          self.pipeline_id, held)
+        await hold_until(self.not_before, self.log, self.pipeline_id)
         yield event
 
     async def _wait(self) -> TriggerEvent:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 __all__ = ["DEFER_SETTLE_S", "hold_until", "settle_deadline"]
 
@@ -39,12 +40,16 @@ def settle_deadline(now: float | None = None, settle: float | None = None) -> fl
     return (time.time() if now is None else now) + (DEFER_SETTLE_S if settle is None else settle)
 
 
-async def hold_until(not_before: float | None) -> float:
-    """Sleep until ``not_before`` (UNIX seconds) if it is still ahead; returns the seconds held."""
+async def hold_until(not_before: float | None, log: Any = None, pipeline_id: str = "") -> float:
+    """Sleep until ``not_before`` (UNIX seconds) if it is still ahead, saying so on ``log``; returns
+    the seconds held."""
     if not_before is None:
         return 0.0
     delay = float(not_before) - time.time()
     if delay <= 0:
         return 0.0
+    if log is not None:
+        log.info("pipeline %s: event held %.1fs until the deferral settled (apache/airflow#67287)", pipeline_id,
+                 delay)
     await asyncio.sleep(delay)
     return delay
