@@ -317,6 +317,11 @@ class _Controller:
             waited = await self._wait_for_run()
             if waited is not None:
                 return waited
+        if not self.interval_recorded:  # before the first tick: no time taken between its ticks
+            try:
+                await self._record_interval()
+            except UnknownPipelineError:
+                return await self._not_registered(f"pipeline {self.pid} is not registered yet")
         if self.t.stop_after_epochs == 1 and not self.stop_requested:  # before the first tick starts one
             try:
                 await self._stop_after_epochs((await self.store.get_pipeline(self.pid)).state)
@@ -331,8 +336,6 @@ class _Controller:
         self.registration_deadline = None
         new_failure = await self._observe(tick)
         decision = tick.decision
-        if not self.interval_recorded and decision.action is not TriggerAction.PIPELINE_ENDED:
-            await self._record_interval()
         await self._stop_after_epochs(tick.pipeline_state)
 
         if decision.action is TriggerAction.PIPELINE_ENDED:
@@ -355,6 +358,8 @@ class _Controller:
     async def _record_interval(self) -> None:
         """Write the interval this controller fires at on the run it controls (UI, overdue warning)."""
         pipe = await self.store.get_pipeline(self.pid)
+        if pipe.state.terminal:
+            return  # an ended run: the next one (or the end event) decides
         if pipe.run_id is not None:
             await self.store.record_checkpoint_interval(self.pid, pipe.run_id, float(self.policy.interval))
         self.interval_recorded = True

@@ -76,11 +76,13 @@ def test_execute_defers_to_the_checkpoint_trigger() -> None:
     assert info.value.method_name == "execute_complete"
     trigger = info.value.trigger
     assert isinstance(trigger, CheckpointTrigger)
-    assert trigger.serialize()[1] == {
+    kwargs = trigger.serialize()[1]
+    assert kwargs.pop("not_before") is not None  # the settle time (test_defer_settle.py)
+    assert kwargs == {
         "pipeline_id": PID, "conn_id": "epochs", "interval": 15.0, "timeout": 120, "min_pause": 2,
         "tolerable_failures": 1, "poll_interval": 0.5, "triggered_by": "airflow:etl/checkpoints/"
         "manual__2026-01-01T00:00:00+00:00", "pipeline_run_id": "etl.manual__2026-01-01",
-        "registration_timeout": 600.0, "max_summary_epochs": 1000,
+        "registration_timeout": 600.0, "max_summary_epochs": 1000, "stop_after_epochs": None,
     }
     assert set(CheckpointOperator.template_fields) >= {"pipeline_id", "conn_id", "interval", "timeout", "min_pause",
                                                         "tolerable_failures", "pipeline_run_id"}
@@ -142,7 +144,7 @@ def test_extra_link_points_at_the_pipeline_page(monkeypatch: pytest.MonkeyPatch)
     ti_key = SimpleNamespace(dag_id="etl", task_id="checkpoints", run_id="r", try_number=1, map_index=-1)
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/team-a/")
     assert link.get_link(operator(pipeline_id="orders.eu-1"), ti_key=ti_key) == (  # type: ignore[arg-type]
-        "https://airflow.example.com/team-a/arroyo/pipelines/orders.eu-1")
+        "https://airflow.example.com/team-a/plugin/arroyo/team-a/arroyo/pipelines/orders.eu-1")
     assert link.get_link(operator(pipeline_id="{{ params.p }}"), ti_key=ti_key) == ""  # type: ignore[arg-type]
     assert ArroyoCheckpointsLink in {type(lk) for lk in CheckpointOperator.operator_extra_links}
 
@@ -248,7 +250,7 @@ def test_dag_test_runs_the_deferred_controller_until_the_pipeline_stops(
     xcom = dict(rows)
     assert xcom["return_value"]["completed"] == len(completed)
     assert xcom["return_value"]["failed"] == sum(e.state is EpochState.FAILED for e in epochs)
-    assert xcom["_link_ArroyoCheckpointsLink"] == f"/arroyo/pipelines/{PID}"
+    assert xcom["_link_ArroyoCheckpointsLink"] == f"/plugin/arroyo/arroyo/pipelines/{PID}"
 
     out = capfd.readouterr()
     text = out.out + out.err
