@@ -263,7 +263,7 @@ def test_retention_page_shows_what_was_pruned_and_freed(client: TestClient, stor
         assert cells[1].text() == "succeeded"
         assert cells[5].text() == f"{len(run.epochs_pruned)} ({epoch_ranges(run.epochs_pruned)})"
         assert cells[6].text() == bytes_human(run.bytes_freed)
-        assert "keep_last=90" in cells[7].text()
+        assert cells[7].text() == "keep the last 90 completed or those newer than 1d"
     expired = page(client, "/arroyo/pipelines/payments/retention").find("div", id="lock")
     assert expired.attrs["data-live"] == "false" and "expired lease" in expired.text()
 
