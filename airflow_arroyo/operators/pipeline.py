@@ -68,7 +68,7 @@ from airflow_arroyo.triggers.settle import settle_deadline
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from airflow_arroyo.store import EpochStore
+    from airflow_arroyo.store import EpochStore, PipelineRecord
 
 __all__ = ["DRIVER_APPLICATION", "StopPipelineOperator", "SubmitPipelineOperator", "parse_restore_from"]
 
@@ -108,6 +108,19 @@ def _default_run_id(context: Context) -> str:
     ti = context["ti"]
     raw = f"{ti.dag_id}.{ti.run_id}.try{ti.try_number}"
     return re.sub(r"[^A-Za-z0-9_.:+-]", "_", raw)[:200]
+
+
+def _started_by_an_earlier_try(context: Context, explicit_run_id: str | None, current_run_id: str | None) -> bool:
+    """Whether the live run was started by an earlier try of this same task instance (a retry after
+    the scheduler failed a healthy try, apache/airflow#67287, or after a worker died post-submit)."""
+    if not current_run_id:
+        return False
+    if explicit_run_id:
+        return current_run_id == explicit_run_id
+    ti = context["ti"]
+    prefix = re.sub(r"[^A-Za-z0-9_.:+-]", "_", f"{ti.dag_id}.{ti.run_id}.try")
+    rest = current_run_id[len(prefix):]
+    return current_run_id.startswith(prefix) and rest.isdigit() and int(rest) < int(ti.try_number)
 
 
 def _log_dir(submit_log_dir: str | None) -> Path:
@@ -333,8 +346,8 @@ class SubmitPipelineOperator(BaseOperator):
         """Start spark-submit in its own session so it outlives this task; output to a log file."""
         log_dir = _log_dir(self.submit_log_dir) / self.pipeline_id
         log_dir.mkdir(parents=True, exist_ok=True)
-        safe_run = re.sub(r"[^A-Za-z0-9_.+-]", "_", run_id)
-        log_path = log_dir / f"{safe_run}.log"
+        log_path = driver_log_path(self.pipeline_id, run_id, self.submit_log_dir)
+        safe_run = log_path.stem
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -358,6 +371,9 @@ class SubmitPipelineOperator(BaseOperator):
             current = store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             current = None
+        if (current is not None and not current.state.terminal and not self.takeover
+                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None, current.run_id)):
+            return self._adopt(context, current)
         if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
@@ -385,6 +401,31 @@ class SubmitPipelineOperator(BaseOperator):
                 deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
                 submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
                 submit_log=str(log_path), submit_exits=cluster, not_before=settle_deadline(),
+            ),
+            method_name="execute_complete",
+            kwargs={"submit": submit},
+        )
+
+    def _adopt(self, context: Context, current: PipelineRecord) -> Any:
+        """A retry finds the run an earlier try started still live: carry on with it (no second submit)."""
+        run_id = str(current.run_id)
+        self.log.warning("Pipeline %s run %s was started by an earlier try of this task and is %s: adopting it "
+                         "instead of submitting again", self.pipeline_id, run_id, current.state)
+        ti = context["ti"]
+        ti.xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
+        ti.xcom_push(key="run_id", value=run_id)
+        submit = {"run_id": run_id, "log": str(driver_log_path(self.pipeline_id, run_id, self.submit_log_dir))}
+        ti.xcom_push(key="submit_process", value=submit)
+        verdict = evaluate_wait(current, state=PipelineState.RUNNING, run_id=run_id)
+        if verdict.verdict is Verdict.SUCCESS:
+            return self.execute_complete(context, {"status": "success", "state": current.state.value, "run_id": run_id,
+                                                   "spark_ui_url": current.spark_ui_url,
+                                                   "spark_app_id": current.spark_app_id}, submit=submit)
+        self.defer(
+            trigger=PipelineStateTrigger(
+                pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id, conn_id=self.conn_id,
+                poll_interval=self.poll_interval, deadline=time.time() + float(self.register_timeout),
+                stop_on_kill=True, not_before=settle_deadline(),
             ),
             method_name="execute_complete",
             kwargs={"submit": submit},

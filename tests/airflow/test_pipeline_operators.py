@@ -436,3 +436,23 @@ def test_spark_ui_url_is_read_from_the_store_when_the_event_lacks_it(conns: Epoc
     event = {"status": "success", "state": "running", "run_id": "r9", "spark_ui_url": None, "spark_app_id": None}
     assert op.execute_complete({"ti": ti}, event, submit={"run_id": "r9"}) == "r9"  # type: ignore[arg-type]
     assert ti.xcom["spark_ui_url"] == "http://driver:4041" and ti.xcom["spark_app_id"] == "app-9"
+
+
+def test_a_retry_adopts_the_live_run_an_earlier_try_started(conns: EpochStore, tmp_path: Path) -> None:
+    """If the scheduler failed a healthy submit try (apache/airflow#67287) and the task retries, the
+    retry carries on with the run the first try started: no second spark-submit, no conflict."""
+    first = "d.manual__2026-01-01T00:00:00+00:00.try1"
+    conns.register_pipeline(PID, stages=["a"], run_id=first)
+    conns.heartbeat(PID, first, spark_ui_url="http://driver:4040", spark_app_id="app-1")
+    conns.set_pipeline_state(PID, PipelineState.RUNNING, run_id=first)
+    ti = _TI()
+    ti.try_number = 2
+    ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
+    assert submit_op(tmp_path).execute({"ti": ti}) == first  # type: ignore[arg-type]
+    assert ti.xcom["run_id"] == first and ti.xcom["spark_ui_url"] == "http://driver:4040"
+    assert not list(tmp_path.rglob("*.pid"))  # nothing was submitted
+    # another DAG run's live run is still a conflict
+    other = _TI()
+    other.run_id, other.try_number = "manual__2026-02-02T00:00:00+00:00", 2
+    with pytest.raises(ConcurrencyConflict):
+        submit_op(tmp_path).execute({"ti": other})  # type: ignore[arg-type]
