@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from airflow_arroyo.epochs import EpochState
 from tests.ui.conftest import PASSWORD, USER, ApiServer
 from tests.ui.data import Dataset
 
@@ -168,8 +169,16 @@ def test_the_plugin_is_in_airflows_navigation(api_server: ApiServer, browser: An
     _shot(d, "08-embedded-in-airflow")
 
 
-def _overflow(driver: Any) -> int:
-    """How many pixels the page is wider than the window (0: nothing to scroll sideways)."""
+#: What a real run writes as "triggered by" / lease holder (the test data has short ones).
+LONG_TOKEN = "airflow:example_streaming_pipeline/checkpoints/manual__2026-11-23T13:23:52.123456+00:00"
+
+
+def _overflow(driver: Any, realistic: bool = True) -> int:
+    """How many pixels the page is wider than the window (0: nothing to scroll sideways), after
+    putting the long names a real run writes into the "by"/holder cells."""
+    if realistic:
+        driver.execute_script("document.querySelectorAll('td.by').forEach(td => td.textContent = arguments[0])",
+                              LONG_TOKEN)
     return int(driver.execute_script(
         "return document.documentElement.scrollWidth - document.documentElement.clientWidth"))
 
@@ -195,6 +204,9 @@ def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, da
     # The history: no sideways scrolling at 1440 px; the summary; the interval recorded.
     _wait_for(d, "table#summary")
     assert _overflow(d) <= 0, _overflow(d)
+    # (the check has teeth: without the wrapping rule the long names push the table past the window)
+    d.execute_script("document.querySelectorAll('td.by').forEach(td => td.style.whiteSpace = 'nowrap')")
+    assert _overflow(d, realistic=False) > 0
     summary = d.find_element(By.ID, "summary").text
     assert "Completed" in summary and "Duration p50" in summary and "Size p99" in summary
     assert d.find_element(By.ID, "interval").text == "30 s"
@@ -219,11 +231,20 @@ def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, da
     assert policies and all(p.startswith("keep the last") for p in policies), policies
     _shot(d, "11-retention-1440")
 
-    # A pipeline without sizes: its size panels say so instead of an axis of "0 B, 0 B, 0 B, 1 B".
-    d.get(f"{api_server.url}/arroyo/pipelines/fresh")
+    # A page of history without sizes (a failed epoch): the size panels say so instead of an axis of
+    # "0 B, 0 B, 0 B, 1 B".
+    from airflow_arroyo.store import EpochStore
+
+    store = EpochStore(dataset.dsn)
+    try:
+        sizeless = next(e.epoch for e in store.list_epochs("orders", limit=300)
+                        if e.bytes_total is None and e.bytes_new is None and e.state is not EpochState.TRIGGERED)
+    finally:
+        store.close()
+    d.get(f"{api_server.url}/arroyo/pipelines/orders?before={sizeless + 1}&limit=1")
     chart = _wait_for(d, "svg.history")
     labels = [t.text for t in chart.find_elements(By.TAG_NAME, "text")]
-    assert labels.count("0 B") == 0 and "no size reported yet" in labels, labels
+    assert labels.count("0 B") == 0 and labels.count("no size reported yet") == 2, labels
     _element_shot(d, "figure.chart-box", "12-empty-chart")
 
     # The checkpoint link of a task opens the page inside Airflow's UI (its navigation around it).
