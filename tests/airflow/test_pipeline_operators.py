@@ -264,7 +264,8 @@ def test_immediate_stop_requests_immediate_and_defers(conns: EpochStore) -> None
     conns.register_pipeline(PID, stages=["a"], run_id="r1")
     conns.set_pipeline_state(PID, PipelineState.RUNNING)
     with pytest.raises(TaskDeferred) as deferred:
-        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, mode="immediate").execute({"ti": _TI()})  # type: ignore[arg-type]
+        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, mode="immediate",
+                             wait_before_defer=0.2).execute({"ti": _TI()})  # type: ignore[arg-type]
     assert conns.get_pipeline(PID).stop_requested == "immediate"
     trigger = deferred.value.trigger
     assert (trigger.state, trigger.run_id) == ("stopped", "r1")
@@ -356,7 +357,7 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airfl
             .with_only_columns(XComModel.key, XComModel.value)
         ).all()
     xcom = {key: _json_or_text(value) for key, value in rows}
-    assert xcom["_link_ArroyoPipelineLink"] == f"/arroyo/pipelines/{PID}"
+    assert xcom["_link_ArroyoPipelineLink"] == f"/plugin/arroyo/arroyo/pipelines/{PID}"
     assert xcom["_link_SparkUILink"] == "http://127.0.0.1:4040"
     assert xcom["run_id"] == pipeline.run_id
 
