@@ -204,9 +204,14 @@ def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, da
     # The history: no sideways scrolling at 1440 px; the summary; the interval recorded.
     _wait_for(d, "table#summary")
     assert _overflow(d) <= 0, _overflow(d)
-    # (the check has teeth: without the wrapping rule the long names push the table past the window)
-    d.execute_script("document.querySelectorAll('td.by').forEach(td => td.style.whiteSpace = 'nowrap')")
+    # Narrower still (1200 px) it fits; and the check has teeth: with the cells as they were (no
+    # wrapping, full-size font) the same names push the table past the window.
+    d.set_window_size(1200, 1000)
+    assert _overflow(d) <= 0, _overflow(d)
+    d.execute_script("document.querySelectorAll('td.by').forEach(td => {"
+                     " td.style.whiteSpace = 'nowrap'; td.style.fontSize = '14px'; })")
     assert _overflow(d, realistic=False) > 0
+    d.set_window_size(1440, 1000)
     summary = d.find_element(By.ID, "summary").text
     assert "Completed" in summary and "Duration p50" in summary and "Size p99" in summary
     assert d.find_element(By.ID, "interval").text == "30 s"
