@@ -457,3 +457,23 @@ def test_a_retry_adopts_the_live_run_an_earlier_try_started(conns: EpochStore, t
     other.run_id, other.try_number = "manual__2026-02-02T00:00:00+00:00", 2
     with pytest.raises(ConcurrencyConflict):
         submit_op(tmp_path).execute({"ti": other})  # type: ignore[arg-type]
+
+
+def test_the_stop_task_log_carries_the_drivers_own_log(conns: EpochStore, tmp_path: Path) -> None:
+    """The driver's log (spark-submit's output, on the worker host) is reachable from the task log:
+    its path, and its last lines once the pipeline stopped."""
+    import structlog
+
+    from airflow_arroyo.operators.pipeline import driver_log_path
+
+    conns.register_pipeline(PID, stages=["a"], run_id="r1")
+    conns.set_pipeline_state(PID, PipelineState.STOPPED, run_id="r1")
+    log = driver_log_path(PID, "r1", str(tmp_path))
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"driver line {n}\n" for n in range(1, 41)))
+    op = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, submit_log_dir=str(tmp_path))
+    with structlog.testing.capture_logs() as logs:
+        op.execute_complete({"ti": _TI()}, {"status": "success", "state": "stopped", "run_id": "r1"})  # type: ignore[arg-type]
+    text = "\n".join(str(e["event"]) for e in logs)
+    assert str(log) in text and "driver line 40" in text and "driver line 21" in text
+    assert "driver line 20\n" not in text  # the last 20 lines only
