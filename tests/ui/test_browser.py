@@ -258,7 +258,8 @@ def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, da
     d.get(pipeline_page_url("orders", base_url=api_server.url))
     frame = _wait_for(d, "iframe", timeout=60)
     assert frame.get_attribute("src").endswith("/arroyo/pipelines/orders")
-    assert d.find_elements(By.CSS_SELECTOR, "nav, [role=navigation]")
+    assert "/plugin/arroyo/" in d.current_url  # Airflow's page, with our page in its frame
+    assert not d.find_elements(By.CSS_SELECTOR, "table#epochs")  # (not our page on its own)
     d.switch_to.frame(frame)
     _wait_for(d, "table#epochs")
     assert _overflow(d) <= 0, _overflow(d)  # fits the frame Airflow leaves it at 1440 px
