@@ -33,12 +33,14 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, NoReturn
+from urllib.parse import urlsplit
 
 import psycopg2
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 
 if TYPE_CHECKING:
+    from airflow_arroyo.epochs import RetentionPolicy
     from airflow_arroyo.store import EpochStore
 
 __all__ = ["main"]
@@ -115,20 +117,62 @@ def _open_store(args: argparse.Namespace) -> EpochStore:
         raise ConfigurationError("give either --dsn or --conn-id, not both")
     if args.conn_id:
         return _store_from_connection(args.conn_id)
+    source = "--dsn" if dsn else f"${DSN_ENV}"
     dsn = dsn or os.environ.get(DSN_ENV)
     if not dsn:
         raise ConfigurationError(
             f"no epoch store given: pass --dsn postgresql://user@host:5432/db (or set {DSN_ENV}), "
             "or --conn-id <airflow connection id>"
         )
+    _check_dsn(dsn, source)
+    return _cli_store(dsn)
+
+
+def _cli_store(dsn: str) -> EpochStore:
     from airflow_arroyo.store import EpochStore
 
     return EpochStore(dsn, max_connections=2, retry_seconds=CLI_RETRY_SECONDS, application_name="airflow-arroyo-cli")
 
 
+def _check_dsn(dsn: str, source: str) -> None:
+    """Refuse a malformed DSN before connecting, saying what is expected (never echoing it: it may
+    hold a password)."""
+    from psycopg2.extensions import parse_dsn
+
+    expected = (f"{source} is not a PostgreSQL connection string: expected "
+                "postgresql://user[:password]@host[:port]/database (or libpq's 'host=... dbname=...')")
+    scheme = dsn.split("://", 1)[0].lower() if "://" in dsn else None
+    if scheme is not None and scheme not in ("postgresql", "postgres"):
+        raise ConfigurationError(f"{expected}; got a {scheme}:// URI")
+    try:
+        parse_dsn(dsn)
+        if scheme is not None:
+            _ = urlsplit(dsn).port  # a port that is not a number
+    except (psycopg2.ProgrammingError, ValueError):
+        raise ConfigurationError(expected) from None
+
+
+def _env_connection_dsn(conn_id: str) -> str | None:
+    """The DSN of connection ``conn_id`` when the environment defines it as a URI
+    (``AIRFLOW_CONN_<ID>=postgresql://...``): read without importing Airflow, which takes seconds.
+    None for anything else (JSON, extras Airflow must decode, other schemes): Airflow resolves it."""
+    value = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}", "").strip()
+    if "://" not in value or "__extra__" in value:
+        return None
+    scheme, rest = value.split("://", 1)
+    if scheme.lower() not in ("postgresql", "postgres", "arroyo"):
+        return None
+    return f"postgresql://{rest}"
+
+
 def _store_from_connection(conn_id: str) -> EpochStore:
     """Resolve an Airflow connection like Airflow's own server-side CLI does (environment, secrets
-    backends and the metadata database), then open the store. Airflow is imported only here."""
+    backends and the metadata database), then open the store. A URI in ``AIRFLOW_CONN_<ID>`` is read
+    directly (fast); otherwise Airflow is imported, which takes seconds."""
+    dsn = _env_connection_dsn(conn_id)
+    if dsn is not None:
+        _check_dsn(dsn, f"connection {conn_id!r}")
+        return _cli_store(dsn)
     try:
         from airflow.sdk.exceptions import AirflowNotFoundException
 
@@ -215,14 +259,13 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
 
 
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    from airflow_arroyo.retention import parse_duration, policy_from, prune_pipeline
+    from airflow_arroyo.retention import parse_duration, prune_pipeline
 
-    if bool(args.all) == bool(args.pipeline):
+    if args.all and args.pipeline:
+        raise ConfigurationError(f"give either a PIPELINE ({args.pipeline}) or --all, not both")
+    if not args.all and not args.pipeline:
         raise ConfigurationError("name one PIPELINE to prune, or --all for every registered pipeline")
-    try:
-        policy = policy_from(args.keep_last, args.keep_newer_than)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"{exc} (options: --keep-last K, --keep-newer-than DURATION)") from exc
+    policy = _cli_policy(args.keep_last, args.keep_newer_than)
     wait_for_lock = parse_duration(args.wait_for_lock, name="--wait-for-lock") or timedelta(0)
     wait_for_in_flight = parse_duration(args.wait_for_in_flight, name="--wait-for-in-flight") or timedelta(0)
     if args.lock_ttl <= 0:
@@ -261,6 +304,36 @@ def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
             out,
         )
     return EXIT_ERROR if failed else EXIT_OK
+
+
+def _cli_policy(keep_last: str | None, keep_newer_than: str | None) -> RetentionPolicy:
+    """The retention policy from the command line, every message in the options' own words."""
+    from airflow_arroyo.epochs import RetentionPolicy
+    from airflow_arroyo.retention import parse_duration
+
+    last: int | None = None
+    if keep_last is not None:
+        try:
+            last = int(keep_last.strip())
+        except ValueError:
+            last = 0
+        if last < 1:
+            raise ConfigurationError(
+                f"--keep-last must be a whole number >= 1 (how many completed epochs to keep), got {keep_last!r}"
+            )
+    negative = keep_newer_than is not None and keep_newer_than.strip().startswith("-")
+    newer = None if negative else parse_duration(keep_newer_than, name="--keep-newer-than")
+    if negative or (newer is not None and newer.total_seconds() <= 0):
+        raise ConfigurationError(
+            f"--keep-newer-than must be a positive duration such as 90m, 6h or 7d (epochs that ended within it "
+            f"are kept), got {keep_newer_than!r}"
+        )
+    if last is None and newer is None:
+        raise ConfigurationError(
+            "say what to keep: --keep-last K and/or --keep-newer-than DURATION (e.g. --keep-last 5, "
+            "--keep-newer-than 7d); the latest completed epoch is always kept"
+        )
+    return RetentionPolicy(keep_last=last, keep_newer_than=newer)
 
 
 def _cmd_lock(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
@@ -322,6 +395,27 @@ def _build_parser() -> _Parser:
     return parser
 
 
+#: Options whose value may start with "-" (a negative duration or number, refused with a clear message
+#: instead of argparse's "expected one argument").
+_VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
+                  "--limit")
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """``--keep-newer-than -1h`` -> ``--keep-newer-than=-1h`` (argparse takes "-1h" for an option)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] = {
     "migrate": _cmd_migrate,
     "pipelines": _cmd_pipelines,
@@ -333,7 +427,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
 
 def _scrub(message: str, args: argparse.Namespace | None) -> str:
     """Belt and braces: no password from --dsn / ARROYO_DSN in any message we print."""
-    from urllib.parse import unquote, urlsplit
+    from urllib.parse import unquote
 
     for dsn in (getattr(args, "dsn", None), os.environ.get(DSN_ENV)):
         if not dsn:
@@ -386,7 +480,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, st
     err = stderr or sys.stderr
     args: argparse.Namespace | None = None
     try:
-        args = _build_parser().parse_args(argv)
+        args = _build_parser().parse_args(_attach_dash_values(list(sys.argv[1:] if argv is None else argv)))
         for name, default in (("dsn", None), ("conn_id", None), ("json", False)):
             if not hasattr(args, name):
                 setattr(args, name, default)

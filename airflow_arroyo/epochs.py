@@ -299,7 +299,7 @@ class RetentionPolicy:
         if self.keep_last is None and self.keep_newer_than is None:
             raise ConfigurationError(
                 "retention policy keeps nothing: give keep_last (e.g. 5) and/or keep_newer_than "
-                "(e.g. timedelta(hours=1))"
+                "(a duration, e.g. '1h' or 3600 seconds)"
             )
         if self.keep_last is not None and (
             not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 1
@@ -312,7 +312,9 @@ class RetentionPolicy:
             not isinstance(self.keep_newer_than, timedelta) or self.keep_newer_than <= timedelta(0)
         ):
             raise ConfigurationError(
-                f"keep_newer_than must be a positive timedelta, got {self.keep_newer_than!r}"
+                "keep_newer_than must be a positive duration (e.g. '1h' or 3600 seconds), got "
+                + (f"{self.keep_newer_than.total_seconds():g} seconds" if isinstance(self.keep_newer_than, timedelta)
+                   else repr(self.keep_newer_than))
             )
 
 

@@ -5,8 +5,9 @@ pipeline and run of *that* task instance; the pipeline id falls back to the oper
 Airflow 3 resolves the links in the worker when the task finishes and stores the URLs in XCom, so
 the API server needs nothing of this package to show them.
 
-The checkpoint page is the Arroyo plugin's page (``/arroyo/pipelines/<pipeline_id>``), absolute when
-``[api] base_url`` is set, relative to the Airflow UI otherwise.
+The checkpoint page is the Arroyo plugin's page framed by Airflow's UI
+(``/plugin/arroyo/arroyo/pipelines/<pipeline_id>``: Airflow's navigation stays around it), absolute
+when ``[api] base_url`` is set, relative to the Airflow UI otherwise.
 
 Usage::
 
@@ -21,7 +22,7 @@ Usage::
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseOperatorLink
 
@@ -42,16 +43,26 @@ XCOM_SPARK_UI_URL = "spark_ui_url"
 
 #: Where the UI plugin mounts its app, and the pipeline page under it.
 UI_MOUNT = "/arroyo"
+#: The plugin's entry in Airflow's navigation (``external_views`` ``url_route``): Airflow's UI frames
+#: the app at ``/plugin/arroyo`` and follows a sub-path, ``/plugin/arroyo/<path in the frame>``.
+UI_ROUTE = "arroyo"
 
 
-def pipeline_page_url(pipeline_id: str, base_url: str | None = None) -> str:
-    """The checkpoint page of a pipeline in the Airflow UI (relative when no base URL is known)."""
+def pipeline_page_url(pipeline_id: str, base_url: str | None = None, *, framed: bool = True) -> str:
+    """The checkpoint page of a pipeline (relative when no base URL is known).
+
+    ``framed`` (the default): inside Airflow's UI, with its navigation around it
+    (``<base>/plugin/arroyo/<base path>/arroyo/pipelines/<id>``); otherwise the plugin's own page.
+    """
     if base_url is None:
         from airflow.sdk import conf
 
         base_url = conf.get("api", "base_url", fallback=None)
     root = (base_url or "").rstrip("/")
-    return f"{root}{UI_MOUNT}/pipelines/{quote(pipeline_id, safe='')}"
+    page = f"{UI_MOUNT}/pipelines/{quote(pipeline_id, safe='')}"
+    if not framed:
+        return f"{root}{page}"
+    return f"{root}/plugin/{UI_ROUTE}{urlsplit(root).path}{page}"
 
 
 def _xcom(ti_key: TaskInstanceKey, key: str) -> Any:

@@ -2,18 +2,21 @@
 
 ::
 
-    submit ──> checkpoints            (fires an epoch every `interval` s until the pipeline stops)
-       └─────> run_for ──> stop       (waits for `epochs` epochs or `minutes`, then a graceful stop)
+    submit ──> checkpoints            (an epoch every `interval` s; after `epochs` it stops the pipeline)
+       └─────> run_for ──> stop       (waits until it stopped or `minutes`, then makes sure it is stopped)
 
 * ``submit`` starts ``airflow_arroyo.examples.pipelines:demo`` (two generator sources, a keyed
   stream-stream join of both, a filter) as a long-running Spark application with spark-submit
   (connection ``spark_default``; local mode on one machine) and succeeds once it is running.
 * ``checkpoints`` is the checkpoint controller: it runs in the triggerer for the pipeline's whole
   life, never two epochs in flight, never while the retention DAG holds the cleanup lock.
-* ``run_for`` lets the run last ``epochs`` completed epochs of this run or ``minutes``, whichever
-  comes first (a timeout is a skip, not a failure); ``stop`` then stops the pipeline gracefully,
-  with a final epoch, which also ends ``checkpoints``. ``stop`` runs whatever happened upstream, so
-  a DAG run never leaves a pipeline behind.
+* ``checkpoints`` (``stop_after_epochs``) asks for a graceful stop once ``epochs - 1`` epochs have
+  completed or are in flight, so that the stop's final epoch is the ``epochs``-th: a run of
+  ``epochs=5`` has exactly 5 completed epochs when nothing fails.
+* ``run_for`` waits until the pipeline stopped, or ``minutes`` (a timeout is a skip, not a
+  failure); ``stop`` then makes sure it is stopped (gracefully, with a final epoch, after a
+  timeout; at once when it already stopped). ``stop`` runs whatever happened upstream, so a DAG
+  run never leaves a pipeline behind.
 
 Trigger it with a conf to change the parameters, e.g. ``{"interval": 2, "epochs": 5}``;
 ``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run.
@@ -55,7 +58,8 @@ with DAG(
     doc_md=__doc__,
     params={
         "interval": Param(5, type="number", exclusiveMinimum=0, description="seconds between checkpoints"),
-        "epochs": Param(10, type="integer", minimum=1, description="stop after this many epochs of this run"),
+        "epochs": Param(10, type="integer", minimum=1,
+                        description="completed epochs of this run, the stop's final epoch included"),
         "minutes": Param(10, type="number", exclusiveMinimum=0, description="... or after this many minutes"),
         "restore_from": Param("", type="string", description="'' (fresh start), 'latest' or an epoch number"),
         "rows": Param(20000, type="integer", minimum=1, description="rows each demo source generates"),
@@ -91,13 +95,14 @@ with DAG(
         interval="{{ params.interval }}",
         poll_interval="{{ [params.interval / 4, 5] | min }}",
         pipeline_run_id=RUN_ID,
+        stop_after_epochs="{{ params.epochs }}",
     )
     run_for = PipelineSensor(
         task_id="run_for",
         pipeline_id=PIPELINE_ID,
         conn_id=CONN_ID,
         run_id=RUN_ID,
-        epoch="{{ ti.xcom_pull(task_ids='submit', key='epoch_at_start') + params.epochs }}",
+        state="stopped",
         wait_timeout="{{ params.minutes * 60 }}",
         trigger_poll_interval=2.0,
         soft_fail=True,

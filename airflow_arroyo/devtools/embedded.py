@@ -379,6 +379,7 @@ class _EpochFollower:
 
     def __call__(self) -> None:
         from airflow_arroyo.exceptions import UnknownPipelineError
+        from airflow_arroyo.ui.format import bytes_human, duration_human
 
         try:
             pipeline = self.store.get_pipeline(self.pipeline_id)
@@ -393,8 +394,9 @@ class _EpochFollower:
             self.seen.add(epoch.epoch)
             if epoch.state.value == "completed":
                 self.completed += 1
-            took = f"{epoch.duration_s:.1f}s" if epoch.duration_s is not None else "-"
-            size = f", {epoch.bytes_new} new bytes" if epoch.bytes_new is not None else ""
+            took = duration_human(epoch.duration_s) if epoch.duration_s is not None else "-"
+            size = (f", {bytes_human(epoch.bytes_new)} new, {bytes_human(epoch.bytes_total)} in all"
+                    if epoch.bytes_new is not None else "")
             final = " (final)" if epoch.is_final else ""
             _say(f"epoch {epoch.epoch} {epoch.state.value} in {took}{size}{final}")
 
@@ -448,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             run_id = airflow.trigger(EXAMPLE_DAG, conf)
             _say(f"triggered {EXAMPLE_DAG} run {run_id} with {json.dumps(conf)}")
             _say(f"  DAG run:        {airflow.base_url}/dags/{EXAMPLE_DAG}/runs/{run_id}")
-            _say(f"  checkpoints:    {airflow.base_url}/arroyo/pipelines/{PIPELINE_ID}")
+            # inside Airflow's UI (as airflow_arroyo.links.pipeline_page_url builds it; that module imports Airflow)
+            _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{PIPELINE_ID}")
             _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
             _say("Ctrl-C stops everything")
             follower = _EpochFollower(airflow.store_dsn, PIPELINE_ID)

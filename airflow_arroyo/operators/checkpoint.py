@@ -2,8 +2,9 @@
 
 :class:`CheckpointOperator` defers at once to :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger`,
 which fires the pipeline's epochs from the triggerer for as long as the pipeline runs. When the
-pipeline stops, the task resumes in :meth:`CheckpointOperator.execute_complete`, writes one line per
-epoch (number, outcome, duration, size) to the task log and succeeds; it fails with an
+pipeline stops, the task resumes in :meth:`CheckpointOperator.execute_complete`, writes one summary
+line (epochs completed, failed, expired; p50/p99 of duration and size) to the task log and succeeds
+(the trigger's log, which Airflow shows in the task log, has one line per epoch as it ended); it fails with an
 ``AirflowException`` (its ``__cause__`` says why) when the pipeline failed or too many consecutive
 epochs failed. Put it beside the task that runs the pipeline::
 
@@ -25,7 +26,10 @@ from airflow.sdk.exceptions import AirflowException
 from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.links import pipeline_page_url
-from airflow_arroyo.triggers.checkpoint import DEFAULT_CONN_ID, CheckpointTrigger, format_epoch_line
+from airflow_arroyo.summary import summarize
+from airflow_arroyo.triggers.checkpoint import DEFAULT_CONN_ID, CheckpointTrigger
+from airflow_arroyo.triggers.settle import settle_deadline
+from airflow_arroyo.ui.format import bytes_human, duration_human
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -80,11 +84,14 @@ class CheckpointOperator(BaseOperator):
         pipeline's driver registers with the DAG run id; an earlier run that already stopped is then
         not mistaken for this one. Templated.
     :param registration_timeout: seconds to wait for the pipeline (run) to register before failing.
+    :param stop_after_epochs: request a graceful stop so that the pipeline's final epoch is the N-th
+        completed epoch of this controller (e.g. ``"{{ params.epochs }}"``); None: run until stopped.
+        Templated.
     """
 
     template_fields: Sequence[str] = (
         "pipeline_id", "conn_id", "interval", "timeout", "min_pause", "tolerable_failures", "poll_interval",
-        "pipeline_run_id",
+        "pipeline_run_id", "stop_after_epochs",
     )
     operator_extra_links = (ArroyoCheckpointsLink(),)
     ui_color = "#cfe8fc"
@@ -101,6 +108,7 @@ class CheckpointOperator(BaseOperator):
         poll_interval: float | str | None = None,
         pipeline_run_id: str | None = None,
         registration_timeout: float = 600.0,
+        stop_after_epochs: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -113,10 +121,11 @@ class CheckpointOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.pipeline_run_id = pipeline_run_id
         self.registration_timeout = registration_timeout
+        self.stop_after_epochs = stop_after_epochs
         # Bad input fails when the DAG is parsed, before anything is written. Templated values are
         # checked once rendered, in execute().
         if not any(_templated(v) for v in (pipeline_id, interval, timeout, min_pause, tolerable_failures,
-                                            poll_interval)):
+                                            poll_interval, stop_after_epochs)):
             self._trigger_kwargs()
 
     def _trigger_kwargs(self) -> dict[str, Any]:
@@ -132,12 +141,23 @@ class CheckpointOperator(BaseOperator):
                 raise ConfigurationError(f"tolerable_failures must be a whole number >= 0, got {failures!r}")
             failures = int(failures)
         CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause, tolerable_failures=failures)
+        stop_after: Any = self.stop_after_epochs
+        if isinstance(stop_after, str):
+            stop_after = stop_after.strip()
+            if stop_after.lower() in ("", "none"):
+                stop_after = None
+            elif stop_after.isdigit():
+                stop_after = int(stop_after)
+        if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)
+                                       or stop_after < 1):
+            raise ConfigurationError(f"stop_after_epochs must be a whole number >= 1, got {self.stop_after_epochs!r}")
         if poll is not None and not (isinstance(poll, int | float) and poll > 0):
             raise ConfigurationError(f"poll_interval must be a positive number of seconds, got {poll!r}")
         return {
             "pipeline_id": self.pipeline_id, "conn_id": self.conn_id, "interval": interval, "timeout": timeout,
             "min_pause": min_pause, "tolerable_failures": failures, "poll_interval": poll,
             "pipeline_run_id": self.pipeline_run_id or None, "registration_timeout": self.registration_timeout,
+            "stop_after_epochs": stop_after,
         }
 
     def execute(self, context: Context) -> None:
@@ -151,23 +171,15 @@ class CheckpointOperator(BaseOperator):
             CheckpointPolicy(interval=kwargs["interval"], timeout=kwargs["timeout"]).effective_timeout,
             kwargs["min_pause"], kwargs["tolerable_failures"], pipeline_page_url(self.pipeline_id),
         )
-        self.defer(trigger=CheckpointTrigger(**kwargs, triggered_by=triggered_by), method_name="execute_complete")
+        self.defer(trigger=CheckpointTrigger(**kwargs, triggered_by=triggered_by, not_before=settle_deadline()),
+                   method_name="execute_complete")
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """Log the epochs the controller saw, one line each; fail on a failure event."""
+        """One summary line (the trigger's log above has a line per epoch); fail on a failure event."""
         pipeline_id = str(event.get("pipeline_id") or self.pipeline_id)
         summary = event.get("summary") or {}
-        if summary.get("omitted"):
-            self.log.info("pipeline %s: %s earlier epochs not listed (see the Arroyo UI)", pipeline_id,
-                          summary["omitted"])
-        for entry in summary.get("epochs", []):
-            if entry.get("state") == "completed":
-                self.log.info("%s", format_epoch_line(pipeline_id, entry))
-            else:
-                self.log.warning("%s", format_epoch_line(pipeline_id, entry))
         counts = {k: int(summary.get(k, 0)) for k in ("completed", "failed", "expired")}
-        self.log.info("pipeline %s: %s epochs completed, %s failed, %s expired; controller ended: %s",
-                      pipeline_id, counts["completed"], counts["failed"], counts["expired"], event.get("message"))
+        self.log.info("%s", summary_line(event, pipeline_id))
         if event.get("status") != "success":
             cause: ArroyoError
             if event.get("reason") == "pipeline_failed":
@@ -183,3 +195,24 @@ class CheckpointOperator(BaseOperator):
             **counts,
             "last_epoch": epochs[-1]["epoch"] if epochs else None,
         }
+
+
+def summary_line(event: dict[str, Any], pipeline_id: str) -> str:
+    """``pipeline orders stopped: 5 epochs completed, 0 failed, 0 expired; duration p50 1.2 s, p99 2.0 s;
+    size p50 3.4 MiB, p99 3.6 MiB`` (figures of the epochs listed in the event)."""
+    summary = event.get("summary") or {}
+    counts = {k: int(summary.get(k, 0)) for k in ("completed", "failed", "expired")}
+    figures = summarize((e.get("state", ""), e.get("duration_s"), e.get("bytes_total"))
+                        for e in summary.get("epochs", []))
+    outcome = {"pipeline_stopped": "stopped", "pipeline_failed": "failed"}.get(str(event.get("reason")),
+                                                                              "controller ended")
+    line = (f"pipeline {pipeline_id} {outcome}: {counts['completed']} epochs completed, {counts['failed']} failed, "
+            f"{counts['expired']} expired")
+    if figures.duration_p50_s is not None:
+        line += (f"; duration p50 {duration_human(figures.duration_p50_s)}, "
+                 f"p99 {duration_human(figures.duration_p99_s)}")
+    if figures.size_p50 is not None:
+        line += f"; size p50 {bytes_human(figures.size_p50)}, p99 {bytes_human(figures.size_p99)}"
+    if event.get("status") != "success":
+        line += f"; {event.get('message')}"
+    return line

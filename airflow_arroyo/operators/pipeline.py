@@ -61,13 +61,22 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, log_tail, stop_run
+from airflow_arroyo.triggers.pipeline import (
+    LocalProcess,
+    PipelineStateTrigger,
+    Verdict,
+    WaitVerdict,
+    evaluate_wait,
+    log_tail,
+    stop_run,
+)
+from airflow_arroyo.triggers.settle import settle_deadline
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
     from airflow.sdk import Context
 
-    from airflow_arroyo.store import EpochStore
+    from airflow_arroyo.store import EpochStore, PipelineRecord
 
 __all__ = [
     "DRIVER_APPLICATION", "StopPipelineOperator", "SubmitCommand", "SubmitPipelineOperator", "parse_restore_from",
@@ -123,11 +132,69 @@ def _default_run_id(context: Context) -> str:
     return re.sub(r"[^A-Za-z0-9_.:+-]", "_", raw)[:200]
 
 
+def _started_by_an_earlier_try(context: Context, explicit_run_id: str | None, current_run_id: str | None) -> bool:
+    """Whether the live run was started by an earlier try of this same task instance (a retry after
+    the scheduler failed a healthy try, apache/airflow#67287, or after a worker died post-submit)."""
+    if not current_run_id:
+        return False
+    if explicit_run_id:
+        return current_run_id == explicit_run_id
+    ti = context["ti"]
+    prefix = re.sub(r"[^A-Za-z0-9_.:+-]", "_", f"{ti.dag_id}.{ti.run_id}.try")
+    rest = current_run_id[len(prefix):]
+    return current_run_id.startswith(prefix) and rest.isdigit() and int(rest) < int(ti.try_number)
+
+
 def _log_dir(submit_log_dir: str | None) -> Path:
     if submit_log_dir:
         return Path(submit_log_dir)
     home = os.environ.get("AIRFLOW_HOME") or str(Path.home() / "airflow")
     return Path(home) / "logs" / "arroyo"
+
+
+def driver_log_path(pipeline_id: str, run_id: str, submit_log_dir: str | None = None) -> Path:
+    """Where the submit task put the driver's own log (``spark-submit``'s output) of a run, on the
+    host that ran it: ``<submit_log_dir or $AIRFLOW_HOME/logs/arroyo>/<pipeline_id>/<run_id>.log``."""
+    return _log_dir(submit_log_dir) / pipeline_id / f"{re.sub(r'[^A-Za-z0-9_.+-]', '_', run_id)}.log"
+
+
+def _log_driver_tail(log: Any, pipeline_id: str, run_id: str | None, submit_log_dir: str | None,
+                     lines: int = 20) -> None:
+    """Put the driver log's path and last lines into this task's log (when this host has the file)."""
+    if not run_id:
+        return
+    path = driver_log_path(pipeline_id, run_id, submit_log_dir)
+    tail = log_tail(str(path), lines)
+    if tail:
+        log.info("Driver log of pipeline %s run %s: %s; its last %s lines:\n%s", pipeline_id, run_id, path,
+                 len(tail.splitlines()), tail)
+    else:
+        log.info("Driver log of pipeline %s run %s: %s on the host that ran the submit task", pipeline_id,
+                 run_id, path)
+
+
+def _parse_stop_mode(mode: str) -> str:
+    text = str(mode).strip().lower()
+    if text not in ("graceful", "immediate"):
+        raise ConfigurationError(
+            f"stop mode must be 'graceful' (a final epoch, then stop) or 'immediate' (stop now), got {mode!r}"
+        )
+    return text
+
+
+def _templated(value: object) -> bool:
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+def _at_parse(task_id: str, check: Any, *args: Any) -> None:
+    """Run a check when the DAG is parsed, naming the task in the error (templated values are checked
+    once rendered, in execute)."""
+    if any(_templated(a) for a in args):
+        return
+    try:
+        check(*args)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {task_id!r}: {exc}") from None
 
 
 _DETACHED: list[subprocess.Popen[bytes]] = []
@@ -260,6 +327,8 @@ class SubmitPipelineOperator(BaseOperator):
         self._popen: subprocess.Popen[bytes] | None = None
         self._cluster_app: ClusterApplication | None = None
         self._submitted_run: str | None = None
+        _at_parse(self.task_id, parse_restore_from, restore_from)
+        _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
 
     # ------------------------------------------------------------------ pieces
 
@@ -329,8 +398,8 @@ class SubmitPipelineOperator(BaseOperator):
         """Start spark-submit in its own session so it outlives this task; output to a log file."""
         log_dir = _log_dir(self.submit_log_dir) / self.pipeline_id
         log_dir.mkdir(parents=True, exist_ok=True)
-        safe_run = re.sub(r"[^A-Za-z0-9_.+-]", "_", run_id)
-        log_path = log_dir / f"{safe_run}.log"
+        log_path = driver_log_path(self.pipeline_id, run_id, self.submit_log_dir)
+        safe_run = log_path.stem
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -355,6 +424,9 @@ class SubmitPipelineOperator(BaseOperator):
             current = store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             current = None
+        if (current is not None and not current.state.terminal and not self.takeover
+                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None, current.run_id)):
+            return self._adopt(context, current)
         if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
@@ -382,6 +454,8 @@ class SubmitPipelineOperator(BaseOperator):
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
                   "log": str(log_path), "run_id": run_id,
                   "cluster_application": cluster_app.to_dict() if cluster_app else None}
+        self.log.info("The driver's own log (spark-submit output): %s on %s; its last lines are copied here once "
+                      "the run is running", log_path, process.host)
         ti.xcom_push(key="submit_process", value=submit)
         if cluster_app is not None:
             ti.xcom_push(key="cluster_application", value=cluster_app.to_dict())
@@ -393,6 +467,32 @@ class SubmitPipelineOperator(BaseOperator):
                 submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
                 submit_log=str(log_path), submit_exits=submit_cmd.cluster,
                 cluster_application=cluster_app.to_dict() if cluster_app else None,
+                not_before=settle_deadline(),
+            ),
+            method_name="execute_complete",
+            kwargs={"submit": submit},
+        )
+
+    def _adopt(self, context: Context, current: PipelineRecord) -> Any:
+        """A retry finds the run an earlier try started still live: carry on with it (no second submit)."""
+        run_id = str(current.run_id)
+        self.log.warning("Pipeline %s run %s was started by an earlier try of this task and is %s: adopting it "
+                         "instead of submitting again", self.pipeline_id, run_id, current.state)
+        ti = context["ti"]
+        ti.xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
+        ti.xcom_push(key="run_id", value=run_id)
+        submit = {"run_id": run_id, "log": str(driver_log_path(self.pipeline_id, run_id, self.submit_log_dir))}
+        ti.xcom_push(key="submit_process", value=submit)
+        verdict = evaluate_wait(current, state=PipelineState.RUNNING, run_id=run_id)
+        if verdict.verdict is Verdict.SUCCESS:
+            return self.execute_complete(context, {"status": "success", "state": current.state.value, "run_id": run_id,
+                                                   "spark_ui_url": current.spark_ui_url,
+                                                   "spark_app_id": current.spark_app_id}, submit=submit)
+        self.defer(
+            trigger=PipelineStateTrigger(
+                pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id, conn_id=self.conn_id,
+                poll_interval=self.poll_interval, deadline=time.time() + float(self.register_timeout),
+                stop_on_kill=True, not_before=settle_deadline(),
             ),
             method_name="execute_complete",
             kwargs={"submit": submit},
@@ -436,13 +536,22 @@ class SubmitPipelineOperator(BaseOperator):
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
             raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
-        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=event.get("spark_ui_url"))
-        ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id"))
+        # The driver reports its Spark UI before `running`; an older driver only with its first heartbeat:
+        # read the record again rather than leave the "Spark UI" link empty.
+        record = _store(self.conn_id).get_pipeline(self.pipeline_id)
+        same_run = record.run_id == run_id
+        ui_url = event.get("spark_ui_url") or (record.spark_ui_url if same_run else None)
+        ti.xcom_push(key=XCOM_SPARK_UI_URL, value=ui_url)
+        ti.xcom_push(key="spark_app_id", value=event.get("spark_app_id") or (record.spark_app_id if same_run else None))
         # Epoch numbers go on across runs: downstream tasks count this run's epochs from here,
         # e.g. PipelineSensor(epoch="{{ ti.xcom_pull(task_ids='submit', key='epoch_at_start') + 3 }}").
-        ti.xcom_push(key="epoch_at_start", value=_store(self.conn_id).get_pipeline(self.pipeline_id).last_epoch)
+        ti.xcom_push(key="epoch_at_start", value=record.last_epoch)
         self.log.info("Pipeline %s run %s is %s; Spark UI: %s", self.pipeline_id, run_id, event.get("state"),
-                      event.get("spark_ui_url") or "not reported")
+                      ui_url or "not reported")
+        if submit.get("log"):
+            tail = log_tail(str(submit["log"]), 20)
+            self.log.info("Driver log: %s on %s%s", submit["log"], submit.get("host") or "the worker",
+                          f"; its last lines:\n{tail}" if tail else "")
         return run_id
 
     def on_kill(self) -> None:
@@ -463,6 +572,12 @@ class StopPipelineOperator(BaseOperator):
         pipeline's cause; with False the task just reports it.
     :param poll_interval: seconds between two looks at the epoch store while deferred.
     :param stop_timeout: seconds to wait for ``stopped`` before the task fails.
+    :param wait_before_defer: seconds the task first waits in the worker (polling every
+        ``poll_interval``) before it defers: a stop that ends in that time (a graceful stop takes one
+        final epoch, usually seconds) never makes the deferral round trip that apache/airflow#67287
+        can fail. 0 defers at once.
+    :param submit_log_dir: the submit task's ``submit_log_dir``: where the driver's log is (its last
+        lines are copied into this task's log).
 
     Returns (XCom) the pipeline's final state and its latest completed epoch.
 
@@ -485,6 +600,8 @@ class StopPipelineOperator(BaseOperator):
         fail_if_failed: bool = True,
         poll_interval: float = 2.0,
         stop_timeout: float = 600.0,
+        wait_before_defer: float = 30.0,
+        submit_log_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -494,12 +611,14 @@ class StopPipelineOperator(BaseOperator):
         self.fail_if_failed = fail_if_failed
         self.poll_interval = poll_interval
         self.stop_timeout = stop_timeout
+        self.wait_before_defer = wait_before_defer
+        self.submit_log_dir = submit_log_dir
+        _at_parse(self.task_id, _parse_stop_mode, mode)
+        _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
 
     def execute(self, context: Context) -> dict[str, Any]:
         validate_pipeline_id(self.pipeline_id)
-        mode = str(self.mode).strip().lower()
-        if mode not in ("graceful", "immediate"):
-            raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {self.mode!r}")
+        mode = _parse_stop_mode(self.mode)
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         store = _store(self.conn_id)
         try:
@@ -514,16 +633,36 @@ class StopPipelineOperator(BaseOperator):
                                  "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
         store.request_stop(self.pipeline_id, mode)
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
+        done = self._wait_in_worker(store, pipeline.run_id)
+        if done is not None:
+            return self.execute_complete(context, done)
         self.defer(
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
                 conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.stop_timeout),
+                deadline=time.time() + float(self.stop_timeout), not_before=settle_deadline(),
             ),
             method_name="execute_complete",
         )
 
+    def _wait_in_worker(self, store: EpochStore, run_id: str | None) -> dict[str, Any] | None:
+        """Poll for ``stopped`` up to ``wait_before_defer`` seconds; the event if it ended, else None."""
+        deadline = time.monotonic() + min(float(self.wait_before_defer), float(self.stop_timeout))
+        while True:
+            try:
+                pipeline = store.get_pipeline(self.pipeline_id)
+            except UnknownPipelineError:
+                pipeline = None
+            verdict: WaitVerdict = evaluate_wait(pipeline, state=PipelineState.STOPPED, run_id=run_id)
+            if verdict.verdict is not Verdict.WAIT and pipeline is not None:
+                return {"status": verdict.verdict.value, "state": pipeline.state.value, "run_id": pipeline.run_id,
+                        "message": verdict.message, "cause": verdict.cause}
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(float(self.poll_interval), max(0.0, deadline - time.monotonic())))
+
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        _log_driver_tail(self.log, self.pipeline_id, event.get("run_id"), self.submit_log_dir)
         status = event.get("status")
         if status == "success":
             return self._result(event, None)

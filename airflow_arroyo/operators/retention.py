@@ -85,6 +85,12 @@ class PruneEpochsOperator(BaseOperator):
         self.lock_ttl = lock_ttl
         self.lock_wait = lock_wait
         self.in_flight_wait = in_flight_wait
+        # Bad input fails when the DAG is parsed, naming the task; templated values once rendered.
+        if not any(isinstance(v, str) and ("{{" in v or "{%" in v) for v in (keep_last, keep_newer_than)):
+            try:
+                policy_from(keep_last, keep_newer_than)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"task {self.task_id!r}: {exc}") from None
 
     @cached_property
     def hook(self) -> ArroyoHook:

@@ -363,6 +363,10 @@ class PipelineDriver:
         for runner, df in reversed(frames):
             if runner.kind is not StageKind.SOURCE:
                 self._start_one(spark, runner, df)
+        # The Spark application and its UI are reported before `running`: whoever waits for `running`
+        # (the submit task and its "Spark UI" link) reads them at once.
+        self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=spark.sparkContext.applicationId,
+                             spark_ui_url=spark.sparkContext.uiWebUrl)
         self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
         for runner, df in frames:
             if runner.kind is StageKind.SOURCE:

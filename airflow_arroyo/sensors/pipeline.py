@@ -39,6 +39,7 @@ from airflow_arroyo.triggers.pipeline import (
     evaluate_wait,
     normalize_target,
 )
+from airflow_arroyo.triggers.settle import settle_deadline
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -114,8 +115,11 @@ class PipelineSensor(BaseSensorOperator):
         self.wait_timeout = wait_timeout
         self.trigger_poll_interval = trigger_poll_interval
         self.heartbeat_timeout = heartbeat_timeout
-        if "{{" not in str(state) and "{{" not in str(epoch):
-            normalize_target(state, epoch)  # fail at parse time when the DAG author can be told
+        if "{{" not in str(state) and "{{" not in str(epoch):  # fail at parse time, naming the task
+            try:
+                normalize_target(state, epoch)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"task {self.task_id!r}: {exc}") from None
 
     def _target(self) -> tuple[PipelineState | None, int | None]:
         validate_pipeline_id(self.pipeline_id)
@@ -164,7 +168,7 @@ class PipelineSensor(BaseSensorOperator):
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=state.value if state else None, epoch=epoch,
                 run_id=self.run_id or None, conn_id=self.conn_id, poll_interval=self.trigger_poll_interval,
-                heartbeat_timeout=self.heartbeat_timeout,
+                heartbeat_timeout=self.heartbeat_timeout, not_before=settle_deadline(),
             ),
             method_name="execute_complete",
             timeout=timedelta(seconds=timeout),

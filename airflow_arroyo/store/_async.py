@@ -47,3 +47,9 @@ class AsyncEpochStore:
 
     async def db_now(self) -> datetime:
         return await asyncio.to_thread(self.sync.db_now)
+
+    async def request_stop(self, pipeline_id: str, mode: str = "graceful") -> PipelineRecord:
+        return await asyncio.to_thread(self.sync.request_stop, pipeline_id, mode)
+
+    async def record_checkpoint_interval(self, pipeline_id: str, run_id: str, interval: float) -> PipelineRecord:
+        return await asyncio.to_thread(self.sync.record_checkpoint_interval, pipeline_id, run_id, interval)

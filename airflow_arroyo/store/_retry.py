@@ -64,7 +64,8 @@ def is_transient(exc: BaseException) -> bool:
         if code is None:
             # No SQLSTATE: the connection broke (server gone, reset, refused) or could not be made.
             text = str(exc).lower()
-            if any(t in text for t in _PERMANENT_CONNECT_TEXTS):
+            # libpq's "invalid <option> value ..." / "invalid port number": a setting, not an outage
+            if text.lstrip().startswith("invalid ") or any(t in text for t in _PERMANENT_CONNECT_TEXTS):
                 return False
             return isinstance(exc, psycopg2.OperationalError)
         return code in _TRANSIENT_CODES or code.startswith("08")

@@ -238,7 +238,8 @@ class EpochStore:
             cur.execute(
                 "UPDATE arroyo_pipelines SET state = 'registered', run_id = %(run_id)s, stages = %(stages)s,"
                 " channels = %(channels)s::jsonb, storage_uri = %(storage_uri)s,"
-                " checkpoint_interval_s = %(interval)s, spark_app_id = %(spark_app_id)s,"
+                " checkpoint_interval_s = COALESCE(%(interval)s, checkpoint_interval_s),"
+                " spark_app_id = %(spark_app_id)s,"
                 " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = %(restored)s, config = %(config)s::jsonb,"
                 " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
                 " updated_at = now() WHERE pipeline_id = %(pipeline_id)s RETURNING *",
@@ -321,6 +322,23 @@ class EpochStore:
                 (mode, pipeline_id),
             )
             return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def record_checkpoint_interval(self, pipeline_id: str, run_id: str, interval: float) -> PipelineRecord:
+        """Record the checkpoint interval the controller of run ``run_id`` fires epochs at (the UI's
+        Interval column, and the clock of the "checkpoints overdue" warning when that controller dies).
+        A run that is no longer current is left alone."""
+        _positive_seconds(interval, "checkpoint interval")
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            cur.execute(
+                "UPDATE arroyo_pipelines SET checkpoint_interval_s = %s"
+                " WHERE pipeline_id = %s AND run_id = %s RETURNING *",
+                (float(interval), pipeline_id, run_id),
+            )
+            row = cur.fetchone()
+            return from_row(PipelineRecord, row) if row is not None else self._get_pipeline(cur, pipeline_id)
 
         return self._tx(tx)
 

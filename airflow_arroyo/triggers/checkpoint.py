@@ -50,6 +50,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, TickResult
+from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 
@@ -139,6 +140,11 @@ class CheckpointTrigger(BaseTrigger):
     :param registration_timeout: seconds to wait for the pipeline (or ``pipeline_run_id``) to
         register before ending with a failure event.
     :param max_summary_epochs: how many epochs the final event lists (the newest; all are counted).
+    :param stop_after_epochs: ask the pipeline for a graceful stop so that its final epoch is the
+        N-th completed epoch this controller saw: once N-1 epochs have completed or are in flight,
+        no more are started and the stop's final epoch is the N-th. None: run until stopped.
+    :param not_before: UNIX time before which the final event is not yielded (the deferring task's
+        settle time, see :mod:`airflow_arroyo.triggers.settle`).
     """
 
     def __init__(
@@ -154,6 +160,8 @@ class CheckpointTrigger(BaseTrigger):
         pipeline_run_id: str | None = None,
         registration_timeout: float = 600.0,
         max_summary_epochs: int = 1000,
+        stop_after_epochs: int | None = None,
+        not_before: float | None = None,
     ) -> None:
         super().__init__()
         validate_pipeline_id(pipeline_id)
@@ -178,7 +186,13 @@ class CheckpointTrigger(BaseTrigger):
         self.triggered_by = triggered_by
         self.pipeline_run_id = pipeline_run_id
         self.registration_timeout = registration_timeout
+        if stop_after_epochs is not None and (
+            isinstance(stop_after_epochs, bool) or not isinstance(stop_after_epochs, int) or stop_after_epochs < 1
+        ):
+            raise ConfigurationError(f"stop_after_epochs must be a whole number >= 1, got {stop_after_epochs!r}")
         self.max_summary_epochs = max_summary_epochs
+        self.stop_after_epochs = stop_after_epochs
+        self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -195,6 +209,8 @@ class CheckpointTrigger(BaseTrigger):
                 "pipeline_run_id": self.pipeline_run_id,
                 "registration_timeout": self.registration_timeout,
                 "max_summary_epochs": self.max_summary_epochs,
+                "stop_after_epochs": self.stop_after_epochs,
+                "not_before": self.not_before,
             },
         )
 
@@ -222,7 +238,9 @@ class CheckpointTrigger(BaseTrigger):
                               message=f"cannot open the epoch store of connection {self.conn_id!r}: {exc}")
             return
         controller = _Controller(self, store, summary)
-        yield await controller.run()
+        event = await controller.run()
+        await hold_until(self.not_before, self.log, self.pipeline_id)
+        yield event
 
     def _event(self, status: str, summary: _Summary, *, reason: str, message: str,
                pipeline: PipelineRecord | None = None, cause: str | None = None) -> TriggerEvent:
@@ -258,6 +276,8 @@ class _Controller:
         self.cleanup_wait: str | None = None  # the cleanup wait already logged (reason names the holder)
         self.idle_state: str | None = None  # last logged "pipeline not running" state
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
+        self.interval_recorded = False  # the interval is written once the run to control is known
+        self.stop_requested = False  # by stop_after_epochs
 
     async def run(self) -> TriggerEvent:
         self.log.info(
@@ -297,6 +317,16 @@ class _Controller:
             waited = await self._wait_for_run()
             if waited is not None:
                 return waited
+        if not self.interval_recorded:  # before the first tick: no time taken between its ticks
+            try:
+                await self._record_interval()
+            except UnknownPipelineError:
+                return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+        if self.t.stop_after_epochs == 1 and not self.stop_requested:  # before the first tick starts one
+            try:
+                await self._stop_after_epochs((await self.store.get_pipeline(self.pid)).state)
+            except UnknownPipelineError:
+                return await self._not_registered(f"pipeline {self.pid} is not registered yet")
         try:
             tick = await self.store.trigger_tick(self.pid, self.policy, triggered_by=self.t.triggered_by,
                                                  watch=sorted(self.watching))
@@ -306,6 +336,7 @@ class _Controller:
         self.registration_deadline = None
         new_failure = await self._observe(tick)
         decision = tick.decision
+        await self._stop_after_epochs(tick.pipeline_state)
 
         if decision.action is TriggerAction.PIPELINE_ENDED:
             pipe = await self.store.get_pipeline(self.pid)
@@ -323,6 +354,30 @@ class _Controller:
 
         await self._log_waits(tick)
         return None, self._delay(tick)
+
+    async def _record_interval(self) -> None:
+        """Write the interval this controller fires at on the run it controls (UI, overdue warning)."""
+        pipe = await self.store.get_pipeline(self.pid)
+        if pipe.state.terminal:
+            return  # an ended run: the next one (or the end event) decides
+        if pipe.run_id is not None:
+            await self.store.record_checkpoint_interval(self.pid, pipe.run_id, float(self.policy.interval))
+        self.interval_recorded = True
+
+    async def _stop_after_epochs(self, state: PipelineState) -> None:
+        """With ``stop_after_epochs`` N: once N-1 epochs completed or are in flight, request a graceful
+        stop; the driver's final epoch is then the N-th (it waits for an in-flight one to end first)."""
+        limit = self.t.stop_after_epochs
+        if limit is None or self.stop_requested or state is not PipelineState.RUNNING:
+            return
+        counted = self.summary.counts["completed"] + len(self.watching)
+        if counted >= limit - 1:
+            self.stop_requested = True
+            if (await self.store.get_pipeline(self.pid)).stop_requested:
+                return  # someone asked already: never turn an immediate stop into a graceful one
+            await self.store.request_stop(self.pid, "graceful")
+            self.log.info("pipeline %s: %s epochs completed or in flight; requested a graceful stop, whose final "
+                          "epoch makes %s (stop_after_epochs)", self.pid, counted, limit)
 
     async def _wait_for_run(self) -> tuple[TriggerEvent | None, float] | None:
         try:
@@ -367,8 +422,14 @@ class _Controller:
             new_failure |= self._record(rec)
         if current is not None and current not in self.watching:
             self.watching.add(current)
-            self.log.info("pipeline %s epoch %s is in flight (started by another controller or before a "
-                          "restart); watching it", self.pid, current)
+            rec = await self.store.get_epoch(self.pid, current)
+            if rec.is_final:
+                origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
+            elif rec.triggered_by == self.t.triggered_by:
+                origin = "started by this controller before the triggerer restarted"
+            else:
+                origin = f"started by {rec.triggered_by or 'another controller'}"
+            self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pid, current, origin)
         if tick.started is not None:
             rec = tick.started
             self.watching.add(rec.epoch)
@@ -392,7 +453,6 @@ class _Controller:
             return self.t._event("failure", self.summary, reason="pipeline_failed", pipeline=pipe,
                                  cause=pipe.failure_cause,
                                  message=f"pipeline {self.pid} failed: {pipe.failure_cause or 'no cause reported'}")
-        self.log.info("pipeline %s stopped; %s", self.pid, figures)
         return self.t._event("success", self.summary, reason="pipeline_stopped", pipeline=pipe,
                              message=f"pipeline {self.pid} stopped; {figures}")
 

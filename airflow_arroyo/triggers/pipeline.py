@@ -51,6 +51,7 @@ from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
+from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = [
     "WAITABLE_STATES",
@@ -309,6 +310,8 @@ class PipelineStateTrigger(BaseTrigger):
         not reached the target, its cluster manager is asked every ``cluster_poll_interval`` seconds
         whether the application ended (YARN ResourceManager, driver pod phase); killing the task kills
         it there.
+    :param not_before: UNIX time before which no event is yielded (one reached earlier is held):
+        the deferring task's settle time, see :mod:`airflow_arroyo.triggers.settle`.
     """
 
     def __init__(
@@ -329,6 +332,7 @@ class PipelineStateTrigger(BaseTrigger):
         submit_exits: bool = False,
         cluster_application: dict[str, Any] | None = None,
         cluster_poll_interval: float = 30.0,
+        not_before: float | None = None,
     ) -> None:
         super().__init__()
         validate_pipeline_id(pipeline_id)
@@ -352,6 +356,7 @@ class PipelineStateTrigger(BaseTrigger):
         self.cluster_application = dict(cluster_application) if cluster_application else None
         self.cluster_poll_interval = float(cluster_poll_interval)
         self._cluster_checked_at = 0.0
+        self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -373,6 +378,7 @@ class PipelineStateTrigger(BaseTrigger):
                 "submit_exits": self.submit_exits,
                 "cluster_application": self.cluster_application,
                 "cluster_poll_interval": self.cluster_poll_interval,
+                "not_before": self.not_before,
             },
         )
 
@@ -439,6 +445,11 @@ class PipelineStateTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        event = await self._wait()
+        await hold_until(self.not_before, self.log, self.pipeline_id)
+        yield event
+
+    async def _wait(self) -> TriggerEvent:
         store = await self._store()
         self.log.info("Waiting for pipeline %s (run %s) to reach %s", self.pipeline_id, self.run_id or "any",
                       self.target_description)
@@ -447,8 +458,7 @@ class PipelineStateTrigger(BaseTrigger):
             try:
                 verdict, pipeline, latest = await self.look(store)
             except ArroyoError as exc:
-                yield self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
-                return
+                return self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
             if verdict.verdict is Verdict.WAIT and self._submit_process_exited():
                 # The process may have written its last state just before it exited: look once more.
                 verdict, pipeline, latest = await self.look(store)
@@ -467,8 +477,7 @@ class PipelineStateTrigger(BaseTrigger):
                         f"{self.target_description}: {ended}; see the driver's log on the cluster"))
             if verdict.verdict is not Verdict.WAIT:
                 self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
-                yield self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
-                return
+                return self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
             if verdict.message != last_message:
                 self.log.info("Pipeline %s: %s; waiting for %s", self.pipeline_id, verdict.message,
                               self.target_description)
@@ -476,8 +485,7 @@ class PipelineStateTrigger(BaseTrigger):
             if self.deadline is not None and time.time() >= self.deadline:
                 msg = (f"pipeline {self.pipeline_id!r} did not reach {self.target_description} by "
                        f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
-                yield self._event("timeout", msg, pipeline, latest)
-                return
+                return self._event("timeout", msg, pipeline, latest)
             await asyncio.sleep(self.poll_interval)
 
     def _submit_process_exited(self) -> bool:

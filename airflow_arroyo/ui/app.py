@@ -53,6 +53,9 @@ __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds between reloads of a page that shows an epoch in flight (a <meta> refresh: no JavaScript).
+REFRESH_S = 5
+
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; frame-ancestors 'self'; "
        "base-uri 'none'; form-action 'self'")
 
@@ -75,7 +78,7 @@ def _templates() -> Environment:
         "ranges": format.epoch_ranges,
         "urlpart": lambda s: quote(str(s), safe=""),
     })
-    env.globals.update({"age": format.age, "state_colours": charts.STATE_COLOURS})
+    env.globals.update({"age": format.age, "state_colours": charts.STATE_COLOURS, "policy_text": format.policy_text})
     return env
 
 
@@ -101,6 +104,17 @@ def _epoch_notes(e: EpochRecord) -> list[str]:
     if e.pruned_at is not None:
         notes.append(f"pruned {format.timestamp(e.pruned_at)}, freed {format.bytes_human(e.bytes_freed)}")
     return notes
+
+
+def _not_restorable(e: EpochRecord) -> str:
+    """Why an epoch cannot be restored (the epoch page says it instead of a restore hint)."""
+    if e.state is EpochState.SUPERSEDED:
+        return "a later run restored an older epoch, which cut the channels before this one"
+    if e.state in (EpochState.PRUNED, EpochState.PRUNING):
+        return "retention pruned it (its snapshot objects are deleted)"
+    if e.state in (EpochState.FAILED, EpochState.EXPIRED):
+        return f"it {e.state.value} (only completed epochs are consistent snapshots)"
+    return f"it is {e.state.value}"
 
 
 def _json(value: Any) -> Any:
@@ -247,7 +261,9 @@ def create_app(source: StoreSource | None = None, *,
                        limit: int = Query(50, ge=1, le=200)) -> HTMLResponse:
         page = queries().pipelines(after=after, limit=limit)
         rows = [(o, assess(o, thresholds)) for o in page.items]
+        live = any(o.in_flight is not None for o in page.items)
         return render(request, "pipelines.html", title="Pipelines", page=page, rows=rows, now=page.now,
+                      refresh_s=REFRESH_S if live else None,
                       worst=worst, safe_url=_safe_http_url,
                       next_url=page_url(request, "/", after=page.next_after, limit=limit) if page.next_after
                       else None,
@@ -270,7 +286,9 @@ def create_app(source: StoreSource | None = None, *,
             newer_url=page_url(request, path, after=page.epochs.newer_after, limit=limit)
             if page.epochs.newer_after is not None else None,
             newest_url=page_url(request, path, limit=limit) if (before or after is not None) else None,
-            in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes,
+            in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes, summary=page.summary,
+            # the newest page follows an epoch in flight; a page of older history stays still
+            refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
         )
 
     @app.get("/pipelines/{pipeline_id}/epochs/{epoch}", response_class=HTMLResponse, name="epoch_page")
@@ -303,6 +321,9 @@ def create_app(source: StoreSource | None = None, *,
                                            epoch_end_label=f"{e.state.value} after {format.duration_human(end_s)}"
                                            if end_s is not None else ""),
             "in_flight": e.state is EpochState.TRIGGERED,
+            "refresh_s": REFRESH_S if e.state is EpochState.TRIGGERED else None,
+            "restorable": e.state is EpochState.COMPLETED,
+            "not_restorable": _not_restorable(e),
             "prev_epoch": e.epoch - 1 if e.epoch > 1 else None,
             "next_epoch": e.epoch + 1 if e.epoch < detail.pipeline.last_epoch else None,
         }

@@ -64,7 +64,10 @@ def _bytes_ticks(top: float, count: int = 4) -> list[float]:
     if top <= 0:
         return [0.0, 1.0]
     unit = 1024 ** max(0, math.floor(math.log(top, 1024)))
-    return [t * unit for t in nice_ticks(top / unit, count)]
+    ticks = nice_ticks(top / unit, count)
+    if unit == 1 and any(t != int(t) for t in ticks):  # no fractions of a byte: "0 B, 0 B, 0 B, 1 B"
+        ticks = [float(t) for t in range(0, math.ceil(top) + 1)]
+    return [t * unit for t in ticks]
 
 
 def _num(x: float) -> str:
@@ -197,6 +200,9 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
     t_top = t_ticks[-1] or 1.0
     parts.append(_text(left, y - 8, "checkpoint size (total)", extra=' font-weight="600"'))
     parts += _y_axis(left, left + plot_w, y, h_panel, t_ticks, _axis_bytes)
+    if not totals:
+        parts.append(_text(left + plot_w / 2, y + h_panel / 2, "no size reported yet", anchor="middle",
+                           extra=' class="no-data"'))
     segments: list[list[str]] = [[]]
     for i, e in enumerate(ordered):
         if e.bytes_total is None:
@@ -221,6 +227,9 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
     n_top = n_ticks[-1] or 1.0
     parts.append(_text(left, y - 8, "bytes new (incremental)", extra=' font-weight="600"'))
     parts += _y_axis(left, left + plot_w, y, h_panel, n_ticks, _axis_bytes)
+    if not news:
+        parts.append(_text(left + plot_w / 2, y + h_panel / 2, "no size reported yet", anchor="middle",
+                           extra=' class="no-data"'))
     for i, e in enumerate(ordered):
         if e.bytes_new is None:
             continue

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
-__all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "timestamp"]
+__all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "policy_text", "timestamp"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -82,3 +83,24 @@ def epoch_ranges(epochs: Iterable[int]) -> str:
         start = prev = e
     parts.append(f"{start}" if start == prev else f"{start}–{prev}")
     return ", ".join(parts)
+
+
+_DURATION_KEYS = ("keep_newer_than_s", "max_age_s")
+
+
+def policy_text(policy: Mapping[str, Any] | None) -> str:
+    """A cleanup run's retention policy in words: ``{"keep_last": 3, "keep_newer_than_s": 86400}`` ->
+    ``"keep the last 3 completed or those newer than 1d"``; unset rules are left out."""
+    rules: list[str] = []
+    other: list[str] = []
+    for key, value in sorted((policy or {}).items()):
+        if value is None:
+            continue
+        if key == "keep_last":
+            rules.append(f"the last {value} completed")
+        elif key in _DURATION_KEYS and isinstance(value, int | float):
+            rules.append(f"those newer than {duration_human(float(value))}")
+        else:
+            other.append(f"{key.replace('_', ' ')}: {value}")
+    text = f"keep {' or '.join(rules)}" if rules else ""
+    return "; ".join(([text] if text else []) + other) or "–"

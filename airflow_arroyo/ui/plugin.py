@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 from airflow.plugins_manager import AirflowPlugin
 
+from airflow_arroyo.links import UI_ROUTE
+
 __all__ = ["URL_PREFIX", "ArroyoPlugin"]
 
 #: Where Airflow's api-server mounts the app (``airflow_arroyo.links`` builds the operators' extra
@@ -57,7 +59,7 @@ class ArroyoPlugin(AirflowPlugin):
         {
             "name": "Arroyo checkpoints",
             "href": f"{_api_base_path()}{URL_PREFIX}/",
-            "url_route": "arroyo",
+            "url_route": UI_ROUTE,
             "category": "browse",
             "destination": "nav",
         }

@@ -45,6 +45,7 @@ from airflow_arroyo.store.records import (
     PipelineRecord,
     from_row,
 )
+from airflow_arroyo.summary import CheckpointSummary
 
 __all__ = [
     "MAX_PAGE_SIZE",
@@ -117,6 +118,21 @@ SQL_EPOCH_EXISTS_AFTER = "SELECT 1 FROM arroyo_epochs WHERE pipeline_id = %(p)s 
 SQL_EPOCH = (
     f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e"  # noqa: S608 - constant columns
     " WHERE e.pipeline_id = %(p)s AND e.epoch = %(epoch)s"
+)
+#: Flink's checkpoint summary: counts, and p50/p99 (nearest rank, as airflow_arroyo.summary.percentile)
+#: of the duration and size of every successful checkpoint (pruned ones included: they completed).
+SQL_SUMMARY = (
+    "WITH e AS (SELECT state, extract(epoch FROM ended_at - triggered_at)::float8 AS duration_s,"
+    " bytes_total::float8 AS size, ended_at IS NOT NULL AND failure_reason IS NULL AS ok"
+    " FROM arroyo_epochs WHERE pipeline_id = %(p)s)"
+    " SELECT count(*) FILTER (WHERE ok) AS completed,"
+    " count(*) FILTER (WHERE state = 'failed') AS failed,"
+    " count(*) FILTER (WHERE state = 'expired') AS expired,"
+    " percentile_disc(0.5) WITHIN GROUP (ORDER BY duration_s) FILTER (WHERE ok) AS duration_p50_s,"
+    " percentile_disc(0.99) WITHIN GROUP (ORDER BY duration_s) FILTER (WHERE ok) AS duration_p99_s,"
+    " percentile_disc(0.5) WITHIN GROUP (ORDER BY size) FILTER (WHERE ok AND size IS NOT NULL) AS size_p50,"
+    " percentile_disc(0.99) WITHIN GROUP (ORDER BY size) FILTER (WHERE ok AND size IS NOT NULL) AS size_p99"
+    " FROM e"
 )
 SQL_ACKS = "SELECT * FROM arroyo_acks WHERE pipeline_id = %(p)s AND epoch = %(epoch)s ORDER BY acked_at, stage"
 SQL_LOCK = "SELECT *, expires_at > clock_timestamp() AS live FROM arroyo_cleanup_locks WHERE pipeline_id = %(p)s"
@@ -206,6 +222,7 @@ class EpochsPage:
 class PipelinePage:
     overview: PipelineOverview
     epochs: EpochsPage
+    summary: CheckpointSummary | None = None  # of the whole history, not just this page
 
 
 @dataclass(frozen=True)
@@ -234,6 +251,12 @@ class RetentionPage:
 
 
 # --------------------------------------------------------------------------- the queries
+
+
+def _one_row(cur: PgCursor) -> dict[str, Any]:
+    row = cur.fetchone()
+    assert row is not None  # an aggregate always returns one row
+    return dict(row)
 
 
 def _page_size(limit: int) -> int:
@@ -420,8 +443,10 @@ class UIQueries:
         def read(cur: PgCursor) -> PipelinePage:
             now = self._now(cur)
             overview = self._overviews(cur, [self._pipeline(cur, pipeline_id)], now)[0]
-            return PipelinePage(overview=overview,
-                                epochs=self._epochs_page(cur, pipeline_id, before, after, size))
+            cur.execute(SQL_SUMMARY, {"p": pipeline_id})
+            summary = CheckpointSummary(**_one_row(cur))
+            return PipelinePage(overview=overview, epochs=self._epochs_page(cur, pipeline_id, before, after, size),
+                                summary=summary)
 
         return self._read(read)
 

@@ -24,6 +24,12 @@ from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 PID = "orders"
 
 
+@pytest.fixture(autouse=True)
+def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
+    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
+
+
 def operator(**kwargs: Any) -> CheckpointOperator:
     args: dict[str, Any] = {"task_id": "checkpoints", "pipeline_id": PID, "interval": 30}
     args.update(kwargs)
@@ -70,11 +76,13 @@ def test_execute_defers_to_the_checkpoint_trigger() -> None:
     assert info.value.method_name == "execute_complete"
     trigger = info.value.trigger
     assert isinstance(trigger, CheckpointTrigger)
-    assert trigger.serialize()[1] == {
+    kwargs = trigger.serialize()[1]
+    assert kwargs.pop("not_before") is not None  # the settle time (test_defer_settle.py)
+    assert kwargs == {
         "pipeline_id": PID, "conn_id": "epochs", "interval": 15.0, "timeout": 120, "min_pause": 2,
         "tolerable_failures": 1, "poll_interval": 0.5, "triggered_by": "airflow:etl/checkpoints/"
         "manual__2026-01-01T00:00:00+00:00", "pipeline_run_id": "etl.manual__2026-01-01",
-        "registration_timeout": 600.0, "max_summary_epochs": 1000,
+        "registration_timeout": 600.0, "max_summary_epochs": 1000, "stop_after_epochs": None,
     }
     assert set(CheckpointOperator.template_fields) >= {"pipeline_id", "conn_id", "interval", "timeout", "min_pause",
                                                         "tolerable_failures", "pipeline_run_id"}
@@ -92,18 +100,25 @@ def _event(status: str, reason: str, epochs: list[dict[str, Any]], **extra: Any)
             "pipeline_run_id": "r1", "summary": {**counts, "epochs": epochs, "omitted": 0}, **extra}
 
 
-def test_execute_complete_logs_one_line_per_epoch_and_returns_the_figures() -> None:
+def test_execute_complete_logs_one_summary_line_and_returns_the_figures() -> None:
+    """The trigger's log (shown in the task log) has a line per epoch; the task adds one summary, once."""
     epochs = [_entry(1, "completed", 0.25, 1024), _entry(2, "expired", 60.0, 0, "not acknowledged within 60s"),
               _entry(3, "completed", 1.5, 3 * 1024 * 1024)]
     with structlog.testing.capture_logs() as logs:
         result = operator().execute_complete(context(), _event("success", "pipeline_stopped", epochs))  # type: ignore[arg-type]
     lines = [str(entry["event"]) for entry in logs]
-    assert "pipeline orders epoch 1 completed in 0.250s: 1.0 KiB new, 10.0 KiB total" in lines
-    assert "pipeline orders epoch 2 expired in 60.000s: 0 B new, 0 B total (not acknowledged within 60s)" in lines
-    assert "pipeline orders epoch 3 completed in 1.500s: 3.0 MiB new, 30.0 MiB total" in lines
-    assert [e["log_level"] for e in logs if "epoch 2" in str(e["event"])] == ["warning"]
+    assert lines == ["pipeline orders stopped: 2 epochs completed, 0 failed, 1 expired; duration p50 250 ms, "
+                     "p99 1.5 s; size p50 10.0 KiB, p99 30.0 MiB"]
     assert result == {"pipeline_id": PID, "pipeline_run_id": "r1", "completed": 2, "failed": 0, "expired": 1,
                       "last_epoch": 3}
+
+
+def test_stop_after_epochs_is_checked_when_parsed_and_rendered() -> None:
+    with pytest.raises(ConfigurationError, match="stop_after_epochs must be a whole number >= 1"):
+        operator(stop_after_epochs=0)
+    op = operator(stop_after_epochs="{{ params.epochs }}")
+    op.stop_after_epochs = "5"  # rendered
+    assert op._trigger_kwargs()["stop_after_epochs"] == 5
 
 
 def test_execute_complete_fails_with_the_pipeline_failure_as_cause() -> None:
@@ -129,7 +144,7 @@ def test_extra_link_points_at_the_pipeline_page(monkeypatch: pytest.MonkeyPatch)
     ti_key = SimpleNamespace(dag_id="etl", task_id="checkpoints", run_id="r", try_number=1, map_index=-1)
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/team-a/")
     assert link.get_link(operator(pipeline_id="orders.eu-1"), ti_key=ti_key) == (  # type: ignore[arg-type]
-        "https://airflow.example.com/team-a/arroyo/pipelines/orders.eu-1")
+        "https://airflow.example.com/team-a/plugin/arroyo/team-a/arroyo/pipelines/orders.eu-1")
     assert link.get_link(operator(pipeline_id="{{ params.p }}"), ti_key=ti_key) == ""  # type: ignore[arg-type]
     assert ArroyoCheckpointsLink in {type(lk) for lk in CheckpointOperator.operator_extra_links}
 
@@ -235,10 +250,11 @@ def test_dag_test_runs_the_deferred_controller_until_the_pipeline_stops(
     xcom = dict(rows)
     assert xcom["return_value"]["completed"] == len(completed)
     assert xcom["return_value"]["failed"] == sum(e.state is EpochState.FAILED for e in epochs)
-    assert xcom["_link_ArroyoCheckpointsLink"] == f"/arroyo/pipelines/{PID}"
+    assert xcom["_link_ArroyoCheckpointsLink"] == f"/plugin/arroyo/arroyo/pipelines/{PID}"
 
     out = capfd.readouterr()
     text = out.out + out.err
-    for rec in completed:  # the trigger logged start and end as they happened, the task one line per epoch
+    for rec in completed:  # the trigger logged start and end as they happened; the task does not repeat them
         assert f"pipeline {PID} epoch {rec.epoch} started at" in text
-        assert text.count(f"pipeline {PID} epoch {rec.epoch} completed in") == 2
+        assert text.count(f"pipeline {PID} epoch {rec.epoch} completed in") == 1
+    assert text.count(f"epochs completed, {xcom['return_value']['failed']} failed") == 1  # one summary line

@@ -137,7 +137,8 @@ def messages(logs: list[dict[str, Any]]) -> list[str]:
 def test_serialize_round_trip_rebuilds_an_equal_trigger() -> None:
     trigger = CheckpointTrigger(PID, conn_id="epochs", interval=2.5, timeout=30.0, min_pause=1.0,
                                 tolerable_failures=0, poll_interval=0.5, triggered_by="airflow:d/t/r",
-                                pipeline_run_id="run-7", registration_timeout=12.0, max_summary_epochs=50)
+                                pipeline_run_id="run-7", registration_timeout=12.0, max_summary_epochs=50,
+                                stop_after_epochs=3, not_before=1_700_000_000.0)
     classpath, kwargs = trigger.serialize()
     assert classpath == "airflow_arroyo.triggers.checkpoint.CheckpointTrigger"
     module, _, name = classpath.rpartition(".")
@@ -200,7 +201,8 @@ async def test_fires_epochs_on_schedule_and_succeeds_when_the_pipeline_stops(run
     for n in (1, 2, 3):
         assert sum(bool(re.search(rf"epoch {n} started", m)) for m in text) == 1, text
         assert sum(bool(re.search(rf"epoch {n} completed in", m)) for m in text) == 1, text
-    assert any("stopped; 3 epochs completed" in m for m in text)
+    assert "stopped; 3 epochs completed" in event["message"]
+    assert not any("3 epochs completed" in m for m in text), text  # said once, by the task (not here too)
 
 
 async def test_failure_event_once_consecutive_failures_exceed_the_tolerance(running: EpochStore,
@@ -640,3 +642,77 @@ async def test_epoch_ends_are_read_in_the_tick_itself(running: EpochStore, conne
     assert gets == []
     tick = running.trigger_tick(PID, make_trigger().policy, watch=[1, 2, 3, 99])
     assert [rec.epoch for rec in tick.ended] == [1, 2, 3]  # ended ones only, unknown numbers ignored
+
+
+# --------------------------------------------------------------------------- interval, stop after N, final epoch
+
+
+def graceful_driver(store: EpochStore) -> Callable[[], None]:
+    """A fake driver: acknowledges epochs; on a graceful stop request it goes `stopping`, waits for an
+    in-flight epoch to end, takes a final epoch (as the real driver: a forced tick marked final) and
+    stops once that completed."""
+    policy = trigger_module.CheckpointPolicy(interval=1.0, timeout=60.0)
+
+    def step() -> None:
+        ack(store)
+        pipe = store.get_pipeline(PID)
+        if pipe.stop_requested != "graceful" or pipe.state.terminal:
+            return
+        if pipe.state is PipelineState.RUNNING:
+            store.set_pipeline_state(PID, PipelineState.STOPPING)
+        final = [e for e in store.list_epochs(PID) if e.is_final]
+        if not final:
+            if store.in_flight_epoch(PID) is None:
+                store.trigger_tick(PID, policy, triggered_by="final-epoch", force=True, is_final=True)
+        elif final[0].state is EpochState.COMPLETED:
+            store.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    return step
+
+
+async def test_stop_after_epochs_ends_with_exactly_that_many_completed_epochs(running: EpochStore,
+                                                                           connection: str) -> None:
+    """The demo's `epochs=N`: N completed epochs, the last the stop's final one, whatever the interval."""
+    clock = VirtualClock(connection, graceful_driver(running))
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(interval=10.0, stop_after_epochs=4), clock)
+    assert event["status"] == "success", event
+    epochs = sorted(running.list_epochs(PID), key=lambda e: e.epoch)
+    assert [(e.epoch, e.state) for e in epochs] == [(n, EpochState.COMPLETED) for n in (1, 2, 3, 4)]
+    assert [e.is_final for e in epochs] == [False, False, False, True]
+    text = messages(logs)
+    assert any("requested a graceful stop" in m for m in text), text
+    # the final epoch is named for what it is, not "started by another controller"
+    assert any("epoch 4 is in flight (the final epoch of a graceful stop" in m for m in text), text
+    assert not any("another controller" in m for m in text), text
+
+
+async def test_records_its_interval_on_the_run_it_controls(running: EpochStore, connection: str) -> None:
+    """The UI's Interval column and the "checkpoints overdue" warning read it."""
+    assert running.get_pipeline(PID).checkpoint_interval_s is None
+
+    def pipeline() -> None:
+        ack(running)
+        if completed(running):
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    await first_event(make_trigger(interval=7.5), VirtualClock(connection, pipeline))
+    assert running.get_pipeline(PID).checkpoint_interval_s == 7.5
+    # a new run of the pipeline keeps it until a controller records another
+    running.register_pipeline(PID, stages=STAGES, run_id="run-2")
+    assert running.get_pipeline(PID).checkpoint_interval_s == 7.5
+
+
+async def test_an_event_reached_within_the_settle_time_is_held(running: EpochStore, connection: str) -> None:
+    """apache/airflow#67287: no event before ``not_before``; one reached later is not delayed."""
+    import time
+
+    running.set_pipeline_state(PID, PipelineState.STOPPED)  # the event is ready at the first tick
+    clock = VirtualClock(connection)
+    event = await first_event(make_trigger(not_before=time.time() + 30.0), clock)
+    assert event["status"] == "success"
+    assert clock.sleeps and 29.0 < clock.sleeps[-1] <= 30.0, clock.sleeps
+
+    late = VirtualClock(connection)
+    await first_event(make_trigger(not_before=time.time() - 1.0), late)
+    assert late.sleeps == [], late.sleeps

@@ -46,6 +46,12 @@ CONN = "arroyo_test"
 SPARK = "spark_test"
 
 
+@pytest.fixture(autouse=True)
+def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
+    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
+
+
 @pytest.fixture
 def conns(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> EpochStore:
     """Connections as environment variables: the epoch store, and Spark local[2] as JSON."""
@@ -118,8 +124,9 @@ def test_parse_restore_from_refuses(value: Any) -> None:
 
 
 def test_pipeline_page_url() -> None:
-    assert pipeline_page_url("orders", base_url="") == "/arroyo/pipelines/orders"
-    assert pipeline_page_url("a.b-c", base_url="https://airflow.example/") == "https://airflow.example/arroyo/pipelines/a.b-c"
+    assert pipeline_page_url("orders", base_url="") == "/plugin/arroyo/arroyo/pipelines/orders"
+    assert (pipeline_page_url("a.b-c", base_url="https://airflow.example/")
+            == "https://airflow.example/plugin/arroyo/arroyo/pipelines/a.b-c")
 
 
 def test_driver_application_is_the_runtime_driver() -> None:
@@ -245,7 +252,8 @@ def test_immediate_stop_requests_immediate_and_defers(conns: EpochStore) -> None
     conns.register_pipeline(PID, stages=["a"], run_id="r1")
     conns.set_pipeline_state(PID, PipelineState.RUNNING)
     with pytest.raises(TaskDeferred) as deferred:
-        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, mode="immediate").execute({"ti": _TI()})  # type: ignore[arg-type]
+        StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, mode="immediate",
+                             wait_before_defer=0.2).execute({"ti": _TI()})  # type: ignore[arg-type]
     assert conns.get_pipeline(PID).stop_requested == "immediate"
     trigger = deferred.value.trigger
     assert (trigger.state, trigger.run_id) == ("stopped", "r1")
@@ -337,7 +345,7 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airfl
             .with_only_columns(XComModel.key, XComModel.value)
         ).all()
     xcom = {key: _json_or_text(value) for key, value in rows}
-    assert xcom["_link_ArroyoPipelineLink"] == f"/arroyo/pipelines/{PID}"
+    assert xcom["_link_ArroyoPipelineLink"] == f"/plugin/arroyo/arroyo/pipelines/{PID}"
     assert xcom["_link_SparkUILink"] == "http://127.0.0.1:4040"
     assert xcom["run_id"] == pipeline.run_id
 
@@ -367,3 +375,93 @@ def test_example_dag_shape_and_arguments() -> None:
     inspect.signature(function).bind(**submit.pipeline_args)
     assert submit.pipeline_args["pipeline_id"] == submit.pipeline_id == tasks["stop"].pipeline_id
     assert set(dag.params) >= {"interval", "epochs", "minutes", "restore_from"}
+
+
+# --------------------------------------------------------------------------- parse time, links
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: SubmitPipelineOperator(task_id="submit_eu", pipeline="m:p", pipeline_id=PID, restore_from="lastest"),
+         "task 'submit_eu': restore_from must be 'latest', an epoch number >= 1"),
+        (lambda: SubmitPipelineOperator(task_id="submit_eu", pipeline="m:p", pipeline_id=PID, restore_from=0),
+         "task 'submit_eu': restore_from must be"),
+        (lambda: StopPipelineOperator(task_id="stop_eu", pipeline_id=PID, mode="gracefull"),
+         "task 'stop_eu': stop mode must be 'graceful'"),
+    ],
+)
+def test_bad_arguments_fail_when_the_dag_is_parsed_naming_the_task(make: Callable[[], Any], needle: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        make()
+    assert needle in str(info.value)
+
+
+def test_templated_arguments_are_checked_once_rendered() -> None:
+    submit = SubmitPipelineOperator(task_id="s", pipeline="m:p", pipeline_id=PID, restore_from="{{ params.r }}")
+    submit.restore_from = "soon"  # rendered
+    with pytest.raises(ConfigurationError, match="restore_from must be"):
+        submit._validate()
+    stop = StopPipelineOperator(task_id="t", pipeline_id=PID, mode="{{ params.mode }}")
+    assert stop.mode == "{{ params.mode }}"
+
+
+def test_the_checkpoint_link_stays_inside_airflows_ui() -> None:
+    """Airflow's UI frames the plugin at /plugin/arroyo and follows the path after it."""
+    assert pipeline_page_url("orders", base_url="") == "/plugin/arroyo/arroyo/pipelines/orders"
+    assert (pipeline_page_url("orders", base_url="https://af.example/team/")
+            == "https://af.example/team/plugin/arroyo/team/arroyo/pipelines/orders")
+    assert pipeline_page_url("orders", base_url="", framed=False) == "/arroyo/pipelines/orders"
+
+
+def test_spark_ui_url_is_read_from_the_store_when_the_event_lacks_it(conns: EpochStore, tmp_path: Path) -> None:
+    """An older driver reports its Spark UI with its first heartbeat, after `running`."""
+    conns.register_pipeline(PID, stages=["a"], run_id="r9")
+    conns.set_pipeline_state(PID, PipelineState.RUNNING, run_id="r9")
+    conns.heartbeat(PID, "r9", spark_ui_url="http://driver:4041", spark_app_id="app-9")
+    ti = _TI()
+    ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
+    op = submit_op(tmp_path)
+    event = {"status": "success", "state": "running", "run_id": "r9", "spark_ui_url": None, "spark_app_id": None}
+    assert op.execute_complete({"ti": ti}, event, submit={"run_id": "r9"}) == "r9"  # type: ignore[arg-type]
+    assert ti.xcom["spark_ui_url"] == "http://driver:4041" and ti.xcom["spark_app_id"] == "app-9"
+
+
+def test_a_retry_adopts_the_live_run_an_earlier_try_started(conns: EpochStore, tmp_path: Path) -> None:
+    """If the scheduler failed a healthy submit try (apache/airflow#67287) and the task retries, the
+    retry carries on with the run the first try started: no second spark-submit, no conflict."""
+    first = "d.manual__2026-01-01T00:00:00+00:00.try1"
+    conns.register_pipeline(PID, stages=["a"], run_id=first)
+    conns.heartbeat(PID, first, spark_ui_url="http://driver:4040", spark_app_id="app-1")
+    conns.set_pipeline_state(PID, PipelineState.RUNNING, run_id=first)
+    ti = _TI()
+    ti.try_number = 2
+    ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
+    assert submit_op(tmp_path).execute({"ti": ti}) == first  # type: ignore[arg-type]
+    assert ti.xcom["run_id"] == first and ti.xcom["spark_ui_url"] == "http://driver:4040"
+    assert not list(tmp_path.rglob("*.pid"))  # nothing was submitted
+    # another DAG run's live run is still a conflict
+    other = _TI()
+    other.run_id, other.try_number = "manual__2026-02-02T00:00:00+00:00", 2
+    with pytest.raises(ConcurrencyConflict):
+        submit_op(tmp_path).execute({"ti": other})  # type: ignore[arg-type]
+
+
+def test_the_stop_task_log_carries_the_drivers_own_log(conns: EpochStore, tmp_path: Path) -> None:
+    """The driver's log (spark-submit's output, on the worker host) is reachable from the task log:
+    its path, and its last lines once the pipeline stopped."""
+    import structlog
+
+    from airflow_arroyo.operators.pipeline import driver_log_path
+
+    conns.register_pipeline(PID, stages=["a"], run_id="r1")
+    conns.set_pipeline_state(PID, PipelineState.STOPPED, run_id="r1")
+    log = driver_log_path(PID, "r1", str(tmp_path))
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"driver line {n}\n" for n in range(1, 41)))
+    op = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, submit_log_dir=str(tmp_path))
+    with structlog.testing.capture_logs() as logs:
+        op.execute_complete({"ti": _TI()}, {"status": "success", "state": "stopped", "run_id": "r1"})  # type: ignore[arg-type]
+    text = "\n".join(str(e["event"]) for e in logs)
+    assert str(log) in text and "driver line 40" in text and "driver line 21" in text
+    assert "driver line 20\n" not in text  # the last 20 lines only

@@ -40,6 +40,12 @@ STAGES = ["source", "sink"]
 CONN = "arroyo_test"
 
 
+@pytest.fixture(autouse=True)
+def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
+    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
+
+
 @pytest.fixture
 def conn(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> str:
     """An Airflow connection (environment variable) pointing at the test's epoch store."""

@@ -12,6 +12,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.exceptions import ConfigurationError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.operators.retention import PruneEpochsOperator
 from airflow_arroyo.store import EpochStore
@@ -85,13 +86,25 @@ class _NoStore:
     ("kwargs", "needle"),
     [
         ({}, "keeps nothing"),
-        ({"keep_last": "0"}, "keep_last"),
-        ({"keep_last": "{{ not rendered }}x"}, "whole number"),
+        ({"keep_last": "0"}, "keep_last must be a whole number >= 1"),
+        ({"keep_last": -3}, "keep_last must be a whole number >= 1"),
         ({"keep_newer_than": "soon"}, "not a duration"),
+    ],
+)
+def test_bad_policy_fails_when_the_dag_is_parsed_naming_the_task(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        PruneEpochsOperator(task_id="prune_orders", pipeline_id="orders", **kwargs)
+    assert str(info.value).startswith("task 'prune_orders': ") and needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"keep_last": "{{ not rendered }}x"}, "whole number"),
         ({"keep_last": 1, "lock_wait": "forever"}, "lock_wait"),
     ],
 )
-def test_bad_policy_fails_without_touching_the_store(kwargs: dict[str, Any], needle: str) -> None:
+def test_bad_rendered_arguments_fail_without_touching_the_store(kwargs: dict[str, Any], needle: str) -> None:
     op = PruneEpochsOperator(task_id="prune", pipeline_id="orders", **kwargs)
     op.hook = _NoStore()  # type: ignore[assignment]
     with pytest.raises(AirflowFailException, match=needle):

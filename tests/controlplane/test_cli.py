@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -156,11 +157,18 @@ def test_dsn_from_the_environment(store: EpochStore, two_pipelines: tuple[Pipeli
     ("argv", "needle"),
     [
         (["pipelines"], "no epoch store given"),
-        (["--dsn", "{dsn}", "prune", "orders"], "keeps nothing"),
-        (["--dsn", "{dsn}", "prune", "orders", "--keep-last", "0"], "keep_last must be"),
-        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than", "soon"], "not a duration"),
-        (["--dsn", "{dsn}", "prune", "--keep-last", "3"], "or --all"),
-        (["--dsn", "{dsn}", "prune", "orders", "--all", "--keep-last", "3"], "or --all"),
+        (["--dsn", "{dsn}", "prune", "orders"], "say what to keep: --keep-last K and/or --keep-newer-than"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-last", "0"], "--keep-last must be a whole number >= 1"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-last", "-2"], "--keep-last must be a whole number >= 1"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than", "soon"], "--keep-newer-than 'soon' is not a"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than", "-1h"], "--keep-newer-than must be a positive"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than=-1h"], "--keep-newer-than must be a positive"),
+        (["--dsn", "{dsn}", "prune", "orders", "--keep-newer-than", "0"], "--keep-newer-than must be a positive"),
+        (["--dsn", "{dsn}", "prune", "--keep-last", "3"], "name one PIPELINE to prune, or --all"),
+        (["--dsn", "{dsn}", "prune", "orders", "--all", "--keep-last", "3"], "either a PIPELINE (orders) or --all"),
+        (["--dsn", "not a dsn", "pipelines"], "expected postgresql://user[:password]@host[:port]/database"),
+        (["--dsn", "postgresql://u@h:port/db", "pipelines"], "expected postgresql://"),
+        (["--dsn", "mysql://u@h/db", "pipelines"], "got a mysql:// URI"),
         (["--dsn", "{dsn}", "prune", "nope", "--keep-last", "3"], "no pipeline named 'nope'"),
         (["--dsn", "{dsn}", "epochs", "nope"], "no pipeline named 'nope'"),
         (["--dsn", "{dsn}", "lock", "nope"], "no pipeline named 'nope'"),
@@ -177,6 +185,7 @@ def test_bad_input_exits_2_before_anything_is_written(store: EpochStore, two_pip
     code, out, err = run(capsys, *[a.replace("{dsn}", store.dsn) for a in argv])
     assert (code, out) == (2, "")
     assert needle in err
+    assert "timedelta" not in err and "keep_newer_than" not in err and "keep_last" not in err
     assert sql(store, "SELECT count(*) FROM arroyo_cleanup_runs") == [(0,)]
 
 
@@ -222,3 +231,22 @@ def test_console_script_without_airflow(store: EpochStore, two_pipelines: tuple[
     script = subprocess.run([str(VENV_BIN / "airflow-arroyo"), "--help"], capture_output=True, text=True,
                             timeout=120)
     assert script.returncode == 0 and "prune" in script.stdout
+
+
+def test_conn_id_from_an_environment_uri_does_not_import_airflow(store: EpochStore,
+                                                                two_pipelines: tuple[Pipeline, Pipeline]) -> None:
+    """``--conn-id`` took ~15 s: it imported Airflow to read a connection the environment already
+    holds as a URI. Now that case is read directly (other sources still go through Airflow)."""
+    probe = (
+        "import sys, time\n"
+        "from airflow_arroyo.cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "leaked = sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.'))\n"
+        "assert not leaked, leaked[:5]\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "AIRFLOW_CONN_ARROYO_FAST": store.dsn}
+    done = subprocess.run([sys.executable, "-c", probe, "--conn-id", "arroyo_fast", "--json", "pipelines"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert [p["pipeline_id"] for p in json.loads(done.stdout)] == ["clicks", "orders"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from airflow_arroyo.epochs import EpochState
 from tests.ui.conftest import PASSWORD, USER, ApiServer
 from tests.ui.data import Dataset
 
@@ -166,3 +167,102 @@ def test_the_plugin_is_in_airflows_navigation(api_server: ApiServer, browser: An
     assert ids == ["clicks", "fresh", "orders", "payments", "sessions"]
     d.switch_to.default_content()
     _shot(d, "08-embedded-in-airflow")
+
+
+#: What a real run writes as "triggered by" / lease holder (the test data has short ones).
+LONG_TOKEN = "airflow:example_streaming_pipeline/checkpoints/manual__2026-11-23T13:23:52.123456+00:00"
+
+
+def _overflow(driver: Any, realistic: bool = True) -> int:
+    """How many pixels the page is wider than the window (0: nothing to scroll sideways), after
+    putting the long names a real run writes into the "by"/holder cells."""
+    if realistic:
+        driver.execute_script("document.querySelectorAll('td.by').forEach(td => td.textContent = arguments[0])",
+                              LONG_TOKEN)
+    return int(driver.execute_script(
+        "return document.documentElement.scrollWidth - document.documentElement.clientWidth"))
+
+
+def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, dataset: Dataset) -> None:
+    """Issue 10, section 4, in a browser 1440 px wide: tables fit, the summary and the restore hint
+    are there, the retention policy reads as words, an empty chart does not repeat "0 B", a page
+    with an epoch in flight reloads itself, and the checkpoint link keeps Airflow's frame."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    d = browser
+    d.get(f"{api_server.url}/arroyo/pipelines/orders")
+    if "/auth/login" in d.current_url or d.find_element(By.TAG_NAME, "h1").text == "Sign in to Airflow":
+        if "/auth/login" not in d.current_url:
+            d.find_element(By.LINK_TEXT, "Sign in").click()
+        _wait_for(d, "input[name=username]").send_keys(USER)
+        d.find_element(By.CSS_SELECTOR, "input[name=password]").send_keys(PASSWORD)
+        d.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        WebDriverWait(d, 30).until(lambda drv: drv.current_url.endswith("/arroyo/pipelines/orders"))
+    d.set_window_size(1440, 1000)
+
+    # The history: no sideways scrolling at 1440 px; the summary; the interval recorded.
+    _wait_for(d, "table#summary")
+    assert _overflow(d) <= 0, _overflow(d)
+    # Narrower still (1200 px) it fits; and the check has teeth: with the cells as they were (no
+    # wrapping, full-size font) the same names push the table past the window.
+    d.set_window_size(1200, 1000)
+    assert _overflow(d) <= 0, _overflow(d)
+    d.execute_script("document.querySelectorAll('td.by').forEach(td => {"
+                     " td.style.whiteSpace = 'nowrap'; td.style.fontSize = '14px'; })")
+    assert _overflow(d, realistic=False) > 0
+    d.set_window_size(1440, 1000)
+    summary = d.find_element(By.ID, "summary").text
+    assert "Completed" in summary and "Duration p50" in summary and "Size p99" in summary
+    assert d.find_element(By.ID, "interval").text == "30 s"
+    # An epoch is in flight: the page reloads itself (no script of ours: a <meta> refresh).
+    assert "refreshes every 5 s" in d.find_element(By.ID, "auto-refresh").text
+    d.execute_script("window.__before_refresh = true")
+    WebDriverWait(d, 20).until(lambda drv: drv.execute_script("return window.__before_refresh") is None)
+    _shot(d, "09-history-1440-summary")
+
+    # A completed epoch says how to restore from it.
+    d.get(f"{api_server.url}/arroyo/pipelines/orders/epochs/240")
+    hint = _wait_for(d, "#restore").text
+    assert "restore_from=240" in hint and "--restore-from 240" in hint
+    assert _overflow(d) <= 0, _overflow(d)
+    _shot(d, "10-epoch-240-restore-hint")
+
+    # Retention: fits, and the policy is words, not a Python dict.
+    d.get(f"{api_server.url}/arroyo/pipelines/orders/retention")
+    _wait_for(d, "#cleanup-runs")
+    assert _overflow(d) <= 0, _overflow(d)
+    policies = [td.text for td in d.find_elements(By.CSS_SELECTOR, "#cleanup-runs td.policy")]
+    assert policies and all(p.startswith("keep the last") for p in policies), policies
+    _shot(d, "11-retention-1440")
+
+    # A page of history without sizes (a failed epoch): the size panels say so instead of an axis of
+    # "0 B, 0 B, 0 B, 1 B".
+    from airflow_arroyo.store import EpochStore
+
+    store = EpochStore(dataset.dsn)
+    try:
+        sizeless = next(e.epoch for e in store.list_epochs("orders", limit=300)
+                        if e.bytes_total is None and e.bytes_new is None and e.state is not EpochState.TRIGGERED)
+    finally:
+        store.close()
+    d.get(f"{api_server.url}/arroyo/pipelines/orders?before={sizeless + 1}&limit=1")
+    chart = _wait_for(d, "svg.history")
+    labels = [t.text for t in chart.find_elements(By.TAG_NAME, "text")]
+    assert labels.count("0 B") == 0 and labels.count("no size reported yet") == 2, labels
+    _element_shot(d, "figure.chart-box", "12-empty-chart")
+
+    # The checkpoint link of a task opens the page inside Airflow's UI (its navigation around it).
+    from airflow_arroyo.links import pipeline_page_url
+
+    d.get(pipeline_page_url("orders", base_url=api_server.url))
+    frame = _wait_for(d, "iframe", timeout=60)
+    assert frame.get_attribute("src").endswith("/arroyo/pipelines/orders")
+    assert "/plugin/arroyo/" in d.current_url  # Airflow's page, with our page in its frame
+    assert not d.find_elements(By.CSS_SELECTOR, "table#epochs")  # (not our page on its own)
+    d.switch_to.frame(frame)
+    _wait_for(d, "table#epochs")
+    assert _overflow(d) <= 0, _overflow(d)  # fits the frame Airflow leaves it at 1440 px
+    d.switch_to.default_content()
+    d.set_window_size(1440, 1000)
+    d.save_screenshot(str(OUT / "13-checkpoint-link-in-airflow-frame.png"))

@@ -227,3 +227,22 @@ def test_epoch_ranges_round_trip(epochs: set[int]) -> None:
         back |= set(range(int(lo), int(hi or lo) + 1))
     assert back == epochs
     assert len(text.split(", ")) == sum(1 for e in epochs if e - 1 not in epochs)  # one part per run
+
+
+def test_size_panels_without_sizes_say_so_instead_of_repeating_0_B() -> None:
+    """The first epoch of a run is in flight (or failed): no size yet. The axis used to read
+    "0, 0 B, 0 B, 0 B, 1 B" (fractions of a byte)."""
+    root = svg_tree(history_chart([epoch(1, EpochState.TRIGGERED, None)], T0 + timedelta(seconds=45)))
+    labels = [t.text for t in root.iter(f"{SVG}text")]
+    assert labels.count("0 B") == 0 and labels.count("1 B") <= 2, labels
+    assert labels.count("no size reported yet") == 2, labels  # total size and bytes new
+
+
+@pytest.mark.parametrize("top", [0.5, 1.0, 2.0, 3.0, 7.0, 9.0, 1000.0, 1536.0, 5e6])
+def test_byte_axis_labels_never_repeat(top: float) -> None:
+    from airflow_arroyo.ui.charts import _axis_bytes, _bytes_ticks
+
+    for count in (2, 4):
+        labels = [_axis_bytes(t) for t in _bytes_ticks(top, count)]
+        assert len(labels) == len(set(labels)), labels
+        assert _bytes_ticks(top, count)[-1] >= top

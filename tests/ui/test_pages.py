@@ -263,7 +263,7 @@ def test_retention_page_shows_what_was_pruned_and_freed(client: TestClient, stor
         assert cells[1].text() == "succeeded"
         assert cells[5].text() == f"{len(run.epochs_pruned)} ({epoch_ranges(run.epochs_pruned)})"
         assert cells[6].text() == bytes_human(run.bytes_freed)
-        assert "keep_last=90" in cells[7].text()
+        assert cells[7].text() == "keep the last 90 completed or those newer than 1d"
     expired = page(client, "/arroyo/pipelines/payments/retention").find("div", id="lock")
     assert expired.attrs["data-live"] == "false" and "expired lease" in expired.text()
 
@@ -379,3 +379,72 @@ def test_links_follow_a_deployment_path_prefix(airflow_api: Any, dataset: Datase
             assert c.get("/airflow/arroyo/api/pipelines/nope").json()["detail"].startswith("no pipeline")
     finally:
         source.close()
+
+
+# --------------------------------------------------------------------------- issue 10: what a newcomer met
+
+
+def test_summary_matches_an_independent_computation_over_the_whole_history(client: TestClient,
+                                                                            store: EpochStore) -> None:
+    """Flink-like summary: the SQL percentiles equal the pure nearest-rank ones over the store's epochs."""
+    from airflow_arroyo.summary import summarize
+
+    epochs = store.list_epochs("orders", limit=10_000)
+    ok = [e for e in epochs if e.ended_at is not None and e.failure_reason is None]
+    expected = summarize(("completed", e.duration_s, e.bytes_total) for e in ok)
+    doc = page(client, "/arroyo/pipelines/orders")
+    cells = {td.attrs["data-key"]: td.text() for td in doc.find("table", id="summary").find_all("td")
+             if "data-key" in td.attrs}
+    assert cells["completed"] == str(len(ok))
+    assert cells["failed"] == (f"{sum(e.state is EpochState.FAILED for e in epochs)} / "
+                               f"{sum(e.state is EpochState.EXPIRED for e in epochs)}")
+    assert cells["duration_p50"] == duration_human(expected.duration_p50_s)
+    assert cells["duration_p99"] == duration_human(expected.duration_p99_s)
+    assert cells["size_p50"] == bytes_human(expected.size_p50)
+    assert cells["size_p99"] == bytes_human(expected.size_p99)
+    assert page(client, "/arroyo/pipelines/fresh").find_all("table", id="summary") == []  # no epochs: no summary
+
+
+def test_pages_refresh_themselves_only_while_an_epoch_is_in_flight(client: TestClient) -> None:
+    def refresh(url: str) -> str | None:
+        text = client.get(url).text
+        m = re.search(r'<meta http-equiv="refresh" content="(\d+)">', text)
+        return m.group(1) if m else None
+
+    assert refresh("/arroyo/pipelines/orders") == "5"  # epoch 241 in flight
+    assert refresh("/arroyo/pipelines/orders/epochs/241") == "5"
+    assert refresh("/arroyo/") == "5"
+    assert refresh("/arroyo/pipelines/orders?before=100") is None  # older history stays still
+    assert refresh("/arroyo/pipelines/orders/epochs/240") is None
+    assert refresh("/arroyo/pipelines/payments") is None  # stopped
+
+
+def test_a_completed_epoch_says_how_to_restore_from_it(client: TestClient, store: EpochStore,
+                                                       dataset: Dataset) -> None:
+    doc = page(client, "/arroyo/pipelines/orders/epochs/240")
+    hint = doc.find(id="restore").text()
+    assert "restore_from=240" in hint and '{"restore_from": "240"}' in hint and "--restore-from 240" in hint
+    pruned = dataset.orders_pruned[0]
+    assert "Not restorable: retention pruned it" in page(client, f"/arroyo/pipelines/orders/epochs/{pruned}").find(
+        id="restore").text()
+    failed = next(e.epoch for e in store.list_epochs("orders", limit=300) if e.state is EpochState.FAILED)
+    assert "Not restorable: it failed" in page(client, f"/arroyo/pipelines/orders/epochs/{failed}").find(
+        id="restore").text()
+    assert page(client, "/arroyo/pipelines/orders/epochs/241").find_all(id="restore") == []  # in flight
+
+
+def test_the_retention_policy_reads_as_words(client: TestClient) -> None:
+    doc = page(client, "/arroyo/pipelines/orders/retention")
+    policies = [td.text() for td in doc.find("table", id="cleanup-runs").find_all("td") if "policy" in
+                td.attrs.get("class", "")]
+    assert policies and all(p.startswith("keep the last ") for p in policies), policies
+    assert not any("=" in p or "{" in p or "None" in p for p in policies), policies
+
+
+def test_policy_text() -> None:
+    from airflow_arroyo.ui.format import policy_text
+
+    assert policy_text({"keep_last": 3, "keep_newer_than_s": None}) == "keep the last 3 completed"
+    assert policy_text({"keep_last": 90, "max_age_s": 86400}) == "keep the last 90 completed or those newer than 1d"
+    assert policy_text({"keep_newer_than_s": 5400.0}) == "keep those newer than 1h 30m"
+    assert policy_text({}) == "–"
