@@ -18,10 +18,13 @@
 Trigger it with a conf to change the parameters, e.g. ``{"interval": 2, "epochs": 5}``;
 ``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run.
 
-Settings from the environment (read when the DAG file is parsed): ``ARROYO_STORAGE_URI`` (root of
-channels and snapshots; default ``$AIRFLOW_HOME/arroyo-data``), ``ARROYO_EXAMPLE_PIPELINE_ID``
-(default ``arroyo-demo``), ``ARROYO_CONN_ID`` (default ``arroyo_default``), ``ARROYO_SPARK_CONN_ID``
-(default ``spark_default``).
+Settings from Airflow's configuration, section ``[arroyo]`` (``airflow.cfg`` or
+``AIRFLOW__ARROYO__*``; read when the DAG file is parsed): ``storage_uri`` (root of channels and
+snapshots; default ``$AIRFLOW_HOME/arroyo-data``), ``example_pipeline_id`` (default ``arroyo-demo``),
+``conn_id`` (default ``arroyo_default``), ``spark_conn_id`` (default ``spark_default``).
+
+The waits (``submit``, ``run_for``, ``stop``) are deferrable here whatever
+``[operators] default_deferrable`` says: they last minutes, and the triggerer holds no worker slot.
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Param
 
+from airflow_arroyo import config
 from airflow_arroyo.operators.checkpoint import CheckpointOperator
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 
-PIPELINE_ID = os.environ.get("ARROYO_EXAMPLE_PIPELINE_ID", "arroyo-demo")
-CONN_ID = os.environ.get("ARROYO_CONN_ID", "arroyo_default")
-SPARK_CONN_ID = os.environ.get("ARROYO_SPARK_CONN_ID", "spark_default")
-STORAGE_URI = os.environ.get("ARROYO_STORAGE_URI") or str(
+PIPELINE_ID = config.get("example_pipeline_id")
+CONN_ID = config.get("conn_id")
+SPARK_CONN_ID = config.get("spark_conn_id")
+STORAGE_URI = config.get("storage_uri") or str(
     Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow") / "arroyo-data"
 )
 RUN_ID = "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
@@ -83,6 +87,7 @@ with DAG(
             "spark.driver.memory": "1g",
             "spark.ui.showConsoleProgress": "false",
         },
+        deferrable=True,
     )
     checkpoints = CheckpointOperator(
         task_id="checkpoints",
@@ -101,6 +106,7 @@ with DAG(
         wait_timeout="{{ params.minutes * 60 }}",
         trigger_poll_interval=2.0,
         soft_fail=True,
+        deferrable=True,
     )
     stop = StopPipelineOperator(
         task_id="stop",
@@ -108,6 +114,7 @@ with DAG(
         conn_id=CONN_ID,
         mode="graceful",
         trigger_rule="all_done",
+        deferrable=True,
     )
     submit >> [checkpoints, run_for]
     run_for >> stop

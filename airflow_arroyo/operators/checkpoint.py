@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException
 
+from airflow_arroyo import config
 from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.links import pipeline_page_url
-from airflow_arroyo.triggers.checkpoint import DEFAULT_CONN_ID, CheckpointTrigger, format_epoch_line
+from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, format_epoch_line
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -67,8 +68,10 @@ class CheckpointOperator(BaseOperator):
     """Fire checkpoint epochs of a running pipeline until it stops (deferrable; runs in the triggerer).
 
     :param pipeline_id: the pipeline (as registered by its driver). Templated.
-    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store. Templated.
-    :param interval: seconds between the starts of two epochs. Templated.
+    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store (default ``[arroyo] conn_id``).
+        Templated.
+    :param interval: seconds between the starts of two epochs (default ``[arroyo] checkpoint_interval``).
+        Templated.
     :param timeout: seconds after which an unfinished epoch expires (default: ten intervals, at least
         60 s; never below the interval). Templated.
     :param min_pause: seconds between the end of an epoch and the start of the next. Templated.
@@ -93,8 +96,8 @@ class CheckpointOperator(BaseOperator):
         self,
         *,
         pipeline_id: str,
-        conn_id: str = DEFAULT_CONN_ID,
-        interval: float | str = 30.0,
+        conn_id: str | None = None,
+        interval: float | str | None = None,
         timeout: float | str | None = None,
         min_pause: float | str = 0.0,
         tolerable_failures: int | str = 3,
@@ -105,8 +108,8 @@ class CheckpointOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline_id = pipeline_id
-        self.conn_id = conn_id
-        self.interval = interval
+        self.conn_id = conn_id or config.get("conn_id")
+        self.interval = config.get_float("checkpoint_interval") if interval is None else interval
         self.timeout = timeout
         self.min_pause = min_pause
         self.tolerable_failures = tolerable_failures

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_arroyo import config
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import (
     ArroyoError,
@@ -54,6 +55,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger, stop_run
 
 if TYPE_CHECKING:
@@ -102,6 +104,7 @@ def _default_run_id(context: Context) -> str:
 
 
 def _log_dir(submit_log_dir: str | None) -> Path:
+    submit_log_dir = submit_log_dir or config.get("submit_log_dir")
     if submit_log_dir:
         return Path(submit_log_dir)
     home = os.environ.get("AIRFLOW_HOME") or str(Path.home() / "airflow")
@@ -113,6 +116,22 @@ _DETACHED: list[subprocess.Popen[bytes]] = []
 
 def _reap_detached() -> None:
     _DETACHED[:] = [p for p in _DETACHED if p.poll() is None]
+
+
+def openlineage_conf(conf: Mapping[str, Any], context: Context, *, parent: bool, transport: bool) -> dict[str, Any]:
+    """The Spark conf with OpenLineage's parent job (and transport) properties added, through the same
+    functions the apache-spark provider's SparkSubmitOperator uses (a no-op with a warning when the
+    OpenLineage provider is not installed; properties already set are kept)."""
+    out = dict(conf)
+    if not (parent or transport):
+        return out
+    from airflow.providers.common.compat.openlineage.utils import spark as ol_spark
+
+    if parent:
+        out = ol_spark.inject_parent_job_information_into_spark_properties(out, context)
+    if transport:
+        out = ol_spark.inject_transport_information_into_spark_properties(out, context)
+    return out
 
 
 def _store(conn_id: str) -> EpochStore:
@@ -138,9 +157,11 @@ class SubmitPipelineOperator(BaseOperator):
     :param takeover: supersede a run that is still registered (its driver is known to be dead).
     :param run_id: id of this run (default ``<dag_id>.<dag run id>.try<n>``).
     :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
-    :param storage_uri: root of the pipeline's channels and snapshots (default: the pipeline's own).
-    :param conn_id: Airflow connection of the epoch store.
-    :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...).
+    :param storage_uri: root of the pipeline's channels and snapshots (default ``[arroyo] storage_uri``,
+        else the pipeline's own).
+    :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
+    :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...; default
+        ``[arroyo] spark_conn_id``).
     :param conf: Spark configuration (``--conf``).
     :param env_vars: extra environment of the driver (``ARROYO_DSN`` is added).
     :param application: the spark-submit application (default: the runtime driver).
@@ -149,10 +170,18 @@ class SubmitPipelineOperator(BaseOperator):
         ``driver_memory``, ``executor_memory``, ``num_executors``, ``deploy_mode``, ``verbose``...).
     :param name: the Spark application name (default ``arroyo-<pipeline_id>``).
     :param submit_log_dir: where the ``spark-submit`` log goes on the worker host
-        (default ``$AIRFLOW_HOME/logs/arroyo``; one ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
+        (default ``[arroyo] submit_log_dir``, else ``$AIRFLOW_HOME/logs/arroyo``; one
+        ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
     :param register_timeout: seconds the run may take to reach ``running`` before the task fails
         (and the run is stopped).
     :param poll_interval: seconds between two looks at the epoch store while deferred.
+    :param deferrable: wait for ``running`` in the triggerer (default ``[operators] default_deferrable``);
+        otherwise in this worker slot, with the same checks.
+    :param openlineage_inject_parent_job_info: add this task as the OpenLineage parent job of the Spark
+        application (``spark.openlineage.parent*`` confs), as the apache-spark provider's
+        ``SparkSubmitOperator`` does (default ``[openlineage] spark_inject_parent_job_info``).
+    :param openlineage_inject_transport_info: pass Airflow's OpenLineage transport to the Spark
+        application (default ``[openlineage] spark_inject_transport_info``).
 
     Usage::
 
@@ -168,10 +197,11 @@ class SubmitPipelineOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "conn_id",
-        "spark_conn_id", "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
+        "spark_conn_id", "conf", "env_vars", "application", "application_args", "spark_submit_kwargs", "name",
+        "submit_log_dir",
     )
     template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json",
-                                 "pipeline_args": "json"}
+                                 "pipeline_args": "json", "spark_submit_kwargs": "json"}
     operator_extra_links = (ArroyoPipelineLink(), SparkUILink())
     ui_color = "#e8f4ea"
 
@@ -185,8 +215,8 @@ class SubmitPipelineOperator(BaseOperator):
         run_id: str | None = None,
         restore_from: str | int | None = None,
         storage_uri: str | None = None,
-        conn_id: str = "arroyo_default",
-        spark_conn_id: str = "spark_default",
+        conn_id: str | None = None,
+        spark_conn_id: str | None = None,
         conf: Mapping[str, Any] | None = None,
         env_vars: Mapping[str, str] | None = None,
         application: str | None = None,
@@ -196,6 +226,9 @@ class SubmitPipelineOperator(BaseOperator):
         submit_log_dir: str | None = None,
         register_timeout: float = 600.0,
         poll_interval: float = 2.0,
+        deferrable: bool | None = None,
+        openlineage_inject_parent_job_info: bool | None = None,
+        openlineage_inject_transport_info: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -205,9 +238,9 @@ class SubmitPipelineOperator(BaseOperator):
         self.takeover = takeover
         self.run_id = run_id
         self.restore_from = restore_from
-        self.storage_uri = storage_uri
-        self.conn_id = conn_id
-        self.spark_conn_id = spark_conn_id
+        self.storage_uri = storage_uri or config.get("storage_uri") or None
+        self.conn_id = conn_id or config.get("conn_id")
+        self.spark_conn_id = spark_conn_id or config.get("spark_conn_id")
         self.conf = dict(conf or {})
         self.env_vars = dict(env_vars or {})
         self.application = application
@@ -217,6 +250,13 @@ class SubmitPipelineOperator(BaseOperator):
         self.submit_log_dir = submit_log_dir
         self.register_timeout = register_timeout
         self.poll_interval = poll_interval
+        self.deferrable = config.default_deferrable() if deferrable is None else deferrable
+        self.openlineage_inject_parent_job_info = (
+            config.openlineage_flag("spark_inject_parent_job_info") if openlineage_inject_parent_job_info is None
+            else openlineage_inject_parent_job_info)
+        self.openlineage_inject_transport_info = (
+            config.openlineage_flag("spark_inject_transport_info") if openlineage_inject_transport_info is None
+            else openlineage_inject_transport_info)
         self._process: LocalProcess | None = None
         self._submitted_run: str | None = None
 
@@ -307,6 +347,8 @@ class SubmitPipelineOperator(BaseOperator):
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
                 "(StopPipelineOperator or `airflow-arroyo stop`) before submitting a new run"
             )
+        self.conf = openlineage_conf(self.conf, context, parent=self.openlineage_inject_parent_job_info,
+                                     transport=self.openlineage_inject_transport_info)
         command, env, cluster = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
         process, log_path = self.start_detached(command, env, run_id)
         self._process, self._submitted_run = process, run_id
@@ -320,17 +362,16 @@ class SubmitPipelineOperator(BaseOperator):
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
                   "log": str(log_path), "run_id": run_id}
         ti.xcom_push(key="submit_process", value=submit)
-        self.defer(
-            trigger=PipelineStateTrigger(
-                pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
-                conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
-                submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
-                submit_log=str(log_path), submit_exits=cluster,
-            ),
-            method_name="execute_complete",
-            kwargs={"submit": submit},
+        trigger = PipelineStateTrigger(
+            pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
+            conn_id=self.conn_id, poll_interval=self.poll_interval,
+            deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
+            submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
+            submit_log=str(log_path), submit_exits=cluster,
         )
+        if not self.deferrable:  # wait in this worker slot, with the trigger's own checks
+            return self.execute_complete(context, run_inline(trigger), submit=submit)
+        self.defer(trigger=trigger, method_name="execute_complete", kwargs={"submit": submit})
 
     def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
         ti = context["ti"]
@@ -366,11 +407,13 @@ class StopPipelineOperator(BaseOperator):
     :param pipeline_id: the pipeline to stop.
     :param mode: ``"graceful"``: the driver takes a final epoch, then stops; ``"immediate"``: it
         stops without a final epoch.
-    :param conn_id: Airflow connection of the epoch store.
+    :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
     :param fail_if_failed: fail the task if the pipeline failed (before or while stopping), with the
         pipeline's cause; with False the task just reports it.
     :param poll_interval: seconds between two looks at the epoch store while deferred.
     :param stop_timeout: seconds to wait for ``stopped`` before the task fails.
+    :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``); otherwise in
+        this worker slot.
 
     Returns (XCom) the pipeline's final state and its latest completed epoch.
 
@@ -389,16 +432,18 @@ class StopPipelineOperator(BaseOperator):
         *,
         pipeline_id: str,
         mode: str = "graceful",
-        conn_id: str = "arroyo_default",
+        conn_id: str | None = None,
         fail_if_failed: bool = True,
         poll_interval: float = 2.0,
         stop_timeout: float = 600.0,
+        deferrable: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline_id = pipeline_id
         self.mode = mode
-        self.conn_id = conn_id
+        self.conn_id = conn_id or config.get("conn_id")
+        self.deferrable = config.default_deferrable() if deferrable is None else deferrable
         self.fail_if_failed = fail_if_failed
         self.poll_interval = poll_interval
         self.stop_timeout = stop_timeout
@@ -422,14 +467,14 @@ class StopPipelineOperator(BaseOperator):
                                  "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
         store.request_stop(self.pipeline_id, mode)
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
-        self.defer(
-            trigger=PipelineStateTrigger(
-                pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
-                conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.stop_timeout),
-            ),
-            method_name="execute_complete",
+        trigger = PipelineStateTrigger(
+            pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
+            conn_id=self.conn_id, poll_interval=self.poll_interval,
+            deadline=time.time() + float(self.stop_timeout),
         )
+        if not self.deferrable:
+            return self.execute_complete(context, run_inline(trigger))
+        self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         status = event.get("status")
