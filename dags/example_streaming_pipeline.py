@@ -29,23 +29,21 @@ The waits (``submit``, ``run_for``, ``stop``) are deferrable here whatever
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
-from pathlib import Path
 
 from airflow.sdk import DAG, Param
 
 from airflow_arroyo import config
+from airflow_arroyo.examples.report import pipeline_id, report_asset, report_uri, storage_uri
 from airflow_arroyo.operators.checkpoint import CheckpointOperator
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 
-PIPELINE_ID = config.get("example_pipeline_id")
+PIPELINE_ID = pipeline_id()
 CONN_ID = config.get("conn_id")
 SPARK_CONN_ID = config.get("spark_conn_id")
-STORAGE_URI = config.get("storage_uri") or str(
-    Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow") / "arroyo-data"
-)
+STORAGE_URI = storage_uri()
+REPORT = report_asset()  # the Parquet sink's folder: an Asset event per committed epoch
 RUN_ID = "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
 
 with DAG(
@@ -76,6 +74,7 @@ with DAG(
             "rows": "{{ params.rows }}",
             "rows_per_batch": "{{ params.rows_per_batch }}",
             "trigger_interval": "{{ params.trigger_interval }}",
+            "sink_path": report_uri(),
         },
         restore_from="{{ params.restore_from }}",
         storage_uri=STORAGE_URI,
@@ -115,6 +114,7 @@ with DAG(
         mode="graceful",
         trigger_rule="all_done",
         deferrable=True,
+        outlets=[REPORT],  # the final commit, once stopped
     )
     submit >> [checkpoints, run_for]
     run_for >> stop

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 
 from airflow_arroyo import config
+from airflow_arroyo.assets import publish_outlet_events
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import (
     ArroyoError,
@@ -415,7 +416,8 @@ class StopPipelineOperator(BaseOperator):
     :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``); otherwise in
         this worker slot.
 
-    Returns (XCom) the pipeline's final state and its latest completed epoch.
+    Returns (XCom) the pipeline's final state and its latest completed epoch. Sink or epochs Assets of
+    the pipeline (:mod:`airflow_arroyo.assets`) in ``outlets`` get an event carrying the final commit.
 
     Usage::
 
@@ -463,8 +465,9 @@ class StopPipelineOperator(BaseOperator):
                     "final_epoch": None}
         if pipeline.state.terminal:
             self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
-            return self._result({"state": pipeline.state.value, "cause": pipeline.failure_cause,
-                                 "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
+            return self._published(context, self._result(
+                {"state": pipeline.state.value, "cause": pipeline.failure_cause, "run_id": pipeline.run_id,
+                 "message": f"already {pipeline.state}"}, store))
         store.request_stop(self.pipeline_id, mode)
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
         trigger = PipelineStateTrigger(
@@ -479,10 +482,16 @@ class StopPipelineOperator(BaseOperator):
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         status = event.get("status")
         if status == "success":
-            return self._result(event, None)
+            return self._published(context, self._result(event, None))
         if status == "failed":
-            return self._result({**event, "state": PipelineState.FAILED.value}, None)
+            return self._published(context, self._result({**event, "state": PipelineState.FAILED.value}, None))
         raise ArroyoError(f"stopping pipeline {self.pipeline_id!r} did not finish: {event.get('message')}")
+
+    def _published(self, context: Context, result: dict[str, Any]) -> dict[str, Any]:
+        """Sink and epochs Assets of this pipeline in ``outlets`` get the final commit in their event."""
+        if self.outlets:
+            publish_outlet_events(context, self.outlets, _store(self.conn_id), self.pipeline_id)
+        return result
 
     def _result(self, event: Mapping[str, Any], store: EpochStore | None) -> dict[str, Any]:
         store = store or _store(self.conn_id)
