@@ -10,6 +10,7 @@ from datetime import datetime
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import (
+    AckRecord,
     CleanupLockRecord,
     EpochRecord,
     PipelineRecord,
@@ -55,6 +56,9 @@ class AsyncEpochStore:
                            limit: int = 100) -> list[SinkCommitRecord]:
         return await asyncio.to_thread(self.sync.sink_commits, pipeline_id, after_seq=after_seq, sink=sink,
                                        limit=limit)
+
+    async def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
+        return await asyncio.to_thread(self.sync.acks, pipeline_id, epoch)
 
     async def db_now(self) -> datetime:
         return await asyncio.to_thread(self.sync.db_now)
