@@ -116,8 +116,10 @@ class CommittedDataTrigger(BaseEventTrigger):
     completed epoch (``kind="epochs"``) of ``pipeline_id``, as the epoch store records them.
 
     It starts after what the store holds when it first starts (no replay of the history). On Airflow
-    >= 3.3 it keeps its position in the Asset's state store, so a restarted triggerer resumes after the
-    last event it emitted; without one, it resumes from the store's present (commits made while no
+    >= 3.3 it keeps its position in the Asset's state store, moved once the triggerer has taken an
+    event (asked for the next one), so a restarted triggerer resumes after the last event it took: at
+    least once (an event yielded just before a stop may come again; reading a commit's files is
+    idempotent). Without a state store it resumes from the store's present (commits made while no
     triggerer ran are not announced; they are in the folder all the same).
     """
 
