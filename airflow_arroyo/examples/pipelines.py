@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.pipeline import Pipeline
 
@@ -32,8 +33,6 @@ __all__ = [
     "OUTPUT_CHANNEL", "SINK_STAGE", "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "stateful_ops",
 ]
 
-OUTPUT_CHANNEL = "report"
-SINK_STAGE = "report_files"
 LEFT_SEED = 1
 RIGHT_SEED = 2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo import config
-from airflow_arroyo.examples.pipelines import SINK_STAGE
+from airflow_arroyo.examples.names import SINK_STAGE
 
 if TYPE_CHECKING:
     from airflow.sdk import Asset
