@@ -12,6 +12,10 @@ epochs failed. Put it beside the task that runs the pipeline::
                                      pipeline_run_id="{{ run_id }}")
 
 The task's extra link "Arroyo checkpoints" opens the pipeline's page of the Airflow UI plugin.
+
+Always deferrable (no ``deferrable`` argument, unlike the submit/stop operators and the sensor): it
+lives as long as the pipeline, and a worker slot held for days is not a mode worth offering. Its
+trigger also reports the epoch metrics (:mod:`airflow_arroyo.metrics`).
 """
 
 from __future__ import annotations
