@@ -5,6 +5,6 @@ Layers (dependencies point one way): ``epochs`` (the model, no I/O) <- ``store``
 Heavy modules are imported lazily by their users; this package root imports nothing heavy.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__"]

@@ -4,30 +4,30 @@ One run lists the pipelines registered in the epoch store, then runs one mapped
 ``PruneEpochsOperator`` task per pipeline. Each task holds that pipeline's cleanup lock while it
 works (the checkpoint trigger waits meanwhile), so pipelines are pruned independently.
 
-Configuration (Airflow Variables, or the environment when a Variable is not set):
+Configuration (Airflow Variables, or the ``[arroyo]`` section of Airflow's configuration,
+``airflow.cfg`` / ``AIRFLOW__ARROYO__*``, when a Variable is not set):
 
-* ``arroyo_retention_schedule`` / ``ARROYO_RETENTION_SCHEDULE``: cron or preset (default every 15 min;
+* ``arroyo_retention_schedule`` / ``retention_schedule``: cron or preset (default every 15 min;
   read when the DAG is parsed);
-* ``arroyo_retention_keep_last`` / ``ARROYO_RETENTION_KEEP_LAST``: completed epochs to keep (default 10);
-* ``arroyo_retention_keep_newer_than`` / ``ARROYO_RETENTION_KEEP_NEWER_THAN``: also keep epochs newer
+* ``arroyo_retention_keep_last`` / ``retention_keep_last``: completed epochs to keep (default 10);
+* ``arroyo_retention_keep_newer_than`` / ``retention_keep_newer_than``: also keep epochs newer
   than this, e.g. ``6h`` (default: not set);
-* ``arroyo_retention_conn_id`` / ``ARROYO_RETENTION_CONN_ID``: the epoch store connection
-  (default ``arroyo_default``).
+* ``arroyo_retention_conn_id`` / ``conn_id``: the epoch store connection (default ``arroyo_default``).
 
 The policy values are rendered when a task runs, so a changed Variable applies to the next run.
 """
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Variable, task
 
+from airflow_arroyo import config
 from airflow_arroyo.operators.retention import PruneEpochsOperator
 
 SCHEDULE = Variable.get("arroyo_retention_schedule",
-                        default=os.environ.get("ARROYO_RETENTION_SCHEDULE", "*/15 * * * *"))
+                        default=config.get("retention_schedule"))
 
 with DAG(
     dag_id="arroyo_retention",
@@ -39,9 +39,9 @@ with DAG(
     default_args={"retries": 1, "retry_delay": timedelta(minutes=1)},
     # defaults of the Variables below; a manual run may override them in its conf
     params={
-        "conn_id": os.environ.get("ARROYO_RETENTION_CONN_ID", "arroyo_default"),
-        "keep_last": os.environ.get("ARROYO_RETENTION_KEEP_LAST", "10"),
-        "keep_newer_than": os.environ.get("ARROYO_RETENTION_KEEP_NEWER_THAN", ""),
+        "conn_id": config.get("conn_id"),
+        "keep_last": config.get("retention_keep_last"),
+        "keep_newer_than": config.get("retention_keep_newer_than"),
     },
     tags=["arroyo", "retention"],
     doc_md=__doc__,

@@ -21,30 +21,32 @@
 Trigger it with a conf to change the parameters, e.g. ``{"interval": 2, "epochs": 5}``;
 ``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run.
 
-Settings from the environment (read when the DAG file is parsed): ``ARROYO_STORAGE_URI`` (root of
-channels and snapshots; default ``$AIRFLOW_HOME/arroyo-data``), ``ARROYO_EXAMPLE_PIPELINE_ID``
-(default ``arroyo-demo``), ``ARROYO_CONN_ID`` (default ``arroyo_default``), ``ARROYO_SPARK_CONN_ID``
-(default ``spark_default``).
+Settings from Airflow's configuration, section ``[arroyo]`` (``airflow.cfg`` or
+``AIRFLOW__ARROYO__*``; read when the DAG file is parsed): ``storage_uri`` (root of channels and
+snapshots; default ``$AIRFLOW_HOME/arroyo-data``), ``example_pipeline_id`` (default ``arroyo-demo``),
+``conn_id`` (default ``arroyo_default``), ``spark_conn_id`` (default ``spark_default``).
+
+The waits (``submit``, ``run_for``, ``stop``) are deferrable here whatever
+``[operators] default_deferrable`` says: they last minutes, and the triggerer holds no worker slot.
 """
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
-from pathlib import Path
 
 from airflow.sdk import DAG, Param
 
+from airflow_arroyo import config
+from airflow_arroyo.examples.report import pipeline_id, report_asset, report_uri, storage_uri
 from airflow_arroyo.operators.checkpoint import CheckpointOperator
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 
-PIPELINE_ID = os.environ.get("ARROYO_EXAMPLE_PIPELINE_ID", "arroyo-demo")
-CONN_ID = os.environ.get("ARROYO_CONN_ID", "arroyo_default")
-SPARK_CONN_ID = os.environ.get("ARROYO_SPARK_CONN_ID", "spark_default")
-STORAGE_URI = os.environ.get("ARROYO_STORAGE_URI") or str(
-    Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow") / "arroyo-data"
-)
+PIPELINE_ID = pipeline_id()
+CONN_ID = config.get("conn_id")
+SPARK_CONN_ID = config.get("spark_conn_id")
+STORAGE_URI = storage_uri()
+REPORT = report_asset()  # the Parquet sink's folder: an Asset event per committed epoch
 RUN_ID = "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
 
 with DAG(
@@ -76,6 +78,7 @@ with DAG(
             "rows": "{{ params.rows }}",
             "rows_per_batch": "{{ params.rows_per_batch }}",
             "trigger_interval": "{{ params.trigger_interval }}",
+            "sink_path": report_uri(),
         },
         restore_from="{{ params.restore_from }}",
         storage_uri=STORAGE_URI,
@@ -87,6 +90,7 @@ with DAG(
             "spark.driver.memory": "1g",
             "spark.ui.showConsoleProgress": "false",
         },
+        deferrable=True,
     )
     checkpoints = CheckpointOperator(
         task_id="checkpoints",
@@ -106,6 +110,7 @@ with DAG(
         wait_timeout="{{ params.minutes * 60 }}",
         trigger_poll_interval=2.0,
         soft_fail=True,
+        deferrable=True,
     )
     stop = StopPipelineOperator(
         task_id="stop",
@@ -113,6 +118,8 @@ with DAG(
         conn_id=CONN_ID,
         mode="graceful",
         trigger_rule="all_done",
+        deferrable=True,
+        outlets=[REPORT],  # the final commit, once stopped
     )
     submit >> [checkpoints, run_for]
     run_for >> stop

@@ -47,7 +47,7 @@ if [ ! -f "$stamp" ]; then
   log "installing Python packages into .venv (pinned by constraints.txt)"
   "$PY" -m pip install -q --disable-pip-version-check uv
   "$PY" -m uv venv -q --allow-existing --python "$PY" .venv
-  "$PY" -m uv pip install -q --python .venv/bin/python -c constraints.txt -e ".[dev]"
+  "$PY" -m uv pip install -q --python .venv/bin/python -c constraints.txt -e ".[dev,pyspark,demo]"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

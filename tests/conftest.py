@@ -34,6 +34,9 @@ if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
     # happens to import Airflow first must not decide whether later ones can mint tokens.
     os.environ.setdefault("AIRFLOW__API_AUTH__JWT_SECRET", uuid.uuid4().hex + uuid.uuid4().hex)
     os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(Path(__file__).resolve().parent.parent / "dags")
+    # The suite runs the operators' waits deferred, as deployments do; tests of the non-deferrable
+    # mode pass deferrable=False.
+    os.environ["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
 # Put the venv's bin first: spark-submit's find-spark-home runs `python3` from PATH.
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 

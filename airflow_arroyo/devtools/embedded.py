@@ -168,11 +168,11 @@ class EmbeddedAirflow:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
             "AIRFLOW_CONN_ARROYO_DEFAULT": self.store_dsn,
             "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-            "ARROYO_STORAGE_URI": str(self.home / "arroyo-data"),
+            "AIRFLOW__ARROYO__STORAGE_URI": str(self.home / "arroyo-data"),
             # one machine: Spark binds and reports 127.0.0.1 (its UI link then works in a browser here)
             "SPARK_LOCAL_IP": env.get("SPARK_LOCAL_IP") or "127.0.0.1",
-            "ARROYO_RETENTION_SCHEDULE": s.retention_schedule,
-            "ARROYO_RETENTION_KEEP_LAST": str(s.retention_keep_last),
+            "AIRFLOW__ARROYO__RETENTION_SCHEDULE": s.retention_schedule,
+            "AIRFLOW__ARROYO__RETENTION_KEEP_LAST": str(s.retention_keep_last),
         })
         for key in ("AIRFLOW__CORE__UNIT_TEST_MODE", "AIRFLOW_CONFIG"):
             env.pop(key, None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.pg_sink import PostgresTarget
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -34,8 +35,6 @@ __all__ = [
     "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "stateful_ops",
 ]
 
-OUTPUT_CHANNEL = "report"
-SINK_STAGE = "report_files"
 PG_REPORT_STAGE = "report_pg"
 PG_TOTALS_STAGE = "totals_pg"
 # The demo's PostgreSQL target tables ({table} is the table's name): the sinks never create tables.

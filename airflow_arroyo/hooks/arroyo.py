@@ -26,6 +26,7 @@ from urllib.parse import quote, urlencode
 
 from airflow.sdk import BaseHook
 
+from airflow_arroyo import config
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, redact_dsn
 
@@ -84,7 +85,9 @@ def _extra_of(conn: Connection) -> dict[str, Any]:
         ) from exc
     if not isinstance(value, dict):
         raise ConfigurationError(f"the extra of connection {conn.conn_id!r} must be a JSON object")
-    return value
+    # Form fields (conn-fields) may be stored with Airflow's prefix; an empty field is not a setting.
+    prefix = f"extra__{(conn.conn_type or '').lower()}__"
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in value.items() if v not in (None, "")}
 
 
 def _build_dsn(conn: Connection, extra: Mapping[str, Any]) -> str:
@@ -156,7 +159,8 @@ def _reset_shared_stores() -> None:
 class ArroyoHook(BaseHook):
     """The epoch store behind an Airflow connection.
 
-    :param arroyo_conn_id: an ``arroyo`` or ``postgres`` connection (default ``arroyo_default``).
+    :param arroyo_conn_id: an ``arroyo`` or ``postgres`` connection (default ``[arroyo] conn_id``,
+        itself ``arroyo_default`` by default).
     :param max_connections: size of the process-wide connection pool for this DSN.
     :param retry_seconds: how long transient store failures are retried before a
         :class:`~airflow_arroyo.exceptions.TransientStoreError`.
@@ -168,31 +172,20 @@ class ArroyoHook(BaseHook):
     conn_type = "arroyo"
     hook_name = "Arroyo epoch store"
 
-    def __init__(self, arroyo_conn_id: str = default_conn_name, *, max_connections: int = 8,
+    def __init__(self, arroyo_conn_id: str | None = None, *, max_connections: int = 8,
                  retry_seconds: float = 60.0, migrate: bool = True) -> None:
         super().__init__()
         if max_connections < 1:
             raise ConfigurationError(f"max_connections must be at least 1, got {max_connections!r}")
         if retry_seconds <= 0:
             raise ConfigurationError(f"retry_seconds must be positive, got {retry_seconds!r}")
-        self.arroyo_conn_id = arroyo_conn_id
+        self.arroyo_conn_id = arroyo_conn_id or config.get("conn_id")
         self.max_connections = max_connections
         self.retry_seconds = retry_seconds
         self.migrate = migrate
 
-    @classmethod
-    def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": [],
-            "relabeling": {"schema": "Database"},
-            "placeholders": {
-                "host": "postgres.example.com",
-                "port": "5432",
-                "schema": "arroyo",
-                "login": "arroyo",
-                "extra": '{"sslmode": "require"}',
-            },
-        }
+    # The connection form (fields, labels, placeholders) is declared in the provider info
+    # (``conn-fields`` / ``ui-field-behaviour``): ``get_ui_field_behaviour`` is deprecated since Airflow 3.2.
 
     # ------------------------------------------------------------------ sync
 

@@ -13,6 +13,10 @@ epochs failed. Put it beside the task that runs the pipeline::
                                      pipeline_run_id="{{ run_id }}")
 
 The task's extra link "Arroyo checkpoints" opens the pipeline's page of the Airflow UI plugin.
+
+Always deferrable (no ``deferrable`` argument, unlike the submit/stop operators and the sensor): it
+lives as long as the pipeline, and a worker slot held for days is not a mode worth offering. Its
+trigger also reports the epoch metrics (:mod:`airflow_arroyo.metrics`).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException
 
+from airflow_arroyo import config
 from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.links import pipeline_page_url
 from airflow_arroyo.summary import summarize
-from airflow_arroyo.triggers.checkpoint import DEFAULT_CONN_ID, CheckpointTrigger
+from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.settle import settle_deadline
 from airflow_arroyo.ui.format import bytes_human, duration_human
 
@@ -71,8 +76,10 @@ class CheckpointOperator(BaseOperator):
     """Fire checkpoint epochs of a running pipeline until it stops (deferrable; runs in the triggerer).
 
     :param pipeline_id: the pipeline (as registered by its driver). Templated.
-    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store. Templated.
-    :param interval: seconds between the starts of two epochs. Templated.
+    :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store (default ``[arroyo] conn_id``).
+        Templated.
+    :param interval: seconds between the starts of two epochs (default ``[arroyo] checkpoint_interval``).
+        Templated.
     :param timeout: seconds after which an unfinished epoch expires (default: ten intervals, at least
         60 s; never below the interval). Templated.
     :param min_pause: seconds between the end of an epoch and the start of the next. Templated.
@@ -100,8 +107,8 @@ class CheckpointOperator(BaseOperator):
         self,
         *,
         pipeline_id: str,
-        conn_id: str = DEFAULT_CONN_ID,
-        interval: float | str = 30.0,
+        conn_id: str | None = None,
+        interval: float | str | None = None,
         timeout: float | str | None = None,
         min_pause: float | str = 0.0,
         tolerable_failures: int | str = 3,
@@ -113,8 +120,8 @@ class CheckpointOperator(BaseOperator):
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline_id = pipeline_id
-        self.conn_id = conn_id
-        self.interval = interval
+        self.conn_id = conn_id or config.get("conn_id")
+        self.interval = config.get_float("checkpoint_interval") if interval is None else interval
         self.timeout = timeout
         self.min_pause = min_pause
         self.tolerable_failures = tolerable_failures

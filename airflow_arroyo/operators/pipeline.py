@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow.sdk import BaseOperator
 
+from airflow_arroyo import config
+from airflow_arroyo.assets import publish_outlet_events
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import (
     ArroyoError,
@@ -61,6 +63,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
     PipelineStateTrigger,
@@ -146,6 +149,7 @@ def _started_by_an_earlier_try(context: Context, explicit_run_id: str | None, cu
 
 
 def _log_dir(submit_log_dir: str | None) -> Path:
+    submit_log_dir = submit_log_dir or config.get("submit_log_dir")
     if submit_log_dir:
         return Path(submit_log_dir)
     home = os.environ.get("AIRFLOW_HOME") or str(Path.home() / "airflow")
@@ -211,6 +215,22 @@ def _write_private(path: str, content: str) -> None:
         f.write(content)
 
 
+def openlineage_conf(conf: Mapping[str, Any], context: Context, *, parent: bool, transport: bool) -> dict[str, Any]:
+    """The Spark conf with OpenLineage's parent job (and transport) properties added, through the same
+    functions the apache-spark provider's SparkSubmitOperator uses (a no-op with a warning when the
+    OpenLineage provider is not installed; properties already set are kept)."""
+    out = dict(conf)
+    if not (parent or transport):
+        return out
+    from airflow.providers.common.compat.openlineage.utils import spark as ol_spark
+
+    if parent:
+        out = ol_spark.inject_parent_job_information_into_spark_properties(out, context)
+    if transport:
+        out = ol_spark.inject_transport_information_into_spark_properties(out, context)
+    return out
+
+
 def _store(conn_id: str) -> EpochStore:
     from airflow_arroyo.hooks.arroyo import ArroyoHook
 
@@ -234,9 +254,11 @@ class SubmitPipelineOperator(BaseOperator):
     :param takeover: supersede a run that is still registered (its driver is known to be dead).
     :param run_id: id of this run (default ``<dag_id>.<dag run id>.try<n>``).
     :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
-    :param storage_uri: root of the pipeline's channels and snapshots (default: the pipeline's own).
-    :param conn_id: Airflow connection of the epoch store.
-    :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...).
+    :param storage_uri: root of the pipeline's channels and snapshots (default ``[arroyo] storage_uri``,
+        else the pipeline's own).
+    :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
+    :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...; default
+        ``[arroyo] spark_conn_id``).
     :param conf: Spark configuration (``--conf``).
     :param env_vars: extra environment of the driver (``ARROYO_DSN`` is added).
     :param application: the spark-submit application (default: the runtime driver).
@@ -245,7 +267,8 @@ class SubmitPipelineOperator(BaseOperator):
         ``driver_memory``, ``executor_memory``, ``num_executors``, ``deploy_mode``, ``verbose``...).
     :param name: the Spark application name (default ``arroyo-<pipeline_id>``).
     :param submit_log_dir: where the ``spark-submit`` log goes on the worker host
-        (default ``$AIRFLOW_HOME/logs/arroyo``; one ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
+        (default ``[arroyo] submit_log_dir``, else ``$AIRFLOW_HOME/logs/arroyo``; one
+        ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
     :param register_timeout: seconds the run may take to reach ``running`` before the task fails
         (and the run is stopped).
     :param poll_interval: seconds between two looks at the epoch store while deferred.
@@ -254,6 +277,13 @@ class SubmitPipelineOperator(BaseOperator):
         Airflow worker's interpreter only for local masters and standalone client mode).
     :param dsn_secret: Kubernetes cluster mode: the Kubernetes secret holding the epoch store DSN,
         ``"name:key"`` (the driver pod gets it as ``ARROYO_DSN``; the DSN is never on the command line).
+    :param deferrable: wait for ``running`` in the triggerer (default ``[operators] default_deferrable``);
+        otherwise in this worker slot, with the same checks.
+    :param openlineage_inject_parent_job_info: add this task as the OpenLineage parent job of the Spark
+        application (``spark.openlineage.parent*`` confs), as the apache-spark provider's
+        ``SparkSubmitOperator`` does (default ``[openlineage] spark_inject_parent_job_info``).
+    :param openlineage_inject_transport_info: pass Airflow's OpenLineage transport to the Spark
+        application (default ``[openlineage] spark_inject_transport_info``).
 
     Usage::
 
@@ -269,11 +299,11 @@ class SubmitPipelineOperator(BaseOperator):
 
     template_fields: Sequence[str] = (
         "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "conn_id",
-        "spark_conn_id", "conf", "env_vars", "application", "application_args", "name", "submit_log_dir",
-        "cluster_python", "dsn_secret",
+        "spark_conn_id", "conf", "env_vars", "application", "application_args", "spark_submit_kwargs", "name",
+        "submit_log_dir", "cluster_python", "dsn_secret",
     )
     template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json",
-                                 "pipeline_args": "json"}
+                                 "pipeline_args": "json", "spark_submit_kwargs": "json"}
     operator_extra_links = (ArroyoPipelineLink(), SparkUILink())
     ui_color = "#e8f4ea"
 
@@ -287,8 +317,8 @@ class SubmitPipelineOperator(BaseOperator):
         run_id: str | None = None,
         restore_from: str | int | None = None,
         storage_uri: str | None = None,
-        conn_id: str = "arroyo_default",
-        spark_conn_id: str = "spark_default",
+        conn_id: str | None = None,
+        spark_conn_id: str | None = None,
         conf: Mapping[str, Any] | None = None,
         env_vars: Mapping[str, str] | None = None,
         application: str | None = None,
@@ -300,6 +330,9 @@ class SubmitPipelineOperator(BaseOperator):
         poll_interval: float = 2.0,
         cluster_python: str | None = None,
         dsn_secret: str | None = None,
+        deferrable: bool | None = None,
+        openlineage_inject_parent_job_info: bool | None = None,
+        openlineage_inject_transport_info: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -309,9 +342,9 @@ class SubmitPipelineOperator(BaseOperator):
         self.takeover = takeover
         self.run_id = run_id
         self.restore_from = restore_from
-        self.storage_uri = storage_uri
-        self.conn_id = conn_id
-        self.spark_conn_id = spark_conn_id
+        self.storage_uri = storage_uri or config.get("storage_uri") or None
+        self.conn_id = conn_id or config.get("conn_id")
+        self.spark_conn_id = spark_conn_id or config.get("spark_conn_id")
         self.conf = dict(conf or {})
         self.env_vars = dict(env_vars or {})
         self.application = application
@@ -323,6 +356,13 @@ class SubmitPipelineOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.cluster_python = cluster_python
         self.dsn_secret = dsn_secret
+        self.deferrable = config.default_deferrable() if deferrable is None else deferrable
+        self.openlineage_inject_parent_job_info = (
+            config.openlineage_flag("spark_inject_parent_job_info") if openlineage_inject_parent_job_info is None
+            else openlineage_inject_parent_job_info)
+        self.openlineage_inject_transport_info = (
+            config.openlineage_flag("spark_inject_transport_info") if openlineage_inject_transport_info is None
+            else openlineage_inject_transport_info)
         self._process: LocalProcess | None = None
         self._popen: subprocess.Popen[bytes] | None = None
         self._cluster_app: ClusterApplication | None = None
@@ -432,6 +472,8 @@ class SubmitPipelineOperator(BaseOperator):
                 f"pipeline {self.pipeline_id!r} is already {current.state} (run {current.run_id!r}); stop it first "
                 "(StopPipelineOperator or `airflow-arroyo stop`) before submitting a new run"
             )
+        self.conf = openlineage_conf(self.conf, context, parent=self.openlineage_inject_parent_job_info,
+                                     transport=self.openlineage_inject_transport_info)
         submit_cmd = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
         cluster_app: ClusterApplication | None = None
         try:
@@ -459,19 +501,18 @@ class SubmitPipelineOperator(BaseOperator):
         ti.xcom_push(key="submit_process", value=submit)
         if cluster_app is not None:
             ti.xcom_push(key="cluster_application", value=cluster_app.to_dict())
-        self.defer(
-            trigger=PipelineStateTrigger(
-                pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
-                conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
-                submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
-                submit_log=str(log_path), submit_exits=submit_cmd.cluster,
-                cluster_application=cluster_app.to_dict() if cluster_app else None,
-                not_before=settle_deadline(),
-            ),
-            method_name="execute_complete",
-            kwargs={"submit": submit},
+        trigger = PipelineStateTrigger(
+            pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
+            conn_id=self.conn_id, poll_interval=self.poll_interval,
+            deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
+            submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
+            submit_log=str(log_path), submit_exits=submit_cmd.cluster,
+            cluster_application=cluster_app.to_dict() if cluster_app else None,
+            not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
         )
+        if not self.deferrable:  # wait in this worker slot, with the trigger's own checks
+            return self.execute_complete(context, run_inline(trigger), submit=submit)
+        self.defer(trigger=trigger, method_name="execute_complete", kwargs={"submit": submit})
 
     def _adopt(self, context: Context, current: PipelineRecord) -> Any:
         """A retry finds the run an earlier try started still live: carry on with it (no second submit)."""
@@ -567,7 +608,7 @@ class StopPipelineOperator(BaseOperator):
     :param pipeline_id: the pipeline to stop.
     :param mode: ``"graceful"``: the driver takes a final epoch, then stops; ``"immediate"``: it
         stops without a final epoch.
-    :param conn_id: Airflow connection of the epoch store.
+    :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
     :param fail_if_failed: fail the task if the pipeline failed (before or while stopping), with the
         pipeline's cause; with False the task just reports it.
     :param poll_interval: seconds between two looks at the epoch store while deferred.
@@ -578,8 +619,11 @@ class StopPipelineOperator(BaseOperator):
         can fail. 0 defers at once.
     :param submit_log_dir: the submit task's ``submit_log_dir``: where the driver's log is (its last
         lines are copied into this task's log).
+    :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``); otherwise in
+        this worker slot.
 
-    Returns (XCom) the pipeline's final state and its latest completed epoch.
+    Returns (XCom) the pipeline's final state and its latest completed epoch. Sink or epochs Assets of
+    the pipeline (:mod:`airflow_arroyo.assets`) in ``outlets`` get an event carrying the final commit.
 
     Usage::
 
@@ -596,18 +640,20 @@ class StopPipelineOperator(BaseOperator):
         *,
         pipeline_id: str,
         mode: str = "graceful",
-        conn_id: str = "arroyo_default",
+        conn_id: str | None = None,
         fail_if_failed: bool = True,
         poll_interval: float = 2.0,
         stop_timeout: float = 600.0,
         wait_before_defer: float = 30.0,
         submit_log_dir: str | None = None,
+        deferrable: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline_id = pipeline_id
         self.mode = mode
-        self.conn_id = conn_id
+        self.conn_id = conn_id or config.get("conn_id")
+        self.deferrable = config.default_deferrable() if deferrable is None else deferrable
         self.fail_if_failed = fail_if_failed
         self.poll_interval = poll_interval
         self.stop_timeout = stop_timeout
@@ -629,21 +675,23 @@ class StopPipelineOperator(BaseOperator):
                     "final_epoch": None}
         if pipeline.state.terminal:
             self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
-            return self._result({"state": pipeline.state.value, "cause": pipeline.failure_cause,
-                                 "run_id": pipeline.run_id, "message": f"already {pipeline.state}"}, store)
+            return self._published(context, self._result(
+                {"state": pipeline.state.value, "cause": pipeline.failure_cause, "run_id": pipeline.run_id,
+                 "message": f"already {pipeline.state}"}, store))
         store.request_stop(self.pipeline_id, mode)
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
         done = self._wait_in_worker(store, pipeline.run_id)
         if done is not None:
             return self.execute_complete(context, done)
-        self.defer(
-            trigger=PipelineStateTrigger(
-                pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
-                conn_id=self.conn_id, poll_interval=self.poll_interval,
-                deadline=time.time() + float(self.stop_timeout), not_before=settle_deadline(),
-            ),
-            method_name="execute_complete",
+        trigger = PipelineStateTrigger(
+            pipeline_id=self.pipeline_id, state=PipelineState.STOPPED.value, run_id=pipeline.run_id,
+            conn_id=self.conn_id, poll_interval=self.poll_interval,
+            deadline=time.time() + float(self.stop_timeout),
+            not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
         )
+        if not self.deferrable:
+            return self.execute_complete(context, run_inline(trigger))
+        self.defer(trigger=trigger, method_name="execute_complete")
 
     def _wait_in_worker(self, store: EpochStore, run_id: str | None) -> dict[str, Any] | None:
         """Poll for ``stopped`` up to ``wait_before_defer`` seconds; the event if it ended, else None."""
@@ -665,10 +713,16 @@ class StopPipelineOperator(BaseOperator):
         _log_driver_tail(self.log, self.pipeline_id, event.get("run_id"), self.submit_log_dir)
         status = event.get("status")
         if status == "success":
-            return self._result(event, None)
+            return self._published(context, self._result(event, None))
         if status == "failed":
-            return self._result({**event, "state": PipelineState.FAILED.value}, None)
+            return self._published(context, self._result({**event, "state": PipelineState.FAILED.value}, None))
         raise ArroyoError(f"stopping pipeline {self.pipeline_id!r} did not finish: {event.get('message')}")
+
+    def _published(self, context: Context, result: dict[str, Any]) -> dict[str, Any]:
+        """Sink and epochs Assets of this pipeline in ``outlets`` get the final commit in their event."""
+        if self.outlets:
+            publish_outlet_events(context, self.outlets, _store(self.conn_id), self.pipeline_id)
+        return result
 
     def _result(self, event: Mapping[str, Any], store: EpochStore | None) -> dict[str, Any]:
         store = store or _store(self.conn_id)

@@ -10,7 +10,7 @@ Usage (see ``dags/arroyo_retention.py`` for the scheduled DAG with one mapped ta
         pipeline_id="orders",
         keep_last=10,                         # the last 10 completed epochs ...
         keep_newer_than=timedelta(hours=6),   # ... and every epoch of the last 6 hours
-        conn_id="arroyo_default",
+        conn_id="arroyo_default",               # default: [arroyo] conn_id
     )
 
 ``keep_last`` and ``keep_newer_than`` are templated: ``keep_newer_than`` may be a timedelta, seconds,
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_arroyo import config
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.retention import parse_duration, policy_from, prune_pipeline
@@ -71,7 +72,7 @@ class PruneEpochsOperator(BaseOperator):
         pipeline_id: str,
         keep_last: int | str | None = None,
         keep_newer_than: timedelta | float | str | None = None,
-        conn_id: str = "arroyo_default",
+        conn_id: str | None = None,
         lock_ttl: float = 60.0,
         lock_wait: timedelta | float = timedelta(minutes=2),
         in_flight_wait: timedelta | float = timedelta(minutes=5),
@@ -81,7 +82,7 @@ class PruneEpochsOperator(BaseOperator):
         self.pipeline_id = pipeline_id
         self.keep_last = keep_last
         self.keep_newer_than = keep_newer_than
-        self.conn_id = conn_id
+        self.conn_id = conn_id or config.get("conn_id")
         self.lock_ttl = lock_ttl
         self.lock_wait = lock_wait
         self.in_flight_wait = in_flight_wait

@@ -535,7 +535,11 @@ class PipelineDriver:
             if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
                 cuts = self._sink_cuts(epoch)
                 for name, sink in self.sinks.items():
-                    sink.commit_through(cuts[name])
+                    done = sink.commit_through(cuts[name])
+                    if done.files or done.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
+                        self.store.record_sink_commit(
+                            self.pipeline_id, epoch, name, uri=sink.uri, batch_id=cuts[name], files=done.files,
+                            rows=done.rows, bytes_committed=done.bytes, run_id=self.run_id)
                 self._sinks_committed = epoch
                 oldest = self.store.oldest_completed_epoch(self.pipeline_id)
                 if oldest is not None:

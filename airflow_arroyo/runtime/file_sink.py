@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from airflow_arroyo.exceptions import ConfigurationError
 from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.sinks import SinkCommit
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-__all__ = ["FILE_SINK_FORMATS", "TransactionalFileSink"]
+__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 FILE_SINK_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
 _META = "_arroyo_sink"
 _BATCH_DIGITS = 12
+_BATCH_MANIFEST = "_arroyo_batch.json"  # in pending/<batch>/: {"rows": n}, written at pre-commit
 
 
 def _hidden(name: str) -> bool:
@@ -114,28 +117,50 @@ class TransactionalFileSink:
     # ------------------------------------------------------------------ phases
 
     def write_batch(self, df: DataFrame, batch_id: int) -> None:
-        """Pre-commit micro-batch ``batch_id`` (overwrites an earlier attempt of the same batch)."""
-        target = self.fs.spark_uri_of(self._pending(batch_id))
-        df.write.format(self.format).options(**self.options).mode("overwrite").save(target)
+        """Pre-commit micro-batch ``batch_id`` (overwrites an earlier attempt of the same batch), counting
+        its rows on the way (an observed metric of the write itself: no second pass over the data)."""
+        from pyspark.sql import Observation
+        from pyspark.sql import functions as F
 
-    def commit_through(self, batch_id: int) -> int:
-        """Make every pending batch ``<= batch_id`` visible; returns how many files were moved."""
-        moved = 0
+        target = self.fs.spark_uri_of(self._pending(batch_id))
+        observation = Observation(f"arroyo_rows_{uuid.uuid4().hex}")
+        observed = df.observe(observation, F.count(F.lit(1)).alias("rows"))
+        observed.write.format(self.format).options(**self.options).mode("overwrite").save(target)
+        rows = observation.get.get("rows")
+        self.fs.write_json_atomic(f"{self._pending(batch_id)}/{_BATCH_MANIFEST}",
+                                  {"rows": int(rows) if rows is not None else None})
+
+    def commit_through(self, batch_id: int) -> SinkCommit:
+        """Make every pending batch ``<= batch_id`` visible; returns what was moved."""
+        moved = size = 0
+        rows: int | None = 0
+        batches = []
         for b in self.pending_batches():
             if b > batch_id:
                 continue
             folder = self._pending(b)
+            batches.append(b)
+            counted = self._manifest_rows(folder)
+            rows = rows + counted if rows is not None and counted is not None else None
             for e in self.fs.list_files(folder):
                 rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
                 if any(_hidden(part) for part in rel.split("/")):
-                    continue  # _SUCCESS, .crc files, an unfinished _temporary
+                    continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch manifest
                 self.fs.move(e.path, self._committed_name(b, rel))
                 moved += 1
+                size += e.size
             self.fs.delete_tree(folder)
         if moved:
-            log.info("pipeline=%s sink=%s: committed batches <= %s (%d files) to %s", self.pipeline_id, self.stage,
-                     batch_id, moved, self.uri)
-        return moved
+            log.info("pipeline=%s sink=%s: committed batches <= %s (%d files, %d bytes, %s rows) to %s",
+                     self.pipeline_id, self.stage, batch_id, moved, size, rows, self.uri)
+        return SinkCommit(files=moved, bytes=size, rows=rows if batches else 0, batches=tuple(batches))
+
+    def _manifest_rows(self, folder: str) -> int | None:
+        path = f"{folder}/{_BATCH_MANIFEST}"
+        if not self.fs.exists(path):
+            return None  # pre-committed by an older version, or the count was lost
+        rows = (self.fs.read_json(path) or {}).get("rows")
+        return int(rows) if rows is not None else None
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""

@@ -52,6 +52,7 @@ import psycopg2.extras
 from psycopg2 import sql
 
 from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.runtime.sinks import SinkCommit
 from airflow_arroyo.store import redact_dsn, retrying
 
 if TYPE_CHECKING:
@@ -444,16 +445,20 @@ class TransactionalPostgresSink:
         return sql.SQL(", ").join(sql.Identifier(prefix, c.name) if prefix else sql.Identifier(c.name)
                                   for c in self._columns)
 
-    def _apply(self, cur: PgCursor, after: int, through: int) -> int:
-        """Apply the pending batches in ``(after, through]`` to the table; returns rows written."""
+    def _apply(self, cur: PgCursor, after: int, through: int) -> tuple[int, tuple[int, ...]]:
+        """Apply the pending batches in ``(after, through]`` to the table; returns rows written and the
+        batches applied."""
         pending, target = self._ident(self._pending_name), self._target
         batch = sql.Identifier(_BATCH)
+        cur.execute(sql.SQL("SELECT DISTINCT {b} AS b FROM {p} WHERE {b} > %s AND {b} <= %s ORDER BY 1").format(
+            b=batch, p=pending), (after, through))
+        batches = tuple(int(r["b"]) for r in cur.fetchall())
         if self.mode == "append":
             cur.execute(sql.SQL("INSERT INTO {t} ({c}) SELECT {c} FROM {p} WHERE {b} > %s AND {b} <= %s "
                                 "ORDER BY {b}, {part}, {seq}").format(
                 t=target, c=self._cols(), p=pending, b=batch, part=sql.Identifier(_PART), seq=sql.Identifier(_SEQ)),
                 (after, through))
-            return int(cur.rowcount)
+            return int(cur.rowcount), batches
         assert self._columns is not None
         keys = [sql.Identifier(k) for k in self.key]
         non_key = [c.name for c in self._columns if c.name not in self.key]
@@ -465,10 +470,8 @@ class TransactionalPostgresSink:
         update = (sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(
             sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(n)) for n in non_key)) if non_key else \
             sql.SQL("DO NOTHING")
-        cur.execute(sql.SQL("SELECT DISTINCT {b} AS b FROM {p} WHERE {b} > %s AND {b} <= %s ORDER BY 1").format(
-            b=batch, p=pending), (after, through))
         written = 0
-        for (b,) in [(r["b"],) for r in cur.fetchall()]:
+        for b in batches:
             cur.execute(sql.SQL(
                 "INSERT INTO {u} ({b}, {e}, {c}) SELECT %s, t.ctid IS NOT NULL, {pre} FROM "
                 "(SELECT DISTINCT {keys} FROM {p} WHERE {b} = %s) k LEFT JOIN {t} t ON {on}").format(
@@ -482,33 +485,33 @@ class TransactionalPostgresSink:
             written += int(cur.rowcount)
         cur.execute(sql.SQL("DELETE FROM {p} WHERE {b} > %s AND {b} <= %s").format(p=pending, b=batch),
                     (after, through))  # an upsert's rollback needs the pre-images only
-        return written
+        return written, batches
 
     def _set_committed(self, cur: PgCursor, batch_id: int) -> None:
         cur.execute(sql.SQL("UPDATE {} SET committed_batch = %s, updated_at = now() "
                             "WHERE pipeline_id = %s AND sink = %s").format(self._ident(_PROGRESS)),
                     (batch_id, self.pipeline_id, self.stage))
 
-    def commit_through(self, batch_id: int) -> int:
-        """Make every pending batch ``<= batch_id`` visible in one transaction; returns rows written."""
+    def commit_through(self, batch_id: int) -> SinkCommit:
+        """Make every pending batch ``<= batch_id`` visible in one transaction; says what it wrote."""
 
-        def tx(cur: PgCursor) -> int:
+        def tx(cur: PgCursor) -> tuple[int, tuple[int, ...]]:
             self._describe(cur)
             committed = self._progress(cur, lock=True)
             if committed is None:
                 raise ConfigurationError(f"sink {self.stage!r}: no progress row in {self.target.table!r}'s schema; "
                                          "the sink was never claimed")
             if batch_id <= committed:
-                return 0
-            written = self._apply(cur, committed, batch_id)
+                return 0, ()
+            done = self._apply(cur, committed, batch_id)
             self._set_committed(cur, batch_id)
-            return written
+            return done
 
-        written = int(self._run(tx, what=f"committing micro-batches through {batch_id}"))
+        written, batches = self._run(tx, what=f"committing micro-batches through {batch_id}")
         if written:
             log.info("pipeline=%s sink=%s: committed batches <= %s (%d rows) into %s", self.pipeline_id, self.stage,
                      batch_id, written, self.target.table)
-        return written
+        return SinkCommit(files=0, bytes=0, rows=int(written), batches=tuple(batches))
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: the table holds exactly the batches ``<= batch_id`` (``-1``: none of this sink's rows)."""
@@ -520,7 +523,7 @@ class TransactionalPostgresSink:
                 return 0, 0
             applied = undone = 0
             if committed < batch_id:
-                applied = self._apply(cur, committed, batch_id)
+                applied = self._apply(cur, committed, batch_id)[0]
             elif committed > batch_id:
                 undone = self._undo(cur, batch_id, committed)
             cur.execute(sql.SQL("DELETE FROM {p} WHERE {b} > %s").format(

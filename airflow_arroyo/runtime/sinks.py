@@ -10,17 +10,26 @@ Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
-
-from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
-from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
     from airflow_arroyo.runtime.pipeline import StageSpec
 
-__all__ = ["TransactionalSink", "transactional_sink"]
+__all__ = ["SinkCommit", "TransactionalSink", "transactional_sink"]
+
+
+@dataclass(frozen=True)
+class SinkCommit:
+    """What one commit made visible: files (0 for a table), bytes (0 when not known), rows (None when a
+    batch's count is unknown), the micro-batches it covered."""
+
+    files: int
+    bytes: int
+    rows: int | None
+    batches: tuple[int, ...]
 
 
 class TransactionalSink(Protocol):
@@ -42,8 +51,8 @@ class TransactionalSink(Protocol):
     def write_batch(self, df: DataFrame, batch_id: int) -> None:
         """Pre-commit a micro-batch (replacing an earlier attempt of it)."""
 
-    def commit_through(self, batch_id: int) -> int:
-        """Make every pre-committed batch ``<= batch_id`` visible (idempotent); returns what was moved."""
+    def commit_through(self, batch_id: int) -> SinkCommit:
+        """Make every pre-committed batch ``<= batch_id`` visible (idempotent); says what it made visible."""
 
     def rollback_to(self, batch_id: int) -> None:
         """Keep exactly the batches ``<= batch_id``, all committed (``-1``: nothing)."""
@@ -54,6 +63,9 @@ class TransactionalSink(Protocol):
 
 def transactional_sink(pipeline_id: str, spec: StageSpec) -> TransactionalSink | None:
     """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one."""
+    from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
+    from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
+
     if spec.postgres is not None:
         return TransactionalPostgresSink(pipeline_id, spec.name, spec.postgres)
     if spec.sink_format in FILE_SINK_FORMATS:

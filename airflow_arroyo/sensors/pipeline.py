@@ -1,6 +1,7 @@
 """``PipelineSensor``: wait for a pipeline state (running, stopped, failed) or for epoch N completed.
 
-Deferrable by default: one look at the epoch store in the worker (done already? then no deferral),
+Deferrable when ``deferrable=True`` (default: ``[operators] default_deferrable``): one look at the
+epoch store in the worker (done already? then no deferral),
 then :class:`~airflow_arroyo.triggers.pipeline.PipelineStateTrigger` waits in the triggerer without
 holding a worker slot. With ``deferrable=False`` it pokes like any sensor (``poke_interval``).
 
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
+from airflow_arroyo import config
+from airflow_arroyo.config import default_deferrable
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError, UnknownPipelineError
 from airflow_arroyo.links import XCOM_PIPELINE_ID, ArroyoPipelineLink
@@ -76,8 +79,9 @@ class PipelineSensor(BaseSensorOperator):
     :param epoch: wait until an epoch numbered this or later has completed.
     :param run_id: only this run of the pipeline counts (e.g.
         ``"{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"``).
-    :param conn_id: Airflow connection of the epoch store.
-    :param deferrable: wait in the triggerer (default) instead of poking from a worker slot.
+    :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
+    :param deferrable: wait in the triggerer instead of poking from a worker slot (default:
+        ``[operators] default_deferrable``).
     :param wait_timeout: seconds before the sensor times out; templated, overrides ``timeout``.
     :param trigger_poll_interval: seconds between two looks at the store while deferred.
     :param heartbeat_timeout: a live pipeline whose driver has not heartbeated for this long is
@@ -97,8 +101,8 @@ class PipelineSensor(BaseSensorOperator):
         state: str | None = None,
         epoch: int | str | None = None,
         run_id: str | None = None,
-        conn_id: str = "arroyo_default",
-        deferrable: bool = True,
+        conn_id: str | None = None,
+        deferrable: bool | None = None,
         wait_timeout: float | str | None = None,
         trigger_poll_interval: float = 5.0,
         heartbeat_timeout: float | None = 300.0,
@@ -110,8 +114,8 @@ class PipelineSensor(BaseSensorOperator):
         self.state = state
         self.epoch = epoch
         self.run_id = run_id
-        self.conn_id = conn_id
-        self.deferrable = deferrable
+        self.conn_id = conn_id or config.get("conn_id")
+        self.deferrable = default_deferrable() if deferrable is None else deferrable
         self.wait_timeout = wait_timeout
         self.trigger_poll_interval = trigger_poll_interval
         self.heartbeat_timeout = heartbeat_timeout

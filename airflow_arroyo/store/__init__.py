@@ -12,6 +12,7 @@ from airflow_arroyo.store.records import (
     EpochRecord,
     PipelineRecord,
     PrunePlan,
+    SinkCommitRecord,
     SnapshotEntry,
     TickResult,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "EpochStore",
     "PipelineRecord",
     "PrunePlan",
+    "SinkCommitRecord",
     "SnapshotEntry",
     "TickResult",
     "available_migrations",

@@ -9,7 +9,14 @@ from datetime import datetime
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.store._sync import EpochStore
-from airflow_arroyo.store.records import CleanupLockRecord, EpochRecord, PipelineRecord, TickResult
+from airflow_arroyo.store.records import (
+    AckRecord,
+    CleanupLockRecord,
+    EpochRecord,
+    PipelineRecord,
+    SinkCommitRecord,
+    TickResult,
+)
 
 
 class AsyncEpochStore:
@@ -44,6 +51,14 @@ class AsyncEpochStore:
 
     async def cleanup_lock(self, pipeline_id: str) -> CleanupLockRecord | None:
         return await asyncio.to_thread(self.sync.cleanup_lock, pipeline_id)
+
+    async def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
+                           limit: int = 100) -> list[SinkCommitRecord]:
+        return await asyncio.to_thread(self.sync.sink_commits, pipeline_id, after_seq=after_seq, sink=sink,
+                                       limit=limit)
+
+    async def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
+        return await asyncio.to_thread(self.sync.acks, pipeline_id, epoch)
 
     async def db_now(self) -> datetime:
         return await asyncio.to_thread(self.sync.db_now)

@@ -55,6 +55,7 @@ from airflow_arroyo.store.records import (
     EpochRecord,
     PipelineRecord,
     PrunePlan,
+    SinkCommitRecord,
     SnapshotEntry,
     TickResult,
     from_row,
@@ -80,6 +81,10 @@ def redact_dsn(dsn: str) -> str:
             return urlunsplit(parts._replace(netloc=netloc))
         return dsn
     return " ".join("password=***" if p.startswith("password=") else p for p in dsn.split())
+
+
+_SINK_COMMIT_COLS = ("seq, pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows_committed, bytes_committed,"
+                     " committed_at")
 
 
 class EpochStore:
@@ -876,6 +881,49 @@ class EpochStore:
             if not rows:
                 self._get_pipeline(cur, pipeline_id)
             return [from_row(EpochRecord, r) for r in rows]
+
+        return self._tx(tx)
+
+    # ------------------------------------------------------------------ sink commits
+
+    def record_sink_commit(self, pipeline_id: str, epoch: int, sink: str, *, uri: str, batch_id: int, files: int,
+                           rows: int | None, bytes_committed: int, run_id: str | None = None) -> SinkCommitRecord:
+        """Record what a file sink made visible for ``epoch`` (idempotent: a repeat returns the first record)."""
+
+        def tx(cur: PgCursor) -> SinkCommitRecord:
+            cur.execute(
+                "INSERT INTO arroyo_sink_commits (pipeline_id, epoch, sink, uri, run_id, batch_id, files,"
+                " rows_committed, bytes_committed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " ON CONFLICT (pipeline_id, sink, epoch) DO NOTHING",
+                (pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows, bytes_committed),
+            )
+            cur.execute(f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits"  # noqa: S608
+                        " WHERE pipeline_id = %s AND sink = %s AND epoch = %s", (pipeline_id, sink, epoch))
+            return from_row(SinkCommitRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
+                     limit: int = 100) -> list[SinkCommitRecord]:
+        """Commits of the pipeline's file sinks after ``after_seq``, oldest first."""
+
+        def tx(cur: PgCursor) -> list[SinkCommitRecord]:
+            cur.execute(
+                f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits WHERE pipeline_id = %(p)s"  # noqa: S608
+                " AND seq > %(after)s AND (%(sink)s::text IS NULL OR sink = %(sink)s)"
+                " ORDER BY seq LIMIT %(limit)s",
+                {"p": pipeline_id, "after": after_seq, "sink": sink, "limit": limit},
+            )
+            return [from_row(SinkCommitRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    def latest_sink_commit(self, pipeline_id: str, sink: str) -> SinkCommitRecord | None:
+        def tx(cur: PgCursor) -> SinkCommitRecord | None:
+            cur.execute(f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits"  # noqa: S608
+                        " WHERE pipeline_id = %s AND sink = %s ORDER BY seq DESC LIMIT 1", (pipeline_id, sink))
+            row = cur.fetchone()
+            return from_row(SinkCommitRecord, row) if row is not None else None
 
         return self._tx(tx)
 

@@ -17,6 +17,7 @@ __all__ = [
     "EpochRecord",
     "PipelineRecord",
     "PrunePlan",
+    "SinkCommitRecord",
     "SnapshotEntry",
     "TickResult",
 ]
@@ -95,6 +96,23 @@ class AckRecord:
     bytes_total: int | None = None
     snapshot_uri: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SinkCommitRecord:
+    """What one file sink made visible when epoch ``epoch`` committed (files of batches <= ``batch_id``)."""
+
+    seq: int
+    pipeline_id: str
+    epoch: int
+    sink: str
+    uri: str
+    run_id: str | None
+    batch_id: int
+    files: int
+    rows_committed: int | None
+    bytes_committed: int
+    committed_at: datetime
 
 
 @dataclass(frozen=True)

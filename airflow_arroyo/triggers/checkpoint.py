@@ -49,6 +49,7 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
+from airflow_arroyo.metrics import EpochMetrics
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, TickResult
 from airflow_arroyo.triggers.settle import hold_until
 
@@ -223,6 +224,10 @@ class CheckpointTrigger(BaseTrigger):
     def effective_poll(self) -> float:
         return float(self.poll_interval) if self.poll_interval is not None else min(DEFAULT_POLL, self.interval)
 
+    def _metrics(self) -> EpochMetrics:
+        """Airflow's Stats for this pipeline. A seam for tests."""
+        return EpochMetrics(self.pipeline_id)
+
     async def _open_store(self) -> AsyncEpochStore:
         """The store client, built here (never serialized). A seam for tests."""
         from airflow_arroyo.hooks.arroyo import ArroyoHook
@@ -278,6 +283,7 @@ class _Controller:
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
+        self.metrics = trigger._metrics()
 
     async def run(self) -> TriggerEvent:
         self.log.info(
@@ -411,6 +417,7 @@ class _Controller:
         if tick.expired is not None:
             self.watching.discard(tick.expired.epoch)
             self._record(tick.expired)
+            await self._measure(tick.expired, tick.now)
             new_failure = True
         current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
         ended = {rec.epoch: rec for rec in tick.ended}  # the watched epochs that ended, read in the tick
@@ -420,6 +427,7 @@ class _Controller:
                 continue
             self.watching.discard(epoch)
             new_failure |= self._record(rec)
+            await self._measure(rec, tick.now)
         if current is not None and current not in self.watching:
             self.watching.add(current)
             rec = await self.store.get_epoch(self.pid, current)
@@ -432,10 +440,22 @@ class _Controller:
             self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pid, current, origin)
         if tick.started is not None:
             rec = tick.started
+            self.metrics.epoch_started(rec, self.policy.interval)
             self.watching.add(rec.epoch)
             self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pid, rec.epoch,
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
         return new_failure
+
+    async def _measure(self, rec: EpochRecord, now: datetime) -> None:
+        """Stats of an epoch that ended (the metrics module lists them); never fails the controller."""
+        outcome = _outcome(rec)
+        try:
+            acks = await self.store.acks(self.pid, rec.epoch) if outcome == EpochState.COMPLETED.value else []
+            heartbeat = (await self.store.get_pipeline(self.pid)).heartbeat_at
+        except ArroyoError as exc:
+            self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pid, rec.epoch, exc)
+            acks, heartbeat = [], None
+        self.metrics.epoch_ended(rec, outcome, acks, heartbeat, now)
 
     def _record(self, rec: EpochRecord) -> bool:
         entry = self.summary.add(rec)
@@ -449,6 +469,7 @@ class _Controller:
         s = self.summary.counts
         figures = f"{s['completed']} epochs completed, {s['failed']} failed, {s['expired']} expired"
         if pipe.state is PipelineState.FAILED:
+            self.metrics.pipeline_failed()
             self.log.error("pipeline %s failed: %s (%s)", self.pid, pipe.failure_cause, figures)
             return self.t._event("failure", self.summary, reason="pipeline_failed", pipeline=pipe,
                                  cause=pipe.failure_cause,

@@ -10,6 +10,8 @@ from ``ARROYO_DSN``. Behaviour knobs (environment):
   would) and acknowledge it from every stage.
 * ``FAKE_FAIL_AFTER_EPOCHS=n``: after n completed epochs, mark the pipeline failed
   (cause ``FAKE_FAIL_CAUSE``) and exit 1.
+* ``FAKE_SINK_URI=uri``: record a commit of a file sink ``sink`` at that URI for every completed
+  epoch (epoch n commits batch n with n rows, 100 * n bytes), as the real driver does after moving files.
 
 It stops on ``request_stop``: graceful takes a final epoch first.
 """
@@ -25,6 +27,13 @@ from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.store import EpochStore
 
 STAGES = ["source", "sink"]
+
+
+def _commit_sink(store: EpochStore, pipeline_id: str, epoch: int, run_id: str) -> None:
+    uri = os.environ.get("FAKE_SINK_URI")
+    if uri:
+        store.record_sink_commit(pipeline_id, epoch, "sink", uri=uri, batch_id=epoch, files=1, rows=epoch,
+                                 bytes_committed=100 * epoch, run_id=run_id)
 
 
 def main() -> int:
@@ -58,6 +67,7 @@ def main() -> int:
         if in_flight is not None:
             for stage in STAGES:
                 store.ack_epoch(pipeline_id, in_flight.epoch, stage, cursors={}, bytes_new=10, bytes_total=100)
+            _commit_sink(store, pipeline_id, in_flight.epoch, args.run_id)
             completed += 1
             if fail_after and completed >= fail_after:
                 store.set_pipeline_state(pipeline_id, PipelineState.FAILED, run_id=args.run_id,
@@ -71,6 +81,7 @@ def main() -> int:
                 if tick.started is not None:
                     for stage in STAGES:
                         store.ack_epoch(pipeline_id, tick.started.epoch, stage)
+                    _commit_sink(store, pipeline_id, tick.started.epoch, args.run_id)
             if pipe.state is PipelineState.RUNNING:
                 store.set_pipeline_state(pipeline_id, PipelineState.STOPPING, run_id=args.run_id)
             store.set_pipeline_state(pipeline_id, PipelineState.STOPPED, run_id=args.run_id)

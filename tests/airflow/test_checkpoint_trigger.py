@@ -716,3 +716,64 @@ async def test_an_event_reached_within_the_settle_time_is_held(running: EpochSto
     late = VirtualClock(connection)
     await first_event(make_trigger(not_before=time.time() - 1.0), late)
     assert late.sleeps == [], late.sleeps
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class RecordingStats:
+    """Stands in for Airflow's Stats (a seam of EpochMetrics): records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any, dict[str, str]]] = []
+
+    def timing(self, stat: str, dt: Any, tags: dict[str, str]) -> None:
+        self.calls.append(("timing", stat, dt.total_seconds(), tags))
+
+    def gauge(self, stat: str, value: float, tags: dict[str, str]) -> None:
+        self.calls.append(("gauge", stat, value, tags))
+
+    def incr(self, stat: str, count: int = 1, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("incr", stat, count, tags or {}))
+
+    def values(self, kind: str, metric: str) -> list[Any]:
+        return [v for k, s, v, _ in self.calls if k == kind and s == f"arroyo.{PID}.{metric}"]
+
+
+async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, connection: str) -> None:
+    """Duration, size, bytes new, alignment, lateness, failures and heartbeat age, per epoch, from the
+    records the trigger read (checked against the database)."""
+    from airflow_arroyo.metrics import EpochMetrics
+
+    def pipeline() -> None:
+        running.heartbeat(PID, "run-1")
+        ep = running.in_flight_epoch(PID)
+        if ep is not None and ep.epoch == 2:
+            running.fail_epoch(PID, 2, "snapshot upload failed")
+        elif ep is not None:
+            for i, stage in enumerate(ep.stages):
+                running.ack_epoch(PID, ep.epoch, stage, bytes_new=100 * ep.epoch + i, bytes_total=1000 + i,
+                                  alignment_ms=10.0 * ep.epoch + i)
+        if len(completed(running)) == 2:
+            running.set_pipeline_state(PID, PipelineState.FAILED, failure_cause="boom")
+
+    stats = RecordingStats()
+    trigger = make_trigger(interval=10.0)
+    trigger._metrics = lambda: EpochMetrics(PID, stats=stats)  # type: ignore[method-assign]
+    event = await first_event(trigger, VirtualClock(connection, pipeline))
+
+    assert event["reason"] == "pipeline_failed"
+    done = sorted(running.list_epochs(PID, states=[EpochState.COMPLETED]), key=lambda e: e.epoch)
+    assert [e.epoch for e in done] == [1, 3]
+    assert stats.values("incr", "epoch.completed") == [1, 1]
+    assert stats.values("timing", "epoch.duration") == pytest.approx([e.duration_s for e in done])
+    assert stats.values("gauge", "epoch.size") == [e.bytes_total for e in done]
+    assert stats.values("gauge", "epoch.bytes_new") == [e.bytes_new for e in done]
+    assert stats.values("timing", "epoch.alignment") == pytest.approx([0.011, 0.031])  # the slowest stage, in s
+    assert [(v, t["outcome"]) for k, s, v, t in stats.calls if s.endswith("epoch.failed")] == [(1, "failed")]
+    assert stats.values("incr", "pipeline.failed") == [1]
+    lateness = stats.values("timing", "trigger.lateness")
+    assert len(lateness) == 2 and all(0 <= v < 1.0 for v in lateness), lateness  # epochs 2, 3: on time
+    ages = stats.values("gauge", "pipeline.heartbeat_age")
+    assert len(ages) == 3 and all(0 <= a < 60 for a in ages), ages  # one per ended epoch
+    assert all(t["pipeline_id"] == PID for _, _, _, t in stats.calls)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
+from airflow_arroyo.assets import asset_uri
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.exceptions import (
     ArroyoError,
@@ -266,13 +267,15 @@ def test_immediate_stop_requests_immediate_and_defers(conns: EpochStore) -> None
 DAG_FILE = """
 from airflow.sdk import DAG
 
+from airflow_arroyo.assets import sink_asset
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, SubmitPipelineOperator
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 
 with DAG(dag_id="arroyo_pipeline_operators_test", schedule=None, params={{"epochs": 3}}) as dag:
     submit = SubmitPipelineOperator(
         task_id="submit", pipeline="fake:{pid}", pipeline_id="{pid}", conn_id="{conn}", spark_conn_id="{spark}",
-        application={app!r}, submit_log_dir={logs!r}, env_vars={{"FAKE_EPOCH_INTERVAL": "0.2"}},
+        application={app!r}, submit_log_dir={logs!r},
+        env_vars={{"FAKE_EPOCH_INTERVAL": "0.2", "FAKE_SINK_URI": {sink!r}}},
         register_timeout=120, poll_interval=0.2,
     )
     run_for = PipelineSensor(
@@ -281,7 +284,7 @@ with DAG(dag_id="arroyo_pipeline_operators_test", schedule=None, params={{"epoch
         wait_timeout=120,
     )
     stop = StopPipelineOperator(task_id="stop", pipeline_id="{pid}", conn_id="{conn}", poll_interval=0.2,
-                                trigger_rule="all_done")
+                                trigger_rule="all_done", outlets=[sink_asset("{pid}", "sink", {sink!r})])
     submit >> run_for >> stop
 """
 
@@ -294,7 +297,8 @@ def test_dag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     folder = tmp_path / "dags"
     folder.mkdir()
     path = folder / "arroyo_pipeline_operators_test.py"
-    path.write_text(DAG_FILE.format(pid=PID, conn=CONN, spark=SPARK, app=FAKE_DRIVER, logs=str(tmp_path / "logs")))
+    path.write_text(DAG_FILE.format(pid=PID, conn=CONN, spark=SPARK, app=FAKE_DRIVER, logs=str(tmp_path / "logs"),
+                                    sink=str(tmp_path / "sink")))
     local = "airflow.dag_processing.bundles.local.LocalDagBundle"
     monkeypatch.setenv("AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST", json.dumps([
         {"name": "dags-folder", "classpath": local, "kwargs": {}},
@@ -318,7 +322,7 @@ def _json_or_text(value: Any) -> Any:
 
 @pytest.mark.spark
 def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airflow_db: str,
-                                         started: list[LocalProcess]) -> None:
+                                         started: list[LocalProcess], tmp_path: Path) -> None:
     """dag.test(): submit (real spark-submit) -> wait for epoch 3 (deferred) -> graceful stop; the
     extra links resolve to the pipeline page and the Spark UI the driver reported."""
     from airflow.models.xcom import XComModel
@@ -348,6 +352,19 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airfl
     assert xcom["_link_ArroyoPipelineLink"] == f"/plugin/arroyo/arroyo/pipelines/{PID}"
     assert xcom["_link_SparkUILink"] == "http://127.0.0.1:4040"
     assert xcom["run_id"] == pipeline.run_id
+    # the stop task's outlet: an Asset event of the sink carrying its final commit (the final epoch's)
+    from airflow.models.asset import AssetEvent, AssetModel
+    from sqlalchemy import select
+
+    with create_session() as session:
+        events = session.execute(
+            select(AssetEvent.extra, AssetModel.uri).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+            .where(AssetEvent.source_run_id == run.run_id)).all()
+    final = conns.latest_sink_commit(PID, "sink")
+    assert final is not None and final.epoch == completed[0].epoch  # the driver committed the final epoch
+    assert [(uri, extra["payload"]["epoch"], extra["payload"]["rows"], extra["payload"]["bytes"])
+            for extra, uri in events] == [(asset_uri(str(tmp_path / "sink")), final.epoch, final.epoch,
+                                           100 * final.epoch)]
 
 
 # --------------------------------------------------------------------------- the example DAG

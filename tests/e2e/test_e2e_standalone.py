@@ -12,11 +12,17 @@ that both stay true. The story:
    recorded in ``arroyo_history``) and resumes afterwards;
 4. an operator ends the run by marking ``run_for`` success; ``stop`` stops the pipeline gracefully
    (a final epoch), which ends the ``checkpoints`` task; the DAG run succeeds;
-5. epochs and their states are checked in PostgreSQL; leaving the launcher stops everything.
+5. epochs and their states are checked in PostgreSQL; leaving the launcher stops everything;
+6. data awareness: the demo writes its report to an exactly-once Parquet sink whose Asset gets an
+   event per commit (the Asset watcher in the triggerer, and the ``stop`` task's outlet); the
+   ``example_committed_report`` DAG, scheduled on that Asset, runs while the pipeline runs and after
+   it stopped, and reads exactly the committed rows: the rows the store recorded for the commits up to
+   the one it was triggered by, and after the final commit the whole report computed in plain Python.
 """
 
 from __future__ import annotations
 
+import ast
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -29,6 +35,7 @@ import pytest
 
 from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, RETENTION_DAG, EmbeddedAirflow, EmbeddedSettings
 from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.examples import SINK_STAGE, expected_report
 from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail
@@ -36,6 +43,8 @@ from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
 
 PIPELINE = "arroyo-demo"
+REPORT_DAG = "example_committed_report"
+ROWS = 4000
 INTERVAL = 1.0
 CLEANUP_WAIT_LINE = "waiting for cleanup run"
 T = TypeVar("T")
@@ -94,7 +103,7 @@ def test_example_dag_on_airflow_standalone() -> None:
 def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     run_id = airflow.trigger(EXAMPLE_DAG, {
         "interval": INTERVAL, "epochs": 100_000, "minutes": 15,
-        "rows": 4000, "rows_per_batch": 200, "trigger_interval": 0.5,
+        "rows": ROWS, "rows_per_batch": 200, "trigger_interval": 0.5,
     })
 
     def diagnose() -> str:
@@ -126,6 +135,10 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     assert pipeline.state is PipelineState.RUNNING and pipeline.spark_ui_url
     fired_by = {e.triggered_by for e in store.list_epochs(PIPELINE)}
     assert fired_by == {f"airflow:{EXAMPLE_DAG}/checkpoints/{run_id}"}, fired_by
+
+    # -- 6a: a sink commit while the pipeline runs schedules the report DAG (Asset watcher)
+    first = wait_for("a report DAG run on a commit", lambda: _report_runs(airflow), 300, diagnose)[0]
+    _check_report(store, first)
 
     # -- 3: retention during the run; the trigger defers while the cleanup lock is held
     cleanup_runs: list[str] = []
@@ -174,6 +187,35 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
                        ["task_instances"] if ti["task_id"] == "checkpoints")
     assert final.ended_at is not None
     assert datetime.fromisoformat(checkpoints["end_date"]) >= final.ended_at  # the stop ended the checkpoint task
+
+    # -- 6b: the final commit schedules the report DAG once more; it reads the whole report, exactly once
+    last_commit = store.latest_sink_commit(PIPELINE, SINK_STAGE)
+    assert last_commit is not None and last_commit.epoch == final.epoch, (last_commit, final)
+    report = wait_for("the report DAG on the final commit", lambda: next(
+        (r for r in _report_runs(airflow) if r["seq"] == last_commit.seq), None), 300, diagnose)
+    _check_report(store, report)
+    expected = expected_report(ROWS)
+    assert (report["rows"], report["distinct_ids"], report["total"]) == (
+        len(expected), len(expected), sum(r[4] for r in expected)), report
+
+
+def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
+    """What each successful run of the report DAG read (its XCom)."""
+    runs = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns", params={"state": "success"})
+    out = []
+    for run in runs["dag_runs"]:
+        entry = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns/{run['dag_run_id']}/taskInstances/"
+                                   "read_committed_report/xcomEntries/return_value", params={"deserialize": True})
+        value = entry["value"]
+        out.append(value if isinstance(value, dict) else ast.literal_eval(value))
+    return out
+
+
+def _check_report(store: EpochStore, report: dict[str, Any]) -> None:
+    """The report DAG read exactly the rows the sink committed up to the commit it was triggered by."""
+    commits = [c for c in store.sink_commits(PIPELINE, sink=SINK_STAGE, limit=10_000) if c.seq <= report["seq"]]
+    assert commits and commits[-1].batch_id == report["batch_id"] and commits[-1].epoch == report["epoch"], report
+    assert report["rows"] == sum(c.rows_committed or 0 for c in commits) == report["distinct_ids"], (report, commits)
 
 
 def _check_no_epoch_started_under_the_lock(dsn: str) -> None:

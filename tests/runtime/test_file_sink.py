@@ -40,10 +40,12 @@ def test_batches_become_visible_only_when_committed(spark: Any, sink: Transactio
     assert visible_ids(tmp_path / "out") == []
     assert sink.pending_batches() == [0, 1, 2, 3]
     moved = sink.commit_through(1)
-    assert moved == 4  # two part files per batch
+    assert moved.files == 4 and moved.batches == (0, 1)  # two part files per batch
+    assert moved.rows == 20  # counted while pre-committing
+    assert moved.bytes == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.parquet"))
     assert visible_ids(tmp_path / "out") == list(range(20))
     assert sink.committed_batches() == [0, 1] and sink.pending_batches() == [2, 3]
-    assert sink.commit_through(1) == 0  # idempotent
+    assert sink.commit_through(1).files == 0  # idempotent
     # Spark itself reads exactly the committed rows (it skips _arroyo_sink like pyarrow does)
     assert sorted(r.id for r in spark.read.parquet(str(tmp_path / "out")).collect()) == list(range(20))
 

@@ -81,6 +81,21 @@ def test_output_equals_plain_python(ran: Ran) -> None:
     assert not list((ran.storage / "report_files" / "_arroyo_sink" / "pending").iterdir())
 
 
+def test_the_sink_commits_recorded_in_the_store_are_what_the_folder_holds(ran: Ran, module_store: EpochStore) -> None:
+    """Each commit is recorded (what Airflow's Asset events carry): rows counted at pre-commit add up to
+    the rows a reader sees, files and bytes to the committed files; the final epoch committed last."""
+    commits = module_store.sink_commits(ran.pipeline_id, sink=SINK_STAGE, limit=10_000)
+    assert len(commits) >= 2 and [c.epoch for c in commits] == sorted({c.epoch for c in commits})
+    assert [c.batch_id for c in commits] == sorted(c.batch_id for c in commits)
+    files = [p for p in (ran.storage / "report_files").rglob("*")
+             if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(ran.storage).parts)]
+    assert sum(c.rows_committed or 0 for c in commits) == len(sink_rows(ran.storage)) == len(ran.expected)
+    assert sum(c.files for c in commits) == len(files)
+    assert sum(c.bytes_committed for c in commits) == sum(p.stat().st_size for p in files)
+    final = module_store.latest_completed_epoch(ran.pipeline_id)
+    assert final is not None and final.is_final and commits[-1].epoch == final.epoch
+
+
 def test_graceful_stop_took_a_completed_final_epoch(ran: Ran, module_store: EpochStore) -> None:
     assert ran.result.state is PipelineState.STOPPED
     assert ran.result.final_epoch is not None

@@ -1,0 +1,276 @@
+"""Airflow's data awareness: completed epochs and file-sink commits as Asset events.
+
+Two kinds of Assets describe what a pipeline makes durable:
+
+* :func:`sink_asset`: the folder of an exactly-once file sink. One event per commit (the driver moves
+  the files of an epoch's batches into the folder, then records the commit in the epoch store):
+  ``extra`` carries the sink's URI, the epoch, ``batch_id`` (the folder holds exactly the committed
+  files of batches ``<= batch_id``, named ``<batch:012d>-...``), ``rows``, ``bytes`` and ``files``
+  that commit made visible.
+* :func:`epochs_asset`: the pipeline's checkpoints. One event per completed epoch (``epoch``,
+  ``bytes_new``, ``bytes_total``, ``duration_s``): a restorable, consistent cut.
+
+Two ways to emit them, because a deferred task cannot write Asset events (Airflow registers a task's
+``outlet_events`` only when the task succeeds, and a trigger's events only resume its task):
+
+* **While the pipeline runs**: an Asset built with ``watch=True`` (the default) carries an
+  ``AssetWatcher`` with :class:`CommittedDataTrigger`, an event trigger that the triggerer runs for as
+  long as a DAG is scheduled on the Asset; every event it yields becomes an Asset event (Airflow 3's
+  event-driven scheduling), with the payload in ``extra["payload"]``. A DAG scheduled on the Asset
+  runs after each commit and reads ``triggering_asset_events``.
+* **When a task ends**: operators of this provider given such an Asset in ``outlets`` (e.g. the stop
+  task) attach the latest commit or epoch to the Asset event Airflow records for them
+  (:func:`publish_outlet_events`).
+
+Helpers for the consumer: :func:`committed_payloads` reads the payloads of the triggering events (both
+ways), and :func:`committed_files` lists the files of a sink that a given commit covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import posixpath
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from airflow.sdk import Asset, AssetWatcher
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+from airflow_arroyo import config
+from airflow_arroyo.epochs import EpochState, validate_pipeline_id
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+    from airflow_arroyo.store import AsyncEpochStore, EpochRecord, EpochStore, SinkCommitRecord
+
+__all__ = [
+    "CommittedDataTrigger",
+    "committed_files",
+    "committed_payloads",
+    "epoch_payload",
+    "epochs_asset",
+    "publish_outlet_events",
+    "sink_asset",
+    "sink_commit_payload",
+]
+
+KIND_SINK = "sink"
+KIND_EPOCHS = "epochs"
+CURSOR_KEY = "arroyo_cursor"  # in the Asset's state store (Airflow >= 3.3): where the watcher resumes
+
+
+def asset_uri(location: str) -> str:
+    """A sink location as an Asset URI: a plain path becomes ``file://<absolute path>``."""
+    if urlparse(location).scheme:
+        return location.rstrip("/") or location
+    return "file://" + os.path.abspath(location)
+
+
+def sink_asset(pipeline_id: str, sink: str, uri: str, *, conn_id: str | None = None, watch: bool = True,
+               poll_interval: float = 5.0) -> Asset:
+    """The Asset of file sink ``sink`` (the sink stage's name) of ``pipeline_id``, writing to ``uri``."""
+    validate_pipeline_id(pipeline_id)
+    conn = conn_id or config.get("conn_id")
+    meta: dict[str, Any] = {"arroyo": {"pipeline_id": pipeline_id, "kind": KIND_SINK, "sink": sink, "conn_id": conn}}
+    trigger = CommittedDataTrigger(pipeline_id=pipeline_id, kind=KIND_SINK, sink=sink, conn_id=conn,
+                                   poll_interval=poll_interval)
+    watchers = [AssetWatcher(name=f"arroyo-{pipeline_id}-{sink}", trigger=trigger)] if watch else []
+    return Asset(name=f"arroyo-{pipeline_id}-{sink}", uri=asset_uri(uri), group="arroyo", extra=meta,
+                 watchers=watchers)
+
+
+def epochs_asset(pipeline_id: str, *, conn_id: str | None = None, watch: bool = True,
+                 poll_interval: float = 5.0) -> Asset:
+    """The Asset of the completed epochs (checkpoints) of ``pipeline_id``."""
+    validate_pipeline_id(pipeline_id)
+    conn = conn_id or config.get("conn_id")
+    meta: dict[str, Any] = {"arroyo": {"pipeline_id": pipeline_id, "kind": KIND_EPOCHS, "conn_id": conn}}
+    watchers = [AssetWatcher(name=f"arroyo-{pipeline_id}-epochs", trigger=CommittedDataTrigger(
+        pipeline_id=pipeline_id, kind=KIND_EPOCHS, conn_id=conn, poll_interval=poll_interval))] if watch else []
+    return Asset(name=f"arroyo-{pipeline_id}-epochs", uri=f"x-arroyo://{pipeline_id}/epochs", group="arroyo",
+                 extra=meta, watchers=watchers)
+
+
+def sink_commit_payload(rec: SinkCommitRecord) -> dict[str, Any]:
+    return {
+        "kind": KIND_SINK, "pipeline_id": rec.pipeline_id, "sink": rec.sink, "uri": asset_uri(rec.uri),
+        "epoch": rec.epoch, "batch_id": rec.batch_id, "rows": rec.rows_committed, "bytes": rec.bytes_committed,
+        "files": rec.files, "run_id": rec.run_id, "committed_at": rec.committed_at.isoformat(), "seq": rec.seq,
+    }
+
+
+def epoch_payload(rec: EpochRecord) -> dict[str, Any]:
+    return {
+        "kind": KIND_EPOCHS, "pipeline_id": rec.pipeline_id, "epoch": rec.epoch, "run_id": rec.run_id,
+        "bytes_new": rec.bytes_new, "bytes_total": rec.bytes_total, "duration_s": rec.duration_s,
+        "is_final": rec.is_final, "completed_at": rec.ended_at.isoformat() if rec.ended_at else None,
+    }
+
+
+class CommittedDataTrigger(BaseEventTrigger):
+    """An event trigger for an ``AssetWatcher``: one event per file-sink commit (``kind="sink"``) or per
+    completed epoch (``kind="epochs"``) of ``pipeline_id``, as the epoch store records them.
+
+    It starts after what the store holds when it first starts (no replay of the history). On Airflow
+    >= 3.3 it keeps its position in the Asset's state store, moved once the triggerer has taken an
+    event (asked for the next one), so a restarted triggerer resumes after the last event it took: at
+    least once (an event yielded just before a stop may come again; reading a commit's files is
+    idempotent). Without a state store it resumes from the store's present (commits made while no
+    triggerer ran are not announced; they are in the folder all the same).
+    """
+
+    def __init__(self, pipeline_id: str, kind: str = KIND_SINK, sink: str | None = None,
+                 conn_id: str | None = None, poll_interval: float = 5.0) -> None:
+        super().__init__()
+        validate_pipeline_id(pipeline_id)
+        if kind not in (KIND_SINK, KIND_EPOCHS):
+            raise ConfigurationError(f"kind must be {KIND_SINK!r} or {KIND_EPOCHS!r}, got {kind!r}")
+        if kind == KIND_SINK and not sink:
+            raise ConfigurationError("a sink watcher needs the sink stage's name (sink=...)")
+        if not (isinstance(poll_interval, int | float) and poll_interval > 0):
+            raise ConfigurationError(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
+        self.pipeline_id = pipeline_id
+        self.kind = kind
+        self.sink = sink
+        self.conn_id = conn_id or config.get("conn_id")
+        self.poll_interval = poll_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"pipeline_id": self.pipeline_id, "kind": self.kind, "sink": self.sink, "conn_id": self.conn_id,
+                 "poll_interval": self.poll_interval})
+
+    async def _open_store(self) -> AsyncEpochStore:
+        """The store client, built here (never serialized). A seam for tests."""
+        from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+        return await ArroyoHook(self.conn_id).aget_store()
+
+    async def _load_cursor(self) -> int | None:
+        state = getattr(self, "asset_state_store", None)
+        if state is None:
+            return None
+        value = await state.aget(CURSOR_KEY)
+        return int(value) if isinstance(value, int | str) and str(value).lstrip("-").isdigit() else None
+
+    async def _save_cursor(self, value: int) -> None:
+        state = getattr(self, "asset_state_store", None)
+        if state is not None:
+            await state.aset(CURSOR_KEY, value)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        store = await self._open_store()
+        cursor = await self._load_cursor()
+        if cursor is None:
+            cursor = await self._present(store)
+            self.log.info("pipeline %s %s: announcing commits after %s", self.pipeline_id, self.sink or "epochs",
+                          cursor)
+        while True:
+            try:
+                payloads = await self._since(store, cursor)
+            except UnknownPipelineError:
+                payloads = []  # not registered yet
+            except ArroyoError as exc:  # transient or not: keep watching, the next look may succeed
+                self.log.warning("pipeline %s: epoch store error while watching commits: %s", self.pipeline_id, exc)
+                payloads = []
+            for position, payload in payloads:
+                self.log.info("pipeline %s: %s epoch %s committed (%s rows, %s bytes)", self.pipeline_id,
+                              payload.get("sink") or "checkpoint", payload["epoch"], payload.get("rows"),
+                              payload.get("bytes", payload.get("bytes_new")))
+                yield TriggerEvent(payload)
+                cursor = position
+                await self._save_cursor(cursor)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _present(self, store: AsyncEpochStore) -> int:
+        """Where the store is now: the last commit's seq, or the latest completed epoch."""
+        if self.kind == KIND_SINK:
+            last = 0
+            while True:
+                page = await store.sink_commits(self.pipeline_id, after_seq=last, sink=self.sink, limit=1000)
+                if not page:
+                    return last
+                last = page[-1].seq
+        try:
+            latest = await store.latest_completed_epoch(self.pipeline_id)
+        except UnknownPipelineError:
+            return 0
+        return latest.epoch if latest is not None else 0
+
+    async def _since(self, store: AsyncEpochStore, cursor: int) -> list[tuple[int, dict[str, Any]]]:
+        if self.kind == KIND_SINK:
+            commits = await store.sink_commits(self.pipeline_id, after_seq=cursor, sink=self.sink)
+            return [(c.seq, sink_commit_payload(c)) for c in commits]
+        # completed epochs after the cursor, oldest first (pruned ones had completed too)
+        epochs = await store.list_epochs(self.pipeline_id, limit=100,
+                                         states=[EpochState.COMPLETED, EpochState.PRUNING, EpochState.PRUNED])
+        newer = sorted((e for e in epochs if e.epoch > cursor and e.failure_reason is None), key=lambda e: e.epoch)
+        return [(e.epoch, epoch_payload(e)) for e in newer]
+
+
+# ---------------------------------------------------------------- tasks: outlets
+
+
+def _arroyo_meta(asset: object) -> Mapping[str, Any] | None:
+    extra = getattr(asset, "extra", None)
+    meta = extra.get("arroyo") if isinstance(extra, Mapping) else None
+    return meta if isinstance(meta, Mapping) else None
+
+
+def publish_outlet_events(context: Context, outlets: Iterable[object], store: EpochStore, pipeline_id: str) -> int:
+    """Attach the latest commit (sink Assets) or completed epoch (epochs Assets) of ``pipeline_id`` to the
+    Asset events Airflow records for the task's ``outlets`` when it succeeds; returns how many."""
+    done = 0
+    for asset in outlets:
+        meta = _arroyo_meta(asset)
+        if meta is None or meta.get("pipeline_id") != pipeline_id:
+            continue
+        payload: dict[str, Any] | None = None
+        if meta.get("kind") == KIND_SINK:
+            commit = store.latest_sink_commit(pipeline_id, str(meta.get("sink")))
+            payload = sink_commit_payload(commit) if commit is not None else None
+        elif meta.get("kind") == KIND_EPOCHS:
+            latest = store.latest_completed_epoch(pipeline_id)
+            payload = epoch_payload(latest) if latest is not None else None
+        if payload is not None:
+            context["outlet_events"][asset].extra = {"payload": payload}  # type: ignore[index]
+            done += 1
+    return done
+
+
+# ---------------------------------------------------------------- consumers
+
+
+def committed_payloads(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The Arroyo payloads of Asset events (``triggering_asset_events[asset]``), oldest epoch first.
+
+    Events from a watcher carry the payload in ``extra["payload"]`` (Airflow's ``from_trigger``
+    events), events of a task's outlets the same way."""
+    out = []
+    for event in events:
+        extra = getattr(event, "extra", None) or (event.get("extra") if isinstance(event, Mapping) else None) or {}
+        payload = extra.get("payload") if isinstance(extra, Mapping) else None
+        if isinstance(payload, Mapping) and "epoch" in payload:
+            out.append(dict(payload))
+    return sorted(out, key=lambda p: (int(p["epoch"]), int(p.get("seq") or 0)))
+
+
+def committed_files(uri: str, batch_id: int) -> list[str]:
+    """The data files of a sink folder that a commit through ``batch_id`` made visible (and those of
+    earlier commits): files named ``<batch:012d>-...`` with batch <= ``batch_id``; pending and later
+    files are left out. Paths are relative to the folder."""
+    from airflow_arroyo.fs import FileSystem
+
+    fs = FileSystem.from_uri(uri)
+    files = []
+    for entry in fs.list_files():
+        if any(part.startswith(("_", ".")) for part in entry.path.split("/")):
+            continue
+        head, _, _ = posixpath.basename(entry.path).partition("-")
+        if head.isdigit() and int(head) <= batch_id:
+            files.append(entry.path)
+    return sorted(files)

@@ -1,0 +1,122 @@
+"""The provider's ``[arroyo]`` section of Airflow's configuration (``airflow.cfg``, ``AIRFLOW__ARROYO__*``).
+
+One table, :data:`OPTIONS`, is the single source of the options: ``get_provider_info()`` publishes it
+(so ``airflow config list`` shows the section with its defaults) and :func:`get` reads an option with
+that default as the fallback (so an option works even where provider configuration is not loaded).
+Read on the Airflow side only: the runtime driver never imports Airflow and gets its settings from
+its command line and environment (``--storage-uri``, ``ARROYO_DSN``), which the submit operator fills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "OPTIONS", "SECTION", "default_deferrable", "get", "get_float", "get_int", "openlineage_flag", "provider_config",
+]
+
+SECTION = "arroyo"
+
+
+@dataclass(frozen=True)
+class Option:
+    default: str
+    type: str  # "string" | "integer" | "float" (as Airflow's config descriptions spell them)
+    description: str
+    example: str | None = None
+
+
+OPTIONS: dict[str, Option] = {
+    "conn_id": Option(
+        "arroyo_default", "string",
+        "The Airflow connection of the epoch store (type ``arroyo`` or ``postgres``) that operators, sensors, "
+        "the retention DAG and the UI plugin use when none is given.",
+    ),
+    "spark_conn_id": Option(
+        "spark_default", "string",
+        "The apache-spark provider's connection (master, deploy mode) used by SubmitPipelineOperator "
+        "when none is given.",
+    ),
+    "storage_uri": Option(
+        "", "string",
+        "Root of the pipelines' channels and snapshots (a local path, file://, s3://, gs://, abfs://... "
+        "URI) handed to the driver when a SubmitPipelineOperator names none. Empty: the pipeline's own "
+        "default; the example DAG then uses $AIRFLOW_HOME/arroyo-data.",
+        "s3://bucket/arroyo",
+    ),
+    "submit_log_dir": Option(
+        "", "string",
+        "Where the spark-submit log of each run goes on the worker host. Empty: $AIRFLOW_HOME/logs/arroyo.",
+    ),
+    "checkpoint_interval": Option(
+        "30", "float", "Default seconds between the starts of two checkpoint epochs (CheckpointOperator).",
+    ),
+    "example_pipeline_id": Option(
+        "arroyo-demo", "string", "The pipeline id of the example streaming DAG (and its downstream DAG).",
+    ),
+    "retention_schedule": Option(
+        "*/15 * * * *", "string", "Schedule of the arroyo_retention DAG (a cron expression).",
+    ),
+    "retention_keep_last": Option(
+        "10", "integer", "Default of the retention DAG: keep the newest N completed epochs of each pipeline.",
+    ),
+    "retention_keep_newer_than": Option(
+        "", "string",
+        "Default of the retention DAG: also keep epochs newer than this age (e.g. 2h, 30m, 1d). Empty: none.",
+        "2h",
+    ),
+}
+
+
+def _conf() -> Any:
+    try:  # Airflow >= 3.1: the Task SDK's configuration (what workers and the dag-processor read)
+        from airflow.sdk.configuration import conf
+    except ImportError:  # pragma: no cover - older Airflow 3
+        from airflow.configuration import conf
+    return conf
+
+
+def get(option: str) -> str:
+    """``[arroyo] <option>`` from Airflow's configuration, with the provider's default."""
+    spec = OPTIONS[option]
+    value = _conf().get(SECTION, option, fallback=spec.default)
+    return str(value) if value is not None else spec.default
+
+
+def get_int(option: str) -> int:
+    return int(get(option))
+
+
+def get_float(option: str) -> float:
+    return float(get(option))
+
+
+def provider_config() -> dict[str, Any]:
+    """The ``config`` entry of ``get_provider_info()``."""
+    return {
+        SECTION: {
+            "description": "airflow-arroyo: defaults of the checkpoint-epoch operators, the retention DAG "
+            "and the example DAGs.",
+            "options": {
+                name: {
+                    "description": spec.description,
+                    "version_added": "0.2.0",
+                    "type": spec.type,
+                    "example": spec.example,
+                    "default": spec.default,
+                }
+                for name, spec in OPTIONS.items()
+            },
+        }
+    }
+
+
+def default_deferrable() -> bool:
+    """``[operators] default_deferrable``: Airflow's switch for the deferrable mode of operators."""
+    return bool(_conf().getboolean("operators", "default_deferrable", fallback=False))
+
+
+def openlineage_flag(option: str) -> bool:
+    """``[openlineage] <option>`` (e.g. ``spark_inject_parent_job_info``), False when not set."""
+    return bool(_conf().getboolean("openlineage", option, fallback=False))
