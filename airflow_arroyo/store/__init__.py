@@ -2,6 +2,7 @@
 snapshot objects and cleanup runs. Never imports Airflow (Spark drivers use it too)."""
 
 from airflow_arroyo.store._async import AsyncEpochStore
+from airflow_arroyo.store._listen import EpochWatch, Subscription, channel_of
 from airflow_arroyo.store._migrate import available_migrations
 from airflow_arroyo.store._retry import is_transient
 from airflow_arroyo.store._sync import EpochStore, redact_dsn
@@ -13,6 +14,7 @@ from airflow_arroyo.store.records import (
     PipelineRecord,
     PrunePlan,
     SnapshotEntry,
+    TickRequest,
     TickResult,
 )
 
@@ -23,11 +25,15 @@ __all__ = [
     "CleanupRunRecord",
     "EpochRecord",
     "EpochStore",
+    "EpochWatch",
     "PipelineRecord",
     "PrunePlan",
     "SnapshotEntry",
+    "Subscription",
+    "TickRequest",
     "TickResult",
     "available_migrations",
+    "channel_of",
     "is_transient",
     "redact_dsn",
 ]
