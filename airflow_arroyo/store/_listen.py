@@ -12,7 +12,8 @@ commits. A notification is only a hint to read the tables again; nothing is deci
   mark (so an end that committed while the tick was in flight is not missed). While the listener is
   down (a server restart), :attr:`Subscription.live` is false and the triggers poll as before; on
   reconnecting it wakes every trigger once, since announcements may have been lost meanwhile.
-* :class:`EpochWatch`: the same for one pipeline driver, synchronous (``select`` on the socket).
+* :class:`EpochWatch`: the same for one pipeline driver, synchronous (``select`` on the socket);
+  it hears epoch starts too (their own channel, which triggers do not listen to).
 
 Both are psycopg2 (the store's driver): its connection exposes the socket and ``poll()`` reads
 notifications without blocking, which is all a listener needs.
@@ -42,9 +43,11 @@ log = logging.getLogger(__name__)
 RETRY_MIN, RETRY_MAX = 0.1, 2.0  # seconds between attempts to reconnect a listener
 
 
-def channel_of(pipeline_id: str) -> str:
-    """The pipeline's NOTIFY channel, as the database's ``arroyo_channel()`` names it."""
-    return "arroyo_" + hashlib.md5(pipeline_id.encode(), usedforsecurity=False).hexdigest()
+def channel_of(pipeline_id: str, *, starts: bool = False) -> str:
+    """The pipeline's NOTIFY channel of epoch ends and pipeline changes, as the database's
+    ``arroyo_channel()`` names it; with ``starts``, its channel of epoch starts."""
+    name = "arroyo_" + hashlib.md5(pipeline_id.encode(), usedforsecurity=False).hexdigest()
+    return name + "_start" if starts else name
 
 
 def _close(conn: PgConnection | None) -> None:
@@ -55,9 +58,8 @@ def _close(conn: PgConnection | None) -> None:
             pass
 
 
-def _listen_sql(verb: str, pipeline_ids: set[str]) -> sql.Composed:
-    return sql.SQL("").join(sql.SQL(verb + " {};").format(sql.Identifier(channel_of(p)))
-                            for p in sorted(pipeline_ids))
+def _listen_sql(verb: str, channels: set[str]) -> sql.Composed:
+    return sql.SQL("").join(sql.SQL(verb + " {};").format(sql.Identifier(c)) for c in sorted(channels))
 
 
 class EpochListener:
@@ -162,9 +164,9 @@ class EpochListener:
     def _execute(conn: PgConnection, add: set[str], drop: set[str]) -> None:
         with conn.cursor() as cur:
             if add:
-                cur.execute(_listen_sql("LISTEN", add))
+                cur.execute(_listen_sql("LISTEN", {channel_of(p) for p in add}))
             if drop:
-                cur.execute(_listen_sql("UNLISTEN", drop))
+                cur.execute(_listen_sql("UNLISTEN", {channel_of(p) for p in drop}))
 
     def _broken(self, exc: BaseException) -> None:
         """The connection failed (or could not be made): poll meanwhile, reconnect with back-off."""
@@ -214,8 +216,7 @@ class EpochListener:
         for n in notifies:
             self.notifications += 1
             pipeline_id = self._by_channel.get(n.channel)
-            # a trigger waits for epochs to end and for the pipeline to change, not for epochs to start
-            if pipeline_id is None or n.payload.endswith(" triggered"):
+            if pipeline_id is None:
                 continue
             self._seq[pipeline_id] += 1
             for waiter in self._waiters.pop(pipeline_id, ()):
@@ -306,7 +307,8 @@ class EpochWatch:
             conn = self.store.connect()
             conn.autocommit = True
             with conn.cursor() as cur:
-                cur.execute(_listen_sql("LISTEN", {self.pipeline_id}))
+                cur.execute(_listen_sql("LISTEN", {channel_of(self.pipeline_id),
+                                                   channel_of(self.pipeline_id, starts=True)}))
         except psycopg2.Error as exc:
             log.warning("pipeline=%s: cannot listen for epochs (%s); polling", self.pipeline_id, type(exc).__name__)
             self._retry_at = time.monotonic() + RETRY_MAX

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,8 +27,13 @@ R = TypeVar("R")
 
 
 def from_row(cls: type[R], row: Mapping[str, Any]) -> R:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = _field_names(cls)  # type: ignore[arg-type]
     return cls(**{k: v for k, v in row.items() if k in names})
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@
 -- the tables again: nobody decides anything from its payload, and a listener that was disconnected
 -- reads the tables again before it trusts its wake-ups.
 --
--- Channel: 'arroyo_' || md5(pipeline_id) (pipeline ids may be longer than a channel name's 63 bytes).
+-- Channels (pipeline ids may be longer than a channel name's 63 bytes): arroyo_channel(pipeline_id),
+-- 'arroyo_' || md5(pipeline_id), carries epoch ends and pipeline changes (what a trigger waits for);
+-- arroyo_channel(pipeline_id) || '_start' carries epoch starts (what a driver waits for, besides).
 -- Payload: 'epoch <n> <state>' or 'pipeline <state>'.
 
 CREATE FUNCTION arroyo_channel(pipeline_id text) RETURNS text LANGUAGE sql IMMUTABLE AS $$
@@ -14,7 +16,9 @@ $$;
 
 CREATE FUNCTION arroyo_epochs_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF TG_OP = 'INSERT' OR (OLD.state = 'triggered' AND NEW.state <> 'triggered') THEN
+    IF TG_OP = 'INSERT' THEN
+        PERFORM pg_notify(arroyo_channel(NEW.pipeline_id) || '_start', 'epoch ' || NEW.epoch || ' ' || NEW.state);
+    ELSIF OLD.state = 'triggered' AND NEW.state <> 'triggered' THEN
         PERFORM pg_notify(arroyo_channel(NEW.pipeline_id), 'epoch ' || NEW.epoch || ' ' || NEW.state);
     END IF;
     RETURN NULL;
