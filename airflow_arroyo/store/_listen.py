@@ -75,6 +75,7 @@ class EpochListener:
         self.live = False  # LISTENing on a working connection
         self.notifications = 0
         self._conn: PgConnection | None = None
+        self._fd = -1  # the connection's socket (fileno() fails once psycopg2 has closed it)
         self._listening: set[str] = set()
         self._refs: collections.Counter[str] = collections.Counter()
         self._by_channel: dict[str, str] = {}
@@ -130,13 +131,13 @@ class EpochListener:
                 except psycopg2.Error as exc:
                     self._broken(exc)
                     return
-                self._conn, self._listening = conn, set()
-                self.loop.add_reader(conn.fileno(), self._on_readable)
+                self._conn, self._fd, self._listening = conn, conn.fileno(), set()
+                self.loop.add_reader(self._fd, self._on_readable)
             want = set(self._refs)
             add, drop = want - self._listening, self._listening - want
             if add or drop:
-                conn = self._conn
-                self.loop.remove_reader(conn.fileno())  # the worker thread uses the connection now
+                conn, fd = self._conn, self._fd
+                self.loop.remove_reader(fd)  # the worker thread uses the connection now
                 try:
                     await asyncio.to_thread(self._execute, conn, add, drop)
                 except psycopg2.Error as exc:
@@ -144,7 +145,7 @@ class EpochListener:
                     return
                 if self._conn is not conn:  # closed meanwhile
                     return
-                self.loop.add_reader(conn.fileno(), self._on_readable)
+                self.loop.add_reader(fd, self._on_readable)
                 self._listening = (self._listening | add) - drop
                 self._dispatch()
             if not self.live:
@@ -176,10 +177,7 @@ class EpochListener:
         self.live = False
         conn, self._conn, self._listening = self._conn, None, set()
         if conn is not None:
-            try:
-                self.loop.remove_reader(conn.fileno())
-            except (ValueError, OSError):  # the descriptor is already gone
-                pass
+            self.loop.remove_reader(self._fd)
             _close(conn)
         self._wake_all()
         self._retry_at = self.loop.time() + self._retry
@@ -191,7 +189,7 @@ class EpochListener:
         conn, self._conn = self._conn, None
         if conn is not None:
             if not self.loop.is_closed():
-                self.loop.remove_reader(conn.fileno())
+                self.loop.remove_reader(self._fd)
             _close(conn)
 
     # ------------------------------------------------------------------ notifications
