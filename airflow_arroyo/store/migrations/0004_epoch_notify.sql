@@ -36,5 +36,6 @@ BEGIN
     RETURN NULL;
 END $$;
 
-CREATE TRIGGER arroyo_pipelines_notify AFTER INSERT OR UPDATE ON arroyo_pipelines
+-- Not fired by the frequent updates of other columns (heartbeats, last_epoch on every epoch start).
+CREATE TRIGGER arroyo_pipelines_notify AFTER INSERT OR UPDATE OF state, stop_requested, run_id ON arroyo_pipelines
     FOR EACH ROW EXECUTE FUNCTION arroyo_pipelines_notify();
