@@ -234,8 +234,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
 
     def figures_of(what: Any) -> tuple[int, int, int]:
         batches = ticks = notes = 0
-        for per_loop in what._instances.values():
-            for obj in per_loop.values():
+        for obj in list(admin._loop_helpers.values()):  # the coalescer and listener of this loop
+            if isinstance(obj, what):
                 batches += getattr(obj, "batches", 0)
                 ticks += getattr(obj, "ticks", 0)
                 notes += getattr(obj, "notifications", 0)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import weakref
 from dataclasses import dataclass, replace
 
 from airflow_arroyo.exceptions import ArroyoError, StoreError, TransientStoreError
@@ -50,10 +49,6 @@ class TickCoalescer:
         one worker thread); a burst is split evenly over them.
     """
 
-    _instances: weakref.WeakKeyDictionary[EpochStore, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                                                   TickCoalescer]]
-    _instances = weakref.WeakKeyDictionary()
-
     def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 500,
                  max_concurrent: int = 2) -> None:
         self.store = store
@@ -71,11 +66,10 @@ class TickCoalescer:
     def for_store(cls, store: EpochStore) -> TickCoalescer:
         """The coalescer of ``store`` on the running event loop (one per store and loop)."""
         loop = asyncio.get_running_loop()
-        per_loop = cls._instances.setdefault(store, weakref.WeakKeyDictionary())
-        coalescer = per_loop.get(loop)
-        if coalescer is None:
-            coalescer = per_loop[loop] = cls(store, loop)
-        return coalescer
+        return store.loop_helper(loop, "tick-coalescer", lambda: cls(store, loop))
+
+    def close(self) -> None:
+        """Nothing to release: pending batches end with their loop."""
 
     async def tick(self, request: TickRequest) -> TickResult:
         """The result of ``request``'s tick, decided in the next batch."""

@@ -27,7 +27,6 @@ import hashlib
 import logging
 import select
 import time
-import weakref
 from collections.abc import Callable
 
 import psycopg2
@@ -65,10 +64,6 @@ def _listen_sql(verb: str, channels: set[str]) -> sql.Composed:
 class EpochListener:
     """The LISTEN connection of one store on one event loop (get it with :meth:`for_store`)."""
 
-    _instances: weakref.WeakKeyDictionary[EpochStore, weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                                                   EpochListener]]
-    _instances = weakref.WeakKeyDictionary()
-
     def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop) -> None:
         self.store = store
         self.loop = loop
@@ -84,15 +79,12 @@ class EpochListener:
         self._sync_task: asyncio.Task[None] | None = None
         self._retry = RETRY_MIN
         self._retry_at = 0.0
+        self._closed = False
 
     @classmethod
     def for_store(cls, store: EpochStore) -> EpochListener:
         loop = asyncio.get_running_loop()
-        per_loop = cls._instances.setdefault(store, weakref.WeakKeyDictionary())
-        listener = per_loop.get(loop)
-        if listener is None:
-            listener = per_loop[loop] = cls(store, loop)
-        return listener
+        return store.loop_helper(loop, "listener", lambda: cls(store, loop))
 
     # ------------------------------------------------------------------ subscriptions
 
@@ -112,13 +104,15 @@ class EpochListener:
                 self._kick()  # UNLISTEN, whenever convenient
 
     def _kick(self) -> None:
+        if self._closed:
+            return
         if self._sync_task is None or self._sync_task.done():
             self._sync_task = self.loop.create_task(self._do_sync())
 
     async def _sync(self) -> None:
         self._kick()
-        assert self._sync_task is not None
-        await asyncio.shield(self._sync_task)
+        if self._sync_task is not None:
+            await asyncio.shield(self._sync_task)
 
     async def _do_sync(self) -> None:
         """Connect if needed and make the LISTENs match the subscriptions (several rounds if they change)."""
@@ -130,6 +124,9 @@ class EpochListener:
                     conn = await asyncio.to_thread(self._open)
                 except psycopg2.Error as exc:
                     self._broken(exc)
+                    return
+                if self._closed:
+                    _close(conn)
                     return
                 self._conn, self._fd, self._listening = conn, conn.fileno(), set()
                 self.loop.add_reader(self._fd, self._on_readable)
@@ -180,17 +177,38 @@ class EpochListener:
             self.loop.remove_reader(self._fd)
             _close(conn)
         self._wake_all()
+        if self._closed:
+            return
         self._retry_at = self.loop.time() + self._retry
         self.loop.call_later(self._retry, self._kick)
         self._retry = min(self._retry * 2, RETRY_MAX)
 
     def close(self) -> None:
+        """Stop listening (from any thread; the store closes its listeners with it)."""
+        if self.loop.is_closed():
+            self._close_now(remove_reader=False)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self._close_now()
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._close_now)
+            except RuntimeError:  # closed meanwhile
+                self._close_now(remove_reader=False)
+
+    def _close_now(self, remove_reader: bool = True) -> None:
         self.live = False
+        self._closed = True  # no reconnecting
         conn, self._conn = self._conn, None
         if conn is not None:
-            if not self.loop.is_closed():
+            if remove_reader and not self.loop.is_closed():
                 self.loop.remove_reader(self._fd)
             _close(conn)
+        self._wake_all()  # waiting triggers poll from now on
 
     # ------------------------------------------------------------------ notifications
 

@@ -105,6 +105,9 @@ class EpochStore:
         self.application_name = application_name
         self._pool = ConnectionPool(self.connect, max_connections)
         self._closed = False
+        # helpers built on this store for one event loop each (the async tick coalescer, the listener)
+        self._loop_helpers: dict[tuple[object, str], Any] = {}
+        self._loop_helpers_lock = threading.Lock()
 
     @classmethod
     def shared(cls, dsn: str) -> EpochStore:
@@ -122,6 +125,23 @@ class EpochStore:
         if not self._closed:
             self._closed = True
             self._pool.close()
+            with self._loop_helpers_lock:
+                helpers, self._loop_helpers = list(self._loop_helpers.values()), {}
+            for helper in helpers:
+                helper.close()
+
+    def loop_helper(self, loop: Any, name: str, factory: Callable[[], T]) -> T:
+        """The ``name`` helper of this store for event loop ``loop`` (made by ``factory`` once).
+        Helpers of loops that have closed are closed and forgotten; all are closed with the store."""
+        with self._loop_helpers_lock:
+            stale = [key for key in self._loop_helpers if key[0].is_closed()]  # type: ignore[attr-defined]
+            dead = [self._loop_helpers.pop(key) for key in stale]
+            helper: T | None = self._loop_helpers.get((loop, name))
+            if helper is None:
+                helper = self._loop_helpers[(loop, name)] = factory()
+        for old in dead:
+            old.close()
+        return helper
 
     # ------------------------------------------------------------------ plumbing
 
