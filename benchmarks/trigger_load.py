@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/trigger_load.py --triggerers 2       # HA: two triggerers run the same triggers
     .venv/bin/python benchmarks/trigger_load.py --paths new          # only one path
     .venv/bin/python benchmarks/trigger_load.py --acker store        # fake pipelines ack via EpochStore
+    .venv/bin/python benchmarks/trigger_load.py --stagger            # starts spread over one interval
 
 What runs where:
 
@@ -181,7 +182,7 @@ def instrument_store_calls() -> dict[str, list[float]]:
 
 
 def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float, dsn: str,
-                   out: Any, stop: Any) -> None:
+                   out: Any, stop: Any, stagger: bool) -> None:
     """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
     import logging
 
@@ -192,11 +193,11 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: 
         PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING  # one INFO line per epoch is not what we measure
     except ImportError:
         pass
-    asyncio.run(run_triggers(variant, pids, interval, seconds, warmup, dsn, out, stop))
+    asyncio.run(run_triggers(variant, pids, interval, seconds, warmup, dsn, out, stop, stagger))
 
 
 async def run_triggers(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float,
-                       dsn: str, out: Any, stop: Any) -> None:
+                       dsn: str, out: Any, stop: Any, stagger: bool) -> None:
     import functools
 
     from airflow_arroyo.hooks import arroyo as hook_module
@@ -214,7 +215,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use
     loop = asyncio.get_running_loop()
 
-    async def drive(pid: str) -> dict[str, Any]:
+    async def drive(pid: str, delay: float) -> dict[str, Any]:
+        await asyncio.sleep(delay)
         trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000,
                                     triggered_by=f"bench-{os.getpid()}")
         gen = cast(AsyncGenerator[Any, None], trigger.run())
@@ -241,7 +243,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
                 notes += getattr(obj, "notifications", 0)
         return batches, ticks, notes
 
-    tasks = [asyncio.create_task(drive(pid)) for pid in pids]
+    spread = interval / len(pids) if stagger else 0.0
+    tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
     prober = asyncio.create_task(probe())
     await asyncio.sleep(warmup)
     window_start: datetime = await asyncio.to_thread(admin.db_now)
@@ -273,7 +276,8 @@ def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: s
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=triggerer_main, args=(variant, pids, args.interval, args.seconds, args.warmup, dsn,
-                                                      out, stop), daemon=True) for _ in range(args.triggerers)]
+                                                      out, stop, args.stagger), daemon=True)
+             for _ in range(args.triggerers)]
     for proc in procs:
         proc.start()
     windows = [out.get(timeout=args.warmup + args.seconds + 300)[2] for _ in procs]
@@ -358,7 +362,7 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
 def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
     print(f"[{variant.name} path] {args.pipelines} CheckpointTriggers x {args.triggerers} triggerer process(es), "
           f"interval {args.interval}s, {args.rounds} x {args.seconds:g}s windows after {args.warmup}s warm-up each, "
-          f"{os.cpu_count()} CPUs, {args.acker} acker")
+          f"{os.cpu_count()} CPUs, {args.acker} acker{', staggered starts' if args.stagger else ''}")
     print(f"  epochs fired        {t['fired']}  vs schedule {t['expected']:.0f}  ratio {t['fired'] / t['expected']:.3f}"
           f"   states {t.get('states', {})}")
     out = {"ratio": t["fired"] / t["expected"]}
@@ -405,6 +409,9 @@ def main() -> None:
     parser.add_argument("--acker", choices=["sql", "store"], default="sql")
     parser.add_argument("--acker-threads", type=int, default=4, help="threads of the 'store' acker")
     parser.add_argument("--rounds", type=int, default=1, help="windows per path, interleaved across paths")
+    parser.add_argument("--stagger", action="store_true",
+                        help="start the triggers spread over one interval (as tasks defer at different times), "
+                             "not all at once")
     args = parser.parse_args()
 
     from airflow_arroyo.devtools.postgres import ThrowawayPostgres

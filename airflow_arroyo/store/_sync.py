@@ -419,7 +419,7 @@ class EpochStore:
         for ids, query in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES + " SKIP LOCKED")):
             if ids:
                 cur.execute(query, (ids,))
-                pipes.update((row["pipeline_id"], dict(row)) for row in cur.fetchall())
+                pipes.update((row["pipeline_id"], row) for row in cur.fetchall())
         missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
         if missing:
             cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (missing,))
@@ -509,7 +509,7 @@ class EpochStore:
         )
         rows = cur.fetchall()
         observed_at = (t0 + time.monotonic()) / 2
-        facts = {row["pipeline_id"]: dict(row) for row in rows}
+        facts: dict[str, dict[str, Any]] = {row["pipeline_id"]: row for row in rows}
         pairs = [(r.pipeline_id, int(e)) for r in requests for e in sorted(set(r.watch))]
         watched: dict[str, tuple[EpochRecord, ...]] = {}
         if pairs:
