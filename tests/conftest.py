@@ -1,6 +1,7 @@
 """Shared fixtures: one throwaway PostgreSQL server and one SparkSession per test session.
 
-* ``pg_server``: the server (session scope); ``pg_dsn``: a fresh, empty database per test.
+* ``pg_server``: the server (session scope); ``pg_dsn``: a fresh, empty database per test;
+  ``private_pg``: a server of the test's own (to restart).
 * ``store``: an :class:`~airflow_arroyo.store.EpochStore` on a fresh, migrated database per test.
 * ``spark``: a local-mode SparkSession shared by the whole session (JVM start costs seconds).
 """
@@ -42,6 +43,17 @@ os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.
 def pg_server() -> Iterator[ThrowawayPostgres]:
     # Its own temp folder: pytest's temp folders are 0700, closed to the postgres user that the
     # server runs as when the tests run as root.
+    pg = ThrowawayPostgres()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.cleanup()
+
+
+@pytest.fixture
+def private_pg() -> Iterator[ThrowawayPostgres]:
+    """A server of this test's own, to stop and restart without disturbing the others."""
     pg = ThrowawayPostgres()
     pg.start()
     try:

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg2
@@ -166,18 +165,8 @@ async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore
     assert starts == 5 and len(ticks) <= 3 * starts + 2, [t.decision.action.value for t in ticks]
 
 
-@pytest.fixture
-def own_server() -> Iterator[ThrowawayPostgres]:
-    pg = ThrowawayPostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.cleanup()
-
-
-async def test_the_listener_survives_a_server_restart(own_server: ThrowawayPostgres) -> None:
-    store = EpochStore(own_server.dsn, retry_seconds=20)
+async def test_the_listener_survives_a_server_restart(private_pg: ThrowawayPostgres) -> None:
+    store = EpochStore(private_pg.dsn, retry_seconds=20)
     store.migrate()
     running(store, "p")
     astore = AsyncEpochStore(store)
@@ -186,7 +175,7 @@ async def test_the_listener_survives_a_server_restart(own_server: ThrowawayPostg
     try:
         assert sub.live
         mark = sub.mark()
-        await asyncio.to_thread(own_server.restart)
+        await asyncio.to_thread(private_pg.restart)
         t0 = time.monotonic()
         # the lost connection wakes the waiter (announcements may be lost: read the tables), then it listens again
         assert await sub.wait(mark, 10.0) is True
