@@ -39,8 +39,7 @@ if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[ThrowawayPostgres]:
+def _throwaway_server() -> Iterator[ThrowawayPostgres]:
     # Its own temp folder: pytest's temp folders are 0700, closed to the postgres user that the
     # server runs as when the tests run as root.
     pg = ThrowawayPostgres()
@@ -51,15 +50,15 @@ def pg_server() -> Iterator[ThrowawayPostgres]:
         pg.cleanup()
 
 
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[ThrowawayPostgres]:
+    yield from _throwaway_server()
+
+
 @pytest.fixture
 def private_pg() -> Iterator[ThrowawayPostgres]:
     """A server of this test's own, to stop and restart without disturbing the others."""
-    pg = ThrowawayPostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.cleanup()
+    yield from _throwaway_server()
 
 
 @pytest.fixture
