@@ -49,8 +49,8 @@ class TickCoalescer:
         one worker thread); a burst is split evenly over them.
     """
 
-    def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 500,
-                 max_concurrent: int = 2) -> None:
+    def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 128,
+                 max_concurrent: int = 3) -> None:
         self.store = store
         self.loop = loop
         self.max_batch = max_batch
