@@ -12,8 +12,10 @@ lock, and the partial unique index still admits one in-flight epoch per pipeline
 
 * A pipeline appears once per batch (two copies of a trigger on one loop go in successive batches).
 * A pipeline whose row another transaction holds (a cleanup, a driver's acknowledgement, a batch of
-  another triggerer) is skipped rather than waited for, and goes first into the next batch, which
-  then waits for its lock; so a busy pipeline delays only itself.
+  another triggerer) is skipped rather than waited for, and asked for again a moment later
+  (``RETRY_SKIPPED`` seconds; those transactions are short); after ``SKIPS_BEFORE_WAITING`` skips its
+  batch waits for the lock. So a busy pipeline delays only itself, and two triggerers' batches do
+  not queue behind each other's locks.
 * A permanent error of a batch is retried pipeline by pipeline, so that it reaches only the trigger
   whose pipeline caused it; a transient one (after the store's retries) reaches every trigger of the
   batch, which handle it as before (retry at their next tick).
@@ -32,6 +34,9 @@ from airflow_arroyo.store.records import TickRequest, TickResult
 
 __all__ = ["TickCoalescer"]
 
+RETRY_SKIPPED = 0.01  # seconds before a tick whose row was locked is asked for again
+SKIPS_BEFORE_WAITING = 3  # then its batch waits for the lock
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 class _Pending:
     request: TickRequest
     future: asyncio.Future[TickResult]
+    skipped: int = 0  # batches that found the pipeline's row locked by another transaction
 
 
 class TickCoalescer:
@@ -128,8 +134,11 @@ class TickCoalescer:
         self.batches += 1
         retry: list[_Pending] = []
         for pending, result in zip(batch, results, strict=True):
-            if result is None:  # its row was locked: first in the next batch, which waits for the lock
-                retry.append(_Pending(replace(pending.request, skip_if_locked=False), pending.future))
+            if result is None:  # its row was locked by another transaction: again in a moment
+                pending.skipped += 1
+                if pending.skipped >= SKIPS_BEFORE_WAITING:
+                    pending.request = replace(pending.request, skip_if_locked=False)
+                retry.append(pending)
                 continue
             self.ticks += 1
             if pending.future.done():
@@ -138,6 +147,11 @@ class TickCoalescer:
                 pending.future.set_exception(result)
             else:
                 pending.future.set_result(result)
+        if retry:
+            self.loop.call_later(RETRY_SKIPPED, self._requeue, retry)
+        self._schedule()
+
+    def _requeue(self, retry: list[_Pending]) -> None:
         self._queue.extendleft(reversed(retry))
         self._schedule()
 
