@@ -57,7 +57,8 @@ async def test_many_triggers_ticks_go_out_in_few_transactions(store: EpochStore)
     results = await asyncio.gather(*(astore.trigger_tick(pid, POLICY, triggered_by=f"t-{pid}") for pid in pids))
     coalescer = TickCoalescer.for_store(store)
     assert coalescer.ticks == 30
-    assert coalescer.batches <= 2  # asked for in one turn of the loop: one batch per free slot at most
+    # asked for in one turn of the loop: one batch per free slot at most
+    assert coalescer.batches <= coalescer.max_concurrent < 30
     for pid, result in zip(pids, results, strict=True):
         assert result.started is not None and result.started.pipeline_id == pid
         assert result.started.triggered_by == f"t-{pid}"
