@@ -1,40 +1,41 @@
-"""Load benchmark of the checkpoint controller: one event loop running N CheckpointTriggers.
+"""Load benchmark of the checkpoint controller: triggerer processes running N CheckpointTriggers.
 
-    .venv/bin/python benchmarks/trigger_load.py                   # 200 pipelines, 1 s interval, 60 s
-    .venv/bin/python benchmarks/trigger_load.py --seconds 20      # a shorter window
-    .venv/bin/python benchmarks/trigger_load.py --compare         # variants side by side, one run
-    .venv/bin/python benchmarks/trigger_load.py --acker store     # fake pipelines ack via EpochStore
+    .venv/bin/python benchmarks/trigger_load.py                      # 1000 pipelines, 1 s interval, old vs new
+    .venv/bin/python benchmarks/trigger_load.py --seconds 20         # a shorter window
+    .venv/bin/python benchmarks/trigger_load.py --triggerers 2       # HA: two triggerers run the same triggers
+    .venv/bin/python benchmarks/trigger_load.py --paths new          # only one path
+    .venv/bin/python benchmarks/trigger_load.py --acker store        # fake pipelines ack via EpochStore
+    .venv/bin/python benchmarks/trigger_load.py --stagger            # starts spread over one interval
 
 What runs where:
 
 * a throwaway PostgreSQL server (the epoch store);
-* this process: ONE asyncio event loop running N ``CheckpointTrigger.run()`` generators, as the
-  triggerer would (store reached through ``ArroyoHook`` and ``AIRFLOW_CONN_ARROYO_DEFAULT``);
+* ``--triggerers`` processes (1 by default), each ONE asyncio event loop running the same N
+  ``CheckpointTrigger.run()`` generators, as a triggerer would (store reached through ``ArroyoHook``
+  and ``AIRFLOW_CONN_ARROYO_DEFAULT``); with 2, every pipeline has two triggers racing (triggerer HA);
 * a separate acker process (its CPU does not count): the fake pipelines. ``--acker sql`` (default)
-  completes every in-flight epoch with one batched statement every 5 ms, writing the rows
-  ``ack_epoch`` would, cheap enough never to be the bottleneck; ``--acker store`` calls
-  ``EpochStore.ack_epoch`` once per stage, as pipeline drivers do (slower: epochs overrun their due
-  time, which exercises the overdue polling).
+  completes every in-flight epoch with one batched statement every 5 ms, under the pipelines' row
+  locks and writing the rows ``ack_epoch`` would, cheap enough never to be the bottleneck;
+  ``--acker store`` calls ``EpochStore.ack_epoch`` once per stage, as pipeline drivers do.
 
-What it prints, for the epochs started inside the measurement window (after a warm-up):
+The two paths, run one after the other on fresh pipelines in one invocation (rounds interleave them):
+
+* ``old``: one ``trigger_tick`` transaction per pipeline per tick, each in its own worker thread
+  (``AsyncEpochStore(coalesce=False)``), and polling for an overdue epoch's end (doubling polls);
+* ``new``: the loop's ticks coalesced into shared batch transactions (``trigger_ticks``), and the
+  loop's one LISTEN connection waking a trigger when its epoch ends (``WAKE_ON_NOTIFY``).
+
+What it prints per path, for the epochs started inside the measurement window (after a warm-up):
 
 * **schedule lateness**: ``triggered_at(n) - (triggered_at(n-1) + interval)``, from the database;
 * **controller lateness**: counted from when epoch n could start at all
   (``max(triggered_at(n-1) + interval, ended_at(n-1))``): the trigger's part, not the acker's;
 * epochs fired against the schedule's ``N * window / interval`` (a ratio);
-* CPU seconds of this (trigger) process per epoch fired (``time.process_time()``: all its threads);
-* the store calls per epoch and how long each was awaited (thread-pool queueing included).
+* CPU seconds of the triggerer processes per epoch fired (``time.process_time()``: all threads);
+* the store calls per epoch and how long each was awaited; the batches' sizes;
+* the history checker's verdict on the path's pipelines (``airflow_arroyo.devtools.history``);
 
-``--compare`` runs, in one invocation on one server, the variants below one after the other, each on
-fresh pipelines, and prints each against the first:
-
-* ``as shipped``: the trigger as it is;
-* ``poll when overdue: off``: without the short doubling polls for an overdue in-flight epoch
-  (the trigger before that change: it looked again only after a whole poll interval);
-* ``16 store threads``: the event loop's default thread pool (which ``AsyncEpochStore`` uses) and
-  the hook's connection pool at 16 instead of Python's ``min(32, CPUs + 4)`` and 8;
-* ``ends via get_epoch``: the trigger as it was before ``trigger_tick(watch=...)``: it learnt each
-  epoch's end (for its log line) with a ``get_epoch`` transaction of its own.
+then both side by side (new / old).
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ STAGES = ["source", "sink"]
 # --------------------------------------------------------------------------- the fake pipelines (own process)
 
 ACK_ALL_SQL = """
-WITH e AS (SELECT pipeline_id, epoch, stages FROM arroyo_epochs WHERE state = 'triggered' FOR UPDATE SKIP LOCKED),
+WITH p AS (SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id IN
+             (SELECT pipeline_id FROM arroyo_epochs WHERE state = 'triggered')
+           ORDER BY pipeline_id FOR UPDATE SKIP LOCKED),
+e AS (SELECT pipeline_id, epoch, stages FROM arroyo_epochs WHERE state = 'triggered'
+        AND pipeline_id IN (SELECT pipeline_id FROM p)),
 a AS (INSERT INTO arroyo_acks (pipeline_id, epoch, stage, bytes_new, bytes_total)
       SELECT e.pipeline_id, e.epoch, s.stage, 1000, 100000 FROM e CROSS JOIN LATERAL unnest(e.stages) AS s(stage)
       ON CONFLICT DO NOTHING)
@@ -126,22 +131,19 @@ def acker_store_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     store.close()
 
 
-# --------------------------------------------------------------------------- the triggers (this process)
+# --------------------------------------------------------------------------- the triggers (own processes)
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
-    threads: int | None = None  # the loop's default thread pool (None: Python's default)
-    pool: int = 8  # the hook's connection pool (8 is ArroyoHook's default)
-    overdue_polling: bool = True
-    ends_in_tick: bool = True  # False: the trigger before TickResult.ended (a get_epoch per ended epoch)
+    coalesce: bool  # ticks in shared batches (False: a transaction and a worker thread per tick)
+    listen: bool  # woken by the database when an epoch ends (False: poll)
 
 
-SHIPPED = Variant("as shipped")
-VARIANTS = [SHIPPED, Variant("poll when overdue: off", overdue_polling=False),
-            Variant("16 store threads", threads=16, pool=16),
-            Variant("ends via get_epoch", ends_in_tick=False)]
+OLD = Variant("old", coalesce=False, listen=False)
+NEW = Variant("new", coalesce=True, listen=True)
+PATHS = {"old": OLD, "new": NEW}
 
 
 def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
@@ -158,14 +160,13 @@ def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
     return pids
 
 
-def instrument_store_calls() -> tuple[dict[str, list[float]], Any]:
-    """Count and time the triggers' store calls as the event loop awaits them. Returns an undo."""
+def instrument_store_calls() -> dict[str, list[float]]:
+    """Count and time the triggers' store calls as the event loop awaits them."""
     from airflow_arroyo.store import AsyncEpochStore
 
     calls: dict[str, list[float]] = {}
-    originals = {}
     for name in ("trigger_tick", "get_epoch", "get_pipeline", "cleanup_lock", "db_now"):
-        original = originals[name] = getattr(AsyncEpochStore, name)
+        original = getattr(AsyncEpochStore, name)
 
         def timed(original: Any = original, name: str = name) -> Any:
             async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -177,49 +178,47 @@ def instrument_store_calls() -> tuple[dict[str, list[float]], Any]:
             return call
 
         setattr(AsyncEpochStore, name, timed())
+    return calls
 
-    def undo() -> None:
-        for name, original in originals.items():
-            setattr(AsyncEpochStore, name, original)
 
-    return calls, undo
+def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float, dsn: str,
+                   out: Any, stop: Any, stagger: bool) -> None:
+    """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
+    import logging
+
+    logging.getLogger("airflow_arroyo").setLevel(logging.WARNING)
+    try:
+        from airflow._shared.logging.structlog import PER_LOGGER_LEVELS
+
+        PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING  # one INFO line per epoch is not what we measure
+    except ImportError:
+        pass
+    asyncio.run(run_triggers(variant, pids, interval, seconds, warmup, dsn, out, stop, stagger))
 
 
 async def run_triggers(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float,
-                       dsn: str) -> dict[str, Any]:
-    from airflow_arroyo.epochs import PipelineState
+                       dsn: str, out: Any, stop: Any, stagger: bool) -> None:
+    import functools
+
     from airflow_arroyo.hooks import arroyo as hook_module
+    from airflow_arroyo.store import AsyncEpochStore
+    from airflow_arroyo.store._coalesce import TickCoalescer
+    from airflow_arroyo.store._listen import EpochListener
     from airflow_arroyo.triggers import checkpoint as trigger_module
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 
     os.environ["AIRFLOW_CONN_ARROYO_DEFAULT"] = dsn
-    hook_module._reset_shared_stores()
-    real_shared, real_overdue = hook_module._shared_store, trigger_module.OVERDUE_POLL_MIN
-
-    def shared_store(dsn: str, *, max_connections: int, retry_seconds: float, migrate: bool) -> Any:
-        return real_shared(dsn, max_connections=variant.pool, retry_seconds=retry_seconds, migrate=migrate)
-
-    hook_module._shared_store = shared_store
-    if not variant.overdue_polling:
-        trigger_module.OVERDUE_POLL_MIN = 1e9  # the first overdue look-again: a whole poll
-    loop = asyncio.get_running_loop()
-    if variant.threads:
-        loop.set_default_executor(ThreadPoolExecutor(variant.threads))
-    calls, undo = instrument_store_calls()
+    hook_module.AsyncEpochStore = functools.partial(  # type: ignore[misc,assignment]
+        AsyncEpochStore, coalesce=variant.coalesce, listen=variant.listen)
+    trigger_module.WAKE_ON_NOTIFY = variant.listen
+    calls = instrument_store_calls()
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use
-    if not variant.ends_in_tick:
-        from airflow_arroyo.store import AsyncEpochStore
+    loop = asyncio.get_running_loop()
 
-        timed_tick = AsyncEpochStore.trigger_tick
-
-        async def tick_without_watch(self: Any, *args: Any, **kwargs: Any) -> Any:
-            kwargs.pop("watch", None)  # ended epochs not reported: the trigger falls back to get_epoch
-            return await timed_tick(self, *args, **kwargs)
-
-        AsyncEpochStore.trigger_tick = tick_without_watch  # type: ignore[method-assign]
-
-    async def drive(pid: str) -> dict[str, Any]:
-        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000, triggered_by="bench")
+    async def drive(pid: str, delay: float) -> dict[str, Any]:
+        await asyncio.sleep(delay)
+        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000,
+                                    triggered_by=f"bench-{os.getpid()}")
         gen = cast(AsyncGenerator[Any, None], trigger.run())
         try:
             event = await anext(gen)
@@ -235,36 +234,84 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
             await asyncio.sleep(0.05)
             loop_lag.append(loop.time() - t0 - 0.05)
 
+    def figures_of(what: Any) -> tuple[int, int, int]:
+        batches = ticks = notes = 0
+        for obj in list(admin._loop_helpers.values()):  # the coalescer and listener of this loop
+            if isinstance(obj, what):
+                batches += getattr(obj, "batches", 0)
+                ticks += getattr(obj, "ticks", 0)
+                notes += getattr(obj, "notifications", 0)
+        return batches, ticks, notes
+
+    spread = interval / len(pids) if stagger else 0.0
+    tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
+    prober = asyncio.create_task(probe())
+    await asyncio.sleep(warmup)
+    window_start: datetime = await asyncio.to_thread(admin.db_now)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    b0, t0, _ = figures_of(TickCoalescer)
+    n0 = figures_of(EpochListener)[2]
+    lag_from = len(loop_lag)
+    calls.clear()
+    await asyncio.sleep(seconds)
+    cpu1, wall1 = time.process_time(), time.monotonic()
+    b1, t1, _ = figures_of(TickCoalescer)
+    n1 = figures_of(EpochListener)[2]
+    window_calls = {name: list(v) for name, v in calls.items()}
+    window_end: datetime = await asyncio.to_thread(admin.db_now)
+    prober.cancel()
+    out.put(("window", os.getpid(), {"window": (window_start, window_end), "cpu": cpu1 - cpu0, "wall": wall1 - wall0,
+                                     "loop_lag": loop_lag[lag_from:], "calls": window_calls,
+                                     "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0}))
+    await asyncio.to_thread(stop.wait)  # the parent stops the pipelines: the triggers end
+    events = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+    out.put(("events", os.getpid(), [e["status"] for e in events]))
+
+
+def stop_pipelines(dsn: str, pids: list[str]) -> None:
+    """Stop every pipeline in one transaction, as ``set_pipeline_state(STOPPED)`` does one by one (under
+    the row locks, in id order; the in-flight epochs fail): 1000 transactions queued behind the
+    triggerers' batches would take minutes on a loaded machine."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn)
     try:
-        tasks = [asyncio.create_task(drive(pid)) for pid in pids]
-        prober = asyncio.create_task(probe())
-        await asyncio.sleep(warmup)
-        window_start: datetime = await asyncio.to_thread(admin.db_now)
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        lag_from = len(loop_lag)
-        calls.clear()
-        await asyncio.sleep(seconds)
-        cpu1, wall1 = time.process_time(), time.monotonic()
-        window_calls = {name: list(v) for name, v in calls.items()}
-        window_end: datetime = await asyncio.to_thread(admin.db_now)
-        lags = loop_lag[lag_from:]
-        prober.cancel()
-
-        def stop_all() -> None:
-            for pid in pids:
-                admin.set_pipeline_state(pid, PipelineState.STOPPED)
-
-        await asyncio.to_thread(stop_all)
-        events = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE",
+                        (pids,))
+            cur.execute("UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(),"
+                        " failure_reason = 'pipeline stopped' WHERE pipeline_id = ANY(%s) AND state = 'triggered'",
+                        (pids,))
+            cur.execute("UPDATE arroyo_pipelines SET state = 'stopped', updated_at = now() WHERE pipeline_id = ANY(%s)",
+                        (pids,))
     finally:
-        if not variant.ends_in_tick:
-            AsyncEpochStore.trigger_tick = timed_tick  # type: ignore[method-assign]
-        undo()
-        hook_module._shared_store = real_shared
-        trigger_module.OVERDUE_POLL_MIN = real_overdue
-        hook_module._reset_shared_stores()
-    return {"window": (window_start, window_end), "cpu": cpu1 - cpu0, "wall": wall1 - wall0, "events": events,
-            "loop_lag": lags, "calls": window_calls}
+        conn.close()
+
+
+def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
+    """Start the triggerer processes on ``pids``, collect their windows, stop the pipelines, collect events."""
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=triggerer_main, args=(variant, pids, args.interval, args.seconds, args.warmup, dsn,
+                                                      out, stop, args.stagger), daemon=True)
+             for _ in range(args.triggerers)]
+    for proc in procs:
+        proc.start()
+    windows = [out.get(timeout=args.warmup + args.seconds + 300)[2] for _ in procs]
+    stop_pipelines(dsn, pids)
+    stop.set()
+    statuses: list[str] = []
+    for _ in procs:
+        statuses += out.get(timeout=300)[2]
+    for proc in procs:
+        proc.join(60)
+    start = max(w["window"][0] for w in windows)
+    end = min(w["window"][1] for w in windows)
+    return {"window": (start, end), "cpu": sum(w["cpu"] for w in windows), "wall": max(w["wall"] for w in windows),
+            "loop_lag": [x for w in windows for x in w["loop_lag"]], "statuses": statuses,
+            "calls": {k: [x for w in windows for x in w["calls"].get(k, [])] for w in windows for k in w["calls"]},
+            "batches": sum(w["batches"] for w in windows), "batched_ticks": sum(w["batched_ticks"] for w in windows),
+            "notifications": sum(w["notifications"] for w in windows)}
 
 
 # --------------------------------------------------------------------------- figures
@@ -279,6 +326,8 @@ def pct(values: list[float], q: float) -> float:
 
 def figures(dsn: str, prefix: str, interval: float, window: tuple[datetime, datetime]) -> dict[str, Any]:
     import psycopg2
+
+    from airflow_arroyo.devtools.history import check_history
 
     params = {"i": interval, "a": window[0], "b": window[1], "p": f"{prefix}-%"}
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
@@ -295,22 +344,28 @@ def figures(dsn: str, prefix: str, interval: float, window: tuple[datetime, date
         cur.execute("SELECT state, EXTRACT(EPOCH FROM ended_at - triggered_at) FROM arroyo_epochs"
                     " WHERE pipeline_id LIKE %(p)s AND triggered_at >= %(a)s AND triggered_at < %(b)s", params)
         epochs = cur.fetchall()
+        cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id LIKE %(p)s", params)
+        pids = [r[0] for r in cur.fetchall()]
     conn.close()
+    history = check_history(dsn, pids)
     states: dict[str, int] = {}
     for state, _ in epochs:
         states[state] = states.get(state, 0) + 1
     return {"schedule": [float(r[0]) for r in rows], "controller": [float(r[1]) for r in rows],
             "fired": len(epochs), "states": states,
-            "acked": [float(d) for state, d in epochs if state == "completed"]}
+            "acked": [float(d) for state, d in epochs if state == "completed"],
+            "violations": [str(v) for v in history.violations]}
 
 
 def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected: float) -> None:
-    """Add one round's figures to a variant's totals."""
-    for key in ("schedule", "controller", "acked"):
+    """Add one round's figures to a path's totals."""
+    for key in ("schedule", "controller", "acked", "violations"):
         into.setdefault(key, []).extend(f[key])
     into["loop_lag"] = into.get("loop_lag", []) + run["loop_lag"]
     for key, value in (("fired", f["fired"]), ("expected", expected), ("cpu", run["cpu"]), ("wall", run["wall"]),
-                       ("ok", sum(e["status"] == "success" for e in run["events"])), ("events", len(run["events"]))):
+                       ("ok", sum(s == "success" for s in run["statuses"])), ("events", len(run["statuses"])),
+                       ("batches", run["batches"]), ("batched_ticks", run["batched_ticks"]),
+                       ("notifications", run["notifications"])):
         into[key] = into.get(key, 0) + value
     for state, n in f["states"].items():
         into.setdefault("states", {})[state] = into.get("states", {}).get(state, 0) + n
@@ -319,9 +374,9 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
 
 
 def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
-    print(f"[{variant.name}] {args.pipelines} CheckpointTriggers on one event loop, interval {args.interval}s, "
-          f"{args.rounds} x {args.seconds:g}s windows after {args.warmup}s warm-up each, {os.cpu_count()} CPUs, "
-          f"{args.acker} acker")
+    print(f"[{variant.name} path] {args.pipelines} CheckpointTriggers x {args.triggerers} triggerer process(es), "
+          f"interval {args.interval}s, {args.rounds} x {args.seconds:g}s windows after {args.warmup}s warm-up each, "
+          f"{os.cpu_count()} CPUs, {args.acker} acker{', staggered starts' if args.stagger else ''}")
     print(f"  epochs fired        {t['fired']}  vs schedule {t['expected']:.0f}  ratio {t['fired'] / t['expected']:.3f}"
           f"   states {t.get('states', {})}")
     out = {"ratio": t["fired"] / t["expected"]}
@@ -338,33 +393,44 @@ def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dic
     print(f"  event-loop lag      p50 {pct(lag, 50):8.1f} ms   p99 {pct(lag, 99):8.1f} ms   "
           f"max {max(lag, default=float('nan')):8.1f} ms   (50 ms timer, n={len(lag)})")
     out["cpu_ms"] = 1000 * t["cpu"] / max(t["fired"], 1)
-    print(f"  trigger CPU         {t['cpu']:.2f} s in {t['wall']:.1f} s wall "
+    print(f"  triggerer CPU       {t['cpu']:.2f} s in {t['wall']:.1f} s wall "
           f"({100 * t['cpu'] / t['wall']:.0f}% of one core): {out['cpu_ms']:.2f} ms per epoch fired")
     for name, durations in sorted(t.get("calls", {}).items()):
         ms = [d * 1000 for d in durations]
         print(f"  store.{name:<13} {len(ms) / max(t['fired'], 1):5.2f} calls/epoch   awaited p50 {pct(ms, 50):7.1f} ms"
               f"   p99 {pct(ms, 99):7.1f} ms")
+    if t["batches"]:
+        print(f"  tick batches        {t['batches']} transactions for {t['batched_ticks']} ticks "
+              f"({t['batched_ticks'] / t['batches']:.1f} per batch)")
+    if t["notifications"]:
+        print(f"  notifications       {t['notifications']} received ({t['notifications'] / max(t['fired'], 1):.2f} "
+              "per epoch fired)")
     print(f"  final events        {t['ok']}/{t['events']} success")
+    print(f"  history check       {len(t['violations'])} invariant violations")
+    for v in t["violations"][:10]:
+        print(f"    {v}")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipelines", type=int, default=200)
+    parser.add_argument("--pipelines", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per variant")
-    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per path and round")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window (imports included)")
+    parser.add_argument("--triggerers", type=int, default=1, help="triggerer processes running the same triggers")
+    parser.add_argument("--paths", default="old,new", help="comma-separated: old, new")
     parser.add_argument("--acker", choices=["sql", "store"], default="sql")
     parser.add_argument("--acker-threads", type=int, default=4, help="threads of the 'store' acker")
-    parser.add_argument("--compare", action="store_true", help="run the variants side by side")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="windows per variant, interleaved across variants (default: 1, or 3 with --compare)")
+    parser.add_argument("--rounds", type=int, default=1, help="windows per path, interleaved across paths")
+    parser.add_argument("--stagger", action="store_true",
+                        help="start the triggers spread over one interval (as tasks defer at different times), "
+                             "not all at once")
     args = parser.parse_args()
 
     from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 
-    variants = VARIANTS if args.compare else [SHIPPED]
-    args.rounds = args.rounds or (3 if args.compare else 1)
+    variants = [PATHS[name.strip()] for name in args.paths.split(",")]
     totals: dict[str, dict[str, Any]] = {v.name: {} for v in variants}
     with ThrowawayPostgres() as pg:
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
@@ -376,13 +442,13 @@ def main() -> None:
         try:
             if not ready.wait(60):
                 raise RuntimeError("the acker process did not start")
-            # rounds interleave the variants (A B C A B C ...) so that a busy spell of the machine
-            # does not land on one variant only
+            # rounds interleave the paths (A B A B ...) so that a busy spell of the machine
+            # does not land on one path only
             for rnd in range(args.rounds):
                 for i, variant in enumerate(variants):
                     prefix = f"r{rnd}v{i}"
                     pids = setup_pipelines(prefix, args.pipelines, pg.dsn)
-                    run = asyncio.run(run_triggers(variant, pids, args.interval, args.seconds, args.warmup, pg.dsn))
+                    run = run_path(variant, pids, args, pg.dsn)
                     window_s = (run["window"][1] - run["window"][0]).total_seconds()
                     merge(totals[variant.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
                           args.pipelines * window_s / args.interval)
@@ -395,14 +461,18 @@ def main() -> None:
     summaries = [(v, report(v, args, totals[v.name])) for v in variants]
     if len(summaries) > 1:
         base = summaries[0][1]
-        print("side by side (each variant / as shipped; lateness and CPU: lower is better, fired: higher):")
-        print(f"  {'variant':<24} {'fired':>7} {'late p50':>9} {'late p99':>9} {'ctrl p50':>9} {'ctrl p99':>9} "
+        print(f"side by side (each path / {summaries[0][0].name}; lateness and CPU: lower is better, fired: higher):")
+        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'ctrl p50':>9} {'ctrl p99':>9} "
               f"{'CPU/epoch':>9}")
         for variant, s in summaries:
             def r(key: str, s: dict[str, float] = s) -> str:
                 return f"{s[key] / base[key]:8.2f}x" if base[key] else "      n/a"
-            print(f"  {variant.name:<24} {r('ratio'):>7} {r('schedule_p50'):>9} {r('schedule_p99'):>9} "
+            print(f"  {variant.name:<8} {r('ratio'):>9} {r('schedule_p50'):>9} {r('schedule_p99'):>9} "
                   f"{r('controller_p50'):>9} {r('controller_p99'):>9} {r('cpu_ms'):>9}")
+        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'CPU/epoch':>9}   (absolute)")
+        for variant, s in summaries:
+            print(f"  {variant.name:<8} {s['ratio']:9.3f} {s['schedule_p50']:7.1f}ms {s['schedule_p99']:7.1f}ms "
+                  f"{s['cpu_ms']:7.2f}ms")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Shared fixtures: one throwaway PostgreSQL server and one SparkSession per test session.
 
-* ``pg_server``: the server (session scope); ``pg_dsn``: a fresh, empty database per test.
+* ``pg_server``: the server (session scope); ``pg_dsn``: a fresh, empty database per test;
+  ``private_pg``: a server of the test's own (to restart).
 * ``store``: an :class:`~airflow_arroyo.store.EpochStore` on a fresh, migrated database per test.
 * ``spark``: a local-mode SparkSession shared by the whole session (JVM start costs seconds).
 """
@@ -41,8 +42,7 @@ if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[ThrowawayPostgres]:
+def _throwaway_server() -> Iterator[ThrowawayPostgres]:
     # Its own temp folder: pytest's temp folders are 0700, closed to the postgres user that the
     # server runs as when the tests run as root.
     pg = ThrowawayPostgres()
@@ -51,6 +51,17 @@ def pg_server() -> Iterator[ThrowawayPostgres]:
         yield pg
     finally:
         pg.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[ThrowawayPostgres]:
+    yield from _throwaway_server()
+
+
+@pytest.fixture
+def private_pg() -> Iterator[ThrowawayPostgres]:
+    """A server of this test's own, to stop and restart without disturbing the others."""
+    yield from _throwaway_server()
 
 
 @pytest.fixture

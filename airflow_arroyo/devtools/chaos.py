@@ -46,6 +46,7 @@ from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, R
 from airflow_arroyo.exceptions import (
     ArroyoError,
     CleanupLockHeld,
+    ConcurrencyConflict,
     LockLostError,
     TransientStoreError,
 )
@@ -521,7 +522,14 @@ def _ack_round(w: _Worker, store: Any, plans: dict[tuple[str, int], _Plan],
                 break
             t0 = time.monotonic()
             if cfg.storage_root:
-                _snapshot(w, store, pid, epoch, stage, versions)
+                try:
+                    _snapshot(w, store, pid, epoch, stage, versions)
+                except ConcurrencyConflict:
+                    # so late (a stalled acker on a loaded machine) that the epoch expired and a cleanup
+                    # took it: the store refuses the snapshot by design, and the epoch is over
+                    w.counts["snapshot_too_late"] += 1
+                    plan.due.clear()
+                    break
             state = store.ack_epoch(pid, epoch, stage, cursors={}, alignment_ms=w.rng.uniform(0, 5),
                                     sync_ms=w.rng.uniform(0, 5), async_ms=w.rng.uniform(0, 50),
                                     bytes_new=w.rng.randrange(0, 4096), bytes_total=4096)

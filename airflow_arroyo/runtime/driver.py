@@ -4,7 +4,8 @@ The driver validates the graph (before Spark starts), registers the run in the e
 the stages' checkpoints and truncates the channels when asked to, starts one streaming query per stage
 (concurrent queries sharing the executors), and then loops:
 
-* polls the store for the in-flight epoch and tells the source stages to inject it;
+* reads the in-flight epoch when the database announces an epoch start or end (LISTEN/NOTIFY; every
+  ``poll_interval`` while it cannot listen) and tells the source stages to inject it;
 * cuts idle source stages at their last completed micro-batch;
 * heartbeats; watches the queries (a failed query fails the pipeline with its cause and fails the
   in-flight epoch);
@@ -51,7 +52,7 @@ from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
-from airflow_arroyo.store import EpochStore, PipelineRecord, redact_dsn
+from airflow_arroyo.store import EpochStore, EpochWatch, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -67,6 +68,10 @@ DEFAULT_SQL_CONF = {
     # Spark must not delete checkpoint files an in-progress asynchronous snapshot still copies.
     "spark.sql.streaming.minBatchesToRetain": "200",
 }
+
+
+# Longest time between two reads of the in-flight epoch while the database's announcements are heard.
+EPOCH_READ_FALLBACK = 5.0
 
 
 class StopMode(enum.StrEnum):
@@ -131,6 +136,7 @@ class PipelineDriver:
         self.runners: list[StageRunner] = []
         self.snapshots = SnapshotStore(self.layout.fs, self.pipeline_id, store)
         self._executor: ThreadPoolExecutor | None = None
+        self._epoch_watch: EpochWatch | None = None
         self._stop = threading.Event()
         self._stop_mode: StopMode | None = None
         self._epochs_seen: list[int] = []
@@ -188,6 +194,8 @@ class PipelineDriver:
                 raise
             raise PipelineFailedError(self.pipeline_id, cause) from exc
         finally:
+            if self._epoch_watch is not None:
+                self._epoch_watch.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=True, cancel_futures=True)
             if self._own_spark and self._spark is not None:
@@ -456,9 +464,15 @@ class PipelineDriver:
         app_id = spark.sparkContext.applicationId
         ui_url = spark.sparkContext.uiWebUrl
         previous_in_flight: int | None = None
+        # Epoch starts and ends are announced by the database (LISTEN/NOTIFY): the in-flight epoch is
+        # read when one was, and at least every EPOCH_READ_FALLBACK seconds (every poll while the
+        # watch cannot listen); the stages are polled every poll_interval regardless.
+        watch = self._epoch_watch = EpochWatch(self.store, self.pipeline_id, idle=self._stop.wait)
+        changed, last_read, in_flight = True, 0.0, None
         while True:
             self._check_queries()
-            in_flight = self.store.in_flight_epoch(self.pipeline_id)
+            if changed or time.monotonic() - last_read >= EPOCH_READ_FALLBACK:
+                in_flight, last_read = self.store.in_flight_epoch(self.pipeline_id), time.monotonic()
             current = in_flight.epoch if in_flight is not None else None
             if self.sinks and current != previous_in_flight:
                 self._commit_sinks()  # an epoch ended (completed or not): commit what completed
@@ -508,7 +522,7 @@ class PipelineDriver:
                         if state is EpochState.TRIGGERED:
                             self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out")
                         final_epoch = None
-            self._stop.wait(self.poll_interval)
+            changed = watch.wait(self.poll_interval)
 
     def _sink_cuts(self, epoch: int) -> dict[str, int]:
         """Each exactly-once sink's cut batch in ``epoch`` (from its acknowledgement)."""

@@ -2,6 +2,7 @@
 snapshot objects and cleanup runs. Never imports Airflow (Spark drivers use it too)."""
 
 from airflow_arroyo.store._async import AsyncEpochStore
+from airflow_arroyo.store._listen import EpochWatch, Subscription, channel_of
 from airflow_arroyo.store._migrate import available_migrations
 from airflow_arroyo.store._retry import is_transient, retrying
 from airflow_arroyo.store._sync import EpochStore, redact_dsn
@@ -14,6 +15,7 @@ from airflow_arroyo.store.records import (
     PrunePlan,
     SinkCommitRecord,
     SnapshotEntry,
+    TickRequest,
     TickResult,
 )
 
@@ -24,12 +26,16 @@ __all__ = [
     "CleanupRunRecord",
     "EpochRecord",
     "EpochStore",
+    "EpochWatch",
     "PipelineRecord",
     "PrunePlan",
     "SinkCommitRecord",
     "SnapshotEntry",
+    "Subscription",
+    "TickRequest",
     "TickResult",
     "available_migrations",
+    "channel_of",
     "is_transient",
     "redact_dsn",
     "retrying",

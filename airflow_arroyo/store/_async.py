@@ -1,5 +1,9 @@
 """The async twin of :class:`EpochStore`, for triggers: every call runs the blocking psycopg2
-driver in a worker thread, so the triggerer's event loop never blocks."""
+driver in a worker thread, so the triggerer's event loop never blocks.
+
+The triggers of one event loop share two things per store (``coalesce`` / ``listen``, on by
+default): their ticks go to the database in batches (:mod:`airflow_arroyo.store._coalesce`), and
+one LISTEN connection wakes them when an epoch ends (:mod:`airflow_arroyo.store._listen`)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.store._coalesce import TickCoalescer
+from airflow_arroyo.store._listen import EpochListener, Subscription
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import (
     AckRecord,
@@ -15,13 +21,19 @@ from airflow_arroyo.store.records import (
     EpochRecord,
     PipelineRecord,
     SinkCommitRecord,
+    TickRequest,
     TickResult,
 )
 
 
 class AsyncEpochStore:
-    def __init__(self, store: EpochStore) -> None:
+    """:param coalesce: send the loop's ticks in shared batches (False: one transaction per tick,
+        each in its own worker thread). :param listen: let :meth:`subscribe` listen for epoch ends."""
+
+    def __init__(self, store: EpochStore, *, coalesce: bool = True, listen: bool = True) -> None:
         self.sync = store
+        self.coalesce = coalesce
+        self.listen = listen
 
     @classmethod
     def shared(cls, dsn: str) -> AsyncEpochStore:
@@ -29,8 +41,19 @@ class AsyncEpochStore:
 
     async def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
                            force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
-        return await asyncio.to_thread(self.sync.trigger_tick, pipeline_id, policy, triggered_by=triggered_by,
-                                       force=force, is_final=is_final, watch=tuple(watch))
+        if not self.coalesce:
+            return await asyncio.to_thread(self.sync.trigger_tick, pipeline_id, policy, triggered_by=triggered_by,
+                                           force=force, is_final=is_final, watch=tuple(watch))
+        request = TickRequest(pipeline_id, policy, triggered_by=triggered_by, force=force, is_final=is_final,
+                              watch=tuple(watch))
+        return await TickCoalescer.for_store(self.sync).tick(request)
+
+    async def subscribe(self, pipeline_id: str) -> Subscription | None:
+        """Wake-ups for ``pipeline_id`` from the loop's shared listener (None if ``listen`` is off).
+        Close the subscription when done."""
+        if not self.listen:
+            return None
+        return await EpochListener.for_store(self.sync).subscribe(pipeline_id)
 
     async def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
         return await asyncio.to_thread(self.sync.get_pipeline, pipeline_id)

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -37,6 +38,7 @@ from airflow_arroyo.epochs import (
     validate_pipeline_id,
 )
 from airflow_arroyo.exceptions import (
+    ArroyoError,
     CleanupLockHeld,
     ConcurrencyConflict,
     ConfigurationError,
@@ -57,6 +59,7 @@ from airflow_arroyo.store.records import (
     PrunePlan,
     SinkCommitRecord,
     SnapshotEntry,
+    TickRequest,
     TickResult,
     from_row,
 )
@@ -69,6 +72,7 @@ _EPOCH_COLS = (
     "pipeline_id, epoch, state, run_id, stages, is_final, triggered_by, triggered_at, timeout_at, "
     "ended_at, failure_reason, bytes_new, bytes_total, pruned_at, bytes_freed"
 )
+_LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
 _ENDED = [EpochState.COMPLETED.value, EpochState.FAILED.value, EpochState.EXPIRED.value]
 
 
@@ -103,12 +107,12 @@ class EpochStore:
             raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
         self.dsn = dsn
         self.retry_seconds = retry_seconds
-        self._pool = ConnectionPool(
-            lambda: psycopg2.connect(dsn, connect_timeout=5, application_name=application_name,
-                                     options="-c lock_timeout=15000 -c statement_timeout=60000"),
-            max_connections,
-        )
+        self.application_name = application_name
+        self._pool = ConnectionPool(self.connect, max_connections)
         self._closed = False
+        # helpers built on this store for one event loop each (the async tick coalescer, the listener)
+        self._loop_helpers: dict[tuple[object, str], Any] = {}
+        self._loop_helpers_lock = threading.Lock()
 
     @classmethod
     def shared(cls, dsn: str) -> EpochStore:
@@ -126,8 +130,30 @@ class EpochStore:
         if not self._closed:
             self._closed = True
             self._pool.close()
+            with self._loop_helpers_lock:
+                helpers, self._loop_helpers = list(self._loop_helpers.values()), {}
+            for helper in helpers:
+                helper.close()
+
+    def loop_helper(self, loop: Any, name: str, factory: Callable[[], T]) -> T:
+        """The ``name`` helper of this store for event loop ``loop`` (made by ``factory`` once).
+        Helpers of loops that have closed are closed and forgotten; all are closed with the store."""
+        with self._loop_helpers_lock:
+            stale = [key for key in self._loop_helpers if key[0].is_closed()]  # type: ignore[attr-defined]
+            dead = [self._loop_helpers.pop(key) for key in stale]
+            helper: T | None = self._loop_helpers.get((loop, name))
+            if helper is None:
+                helper = self._loop_helpers[(loop, name)] = factory()
+        for old in dead:
+            old.close()
+        return helper
 
     # ------------------------------------------------------------------ plumbing
+
+    def connect(self) -> PgConnection:
+        """A new connection with the store's settings (the pool's, and a listener's of its own)."""
+        return psycopg2.connect(self.dsn, connect_timeout=5, application_name=self.application_name,
+                                options="-c lock_timeout=15000 -c statement_timeout=60000")
 
     @contextmanager
     def _connection(self) -> Iterator[PgConnection]:
@@ -376,82 +402,191 @@ class EpochStore:
         a graceful stop, a manual checkpoint) but never the one-in-flight rule or the cleanup lock.
         ``watch``: epoch numbers the caller saw in flight; those that have ended come back in
         ``TickResult.ended`` (saves the controller a transaction per epoch to report its end).
+        A batch of one of :meth:`trigger_ticks`.
         """
-        watched = sorted({int(e) for e in watch})
+        request = TickRequest(pipeline_id, policy, triggered_by=triggered_by, force=force, is_final=is_final,
+                              watch=tuple(watch))
+        result = self.trigger_ticks([request])[0]
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None  # waited for the lock: never skipped
+        return result
 
-        def tx(cur: PgCursor) -> TickResult:
-            pipe = self._lock_pipeline(cur, pipeline_id)
-            # A fresh statement after the lock: READ COMMITTED gives it a snapshot that includes
-            # whatever the previous holder of the row lock committed (e.g. a cleanup lease).
-            cur.execute(
-                "SELECT clock_timestamp() AS now,"
-                " (SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state = 'triggered') AS in_flight,"
-                " (SELECT timeout_at FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state = 'triggered')"
-                "   AS in_flight_timeout_at,"
-                " (SELECT max(triggered_at) FROM arroyo_epochs WHERE pipeline_id = %(p)s) AS last_triggered_at,"
-                " (SELECT max(ended_at) FROM arroyo_epochs WHERE pipeline_id = %(p)s) AS last_ended_at,"
-                " l.holder, l.expires_at"
-                " FROM (SELECT 1) AS one"
-                " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = %(p)s AND l.expires_at > clock_timestamp()",
-                {"p": pipeline_id},
-            )
-            f = _one(cur)
-            now: datetime = f["now"]
+    def trigger_ticks(self, requests: Sequence[TickRequest]) -> list[TickResult | ArroyoError | None]:
+        """Many pipelines' ticks in ONE transaction (a triggerer's due ticks, coalesced).
+
+        Each pipeline is decided exactly as :meth:`trigger_tick` decides it, under its own row lock
+        (taken in pipeline-id order, so two batches never deadlock), by :func:`decide_trigger` over
+        facts read after every lock is held; the partial unique index still allows one in-flight
+        epoch per pipeline whoever inserts. The round trips are per batch, not per pipeline: lock,
+        facts, one INSERT for every START, one UPDATE for every EXPIRE, commit.
+
+        Returns one entry per request, in order: its :class:`TickResult`; an :class:`ArroyoError`
+        for that pipeline alone (:class:`UnknownPipelineError`, an epoch that vanished under us); or
+        ``None`` for a ``skip_if_locked`` request whose row another transaction held. An error of the
+        whole transaction is raised (transient ones after the store's retries).
+        """
+        if len({r.pipeline_id for r in requests}) != len(requests):
+            raise ConfigurationError("trigger_ticks: a pipeline may appear once per batch; tick it again after")
+        if not requests:
+            return []
+        return self._tx(lambda cur: self._ticks(cur, requests))
+
+    def _ticks(self, cur: PgCursor, requests: Sequence[TickRequest]) -> list[TickResult | ArroyoError | None]:
+        out: list[TickResult | ArroyoError | None] = [None] * len(requests)
+        wait = sorted(r.pipeline_id for r in requests if not r.skip_if_locked)
+        skip = sorted(r.pipeline_id for r in requests if r.skip_if_locked)
+        pipes: dict[str, dict[str, Any]] = {}
+        # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
+        # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
+        for ids, query in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES + " SKIP LOCKED")):
+            if ids:
+                cur.execute(query, (ids,))
+                pipes.update((row["pipeline_id"], row) for row in cur.fetchall())
+        missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
+        if missing:
+            cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (missing,))
+            exist = {row["pipeline_id"] for row in cur.fetchall()}  # locked by another: skipped
+            for i, r in enumerate(requests):
+                if r.pipeline_id in missing and r.pipeline_id not in exist:
+                    out[i] = UnknownPipelineError(r.pipeline_id)
+        todo = [(i, r) for i, r in enumerate(requests) if r.pipeline_id in pipes]
+        if not todo:
+            return out
+        facts, watched, observed_at = self._tick_facts(cur, [r for _, r in todo])
+        starts: list[tuple[int, TickRequest, TriggerDecision]] = []
+        expires: list[tuple[int, TickRequest, TriggerDecision]] = []
+        decided: dict[int, tuple[TriggerFacts, TriggerDecision]] = {}
+        for i, r in todo:
+            pipe, f = pipes[r.pipeline_id], facts[r.pipeline_id]
             state = PipelineState(pipe["state"])
-            facts = TriggerFacts(
-                now=now,
-                pipeline_state=state,
+            tf = TriggerFacts(
+                now=f["now"],
+                pipeline_state=PipelineState.RUNNING if r.force and state is PipelineState.STOPPING else state,
                 last_epoch=int(pipe["last_epoch"]),
                 in_flight_epoch=f["in_flight"],
                 in_flight_timeout_at=f["in_flight_timeout_at"],
-                last_triggered_at=None if force else f["last_triggered_at"],
-                last_ended_at=None if force else f["last_ended_at"],
+                last_triggered_at=None if r.force else f["last_triggered_at"],
+                last_ended_at=None if r.force else f["last_ended_at"],
                 cleanup_lease=CleanupLease(f["holder"], f["expires_at"]) if f["holder"] else None,
-                stop_requested=bool(pipe["stop_requested"]) and not is_final,
+                stop_requested=bool(pipe["stop_requested"]) and not r.is_final,
             )
-            if force and state is PipelineState.STOPPING:
-                facts = TriggerFacts(**{**facts.__dict__, "pipeline_state": PipelineState.RUNNING})
-            decision = decide_trigger(facts, policy)
-            started = expired = None
+            decision = decide_trigger(tf, r.policy)
+            decided[i] = (tf, decision)
             if decision.action is TriggerAction.START:
-                cur.execute(
-                    f"INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
-                    " SELECT %(p)s, %(n)s, 'triggered', %(run)s, %(stages)s, %(final)s, %(by)s,"
-                    " clock_timestamp(), clock_timestamp() + %(timeout)s, NULL, NULL, NULL, NULL, NULL, NULL"
-                    f" RETURNING {_EPOCH_COLS}",
-                    {"p": pipeline_id, "n": decision.epoch, "run": pipe["run_id"], "stages": pipe["stages"],
-                     "final": is_final, "by": triggered_by,
-                     "timeout": timedelta(seconds=policy.effective_timeout)},
-                )
-                started = from_row(EpochRecord, _one(cur))
-                cur.execute("UPDATE arroyo_pipelines SET last_epoch = %s WHERE pipeline_id = %s",
-                            (decision.epoch, pipeline_id))
+                starts.append((i, r, decision))
             elif decision.action is TriggerAction.EXPIRE:
-                cur.execute(
-                    f"UPDATE arroyo_epochs SET state = 'expired', ended_at = clock_timestamp(),"  # noqa: S608 - constant column list
-                    " failure_reason = %s WHERE pipeline_id = %s AND epoch = %s AND state = 'triggered'"
-                    f" RETURNING {_EPOCH_COLS}",
-                    (f"not acknowledged by every stage within {policy.effective_timeout:g}s",
-                     pipeline_id, decision.epoch),
-                )
-                expired = from_row(EpochRecord, _one(cur))
-            cur.execute(
-                "SELECT state FROM arroyo_epochs WHERE pipeline_id = %s ORDER BY epoch DESC LIMIT %s",
-                (pipeline_id, policy.tolerable_failures + 2),
-            )
-            failures = consecutive_failures(EpochState(r["state"]) for r in cur.fetchall())
-            ended: tuple[EpochRecord, ...] = ()
-            if watched:
-                cur.execute(
-                    f"SELECT {_EPOCH_COLS} FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = ANY(%s)"  # noqa: S608
-                    " AND state <> 'triggered' ORDER BY epoch",
-                    (pipeline_id, watched),
-                )
-                ended = tuple(from_row(EpochRecord, r) for r in cur.fetchall())
-            return TickResult(decision=decision, now=now, pipeline_state=state, started=started,
-                              expired=expired, consecutive_failures=failures, ended=ended)
+                expires.append((i, r, decision))
+        started = self._start_epochs(cur, starts)
+        expired = self._expire_epochs(cur, expires)
+        for i, r in todo:
+            f, (tf, decision) = facts[r.pipeline_id], decided[i]
+            if decision.action is TriggerAction.EXPIRE and r.pipeline_id not in expired:
+                out[i] = StoreError(f"epoch {decision.epoch} of pipeline {r.pipeline_id!r} was no longer in "
+                                    "flight when it was to expire (changed outside the pipeline's row lock)")
+                continue
+            # the newest epochs' states as they are after this tick (what the failure count reads)
+            states = [EpochState(s) for s in f["recent"]]
+            if decision.action is TriggerAction.EXPIRE:
+                states = [EpochState.EXPIRED if n == decision.epoch else s for n, s in zip(f["recent_epochs"], states,
+                                                                                        strict=True)]
+            if r.pipeline_id in started:
+                states = [EpochState.TRIGGERED, *states][: r.policy.tolerable_failures + 2]
+            ended = watched.get(r.pipeline_id, ())
+            if r.pipeline_id in expired:
+                ended = tuple(expired[r.pipeline_id] if e.epoch == decision.epoch else e for e in ended)
+            out[i] = TickResult(decision=decision, now=tf.now,
+                                pipeline_state=PipelineState(pipes[r.pipeline_id]["state"]),
+                                started=started.get(r.pipeline_id), expired=expired.get(r.pipeline_id),
+                                consecutive_failures=consecutive_failures(states), ended=ended,
+                                observed_at=observed_at)
+        return out
 
-        return self._tx(tx)
+    @staticmethod
+    def _tick_facts(cur: PgCursor, requests: Sequence[TickRequest]
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[EpochRecord, ...]], float]:
+        """Every locked pipeline's facts in one statement (a fresh statement after the locks: READ
+        COMMITTED gives it a snapshot with whatever the previous lock holders committed).
+
+        ``last_ended_at`` is the end of the newest ended epoch: with one epoch in flight at most,
+        epoch n+1 starts after epoch n ended, so ends grow with epoch numbers (an index scan from
+        the newest epoch, not a scan of the pipeline's whole history)."""
+        pids = [r.pipeline_id for r in requests]
+        t0 = time.monotonic()
+        cur.execute(
+            "SELECT r.pipeline_id, clock_timestamp() AS now, f.epoch AS in_flight,"
+            " f.timeout_at AS in_flight_timeout_at,"
+            " (SELECT max(e.triggered_at) FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id)"
+            "   AS last_triggered_at,"
+            " (SELECT e.ended_at FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id AND e.ended_at IS NOT NULL"
+            "   ORDER BY e.epoch DESC LIMIT 1) AS last_ended_at,"
+            " l.holder, l.expires_at,"
+            " ARRAY(SELECT e.state FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent,"
+            " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
+            " FROM unnest(%s::text[], %s::int[]) AS r(pipeline_id, k)"
+            " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
+            " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
+            (pids, [r.policy.tolerable_failures + 2 for r in requests]),
+        )
+        rows = cur.fetchall()
+        observed_at = (t0 + time.monotonic()) / 2
+        facts: dict[str, dict[str, Any]] = {row["pipeline_id"]: row for row in rows}
+        pairs = [(r.pipeline_id, int(e)) for r in requests for e in sorted(set(r.watch))]
+        watched: dict[str, tuple[EpochRecord, ...]] = {}
+        if pairs:
+            cur.execute(
+                f"SELECT {_EPOCH_COLS} FROM arroyo_epochs JOIN unnest(%s::text[], %s::bigint[])"  # noqa: S608
+                " AS w(pipeline_id, epoch) USING (pipeline_id, epoch) WHERE state <> 'triggered'"
+                " ORDER BY pipeline_id, epoch",
+                ([p for p, _ in pairs], [e for _, e in pairs]),
+            )
+            for row in cur.fetchall():
+                rec = from_row(EpochRecord, row)
+                watched[rec.pipeline_id] = (*watched.get(rec.pipeline_id, ()), rec)
+        return facts, watched, observed_at
+
+    @staticmethod
+    def _start_epochs(cur: PgCursor, starts: Sequence[tuple[int, TickRequest, TriggerDecision]]
+                      ) -> dict[str, EpochRecord]:
+        """Insert every decided START in one statement and move the pipelines' ``last_epoch``."""
+        if not starts:
+            return {}
+        cur.execute(
+            "WITH s AS (SELECT * FROM unnest(%(p)s::text[], %(n)s::bigint[], %(final)s::boolean[],"  # noqa: S608
+            "   %(by)s::text[], %(timeout)s::float8[]) AS s(pipeline_id, epoch, is_final, triggered_by, timeout_s)),"
+            f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
+            "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
+            "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
+            "   NULL, NULL, NULL, NULL, NULL, NULL"
+            "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
+            f"   RETURNING {_EPOCH_COLS}),"
+            " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
+            "   WHERE p.pipeline_id = ins.pipeline_id)"
+            " SELECT * FROM ins",
+            {"p": [r.pipeline_id for _, r, _ in starts], "n": [d.epoch for _, _, d in starts],
+             "final": [r.is_final for _, r, _ in starts], "by": [r.triggered_by for _, r, _ in starts],
+             "timeout": [float(r.policy.effective_timeout) for _, r, _ in starts]},
+        )
+        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in cur.fetchall())}
+
+    @staticmethod
+    def _expire_epochs(cur: PgCursor, expires: Sequence[tuple[int, TickRequest, TriggerDecision]]
+                       ) -> dict[str, EpochRecord]:
+        """Mark every decided EXPIRE in one guarded UPDATE (only epochs still in flight move)."""
+        if not expires:
+            return {}
+        cur.execute(
+            "UPDATE arroyo_epochs e SET state = 'expired', ended_at = clock_timestamp(),"  # noqa: S608
+            " failure_reason = x.reason"
+            " FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS x(pipeline_id, epoch, reason)"
+            " WHERE e.pipeline_id = x.pipeline_id AND e.epoch = x.epoch AND e.state = 'triggered'"
+            f" RETURNING {', '.join('e.' + c.strip() for c in _EPOCH_COLS.split(','))}",
+            ([r.pipeline_id for _, r, _ in expires], [d.epoch for _, _, d in expires],
+             [f"not acknowledged by every stage within {r.policy.effective_timeout:g}s" for _, r, _ in expires]),
+        )
+        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in cur.fetchall())}
 
     # ------------------------------------------------------------------ epochs
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from airflow_arroyo.epochs import EpochState, PipelineState, TriggerDecision
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerDecision
 
 __all__ = [
     "AckRecord",
@@ -19,6 +20,7 @@ __all__ = [
     "PrunePlan",
     "SinkCommitRecord",
     "SnapshotEntry",
+    "TickRequest",
     "TickResult",
 ]
 
@@ -26,8 +28,13 @@ R = TypeVar("R")
 
 
 def from_row(cls: type[R], row: Mapping[str, Any]) -> R:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = _field_names(cls)  # type: ignore[arg-type]
     return cls(**{k: v for k, v in row.items() if k in names})
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,27 @@ class TickResult:
     expired: EpochRecord | None = None
     consecutive_failures: int = 0
     ended: tuple[EpochRecord, ...] = ()  # epochs of the tick's ``watch`` that are no longer in flight
+    # this process's ``time.monotonic()`` when the database read ``now`` (the midpoint of that
+    # statement's round trip): maps database instants to local timers without another round trip
+    observed_at: float | None = None
+
+
+@dataclass(frozen=True)
+class TickRequest:
+    """One pipeline's tick in :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks`.
+
+    ``skip_if_locked``: if another transaction holds the pipeline's row lock, leave this pipeline out
+    (its result is ``None``) instead of waiting for the lock, so one busy pipeline does not hold up a
+    whole batch; ask again.
+    """
+
+    pipeline_id: str
+    policy: CheckpointPolicy
+    triggered_by: str = "trigger"
+    force: bool = False
+    is_final: bool = False
+    watch: tuple[int, ...] = ()
+    skip_if_locked: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ lock is held, the interval between starts and the minimum pause after an end, th
 
 What this trigger adds is time and reporting: it sleeps until the next decision is worth making
 (``min(recheck_at - now, poll)``, both instants from the database clock, so triggerers on different
-hosts agree), logs each epoch's start and end as they happen (trigger log), counts consecutive
-failures against the tolerance, and ends with one event carrying a summary of the epochs it saw:
+hosts agree), or, while it waits for an epoch to end or the pipeline to run, until the database
+announces a change (LISTEN/NOTIFY through the loop's shared listener); it logs each epoch's start
+and end as they happen (trigger log), counts consecutive failures against the tolerance, and ends
+with one event carrying a summary of the epochs it saw:
 
 * ``status="success"`` when the pipeline stopped;
 * ``status="failure"`` when the pipeline failed (with its cause), when more consecutive epochs
@@ -50,7 +52,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.metrics import EpochMetrics
-from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, TickResult
+from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
@@ -58,6 +60,9 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
 OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
+# Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
+# Without a live listener (off here, or its connection lost) the trigger polls.
+WAKE_ON_NOTIFY = True
 
 
 def format_bytes(n: int | None) -> str:
@@ -284,6 +289,9 @@ class _Controller:
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
         self.metrics = trigger._metrics()
+        self.sub: Subscription | None = None  # wake-ups from the database (None: poll)
+        self.mark = 0  # the subscription's mark taken before the last tick
+        self.wake = False  # may the next wait end early on an announcement?
 
     async def run(self) -> TriggerEvent:
         self.log.info(
@@ -292,7 +300,17 @@ class _Controller:
             self.pid, self.policy.interval, self.policy.effective_timeout, self.policy.min_pause,
             self.policy.tolerable_failures, self.poll,
         )
+        if WAKE_ON_NOTIFY:
+            self.sub = await self.store.subscribe(self.pid)
+        try:
+            return await self._loop()
+        finally:
+            if self.sub is not None:
+                self.sub.close()
+
+    async def _loop(self) -> TriggerEvent:
         while True:
+            self.wake = False
             try:
                 event, delay = await self._step()
             except TransientStoreError as exc:
@@ -302,7 +320,14 @@ class _Controller:
                                      message=f"epoch store error for pipeline {self.pid}: {exc}")
             if event is not None:
                 return event
-            await asyncio.sleep(delay)
+            if self.wake and self.listening:
+                await self.sub.wait(self.mark, delay)  # type: ignore[union-attr]
+            else:
+                await asyncio.sleep(delay)
+
+    @property
+    def listening(self) -> bool:
+        return self.sub is not None and self.sub.live
 
     def _outage(self, exc: TransientStoreError) -> TriggerEvent | None:
         now = self.clock()
@@ -323,6 +348,8 @@ class _Controller:
             waited = await self._wait_for_run()
             if waited is not None:
                 return waited
+        if self.sub is not None:
+            self.mark = self.sub.mark()  # announcements from now on end the next wait at once
         if not self.interval_recorded:  # before the first tick: no time taken between its ticks
             try:
                 await self._record_interval()
@@ -503,30 +530,46 @@ class _Controller:
     def _delay(self, tick: TickResult) -> float:
         """How long to sleep before the next tick: until the decision is worth making again.
 
-        After a start: one interval (the next epoch is due then). While waiting for the schedule or a
-        cleanup lease: until ``recheck_at``. While an epoch is in flight: until the next one is due,
-        and once it is overdue, in short polls that double (``interval / 50`` at first, at least
-        20 ms, then up to ``poll``), so that a late acknowledgement delays the next epoch by about
-        as much again at most, not by a whole poll interval. Never past ``poll``.
+        After a start: until one interval after it (the next epoch is due then). While waiting for
+        the schedule or a cleanup lease: until ``recheck_at``. While an epoch is in flight: until the
+        next one is due; once it is overdue, until the database announces the epoch's end (sets
+        ``self.wake``), or without a listener in short polls that double (``interval / 50`` at
+        first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
+        epoch by about as much again at most, not by a whole poll interval. While the pipeline does
+        not run: until it changes. Never past ``poll``.
+
+        Database instants become local timers through ``tick.observed_at`` (when the database read
+        ``now``), so the time the tick took is not slept again.
         """
         decision = tick.decision
-        now = tick.now
         delay = self.poll
         overdue = False
         if tick.started is not None:
-            delay = min(delay, self.policy.interval)
+            delay = min(delay, self._until(tick, tick.started.triggered_at + timedelta(seconds=self.policy.interval)))
         elif decision.recheck_at is not None:
-            delay = min(delay, (decision.recheck_at - now).total_seconds())
+            delay = min(delay, self._until(tick, decision.recheck_at))
         if decision.action is TriggerAction.WAIT_IN_FLIGHT and decision.recheck_at is not None:
             # The in-flight epoch started one timeout before it times out (read from the database,
             # not remembered: right after a restart too).
             started = decision.recheck_at - timedelta(seconds=self.policy.effective_timeout)
-            due = (started - now).total_seconds() + self.policy.interval
+            due = self._until(tick, started + timedelta(seconds=self.policy.interval))
             if due > 0:
                 delay = min(delay, due)
+            elif self.listening:
+                self.wake = True
             else:
                 overdue = True
                 base = max(OVERDUE_POLL_MIN, self.policy.interval / 50)
                 delay = min(delay, base * 2 ** min(self.overdue_polls, 30))
+        if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
+            self.wake = True
         self.overdue_polls = self.overdue_polls + 1 if overdue else 0
         return max(delay, 0.0)
+
+    @staticmethod
+    def _until(tick: TickResult, at: datetime) -> float:
+        """Seconds from now until the database instant ``at``."""
+        seconds = (at - tick.now).total_seconds()
+        if tick.observed_at is not None:
+            seconds -= time.monotonic() - tick.observed_at
+        return seconds

@@ -614,17 +614,6 @@ def test_permanent_errors_are_raised_at_once_as_store_errors(pg_server: Throwawa
     assert [r for r in caplog.records if "transient" in r.getMessage()] == []
 
 
-@pytest.fixture
-def private_pg() -> Iterator[ThrowawayPostgres]:
-    """A server of this test's own, to stop and restart without disturbing the others."""
-    pg = ThrowawayPostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.cleanup()
-
-
 def test_the_store_reconnects_after_a_server_restart(private_pg: ThrowawayPostgres,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="airflow_arroyo.store._retry")
