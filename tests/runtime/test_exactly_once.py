@@ -30,7 +30,7 @@ from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
 from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.stage import StorageLayout
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
     Controller,
