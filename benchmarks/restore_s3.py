@@ -35,11 +35,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from airflow_arroyo.devtools.postgres import ThrowawayPostgres  # noqa: E402
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState  # noqa: E402
-from airflow_arroyo.fs import FileSystem  # noqa: E402
-from airflow_arroyo.runtime.snapshot import SnapshotStore  # noqa: E402
-from airflow_arroyo.store import EpochStore  # noqa: E402
+from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.snapshot import SnapshotStore
+from airflow_arroyo.store import EpochStore
 
 
 class RequestCounter(logging.Handler):
