@@ -11,9 +11,20 @@ One class, :class:`FileSystem`, rooted at a URI. Every path argument is relative
 * otherwise any fsspec URI (``memory://``, ``az://``...), wrapped in :class:`pyarrow.fs.PyFileSystem`.
 
 Guarantees differ by backend and are stated per method. On object stores a write is a single PUT, which
-is atomic by itself; exclusive creation is exact on local disks and on fsspec backends that support the
-``"xb"`` open mode, and best effort (check, then put) elsewhere. Channels have one writer each, so the
-best-effort case is a safety net, not the mechanism. Caveat (not tested here, no cluster): on HDFS
+is atomic by itself; exclusive creation is exact on local disks, on S3 (a conditional put with
+``If-None-Match: *`` through boto3, when boto3 is installed and the endpoint honours the header), and on
+fsspec backends that support the ``"xb"`` open mode, and best effort (check, then put) elsewhere.
+Channels have one writer each, so the best-effort case is a safety net, not the mechanism. Nothing in
+this package renames a folder (object stores have no folder rename); :meth:`FileSystem.move` moves one
+file.
+
+S3 settings are the AWS SDK's own, read by pyarrow and boto3 alike from the environment of every
+process that touches the storage (the driver and, for channel reads and writes, the executors):
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (or a profile, or an instance role), ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, and for an S3-compatible server (MinIO, Ceph, moto) ``AWS_ENDPOINT_URL`` (or
+``AWS_ENDPOINT_URL_S3``), e.g. ``http://127.0.0.1:9000``. URIs stay plain: ``s3://bucket/prefix``.
+
+Caveat (not tested here, no cluster): on HDFS
 through pyarrow a write is one create, and HDFS shows a file being written to readers, so a reader
 racing a write can see it partial; local disks and object stores do not have this problem.
 
@@ -23,7 +34,9 @@ filesystem (use a replicated store such as HDFS or S3 for that).
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import posixpath
 import uuid
@@ -37,6 +50,8 @@ import pyarrow.fs as pafs
 from airflow_arroyo.exceptions import ConfigurationError
 
 __all__ = ["FileEntry", "FileSystem", "arrow_uri"]
+
+log = logging.getLogger(__name__)
 
 # Schemes that Spark (Hadoop) spells differently from pyarrow.
 _SPARK_SCHEMES = {"s3": "s3a"}
@@ -77,6 +92,7 @@ class FileSystem:
         self._base = base.rstrip("/") if base != "/" else base
         self._fsspec = fsspec_fs
         self.is_local = isinstance(arrow_fs, pafs.LocalFileSystem)
+        self.is_s3 = type(arrow_fs).__name__ == "S3FileSystem"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -266,11 +282,17 @@ class FileSystem:
 
         Local: the content goes to a temporary file that is then hard-linked to ``path`` (the link fails
         when ``path`` exists), so a reader never sees a partial file and exactly one racing creator
-        wins. fsspec backends: the ``"xb"`` open mode where supported. Other backends: check, then put
-        (not race-free; fine under the one-writer-per-path discipline the callers keep).
+        wins. S3: one PUT with ``If-None-Match: *`` (the server refuses it when the key exists), through
+        boto3. fsspec backends: the ``"xb"`` open mode where supported. Other backends, and S3 without
+        boto3 or against a server that ignores the header: check, then put (not race-free; fine under
+        the one-writer-per-path discipline the callers keep).
         """
         self._ensure_parent(path)
         target = self._abs(path)
+        if self.is_s3:
+            created = _s3_put_if_absent(target, data)
+            if created is not None:
+                return created
         if self.is_local:
             tmp = f"{target}.tmp-{uuid.uuid4().hex}"
             with open(tmp, "wb") as f:
@@ -344,3 +366,39 @@ class FileSystem:
             self._fs.delete_dir(self._abs(path))
         except FileNotFoundError:
             return
+
+
+# --------------------------------------------------------------------------- S3 conditional put
+
+
+@functools.cache
+def _s3_client() -> Any:
+    """A boto3 S3 client configured like pyarrow's (both read the AWS SDK environment), or None."""
+    try:
+        import boto3
+    except ImportError:
+        log.warning("boto3 is not installed: exclusive creation on S3 is check-then-put (pip install boto3 for "
+                    "conditional puts with If-None-Match)")
+        return None
+    return boto3.client("s3")
+
+
+def _s3_put_if_absent(bucket_key: str, data: bytes) -> bool | None:
+    """PUT ``data`` at ``bucket/key`` unless the key exists: True created, False existed, None when the
+    conditional put is not available (no boto3, or a server that does not implement the header)."""
+    client = _s3_client()
+    if client is None:
+        return None
+    bucket, _, key = bucket_key.partition("/")
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        return True
+    except Exception as exc:  # botocore's ClientError, imported lazily with boto3
+        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            return False
+        if code in ("NotImplemented", "501"):
+            log.warning("the S3 endpoint does not implement If-None-Match; exclusive creation of %s is "
+                        "check-then-put", bucket_key)
+            return None
+        raise

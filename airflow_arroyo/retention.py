@@ -43,13 +43,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_arroyo.epochs import EpochFacts, RetentionPolicy, select_prunable, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, CleanupLockHeld, ConfigurationError, LockLostError
+from airflow_arroyo.runtime.layout import object_path
 
 if TYPE_CHECKING:
     from airflow_arroyo.store import CleanupRunRecord, EpochRecord, EpochStore
 
 __all__ = [
     "PruneReport",
-    "object_path",
     "parse_duration",
     "policy_from",
     "prune_pipeline",
@@ -57,7 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_OBJECTS_DIR = "snapshots/objects"
 
 
 class ObjectFileSystem(Protocol):
@@ -85,15 +84,6 @@ def _default_open_channel(uri: str) -> TruncatableChannel | None:
     if not Channel.exists(uri):
         return None
     return Channel.open(uri)
-
-
-def object_path(pipeline_id: str, object_key: str) -> str:
-    """Path of a snapshot object below the pipeline's ``storage_uri`` (the fixed layout)."""
-    key = object_key.strip("/")
-    if not key or ".." in key.split("/"):
-        raise ConfigurationError(f"snapshot object key {object_key!r} of pipeline {pipeline_id!r} is not a "
-                                 "relative path below the snapshot root")
-    return f"{pipeline_id}/{SNAPSHOT_OBJECTS_DIR}/{key}"
 
 
 # --------------------------------------------------------------------------- input parsing (pure)

@@ -578,7 +578,7 @@ def _draw_fate(w: _Worker) -> str:
 def _snapshot(w: _Worker, store: Any, pid: str, epoch: int, stage: str, versions: dict[tuple[str, str], int]) -> None:
     """A small incremental snapshot: the stage's state file changes every few epochs; unchanged
     files are referenced, not rewritten. Written before the ack, as a stage does."""
-    from airflow_arroyo.retention import object_path
+    from airflow_arroyo.runtime.layout import object_path
     from airflow_arroyo.store import SnapshotEntry
 
     assert w.config.storage_root is not None
@@ -599,7 +599,7 @@ def missing_objects(dsn: str, storage_root: str) -> list[str]:
     """Snapshot objects a restorable (completed) epoch references that are not on disk."""
     import psycopg2
 
-    from airflow_arroyo.retention import object_path
+    from airflow_arroyo.runtime.layout import object_path
 
     conn = psycopg2.connect(dsn)
     try:

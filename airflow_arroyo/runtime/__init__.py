@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "PipelineDriver": "airflow_arroyo.runtime.driver",
     "DriverResult": "airflow_arroyo.runtime.driver",
     "StageRunner": "airflow_arroyo.runtime.stage",
-    "StorageLayout": "airflow_arroyo.runtime.stage",
+    "StorageLayout": "airflow_arroyo.runtime.layout",
     "SnapshotStore": "airflow_arroyo.runtime.snapshot",
     "AlignmentError": "airflow_arroyo.runtime.alignment",
 }

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -615,8 +615,11 @@ class Channel:
         """Append a Spark micro-batch (call it from ``foreachBatch`` on the driver).
 
         Same contract as :meth:`append_table`: idempotent per ``batch_id`` (a replayed batch appends
-        nothing and returns None), empty batches leave no entry. The rows are written by Spark
-        (``df.write.parquet``) into a fresh directory; the entry is committed afterwards.
+        nothing and returns None), empty batches leave no entry. The rows are written into a fresh
+        directory, and the entry is committed afterwards. On a local disk or HDFS Spark's own writer
+        writes them (``df.write.parquet``); on an object store each executor task writes its partition
+        with pyarrow (one PUT per file, no Hadoop committer renaming files, no ``s3a://`` connector
+        needed) and only the files of tasks that succeeded are named by the entry.
         """
         _check_writer(writer)
         _check_batch_id(batch_id)
@@ -625,6 +628,9 @@ class Channel:
                 return None
             self._ensure_schema(normalize_schema(df.schema))
             data_dir = self._new_data_dir(writer, batch_id)
+            if not _hadoop_writes(self._fs):
+                return self._commit_data(data_dir, _write_partitions_with_arrow(df, self._fs, data_dir), writer,
+                                         batch_id)
             df.write.mode("errorifexists").parquet(self._fs.spark_uri_of(data_dir))
             files = [
                 e.path
@@ -777,6 +783,34 @@ class Channel:
 
 
 # ---------------------------------------------------------------------- helpers
+def _hadoop_writes(fs: FileSystem) -> bool:
+    """Whether Spark's own file writer is the one to use for ``fs`` (local disks, HDFS); object stores are
+    written with pyarrow from the executors instead."""
+    return fs.is_local or fs.uri.partition("://")[0].lower() in ("hdfs", "viewfs")
+
+
+def _write_partitions_with_arrow(df: DataFrame, fs: FileSystem, data_dir: str) -> list[str]:
+    """Each task of ``df`` writes its non-empty partition as one Parquet file below ``data_dir`` with pyarrow;
+    returns the paths (relative to ``fs``) of the files of the tasks that succeeded, sorted."""
+
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        path = f"{data_dir}/part-{uuid.uuid4().hex}.parquet"
+        out: pq.ParquetWriter | None = None
+        try:
+            for b in batches:
+                if b.num_rows:
+                    if out is None:
+                        out = pq.ParquetWriter(fs.arrow_path(path), b.schema, filesystem=fs.arrow_fs)
+                    out.write_batch(b)
+        finally:
+            if out is not None:
+                out.close()
+        if out is not None:
+            yield pa.RecordBatch.from_pydict({"path": [path]})
+
+    return sorted(str(r["path"]) for r in df.mapInArrow(write, "path string").collect())
+
+
 def _read_header(fs: FileSystem) -> dict[str, Any]:
     try:
         header: dict[str, Any] = fs.read_json(HEADER_FILE)

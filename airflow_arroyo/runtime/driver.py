@@ -16,7 +16,7 @@ Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_D
 ``ARROYO_DSN_FILE`` names, so that no secret is on the command line)::
 
     spark-submit .../airflow_arroyo/runtime/driver.py --pipeline pkg.module:attr --run-id RUN \\
-        [--restore-from latest|N] [--storage-uri URI] [--takeover] [--arg key=value ...]
+        [--restore-from latest|N] [--storage-uri URI] [--checkpoint-uri URI] [--takeover] [--arg key=value ...]
 
 ``attr`` is a :class:`~airflow_arroyo.runtime.pipeline.Pipeline` or a function returning one (called
 with the ``--arg`` values as keyword arguments).
@@ -104,6 +104,7 @@ class PipelineDriver:
         store: EpochStore,
         *,
         storage_uri: str,
+        checkpoint_uri: str | None = None,
         run_id: str | None = None,
         restore_from: RestoreFrom = None,
         spark: SparkSession | None = None,
@@ -121,9 +122,10 @@ class PipelineDriver:
         self.pipeline_id = pipeline.pipeline_id
         self.store = store
         self.storage_uri = storage_uri
+        self.checkpoint_uri = checkpoint_uri or storage_uri
         self.run_id = run_id or f"run-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.restore_from = _parse_restore_from(restore_from)
-        self.layout = StorageLayout.at(storage_uri, self.pipeline_id)
+        self.layout = StorageLayout.at(storage_uri, self.pipeline_id, checkpoint_uri)
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.final_epoch_timeout = final_epoch_timeout
@@ -134,7 +136,7 @@ class PipelineDriver:
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
         self.runners: list[StageRunner] = []
-        self.snapshots = SnapshotStore(self.layout.fs, self.pipeline_id, store)
+        self.snapshots = SnapshotStore(self.layout.fs, self.pipeline_id, store, checkpoints=self.layout.checkpoint_fs)
         self._executor: ThreadPoolExecutor | None = None
         self._epoch_watch: EpochWatch | None = None
         self._stop = threading.Event()
@@ -204,9 +206,8 @@ class PipelineDriver:
     # ------------------------------------------------------------------ restore planning
 
     def _has_state(self) -> bool:
-        fs = self.layout.fs
         for s in self.graph.stages:
-            if fs.list_dir(self.layout.checkpoint(s.name)):
+            if self.layout.checkpoint_fs.list_dir(self.layout.checkpoint(s.name)):
                 return True
         for c in self.graph.channels:
             if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
@@ -272,7 +273,7 @@ class PipelineDriver:
             self.pipeline_id, stages=self.graph.stage_names, run_id=self.run_id,
             channels={c: self.layout.channel_uri(c) for c in self.graph.channels},
             storage_uri=self.storage_uri, restored_from_epoch=epoch, takeover=takeover,
-            config={"driver": "airflow_arroyo.runtime.driver", "stages": {
+            config={"driver": "airflow_arroyo.runtime.driver", "checkpoint_uri": self.checkpoint_uri, "stages": {
                 s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
                          "output": s.output} for s in self.graph.stages}},
         )
@@ -280,20 +281,18 @@ class PipelineDriver:
     # ------------------------------------------------------------------ restore
 
     def _clean_leftovers(self) -> None:
-        """Remove what a killed run may have left half-written: snapshot temp files and staging folders of
-        an interrupted restore (never a live checkpoint, a snapshot object or a set-aside checkpoint)."""
-        fs = self.layout.fs
-        fs.delete_tree(f"{self.pipeline_id}/snapshots/tmp")
+        """Remove what a killed run may have left half-written: snapshot temp files and checkpoint folders of
+        an interrupted restore (never the live checkpoint, a snapshot object or the previous checkpoint)."""
+        self.layout.fs.delete_tree(self.layout.snapshot_tmp_dir)
         for s in self.graph.stages:
-            for e in fs.list_dir(self.layout.stage_dir(s.name)):
-                if e.is_dir and e.name.startswith("checkpoint.restoring-"):
-                    fs.delete_tree(e.path)
+            for folder in self.layout.stray_checkpoints(s.name):
+                self.layout.checkpoint_fs.delete_tree(folder)
 
     def _restore(self, epoch: int) -> None:
         """Rebuild every stage's checkpoint from ``epoch`` and truncate every channel after barrier ``epoch``.
 
-        All checkpoints are rebuilt and verified in staging folders first; only when every one is
-        complete are they swapped in (old folders moved aside) and the channels truncated.
+        All checkpoints are rebuilt and verified in new folders first; only when every one is complete are
+        the stages' checkpoint pointers switched to them (no folder is renamed) and the channels truncated.
         """
         t0 = time.monotonic()
         channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
@@ -302,7 +301,7 @@ class PipelineDriver:
         prepared: list[PreparedRestore] = []
         try:
             for s in self.graph.stages:
-                prepared.append(self.snapshots.prepare_restore(s.name, epoch, self.layout.checkpoint(s.name)))
+                prepared.append(self.snapshots.prepare_restore(s.name, epoch))
         except SnapshotError:
             self.snapshots.discard(prepared)
             raise
@@ -323,13 +322,12 @@ class PipelineDriver:
         """restore_from='latest' with no completed epoch: begin again from empty checkpoints and channels."""
         if not self._has_state():
             return
-        fs = self.layout.fs
+        layout = self.layout
         for s in self.graph.stages:
-            ckpt = self.layout.checkpoint(s.name)
-            if fs.exists(ckpt):
-                staging = PreparedRestore(s.name, 0, f"{ckpt}.restoring-0-{uuid.uuid4().hex[:8]}", ckpt, 0, 0)
-                fs.makedirs(staging.staging)
-                self.snapshots.commit_restore(staging)
+            if layout.checkpoint_fs.exists(layout.checkpoint(s.name)):
+                empty = layout.new_checkpoint(s.name, 0)
+                layout.checkpoint_fs.makedirs(empty)
+                layout.switch_checkpoint(s.name, empty)
         for c in self.graph.channels:
             uri = self.layout.channel_uri(c)
             if Channel.exists(uri):
@@ -337,7 +335,7 @@ class PipelineDriver:
                 Channel.open(uri).reset()
         for sink in self.sinks.values():
             sink.rollback_to(-1)  # no epoch ever completed: nothing of it was committed
-        log.info("pipeline=%s: no completed epoch; checkpoints set aside and channels emptied", self.pipeline_id)
+        log.info("pipeline=%s: no completed epoch; fresh checkpoints and empty channels", self.pipeline_id)
 
     # ------------------------------------------------------------------ Spark
 
@@ -642,7 +640,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-id", default=None, help="id of this run (default: generated)")
     parser.add_argument("--restore-from", default=None, help="'latest' or an epoch number (default: fresh start)")
     parser.add_argument("--storage-uri", default=os.environ.get("ARROYO_STORAGE_URI"),
-                        help="root of channels, checkpoints and snapshots (default: $ARROYO_STORAGE_URI)")
+                        help="root of channels and snapshots, and of checkpoints unless --checkpoint-uri is given "
+                             "(default: $ARROYO_STORAGE_URI)")
+    parser.add_argument("--checkpoint-uri", default=os.environ.get("ARROYO_CHECKPOINT_URI"),
+                        help="root of Spark's streaming checkpoints, a Hadoop filesystem URI that pyarrow reads too "
+                             "(default: $ARROYO_CHECKPOINT_URI, else the storage URI)")
     parser.add_argument("--takeover", action="store_true", help="supersede a run that is still registered")
     parser.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument for the pipeline function (JSON values allowed); repeatable")
@@ -711,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     store = EpochStore(dsn, application_name=f"arroyo-driver-{pipeline.pipeline_id}")
-    log.info("pipeline=%s: epoch store %s, storage %s", pipeline.pipeline_id, redact_dsn(dsn), args.storage_uri)
+    log.info("pipeline=%s: epoch store %s, storage %s, checkpoints %s", pipeline.pipeline_id, redact_dsn(dsn),
+             args.storage_uri, args.checkpoint_uri or args.storage_uri)
     spark = None
     if args.master or args.conf:
         from pyspark.sql import SparkSession
@@ -722,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in _kv(args.conf, "--conf").items():
             builder = builder.config(k, str(v))
         spark = builder.getOrCreate()
-    driver = PipelineDriver(pipeline, store, storage_uri=args.storage_uri, run_id=args.run_id,
+    driver = PipelineDriver(pipeline, store, storage_uri=args.storage_uri, checkpoint_uri=args.checkpoint_uri,
+                            run_id=args.run_id,
                             restore_from=args.restore_from, spark=spark, takeover=args.takeover,
                             poll_interval=args.poll_interval, own_spark=True)
 

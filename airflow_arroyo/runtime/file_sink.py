@@ -4,13 +4,15 @@ Spark's own streaming file sink remembers batch ids in ``_spark_metadata`` and s
 seen; after a restore the same batch id can carry other rows, so it would lose or duplicate them. This
 sink instead follows Flink's two-phase commit sink: a micro-batch is *pre-committed* to a pending
 folder, and *committed* (made visible) only when an epoch whose cut covers it completes. A restore
-rolls it back to the restored epoch's cut. Readers of the sink's folder see whole epochs only.
+rolls it back to the restored epoch's cut.
 
 Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.fs.FileSystem` understands)::
 
-    <path>/<batch:012d>-<part file>          committed data files (what readers read)
-    <path>/_arroyo_sink/owner.json           {"pipeline": ..., "stage": ..., "format": ...}
-    <path>/_arroyo_sink/pending/<batch>/     a pre-committed micro-batch, as Spark's batch writer left it
+    <path>/<batch:012d>-<part file>                committed data files (what readers read)
+    <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
+    <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it
+    <path>/_arroyo_sink/committed/<batch:012d>.json  the batch's manifest: {"batch": b, "files": [...]}
+    <path>/_arroyo_sink/committed.json             {"through": c}: the newest committed batch (the commit point)
 
 Spark, pyarrow and pandas skip files and folders starting with ``_`` or ``.``, so ``_arroyo_sink`` is
 invisible to readers of ``<path>``.
@@ -18,11 +20,24 @@ invisible to readers of ``<path>``.
 * **Pre-commit** (the stage's writer, micro-batch *b*): ``df.write.mode("overwrite")`` into
   ``pending/b``: a re-run of *b* after a restore replaces what an earlier attempt left.
 * **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
-  every ``pending/b`` with ``b <= c`` is moved into ``<path>`` file by file under names prefixed by
-  *b*, then removed. Moving is idempotent: a commit cut short by a crash is finished by the next one.
+  every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
+  *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
+  is renamed), then the batch's manifest is written and ``pending/b`` removed; last, ``committed.json``
+  is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
+  finished by the next one, and a final name is written only from its one pending file, so no file
+  ever appears under two names.
 * **Rollback** (restore of epoch *N*, cut *c*): finish the commit of ``pending/b <= c`` (epoch *N*
-  completed; its commit may not have run), delete ``pending/b > c`` and committed files of batches
-  ``> c`` (left by epochs after *N* when an older epoch is restored).
+  completed; its commit may not have run), set ``through = c``, then delete the manifests, pending
+  folders and committed files of batches ``> c`` (left by epochs after *N* when an older epoch is
+  restored).
+
+What readers see. :func:`committed_files` lists exactly the files of the batches ``<= through``
+(from their manifests): whole epochs only, on every backend, even while a commit runs or after a
+crash in the middle of one. A plain reader of the folder (``spark.read.parquet(path)``,
+``pyarrow.dataset``) lists the files themselves: it never sees a pending file (hidden folder) nor a
+file twice, but while a commit is moving files (and, after a crash mid-commit, until the next run
+finishes it) it can see part of an epoch; after a restore to an older epoch it stops seeing the later
+epochs' files as they are deleted. On S3 that window is one copy request per file.
 """
 
 from __future__ import annotations
@@ -40,13 +55,15 @@ from airflow_arroyo.runtime.sinks import SinkCommit
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink"]
+__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink", "committed_files"]
 
 log = logging.getLogger(__name__)
 
 # Spark batch writers that write files into a folder (what ships with pyspark; avro needs a jar).
 FILE_SINK_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
 _META = "_arroyo_sink"
+_MANIFESTS = f"{_META}/committed"
+_THROUGH = f"{_META}/committed.json"
 _BATCH_DIGITS = 12
 _BATCH_MANIFEST = "_arroyo_batch.json"  # in pending/<batch>/: {"rows": n}, written at pre-commit
 
@@ -131,29 +148,36 @@ class TransactionalFileSink:
                                   {"rows": int(rows) if rows is not None else None})
 
     def commit_through(self, batch_id: int) -> SinkCommit:
-        """Make every pending batch ``<= batch_id`` visible; returns what was moved."""
+        """Make every pending batch ``<= batch_id`` visible; says what it moved. The commit point is
+        ``committed.json`` (written last); a commit cut short is finished by the next call."""
+        pending = [b for b in self.pending_batches() if b <= batch_id]
         moved = size = 0
         rows: int | None = 0
-        batches = []
-        for b in self.pending_batches():
-            if b > batch_id:
-                continue
-            folder = self._pending(b)
-            batches.append(b)
-            counted = self._manifest_rows(folder)
-            rows = rows + counted if rows is not None and counted is not None else None
-            for e in self.fs.list_files(folder):
-                rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
-                if any(_hidden(part) for part in rel.split("/")):
-                    continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch manifest
-                self.fs.move(e.path, self._committed_name(b, rel))
-                moved += 1
-                size += e.size
-            self.fs.delete_tree(folder)
+        if pending:
+            finals: dict[int, set[str]] = {}
+            for b, path in self._committed_files():  # files an interrupted commit already moved
+                finals.setdefault(b, set()).add(path)
+            for b in pending:
+                folder = self._pending(b)
+                counted = self._manifest_rows(folder)
+                rows = rows + counted if rows is not None and counted is not None else None
+                for e in self.fs.list_files(folder):
+                    rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
+                    if any(_hidden(part) for part in rel.split("/")):
+                        continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
+                    final = self._committed_name(b, rel)
+                    self.fs.move(e.path, final)
+                    finals.setdefault(b, set()).add(final)
+                    moved += 1
+                    size += e.size
+                self.fs.write_json_atomic(self._manifest(b), {"batch": b, "files": sorted(finals.get(b, ()))})
+                self.fs.delete_tree(folder)
+        if pending or self._through() < batch_id:
+            self.fs.write_json_atomic(_THROUGH, {"through": max(batch_id, self._through())})
         if moved:
             log.info("pipeline=%s sink=%s: committed batches <= %s (%d files, %d bytes, %s rows) to %s",
                      self.pipeline_id, self.stage, batch_id, moved, size, rows, self.uri)
-        return SinkCommit(files=moved, bytes=size, rows=rows if batches else 0, batches=tuple(batches))
+        return SinkCommit(files=moved, bytes=size, rows=rows if pending else 0, batches=tuple(pending))
 
     def _manifest_rows(self, folder: str) -> int | None:
         path = f"{folder}/{_BATCH_MANIFEST}"
@@ -165,6 +189,10 @@ class TransactionalFileSink:
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
         self.commit_through(batch_id)
+        self.fs.write_json_atomic(_THROUGH, {"through": batch_id})  # readers stop seeing later batches first
+        for b in self._manifest_batches():
+            if b > batch_id:
+                self.fs.delete(self._manifest(b))
         for b in self.pending_batches():
             if b > batch_id:
                 self.fs.delete_tree(self._pending(b))
@@ -201,6 +229,41 @@ class TransactionalFileSink:
         return f"{_META}/pending/{batch_id}"
 
     @staticmethod
+    def _manifest(batch_id: int) -> str:
+        return f"{_MANIFESTS}/{batch_id:0{_BATCH_DIGITS}d}.json"
+
+    def _manifest_batches(self) -> list[int]:
+        return _manifest_batches(self.fs)
+
+    def _through(self) -> int:
+        return _through(self.fs)
+
+    @staticmethod
     def _committed_name(batch_id: int, rel: str) -> str:
         folder, name = posixpath.split(rel)  # partitioned writes keep their key=value folders
         return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{name}")
+
+
+def _manifest_batches(fs: FileSystem) -> list[int]:
+    names = [e.name.removesuffix(".json") for e in fs.list_dir(_MANIFESTS) if e.name.endswith(".json")]
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _through(fs: FileSystem) -> int:
+    try:
+        return int(fs.read_json(_THROUGH)["through"])
+    except FileNotFoundError:
+        return -1
+
+
+def committed_files(uri: str) -> list[str]:
+    """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
+    batch order): what a reader that must never see part of an epoch reads, e.g.
+    ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``."""
+    fs = FileSystem.from_uri(uri)
+    through = _through(fs)
+    out: list[str] = []
+    for b in _manifest_batches(fs):
+        if b <= through:
+            out.extend(fs.read_json(TransactionalFileSink._manifest(b))["files"])
+    return out

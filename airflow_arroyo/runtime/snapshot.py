@@ -17,169 +17,51 @@ Hashes are cached by (path, size, mtime) so unchanged files are not even re-read
 
 Restore rebuilds a checkpoint folder from an epoch's entries into a fresh folder, verifying every
 object's size and hash (:class:`~airflow_arroyo.exceptions.SnapshotError` names the epoch and the
-file; nothing is deleted), and only then swaps it in, moving the old folder aside.
+file; nothing is deleted), and only then points the stage at it by rewriting its checkpoint pointer
+(:meth:`~airflow_arroyo.runtime.layout.StorageLayout.switch_checkpoint`): no folder is renamed, so
+restore works the same on local disks, HDFS and object stores.
+
+Objects live below the storage URI, checkpoints below the checkpoint URI (the same one unless given):
+capture reads the checkpoint and writes objects, restore reads objects and writes a checkpoint folder.
+An object is published only once its content hashed to its name: on a local disk it is written to a
+temporary file and renamed (one file); on an object store it is hashed through a local spool file and
+then put in one request (an object appears whole or not at all). Which files of a checkpoint make up
+its state is :mod:`~airflow_arroyo.runtime.spark_checkpoint`'s business; where objects live is
+:mod:`~airflow_arroyo.runtime.layout`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import logging
-import posixpath
-import re
+import shutil
+import tempfile
 import threading
 import time
-import uuid
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.layout import StorageLayout, object_key, object_path
+from airflow_arroyo.runtime.spark_checkpoint import commit_path, rocksdb_zip_references, select_checkpoint_files
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 
 __all__ = [
     "CaptureResult",
     "PreparedRestore",
     "SnapshotStore",
-    "object_path",
-    "select_checkpoint_files",
 ]
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
-_VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
-_BASE_KINDS = frozenset({"snapshot", "zip"})
-_BATCH_LOGS = frozenset({"offsets", "commits", "asyncOffsets", "asyncCommits"})
-
-
-# --------------------------------------------------------------------------- which files (pure)
-
-
-def _hidden(name: str) -> bool:
-    return name.startswith(".") or name.startswith("_temporary") or name.endswith((".crc", ".tmp"))
-
-
-def select_checkpoint_files(
-    rel_paths: Iterable[str],
-    batch_id: int,
-    zip_references: Callable[[str], Iterable[str] | None],
-) -> list[str]:
-    """The files of a Spark checkpoint that make up its state as of batch ``batch_id`` (sorted).
-
-    ``rel_paths``: every file below the checkpoint folder, relative to it, ``/``-separated.
-    ``zip_references(rel_path_of_zip)``: the ``SSTs/...`` and ``logs/...`` files (relative to the
-    zip's folder) a RocksDB ``V.zip`` references, or None if it cannot be read (then every such file
-    in the folder is kept). ``batch_id`` -1 means no batch ran yet (only ``metadata`` is kept).
-    """
-    version = batch_id + 1  # batch b commits state store version b + 1
-    keep: list[str] = []
-    partitions: dict[str, list[tuple[int, str, str]]] = {}  # folder -> [(version, kind, rel)]
-    side_files: dict[str, list[str]] = {}  # folder -> SSTs/..., logs/... files (rel to folder)
-    for rel in rel_paths:
-        parts = rel.split("/")
-        name = parts[-1]
-        if any(_hidden(p) for p in parts):
-            continue
-        top = parts[0]
-        if top in _BATCH_LOGS or top == "sources":
-            n = _leading_int(name)
-            if n is None:
-                if top in _BATCH_LOGS:
-                    continue  # not a batch file
-                keep.append(rel)
-            elif n <= batch_id:
-                keep.append(rel)
-            continue
-        if top == "state" and len(parts) >= 4:
-            if "_metadata" in parts or any(p.startswith("_stateSchema") for p in parts):
-                # operator metadata and state schemas; v2 operator metadata files are named by batch id
-                n = _leading_int(name) if "v2" in parts else None
-                if n is None or n <= batch_id:
-                    keep.append(rel)
-                continue
-            m = _VERSIONED.match(name)
-            folder = "/".join(parts[:-1])
-            if m is not None:
-                partitions.setdefault(folder, []).append((int(m.group(1)), m.group(2), rel))
-                continue
-            if len(parts) >= 5 and parts[-2] in ("SSTs", "logs"):
-                owner = "/".join(parts[:-2])
-                side_files.setdefault(owner, []).append(f"{parts[-2]}/{name}")
-                continue
-            keep.append(rel)  # an unknown immutable file: keep it
-            continue
-        keep.append(rel)  # metadata and anything unknown
-    for folder, files in partitions.items():
-        eligible = [f for f in files if f[0] <= version]
-        bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
-        base = max(bases) if bases else 0
-        chosen = [f for f in eligible if (f[1] in _BASE_KINDS and f[0] == base) or
-                  (f[1] not in _BASE_KINDS and base < f[0] <= version)]
-        keep.extend(rel for _, _, rel in chosen)
-        zips = [rel for _, kind, rel in chosen if kind == "zip"]
-        available = set(side_files.get(folder, []))
-        wanted: set[str] = set()
-        for z in zips:
-            refs = zip_references(z)
-            if refs is None:
-                wanted |= available
-            else:
-                wanted |= set(refs)
-        missing = wanted - available
-        if missing:
-            raise SnapshotError(
-                f"RocksDB checkpoint {zips} references {sorted(missing)[:3]} which are not in {folder}; "
-                "the checkpoint folder is incomplete (did something delete state files?)"
-            )
-        keep.extend(f"{folder}/{s}" for s in sorted(wanted))
-    return sorted(set(keep))
-
-
-def _leading_int(name: str) -> int | None:
-    m = re.match(r"^(\d+)(?:$|[._])", name)
-    return int(m.group(1)) if m else None
-
-
-def rocksdb_zip_references(data: bytes) -> list[str]:
-    """The ``SSTs/...`` and ``logs/...`` files a RocksDB ``V.zip`` checkpoint references."""
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        text = z.read("metadata").decode()
-    lines = text.splitlines()
-    body = "\n".join(lines[1:]) if lines and lines[0].startswith("v") else text
-    meta = json.loads(body)
-    refs: list[str] = []
-
-    def walk(node: object) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if isinstance(v, str) and k.startswith("dfs") and k.endswith("FileName"):
-                    refs.append(("SSTs/" if v.endswith(".sst") else "logs/") + v)
-                else:
-                    walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(meta)
-    return refs
-
-
-# --------------------------------------------------------------------------- objects
-
-
-def object_key(digest: str) -> str:
-    """The object key of content with SHA-256 ``digest`` (relative to the objects folder)."""
-    return f"sha256/{digest[:2]}/{digest}"
-
-
-def object_path(pipeline_id: str, key: str) -> str:
-    """Path of an object relative to the storage root (the layout retention deletes from)."""
-    return f"{pipeline_id}/snapshots/objects/{key}"
+_SPOOL_IN_MEMORY = 8 << 20  # objects up to this size are hashed in memory before an object-store put
 
 
 @dataclass(frozen=True)
@@ -196,17 +78,20 @@ class CaptureResult:
 class PreparedRestore:
     stage: str
     epoch: int
-    staging: str  # rel to storage root: the rebuilt checkpoint, not yet in place
-    target: str  # rel to storage root: where it goes
+    folder: str  # rel to the checkpoint root: the rebuilt checkpoint, not yet live
     files: int
     bytes: int
 
 
 class SnapshotStore:
-    """Captures and restores stage checkpoints of one pipeline under ``storage`` (a FileSystem root)."""
+    """Captures and restores stage checkpoints of one pipeline: objects below ``storage``, checkpoints
+    below ``checkpoints`` (``storage`` unless given), laid out by :class:`StorageLayout`."""
 
-    def __init__(self, storage: FileSystem, pipeline_id: str, store: EpochStore) -> None:
+    def __init__(self, storage: FileSystem, pipeline_id: str, store: EpochStore, *,
+                 checkpoints: FileSystem | None = None) -> None:
         self.fs = storage
+        self.layout = StorageLayout(storage, pipeline_id, checkpoints or storage)
+        self.checkpoint_fs = self.layout.checkpoint_fs
         self.pipeline_id = pipeline_id
         self.store = store
         self._hash_cache: dict[tuple[str, int, int], str] = {}
@@ -220,10 +105,10 @@ class SnapshotStore:
         t0 = time.monotonic()
         if batch_id < 0:
             return 0.0
-        path = f"{checkpoint}/commits/{batch_id}"
+        path = commit_path(checkpoint, batch_id)
         deadline = t0 + timeout
         delay = 0.01
-        while not self.fs.exists(path):
+        while not self.checkpoint_fs.exists(path):
             if not alive():
                 raise SnapshotError(f"the query stopped before committing batch {batch_id} ({path})", path=path)
             if time.monotonic() > deadline:
@@ -235,8 +120,8 @@ class SnapshotStore:
         return (time.monotonic() - t0) * 1000
 
     def _list(self, checkpoint: str) -> list[pafs.FileInfo]:
-        selector = pafs.FileSelector(self.fs.arrow_path(checkpoint), allow_not_found=True, recursive=True)
-        return [i for i in self.fs.arrow_fs.get_file_info(selector) if i.type == pafs.FileType.File]
+        selector = pafs.FileSelector(self.checkpoint_fs.arrow_path(checkpoint), allow_not_found=True, recursive=True)
+        return [i for i in self.checkpoint_fs.arrow_fs.get_file_info(selector) if i.type == pafs.FileType.File]
 
     def _hash(self, info: pafs.FileInfo) -> str:
         cache_key = (info.path, int(info.size or 0), int(info.mtime_ns or 0))
@@ -245,7 +130,7 @@ class SnapshotStore:
         if cached is not None:
             return cached
         h = hashlib.sha256()
-        with self.fs.arrow_fs.open_input_stream(info.path) as f:
+        with self.checkpoint_fs.arrow_fs.open_input_stream(info.path) as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
         key = object_key(h.hexdigest())
@@ -259,12 +144,12 @@ class SnapshotStore:
         ``epoch``. Runs while later batches proceed; files Spark adds meanwhile are not selected."""
         wait_ms = self.wait_for_commit(checkpoint, batch_id, timeout=commit_timeout, alive=alive)
         t0 = time.monotonic()
-        root = self.fs.arrow_path(checkpoint).rstrip("/")
+        root = self.checkpoint_fs.arrow_path(checkpoint).rstrip("/")
         infos = {i.path[len(root) + 1:]: i for i in self._list(checkpoint)}
 
         def zip_refs(rel: str) -> list[str] | None:
             try:
-                with self.fs.arrow_fs.open_input_stream(infos[rel].path) as f:
+                with self.checkpoint_fs.arrow_fs.open_input_stream(infos[rel].path) as f:
                     return rocksdb_zip_references(f.read())
             except (KeyError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError) as exc:
                 log.warning("pipeline=%s epoch=%s stage=%s: cannot read RocksDB zip %s (%s); keeping every SST",
@@ -317,50 +202,60 @@ class SnapshotStore:
             return False
 
     def _copy_in(self, info: pafs.FileInfo, entry: SnapshotEntry, epoch: int, stage: str) -> None:
-        """Copy one checkpoint file into its object, verifying that the content still hashes to the key."""
+        """Copy one checkpoint file into its object, publishing it only if its content still hashes to the key
+        (local disks: a temporary file renamed into place; object stores: a local spool, then one put)."""
         final = object_path(self.pipeline_id, entry.object_key)
-        tmp = f"{self.pipeline_id}/snapshots/tmp/{uuid.uuid4().hex}"
+        local = self.fs.is_local
+        tmp = self.layout.snapshot_tmp()
         h = hashlib.sha256()
         size = 0
-        try:
-            with self.fs.arrow_fs.open_input_stream(info.path) as src, self.fs.open_output(tmp) as dst:
-                while chunk := src.read(_CHUNK):
-                    h.update(chunk)
-                    size += len(chunk)
-                    dst.write(chunk)
-        except FileNotFoundError as exc:
-            self.fs.delete(tmp)
-            raise SnapshotError(
-                f"checkpoint file {entry.rel_path} of stage {stage!r} vanished while epoch {epoch} copied it; "
-                "Spark deleted it (raise spark.sql.streaming.minBatchesToRetain)", epoch=epoch, path=entry.rel_path,
-            ) from exc
-        if object_key(h.hexdigest()) != entry.object_key or size != entry.bytes:
-            self.fs.delete(tmp)
-            raise SnapshotError(
-                f"checkpoint file {entry.rel_path} of stage {stage!r} changed while epoch {epoch} copied it "
-                "(Spark's checkpoint files should be immutable once written)", epoch=epoch, path=entry.rel_path,
-            )
-        self.fs.makedirs(posixpath.dirname(final))
-        self.fs.arrow_fs.move(self.fs.arrow_path(tmp), self.fs.arrow_path(final))
+        with tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY) as spool:
+            try:
+                with self.checkpoint_fs.arrow_fs.open_input_stream(info.path) as src, \
+                        (self.fs.open_output(tmp) if local else contextlib.nullcontext(spool)) as dst:
+                    while chunk := src.read(_CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+                        dst.write(chunk)
+            except FileNotFoundError as exc:
+                if local:
+                    self.fs.delete(tmp)
+                raise SnapshotError(
+                    f"checkpoint file {entry.rel_path} of stage {stage!r} vanished while epoch {epoch} copied it; "
+                    "Spark deleted it (raise spark.sql.streaming.minBatchesToRetain)", epoch=epoch,
+                    path=entry.rel_path,
+                ) from exc
+            if object_key(h.hexdigest()) != entry.object_key or size != entry.bytes:
+                if local:
+                    self.fs.delete(tmp)
+                raise SnapshotError(
+                    f"checkpoint file {entry.rel_path} of stage {stage!r} changed while epoch {epoch} copied it "
+                    "(Spark's checkpoint files should be immutable once written)", epoch=epoch, path=entry.rel_path,
+                )
+            if local:
+                self.fs.move(tmp, final)  # one file, same folder tree: a rename
+                return
+            spool.seek(0)
+            with self.fs.open_output(final) as out:
+                shutil.copyfileobj(spool, out, _CHUNK)
 
     # ------------------------------------------------------------------ restore
 
-    def prepare_restore(self, stage: str, epoch: int, target: str) -> PreparedRestore:
-        """Rebuild ``stage``'s checkpoint of ``epoch`` into a staging folder next to ``target``,
-        verifying every object. Nothing existing is touched."""
+    def prepare_restore(self, stage: str, epoch: int) -> PreparedRestore:
+        """Rebuild ``stage``'s checkpoint of ``epoch`` into a new checkpoint folder, verifying every object.
+        Nothing existing is touched; :meth:`commit_restore` makes the folder live."""
         entries = self.store.snapshot_entries(self.pipeline_id, epoch, stage)
-        staging = f"{target}.restoring-{epoch}-{uuid.uuid4().hex[:8]}"
+        folder = self.layout.new_checkpoint(stage, epoch)
         total = 0
         try:
-            self.fs.makedirs(staging)
+            self.checkpoint_fs.makedirs(folder)
             for e in entries:
-                self._restore_one(e, epoch, stage, f"{staging}/{e.rel_path}")
+                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}")
                 total += e.bytes
         except BaseException:
-            self.fs.delete_tree(staging)  # our own half-built folder, never the old checkpoint
+            self.checkpoint_fs.delete_tree(folder)  # our own half-built folder, never the live checkpoint
             raise
-        return PreparedRestore(stage=stage, epoch=epoch, staging=staging, target=target, files=len(entries),
-                               bytes=total)
+        return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries), bytes=total)
 
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str) -> None:
         src = object_path(self.pipeline_id, e.object_key)
@@ -368,7 +263,7 @@ class SnapshotStore:
         try:
             h = hashlib.sha256()
             size = 0
-            with self.fs.open_input(src) as f, self.fs.open_output(dest) as out:
+            with self.fs.open_input(src) as f, self.checkpoint_fs.open_output(dest) as out:
                 while chunk := f.read(_CHUNK):
                     h.update(chunk)
                     size += len(chunk)
@@ -386,20 +281,11 @@ class SnapshotStore:
             )
 
     def commit_restore(self, prepared: PreparedRestore) -> str | None:
-        """Put a prepared checkpoint in place; the old one is moved aside (returned), not deleted.
-        Older set-aside folders of the same stage are removed once the new one is in place."""
-        aside: str | None = None
-        arrow = self.fs.arrow_fs
-        if self.fs.exists(prepared.target):
-            aside = f"{prepared.target}.replaced-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            arrow.move(self.fs.arrow_path(prepared.target), self.fs.arrow_path(aside))
-        arrow.move(self.fs.arrow_path(prepared.staging), self.fs.arrow_path(prepared.target))
-        parent, name = posixpath.split(prepared.target)
-        for entry in self.fs.list_dir(parent):
-            if entry.is_dir and entry.name.startswith(f"{name}.replaced-") and entry.path != aside:
-                self.fs.delete_tree(entry.path)
-        return aside
+        """Make a prepared checkpoint live by rewriting the stage's checkpoint pointer (the commit point; no
+        folder is renamed). Returns the folder that was live before, kept until the next switch."""
+        return self.layout.switch_checkpoint(prepared.stage, prepared.folder)
 
     def discard(self, prepared: Sequence[PreparedRestore]) -> None:
         for p in prepared:
-            self.fs.delete_tree(p.staging)
+            self.checkpoint_fs.delete_tree(p.folder)
+

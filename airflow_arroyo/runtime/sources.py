@@ -50,7 +50,6 @@ __all__ = [
     "ChannelDataSource",
     "ChannelPartition",
     "ChannelStreamReader",
-    "checkpoint_offsets",
     "plan_batch_end",
     "read_cap",
     "read_channel",
@@ -334,30 +333,3 @@ def read_channel(
     if max_files_per_batch is not None:
         reader = reader.option("max_files_per_batch", str(max_files_per_batch))
     return reader.load()
-
-
-def checkpoint_offsets(checkpoint_uri: str, batch_id: int) -> list[dict[str, Any] | None]:
-    """The end offsets of micro-batch ``batch_id``, one per source in the query's source order.
-
-    Reads ``offsets/<batch_id>`` of a Spark streaming checkpoint (written before the batch runs, so it
-    is available inside ``foreachBatch``). A source without an offset yet gives None.
-    """
-    fs = FileSystem.from_uri(checkpoint_uri)
-    try:
-        text = fs.read_bytes(f"offsets/{batch_id}").decode()
-    except FileNotFoundError:
-        raise ChannelError(
-            f"no offsets for batch {batch_id} in checkpoint {checkpoint_uri}; is it the query's "
-            "checkpointLocation?"
-        ) from None
-    lines = text.splitlines()
-    if not lines or not lines[0].startswith("v"):
-        raise ChannelError(f"unrecognised offset log format in {checkpoint_uri}/offsets/{batch_id}")
-    out: list[dict[str, Any] | None] = []
-    for line in lines[2:]:
-        if line.strip() in ("", "-"):
-            out.append(None)
-        else:
-            parsed = json.loads(line)
-            out.append(parsed if isinstance(parsed, dict) else None)
-    return out

@@ -20,12 +20,8 @@ A source stage with no new input runs no batch; the driver's poller then cuts it
 completed batch (:meth:`StageRunner.poll`), under the same lock, so its barrier still lands after
 that batch's data and before the next one's.
 
-Storage layout (relative to the storage URI, see :class:`StorageLayout`)::
-
-    <pipeline>/channels/<channel>/          channel logs
-    <pipeline>/stages/<stage>/checkpoint/   the stage query's checkpointLocation
-    <pipeline>/stages/<stage>/caps.json     alignment caps of the stage's channel readers
-    <pipeline>/snapshots/objects/<key>      content-addressed snapshot objects
+Where the stage's checkpoint, caps and channels live is :mod:`~airflow_arroyo.runtime.layout`'s
+business (:class:`~airflow_arroyo.runtime.layout.StorageLayout`).
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, SnapshotError
-from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.alignment import (
     AlignmentAction,
     AlignmentDecision,
@@ -50,9 +45,11 @@ from airflow_arroyo.runtime.alignment import (
 )
 from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind
 from airflow_arroyo.runtime.inputs import read_stage_input
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
-from airflow_arroyo.runtime.sources import checkpoint_offsets, write_caps
+from airflow_arroyo.runtime.sources import write_caps
+from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
 from airflow_arroyo.store import EpochStore
 
 if TYPE_CHECKING:
@@ -61,49 +58,13 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.runtime.sinks import TransactionalSink
 
-__all__ = ["DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", "StorageLayout"]
+__all__ = ["DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner"]
 
 log = logging.getLogger(__name__)
 
 # Seconds between micro-batch starts when a stage sets none: an idle query then asks its sources for
 # new data 10 times a second instead of Spark's 100 (each ask is a call into a Python process).
 DEFAULT_TRIGGER_INTERVAL = 0.1
-
-
-# --------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class StorageLayout:
-    """Where a pipeline keeps its channels, checkpoints, caps and snapshots (paths relative to ``fs``)."""
-
-    fs: FileSystem
-    pipeline_id: str
-
-    @classmethod
-    def at(cls, storage_uri: str, pipeline_id: str) -> StorageLayout:
-        return cls(FileSystem.from_uri(storage_uri), pipeline_id)
-
-    def channel(self, name: str) -> str:
-        return f"{self.pipeline_id}/channels/{name}"
-
-    def channel_uri(self, name: str) -> str:
-        return self.fs.uri_of(self.channel(name))
-
-    def stage_dir(self, stage: str) -> str:
-        return f"{self.pipeline_id}/stages/{stage}"
-
-    def checkpoint(self, stage: str) -> str:
-        return f"{self.stage_dir(stage)}/checkpoint"
-
-    def checkpoint_uri(self, stage: str) -> str:
-        return self.fs.spark_uri_of(self.checkpoint(stage))
-
-    def caps(self, stage: str) -> str:
-        return f"{self.stage_dir(stage)}/caps.json"
-
-    def caps_uri(self, stage: str) -> str:
-        return self.fs.uri_of(self.caps(stage))
 
 
 # --------------------------------------------------------------------------- the runner
@@ -235,7 +196,7 @@ class StageRunner:
     def start(self, spark: SparkSession, df: DataFrame) -> StreamingQuery:
         """Start the stage's query (per-stage SQL confs apply to this query only)."""
         self.batch_started.clear()
-        self._last_completed = _latest_commit(self.layout.fs, self.checkpoint)
+        self._last_completed = latest_commit(self.layout.checkpoint_fs, self.checkpoint)
         self._write_caps({})
         spec = self.spec
         confs = dict(spec.spark_conf)
@@ -428,7 +389,7 @@ class StageRunner:
                 self.pipeline_id, epoch, self.name, cursors=pending.cursors, alignment_ms=pending.alignment_ms,
                 sync_ms=pending.sync_ms, async_ms=result.wait_ms + result.copy_ms,
                 bytes_new=result.bytes_new, bytes_total=result.bytes_total,
-                snapshot_uri=self.layout.fs.uri_of(f"{self.pipeline_id}/snapshots"),
+                snapshot_uri=self.layout.fs.uri_of(self.layout.snapshots_dir),
                 details={"batch_id": pending.batch_id, "files": len(result.entries),
                          "files_copied": result.files_copied, "commit_wait_ms": round(result.wait_ms, 1),
                          "copy_ms": round(result.copy_ms, 1)},
@@ -505,14 +466,6 @@ class StageRunner:
         self._closing = True
         if self.query is not None and self.query.isActive:
             self.query.stop()
-
-
-def _latest_commit(fs: FileSystem, checkpoint: str) -> int:
-    latest = -1
-    for e in fs.list_dir(f"{checkpoint}/commits"):
-        if not e.is_dir and e.name.isdigit():
-            latest = max(latest, int(e.name))
-    return latest
 
 
 def check_channels_have_barrier(channels: Mapping[str, Channel], epoch: int) -> dict[str, int]:

@@ -18,7 +18,8 @@ import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
 from airflow_arroyo.exceptions import ConfigurationError, LockLostError, UnknownPipelineError
-from airflow_arroyo.retention import PruneReport, object_path, parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.retention import PruneReport, parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 
 TICK = CheckpointPolicy(interval=3600)

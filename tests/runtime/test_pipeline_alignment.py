@@ -17,10 +17,11 @@ import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
-from airflow_arroyo.runtime.sources import checkpoint_offsets
-from airflow_arroyo.runtime.stage import StageRunner, StorageLayout
+from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
+from airflow_arroyo.runtime.stage import StageRunner
 from tests.runtime.pipeline_support import wait_for
 
 pytestmark = [pytest.mark.spark]

@@ -23,8 +23,8 @@ from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
-from airflow_arroyo.runtime.stage import StorageLayout
 from tests.runtime.pipeline_support import barriers, row_count, run_until
 
 pytestmark = [pytest.mark.spark]

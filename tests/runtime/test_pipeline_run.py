@@ -16,8 +16,7 @@ from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_report
 from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.snapshot import object_path
-from airflow_arroyo.runtime.stage import StorageLayout
+from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
     barriers,

@@ -22,9 +22,11 @@ from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.generator import generate_rows, generator_source
+from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
-from airflow_arroyo.runtime.snapshot import SnapshotStore, object_path, select_checkpoint_files
+from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
+from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files
 
 # ----------------------------------------------------------------------------- which files (pure)
 
@@ -171,7 +173,7 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
                                                            provider: str) -> None:
     fs = FileSystem.from_uri(str(tmp_path))
     snaps = SnapshotStore(fs, pipeline, store)
-    ckpt = "ckpt"
+    ckpt = snaps.layout.checkpoint("agg")
     straight = run_aggregation(spark, tmp_path / ckpt, provider)
     assert sorted(straight.batches) == list(range(6))
     expected = expected_totals(1, 1200)
@@ -184,12 +186,14 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
     assert "offsets/2" in rels and "commits/2" in rels and "offsets/3" not in rels and "commits/3" not in rels
     assert result.bytes_new == result.bytes_total > 0
 
-    prepared = snaps.prepare_restore("agg", epoch, ckpt)
-    aside = snaps.commit_restore(prepared)
-    assert aside is not None and (tmp_path / aside / "commits" / "5").exists()  # the old one, moved aside
-    assert not (tmp_path / ckpt / "commits" / "3").exists()
+    prepared = snaps.prepare_restore("agg", epoch)
+    previous = snaps.commit_restore(prepared)
+    assert previous == ckpt and (tmp_path / ckpt / "commits" / "5").exists()  # the old one, kept as it was
+    restored = snaps.layout.checkpoint("agg")
+    assert restored == prepared.folder != ckpt
+    assert (tmp_path / restored / "commits" / "2").exists() and not (tmp_path / restored / "commits" / "3").exists()
 
-    resumed = run_aggregation(spark, tmp_path / ckpt, provider)
+    resumed = run_aggregation(spark, tmp_path / restored, provider)
     assert min(resumed.batches) == 3  # Spark resumed after the snapshot's batch
     first_half = Collect()
     first_half.batches = {b: r for b, r in straight.batches.items() if b <= 2}
@@ -262,22 +266,25 @@ def test_rewritten_state_file_gets_a_new_object_after_restore(spark: Any, store:
         df = read_channel(spark, uri)
         agg = df.groupBy("key").agg(F.count("*").alias("n"), F.sum("value").alias("total"))
         q = (agg.writeStream.outputMode("update").foreachBatch(collect)
-             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(availableNow=True).start())
+             .option("checkpointLocation", str(tmp_path / live())).trigger(availableNow=True).start())
         q.awaitTermination(240)
         assert q.exception() is None
+
+    def live() -> str:
+        return snaps.layout.checkpoint("agg")
 
     ch.append_table(pa.table({"key": ["a", "b"], "value": [1, 2]}), 0, "t")
     c1 = Collect()
     run(c1)
     e1 = new_epoch(store, pipeline)
-    complete(store, pipeline, e1, snaps.capture("agg", e1, "ckpt", 0))
+    complete(store, pipeline, e1, snaps.capture("agg", e1, live(), 0))
     ch.append_table(pa.table({"key": ["a"], "value": [10]}), 1, "t")
     run(c1)
     e2 = new_epoch(store, pipeline)
-    r2 = snaps.capture("agg", e2, "ckpt", 1)
+    r2 = snaps.capture("agg", e2, live(), 1)
     complete(store, pipeline, e2, r2)
     # restore epoch 1; the input after it changes (like a different batching after a restore)
-    snaps.commit_restore(snaps.prepare_restore("agg", e1, "ckpt"))
+    snaps.commit_restore(snaps.prepare_restore("agg", e1))
     ch.truncate_from(1)
     ch = Channel.open(uri)
     ch.append_table(pa.table({"key": ["a", "b"], "value": [100, 200]}), 1, "t")
@@ -285,14 +292,14 @@ def test_rewritten_state_file_gets_a_new_object_after_restore(spark: Any, store:
     run(c2)
     assert {k: (n, t) for k, n, t in c2.batches[1]} == {"a": (2, 101), "b": (2, 202)}
     e3 = new_epoch(store, pipeline)
-    r3 = snaps.capture("agg", e3, "ckpt", 1)
+    r3 = snaps.capture("agg", e3, live(), 1)
     complete(store, pipeline, e3, r3)
     deltas2 = {e.rel_path: e.object_key for e in r2.entries if e.rel_path.endswith("2.delta")}
     deltas3 = {e.rel_path: e.object_key for e in r3.entries if e.rel_path.endswith("2.delta")}
     assert deltas2 and set(deltas2) == set(deltas3)
     assert any(deltas2[p] != deltas3[p] for p in deltas2), "same name, new content: must be a new object"
     # epoch 2 still restores to its own content
-    snaps.commit_restore(snaps.prepare_restore("agg", e2, "ckpt"))
+    snaps.commit_restore(snaps.prepare_restore("agg", e2))
     ch.truncate_from(2)
     c3 = Collect()
     ch = Channel.open(uri)
@@ -318,17 +325,16 @@ def test_missing_or_corrupt_object_names_epoch_and_file_and_changes_nothing(spar
     obj.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
     pattern = rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*corrupt"
     with pytest.raises(SnapshotError, match=pattern) as ei:
-        snaps.prepare_restore("agg", epoch, "ckpt")
+        snaps.prepare_restore("agg", epoch)
     assert ei.value.epoch == epoch and ei.value.path is not None
     obj.unlink()
     with pytest.raises(SnapshotError, match=rf"epoch {epoch} cannot be restored: file {victim.rel_path}.*missing"):
-        snaps.prepare_restore("agg", epoch, "ckpt")
+        snaps.prepare_restore("agg", epoch)
     after = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*"))
     assert after == before  # the live checkpoint is untouched
-    leftovers = [p.name for p in tmp_path.iterdir() if "restoring" in p.name]
-    assert leftovers == []
+    assert list((tmp_path / pipeline / "stages" / "agg").iterdir()) == []  # no half-built checkpoint folder left
     obj.write_bytes(good)
-    prepared = snaps.prepare_restore("agg", epoch, "ckpt")
+    prepared = snaps.prepare_restore("agg", epoch)
     assert prepared.files == len(result.entries)
     snaps.discard([prepared])
     assert json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]

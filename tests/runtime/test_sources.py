@@ -34,12 +34,12 @@ from airflow_arroyo.runtime.generator import (
 from airflow_arroyo.runtime.sources import (
     ChannelDataSource,
     ChannelStreamReader,
-    checkpoint_offsets,
     plan_batch_end,
     read_cap,
     read_channel,
     write_caps,
 )
+from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
 
 SCHEMA = pa.schema([("id", pa.int64()), ("key", pa.string())])
 

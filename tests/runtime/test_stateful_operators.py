@@ -15,7 +15,7 @@ import pytest
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.examples import STATEFUL_OUTPUTS, expected_stateful, stateful_ops
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.stage import StorageLayout
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import barriers, row_count, rows_of, run_until
 

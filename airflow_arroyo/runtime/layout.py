@@ -1,0 +1,193 @@
+"""Where a pipeline keeps its files: the one module that formats storage paths.
+
+Two roots, which may be the same URI (the default) or differ:
+
+* the **storage URI** (channels, caps, snapshots): read and written with pyarrow / fsspec only, from
+  the driver and the executors, so it may be any :class:`~airflow_arroyo.fs.FileSystem` URI
+  (local, ``s3://``, ``gs://``, ``hdfs://``...);
+* the **checkpoint URI** (Spark's own streaming checkpoints): written by Spark through a Hadoop
+  filesystem and read by this package with pyarrow (snapshots copy from it, restores write into it),
+  so it must be a URI both understand: a local or shared path, ``hdfs://``, or ``s3a://`` with the
+  hadoop-aws jars (see ``docs/runtime.md``).
+
+Paths below are relative to their root::
+
+    storage URI
+      <pipeline>/channels/<channel>/                   a channel (docs/channel-format.md)
+      <pipeline>/stages/<stage>/caps.json              the stage's read caps (alignment)
+      <pipeline>/snapshots/objects/sha256/ab/<sha256>  an immutable snapshot object, named by content
+      <pipeline>/snapshots/tmp/<uuid>                  an object being copied in (local disks only)
+
+    checkpoint URI
+      <pipeline>/stages/<stage>/checkpoint.json        the pointer: {"current": <folder>, "previous": <folder>}
+      <pipeline>/stages/<stage>/checkpoint             the first checkpoint folder (no pointer yet)
+      <pipeline>/stages/<stage>/checkpoint-<epoch>-<id> a folder a restore rebuilt (epoch 0: a start over)
+
+**No folder is ever renamed** (object stores cannot rename a folder; HDFS can, but one protocol for
+all is simpler). A restore or a start over builds a *new* checkpoint folder next to the live one and
+then rewrites the stage's pointer (one small file, written whole): that write is the commit point. The
+folder the pointer named before stays as ``previous`` (kept for inspection, like the set-aside folder
+of earlier versions) until the next switch; folders the pointer names neither as current nor previous
+are leftovers of an interrupted restore, deleted at the next start.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.fs import FileSystem
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "SNAPSHOT_OBJECTS_DIR",
+    "StorageLayout",
+    "object_key",
+    "object_path",
+]
+
+CHANNELS_DIR = "channels"
+STAGES_DIR = "stages"
+SNAPSHOTS_DIR = "snapshots"
+SNAPSHOT_OBJECTS_DIR = f"{SNAPSHOTS_DIR}/objects"
+SNAPSHOT_TMP_DIR = f"{SNAPSHOTS_DIR}/tmp"
+CHECKPOINT_DIR = "checkpoint"  # the first checkpoint folder of a stage; later ones are CHECKPOINT_DIR-<...>
+CHECKPOINT_POINTER = "checkpoint.json"
+CAPS_FILE = "caps.json"
+# later checkpoint folders; "checkpoint.restoring-" is what versions before the pointer left half-built
+_GENERATIONS = (f"{CHECKPOINT_DIR}-", f"{CHECKPOINT_DIR}.restoring-")
+
+
+def object_key(digest: str) -> str:
+    """The object key of content with SHA-256 ``digest`` (relative to the objects folder)."""
+    return f"sha256/{digest[:2]}/{digest}"
+
+
+def object_path(pipeline_id: str, key: str) -> str:
+    """Path of a snapshot object below the pipeline's storage URI (what capture writes, restore reads and
+    retention deletes). Refuses a key that is not a relative path below the objects folder."""
+    key = key.strip("/")
+    if not key or ".." in key.split("/"):
+        raise ConfigurationError(f"snapshot object key {key!r} of pipeline {pipeline_id!r} is not a "
+                                 "relative path below the snapshot root")
+    return f"{pipeline_id}/{SNAPSHOT_OBJECTS_DIR}/{key}"
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Where a pipeline keeps its channels, checkpoints, caps and snapshots.
+
+    ``fs`` is the storage root (channels, caps, snapshots), ``checkpoint_fs`` the root of Spark's
+    checkpoints (the storage root unless given). Methods return paths relative to their root, and
+    ``*_uri`` methods full URIs.
+    """
+
+    fs: FileSystem
+    pipeline_id: str
+    checkpoint_fs: FileSystem = field(default=None)  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_fs is None:
+            object.__setattr__(self, "checkpoint_fs", self.fs)
+
+    @classmethod
+    def at(cls, storage_uri: str, pipeline_id: str, checkpoint_uri: str | None = None) -> StorageLayout:
+        fs = FileSystem.from_uri(storage_uri)
+        checkpoints = FileSystem.from_uri(checkpoint_uri) if checkpoint_uri else fs
+        return cls(fs, pipeline_id, checkpoints)
+
+    # ------------------------------------------------------------------ storage URI
+
+    def channel(self, name: str) -> str:
+        return f"{self.pipeline_id}/{CHANNELS_DIR}/{name}"
+
+    def channel_uri(self, name: str) -> str:
+        return self.fs.uri_of(self.channel(name))
+
+    def stage_dir(self, stage: str) -> str:
+        """The stage's folder (the same relative path below both roots)."""
+        return f"{self.pipeline_id}/{STAGES_DIR}/{stage}"
+
+    def caps(self, stage: str) -> str:
+        return f"{self.stage_dir(stage)}/{CAPS_FILE}"
+
+    def caps_uri(self, stage: str) -> str:
+        return self.fs.uri_of(self.caps(stage))
+
+    def object_path(self, key: str) -> str:
+        return object_path(self.pipeline_id, key)
+
+    @property
+    def snapshots_dir(self) -> str:
+        return f"{self.pipeline_id}/{SNAPSHOTS_DIR}"
+
+    @property
+    def snapshot_tmp_dir(self) -> str:
+        return f"{self.pipeline_id}/{SNAPSHOT_TMP_DIR}"
+
+    def snapshot_tmp(self) -> str:
+        """A fresh temporary path for an object being copied in."""
+        return f"{self.snapshot_tmp_dir}/{uuid.uuid4().hex}"
+
+    # ------------------------------------------------------------------ checkpoint URI
+
+    def checkpoint_pointer(self, stage: str) -> str:
+        return f"{self.stage_dir(stage)}/{CHECKPOINT_POINTER}"
+
+    def _pointer(self, stage: str) -> dict[str, str]:
+        try:
+            value = self.checkpoint_fs.read_json(self.checkpoint_pointer(stage))
+        except FileNotFoundError:
+            return {}
+        if not isinstance(value, dict) or not isinstance(value.get("current"), str):
+            raise ConfigurationError(
+                f"{self.checkpoint_fs.uri_of(self.checkpoint_pointer(stage))} is not a checkpoint pointer "
+                '({"current": <folder>, ...}); restore the file or delete the stage folder to start over'
+            )
+        return {k: v for k, v in value.items() if isinstance(v, str)}
+
+    def checkpoint(self, stage: str) -> str:
+        """The stage's live checkpoint folder (what its pointer names; the first folder without one)."""
+        name = self._pointer(stage).get("current", CHECKPOINT_DIR)
+        return f"{self.stage_dir(stage)}/{name}"
+
+    def checkpoint_uri(self, stage: str) -> str:
+        """The live checkpoint as Spark spells its URI (``checkpointLocation``)."""
+        return self.checkpoint_fs.spark_uri_of(self.checkpoint(stage))
+
+    def new_checkpoint(self, stage: str, epoch: int) -> str:
+        """A fresh, unused checkpoint folder for ``stage`` rebuilt from ``epoch`` (0: empty)."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        return f"{self.stage_dir(stage)}/{CHECKPOINT_DIR}-{epoch}-{stamp}-{uuid.uuid4().hex[:8]}"
+
+    def switch_checkpoint(self, stage: str, folder: str) -> str | None:
+        """Make ``folder`` (from :meth:`new_checkpoint`) the live checkpoint: the commit point of a restore.
+
+        Returns the folder that was live before (kept as ``previous``); deletes the one that was
+        ``previous`` until now.
+        """
+        prefix = f"{self.stage_dir(stage)}/"
+        if not folder.startswith(prefix) or "/" in folder[len(prefix):]:
+            raise ConfigurationError(f"{folder!r} is not a checkpoint folder of stage {stage!r}")
+        before = self._pointer(stage)
+        old = self.checkpoint(stage)
+        live_before = old if self.checkpoint_fs.exists(old) else None
+        pointer = {"current": folder[len(prefix):]}
+        if live_before is not None:
+            pointer["previous"] = live_before[len(prefix):]
+        self.checkpoint_fs.write_json_atomic(self.checkpoint_pointer(stage), pointer)
+        dropped = before.get("previous")
+        if dropped and dropped not in pointer.values():
+            self.checkpoint_fs.delete_tree(f"{prefix}{dropped}")
+        return live_before
+
+    def stray_checkpoints(self, stage: str) -> list[str]:
+        """Checkpoint folders the pointer names neither as current nor as previous: what an interrupted
+        restore left (never the live folder, never the one kept for inspection)."""
+        pointer = self._pointer(stage)
+        named = set(pointer.values()) or {CHECKPOINT_DIR}
+        return [e.path for e in self.checkpoint_fs.list_dir(self.stage_dir(stage))
+                if e.is_dir and (e.name == CHECKPOINT_DIR or e.name.startswith(_GENERATIONS))
+                and e.name not in named]

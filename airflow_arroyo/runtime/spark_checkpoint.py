@@ -1,0 +1,203 @@
+"""Spark's streaming checkpoint folder: the one module that knows its format.
+
+Layout (written by Spark; this package reads it and copies it, never writes into it)::
+
+    metadata                          the query id
+    offsets/<b>                       written before batch b runs: "v1", the batch metadata, then one
+                                      line per source (JSON offset, or "-" when it has none yet)
+    commits/<b>                       written after batch b committed (its sink ran)
+    sources/<i>/...                   source logs (file sources), by batch id
+    state/<operator>/<partition>/     state store files: ``V.delta`` and ``V.snapshot`` (default
+                                      provider), ``V.zip`` / ``V.changelog`` plus ``SSTs/`` and ``logs/``
+                                      (RocksDB), ``_metadata`` and ``_stateSchema`` folders
+    asyncOffsets/, asyncCommits/      the same logs under asynchronous progress tracking
+
+Batch b commits state store version ``b + 1``. Hidden files (``.crc``, ``.tmp``, ``_temporary``) are
+Hadoop's write-then-rename scaffolding and never part of a checkpoint's content.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import zipfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from airflow_arroyo.exceptions import SnapshotError
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.channel import ChannelError
+
+__all__ = [
+    "checkpoint_offsets",
+    "commit_path",
+    "latest_commit",
+    "offsets_path",
+    "rocksdb_zip_references",
+    "select_checkpoint_files",
+]
+
+_VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
+_BASE_KINDS = frozenset({"snapshot", "zip"})
+_BATCH_LOGS = frozenset({"offsets", "commits", "asyncOffsets", "asyncCommits"})
+OFFSETS_DIR = "offsets"
+COMMITS_DIR = "commits"
+
+
+def offsets_path(checkpoint: str, batch_id: int) -> str:
+    """``offsets/<batch_id>`` below ``checkpoint`` (a path relative to some filesystem root, or "")."""
+    return f"{checkpoint}/{OFFSETS_DIR}/{batch_id}" if checkpoint else f"{OFFSETS_DIR}/{batch_id}"
+
+
+def commit_path(checkpoint: str, batch_id: int) -> str:
+    """``commits/<batch_id>`` below ``checkpoint``: present once Spark committed the batch."""
+    return f"{checkpoint}/{COMMITS_DIR}/{batch_id}" if checkpoint else f"{COMMITS_DIR}/{batch_id}"
+
+
+def latest_commit(fs: FileSystem, checkpoint: str) -> int:
+    """The newest committed batch id of the checkpoint at ``checkpoint`` in ``fs`` (-1: none)."""
+    latest = -1
+    for e in fs.list_dir(f"{checkpoint}/{COMMITS_DIR}"):
+        if not e.is_dir and e.name.isdigit():
+            latest = max(latest, int(e.name))
+    return latest
+
+
+def checkpoint_offsets(checkpoint_uri: str, batch_id: int) -> list[dict[str, Any] | None]:
+    """The end offsets of micro-batch ``batch_id``, one per source in the query's source order.
+
+    Reads ``offsets/<batch_id>`` of a Spark streaming checkpoint (written before the batch runs, so it
+    is available inside ``foreachBatch``). A source without an offset yet gives None.
+    """
+    fs = FileSystem.from_uri(checkpoint_uri)
+    try:
+        text = fs.read_bytes(offsets_path("", batch_id)).decode()
+    except FileNotFoundError:
+        raise ChannelError(
+            f"no offsets for batch {batch_id} in checkpoint {checkpoint_uri}; is it the query's "
+            "checkpointLocation?"
+        ) from None
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("v"):
+        raise ChannelError(f"unrecognised offset log format in {checkpoint_uri}/{offsets_path('', batch_id)}")
+    out: list[dict[str, Any] | None] = []
+    for line in lines[2:]:
+        if line.strip() in ("", "-"):
+            out.append(None)
+        else:
+            parsed = json.loads(line)
+            out.append(parsed if isinstance(parsed, dict) else None)
+    return out
+
+
+# --------------------------------------------------------------------------- which files (pure)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".") or name.startswith("_temporary") or name.endswith((".crc", ".tmp"))
+
+
+def select_checkpoint_files(
+    rel_paths: Iterable[str],
+    batch_id: int,
+    zip_references: Callable[[str], Iterable[str] | None],
+) -> list[str]:
+    """The files of a Spark checkpoint that make up its state as of batch ``batch_id`` (sorted).
+
+    ``rel_paths``: every file below the checkpoint folder, relative to it, ``/``-separated.
+    ``zip_references(rel_path_of_zip)``: the ``SSTs/...`` and ``logs/...`` files (relative to the
+    zip's folder) a RocksDB ``V.zip`` references, or None if it cannot be read (then every such file
+    in the folder is kept). ``batch_id`` -1 means no batch ran yet (only ``metadata`` is kept).
+    """
+    version = batch_id + 1  # batch b commits state store version b + 1
+    keep: list[str] = []
+    partitions: dict[str, list[tuple[int, str, str]]] = {}  # folder -> [(version, kind, rel)]
+    side_files: dict[str, list[str]] = {}  # folder -> SSTs/..., logs/... files (rel to folder)
+    for rel in rel_paths:
+        parts = rel.split("/")
+        name = parts[-1]
+        if any(_hidden(p) for p in parts):
+            continue
+        top = parts[0]
+        if top in _BATCH_LOGS or top == "sources":
+            n = _leading_int(name)
+            if n is None:
+                if top in _BATCH_LOGS:
+                    continue  # not a batch file
+                keep.append(rel)
+            elif n <= batch_id:
+                keep.append(rel)
+            continue
+        if top == "state" and len(parts) >= 4:
+            if "_metadata" in parts or any(p.startswith("_stateSchema") for p in parts):
+                # operator metadata and state schemas; v2 operator metadata files are named by batch id
+                n = _leading_int(name) if "v2" in parts else None
+                if n is None or n <= batch_id:
+                    keep.append(rel)
+                continue
+            m = _VERSIONED.match(name)
+            folder = "/".join(parts[:-1])
+            if m is not None:
+                partitions.setdefault(folder, []).append((int(m.group(1)), m.group(2), rel))
+                continue
+            if len(parts) >= 5 and parts[-2] in ("SSTs", "logs"):
+                owner = "/".join(parts[:-2])
+                side_files.setdefault(owner, []).append(f"{parts[-2]}/{name}")
+                continue
+            keep.append(rel)  # an unknown immutable file: keep it
+            continue
+        keep.append(rel)  # metadata and anything unknown
+    for folder, files in partitions.items():
+        eligible = [f for f in files if f[0] <= version]
+        bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
+        base = max(bases) if bases else 0
+        chosen = [f for f in eligible if (f[1] in _BASE_KINDS and f[0] == base) or
+                  (f[1] not in _BASE_KINDS and base < f[0] <= version)]
+        keep.extend(rel for _, _, rel in chosen)
+        zips = [rel for _, kind, rel in chosen if kind == "zip"]
+        available = set(side_files.get(folder, []))
+        wanted: set[str] = set()
+        for z in zips:
+            refs = zip_references(z)
+            if refs is None:
+                wanted |= available
+            else:
+                wanted |= set(refs)
+        missing = wanted - available
+        if missing:
+            raise SnapshotError(
+                f"RocksDB checkpoint {zips} references {sorted(missing)[:3]} which are not in {folder}; "
+                "the checkpoint folder is incomplete (did something delete state files?)"
+            )
+        keep.extend(f"{folder}/{s}" for s in sorted(wanted))
+    return sorted(set(keep))
+
+
+def _leading_int(name: str) -> int | None:
+    m = re.match(r"^(\d+)(?:$|[._])", name)
+    return int(m.group(1)) if m else None
+
+
+def rocksdb_zip_references(data: bytes) -> list[str]:
+    """The ``SSTs/...`` and ``logs/...`` files a RocksDB ``V.zip`` checkpoint references."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        text = z.read("metadata").decode()
+    lines = text.splitlines()
+    body = "\n".join(lines[1:]) if lines and lines[0].startswith("v") else text
+    meta = json.loads(body)
+    refs: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, str) and k.startswith("dfs") and k.endswith("FileName"):
+                    refs.append(("SSTs/" if v.endswith(".sst") else "logs/") + v)
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(meta)
+    return refs
