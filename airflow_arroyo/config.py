@@ -33,6 +33,14 @@ OPTIONS: dict[str, Option] = {
         "The Airflow connection of the epoch store (type ``arroyo`` or ``postgres``) that operators, sensors, "
         "the retention DAG and the UI plugin use when none is given.",
     ),
+    "checkpoint_uri": Option(
+        "", "string",
+        "Root of the stages' Spark checkpoints (a Hadoop filesystem path Spark writes: a shared disk, "
+        "hdfs://, or s3a:// with the S3A connector) handed to the driver when a SubmitPipelineOperator names "
+        "none. Empty: under storage_uri. Separate it when channels and snapshots live on an object store "
+        "Spark cannot write (docs/runtime.md, Object storage).",
+        "hdfs:///arroyo/checkpoints",
+    ),
     "spark_conn_id": Option(
         "spark_default", "string",
         "The apache-spark provider's connection (master, deploy mode) used by SubmitPipelineOperator "

@@ -256,6 +256,8 @@ class SubmitPipelineOperator(BaseOperator):
     :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
     :param storage_uri: root of the pipeline's channels and snapshots (default ``[arroyo] storage_uri``,
         else the pipeline's own).
+    :param checkpoint_uri: root of the stages' Spark checkpoints, when not under ``storage_uri``
+        (default ``[arroyo] checkpoint_uri``; see docs/runtime.md, "Object storage").
     :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
     :param spark_conn_id: the provider's Spark connection (master, deploy mode, queue...; default
         ``[arroyo] spark_conn_id``).
@@ -298,7 +300,8 @@ class SubmitPipelineOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
-        "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "conn_id",
+        "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "checkpoint_uri",
+        "conn_id",
         "spark_conn_id", "conf", "env_vars", "application", "application_args", "spark_submit_kwargs", "name",
         "submit_log_dir", "cluster_python", "dsn_secret",
     )
@@ -317,6 +320,7 @@ class SubmitPipelineOperator(BaseOperator):
         run_id: str | None = None,
         restore_from: str | int | None = None,
         storage_uri: str | None = None,
+        checkpoint_uri: str | None = None,
         conn_id: str | None = None,
         spark_conn_id: str | None = None,
         conf: Mapping[str, Any] | None = None,
@@ -343,6 +347,7 @@ class SubmitPipelineOperator(BaseOperator):
         self.run_id = run_id
         self.restore_from = restore_from
         self.storage_uri = storage_uri or config.get("storage_uri") or None
+        self.checkpoint_uri = checkpoint_uri or config.get("checkpoint_uri") or None
         self.conn_id = conn_id or config.get("conn_id")
         self.spark_conn_id = spark_conn_id or config.get("spark_conn_id")
         self.conf = dict(conf or {})
@@ -394,6 +399,8 @@ class SubmitPipelineOperator(BaseOperator):
             args += ["--restore-from", restore]
         if self.storage_uri:
             args += ["--storage-uri", str(self.storage_uri)]
+        if self.checkpoint_uri:
+            args += ["--checkpoint-uri", str(self.checkpoint_uri)]
         if self.takeover:
             args += ["--takeover"]
         for key, value in self.pipeline_args.items():

@@ -139,7 +139,8 @@ def test_driver_application_is_the_runtime_driver() -> None:
 
 
 def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) -> None:
-    op = submit_op(tmp_path, application=None, restore_from="latest", storage_uri="file:///data/orders",
+    op = submit_op(tmp_path, application=None, restore_from="latest", storage_uri="s3://lake/orders",
+                   checkpoint_uri="hdfs:///arroyo/orders",
                    conf={"spark.sql.shuffle.partitions": 2}, application_args=["--verbose-epochs"],
                    pipeline_args={"pipeline_id": PID, "rows": "20000", "keys": 5, "tags": ["a"]}, takeover=True)
     command, env, cluster, _, secret_file = op.build_spark_submit("run-7", "latest", conns.dsn)
@@ -148,7 +149,8 @@ def test_spark_submit_command_for_local_mode(conns: EpochStore, tmp_path: Path) 
     assert "spark.sql.shuffle.partitions=2" in command and "--name" in command and "arroyo-orders" in command
     app = command.index(DRIVER_APPLICATION)
     assert command[app + 1:] == ["--pipeline", f"fake:{PID}", "--run-id", "run-7", "--restore-from", "latest",
-                                 "--storage-uri", "file:///data/orders", "--takeover",
+                                 "--storage-uri", "s3://lake/orders", "--checkpoint-uri", "hdfs:///arroyo/orders",
+                                 "--takeover",
                                  "--arg", f"pipeline_id={PID}", "--arg", "rows=20000", "--arg", "keys=5",
                                  "--arg", 'tags=["a"]', "--verbose-epochs"]
     # the DSN travels in the environment, never on the command line
