@@ -30,6 +30,7 @@ from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
 from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore
+from tests.support import sql
 
 V = ViolationKind
 
@@ -47,16 +48,6 @@ def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, what: 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
-
-
-def sql(dsn: str, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 # ============================================================================= synthetic histories

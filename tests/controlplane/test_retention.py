@@ -13,7 +13,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
@@ -21,21 +20,12 @@ from airflow_arroyo.exceptions import ConfigurationError, LockLostError, Unknown
 from airflow_arroyo.retention import PruneReport, parse_duration, policy_from, prune_pipeline
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import EpochStore, SnapshotEntry
+from tests.support import sql
 
 TICK = CheckpointPolicy(interval=3600)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def sql(store: EpochStore, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(store.dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 class Pipeline:

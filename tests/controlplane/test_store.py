@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
 
 import psycopg2
 import psycopg2.errors
@@ -48,6 +47,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY
+from tests.support import sql
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -64,16 +64,6 @@ def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, what: 
 def running(store: EpochStore, pipeline_id: str, stages: Sequence[str] = ("src", "sink"), run_id: str = "r1") -> None:
     store.register_pipeline(pipeline_id, stages=list(stages), run_id=run_id)
     store.set_pipeline_state(pipeline_id, PipelineState.RUNNING)
-
-
-def sql(dsn: str, query: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def count(dsn: str, table: str) -> int:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
@@ -50,6 +49,7 @@ from tests.runtime.pipeline_support import (
     rows_of,
     wait_for,
 )
+from tests.support import sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -172,16 +172,6 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
 
         return lambda: current(store, pid) is not None and after_delay()
     return lambda: current(store, pid) is not None and chosen()  # nothing to watch before it registers
-
-
-def sql(dsn: str, query: str) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def totals_of(rows: list[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:

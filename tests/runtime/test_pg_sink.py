@@ -10,7 +10,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import EpochState
@@ -28,6 +27,7 @@ from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.runtime.pipeline import Pipeline
 from tests.runtime.pipeline_support import DriverThread, row_count, run_until, wait_for
+from tests.support import sql
 
 pytestmark = [pytest.mark.spark]
 
@@ -41,16 +41,6 @@ def target_dsn(pg_server: Any) -> str:
     sql(dsn, "CREATE TABLE events (id bigint NOT NULL, key text NOT NULL, amount bigint)")
     sql(dsn, "CREATE TABLE totals (key text PRIMARY KEY, amount bigint NOT NULL, id bigint)")
     return dsn
-
-
-def sql(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def batch(spark: Any, rows: list[tuple[int, str, int | None]], partitions: int = 2) -> Any:
