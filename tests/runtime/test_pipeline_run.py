@@ -4,6 +4,7 @@ restore from a middle epoch that gives the same output, and the refusals of impo
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -159,7 +160,9 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     again = run_to_end(spark, module_store, pid, tmp_path, restore_from="latest", epochs=False, stop="immediate")
     assert again.restored_from_epoch is None
     assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
-    assert any(p.name.startswith("checkpoint.replaced-") for p in (tmp_path / pid / "stages" / "joined").iterdir())
+    # the start over switched the stage's checkpoint pointer to a new folder; the old one stays as 'previous'
+    pointer = json.loads((tmp_path / pid / "stages" / "joined" / "checkpoint.json").read_text())
+    assert pointer["current"] != "checkpoint" and pointer.get("previous") == "checkpoint", pointer
 
 
 def test_each_barrier_sits_right_after_its_cut_batch(ran: Ran, module_store: EpochStore) -> None:
