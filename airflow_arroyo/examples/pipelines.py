@@ -20,6 +20,7 @@ Run it with the driver::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OUTPUT_CHANNEL", "PG_REPORT_DDL", "PG_REPORT_STAGE", "PG_TOTALS_DDL", "PG_TOTALS_STAGE", "SINK_STAGE",
-    "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "stateful_ops",
+    "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "stateful_ops", "totals_of",
 ]
 
 PG_REPORT_STAGE = "report_pg"
@@ -105,9 +106,15 @@ def _totals(report: DataFrame) -> DataFrame:
 
 
 def expected_totals(rows: int, keys: int = 100) -> dict[str, tuple[int, int]]:
-    """What ``totals_pg`` ends with, in plain Python: key -> (count, sum of total) over :func:`expected_report`."""
+    """What ``totals_pg`` ends with, in plain Python: :func:`totals_of` :func:`expected_report`."""
+    return totals_of(expected_report(rows, keys))
+
+
+def totals_of(report_rows: Iterable[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
+    """key -> (count, sum of total) over report rows ``(id, key, left_value, right_value, total)``: what
+    ``totals_pg`` holds once those rows are committed."""
     out: dict[str, tuple[int, int]] = {}
-    for _, k, _, _, total in expected_report(rows, keys):
+    for _, k, _, _, total in report_rows:
         n, s = out.get(k, (0, 0))
         out[k] = (n + 1, s + total)
     return out

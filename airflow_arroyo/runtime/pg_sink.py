@@ -461,15 +461,12 @@ class TransactionalPostgresSink:
             return int(cur.rowcount), batches
         assert self._columns is not None
         keys = [sql.Identifier(k) for k in self.key]
-        non_key = [c.name for c in self._columns if c.name not in self.key]
         key_list = sql.SQL(", ").join(keys)
         join_on = sql.SQL(" AND ").join(sql.SQL("t.{k} = k.{k}").format(k=k) for k in keys)
         pre_cols = sql.SQL(", ").join(
             sql.SQL("k.{}").format(sql.Identifier(c.name)) if c.name in self.key else
             sql.SQL("t.{}").format(sql.Identifier(c.name)) for c in self._columns)
-        update = (sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(
-            sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(n)) for n in non_key)) if non_key else \
-            sql.SQL("DO NOTHING")
+        update = self._on_conflict()
         written = 0
         for b in batches:
             cur.execute(sql.SQL(
@@ -486,6 +483,15 @@ class TransactionalPostgresSink:
         cur.execute(sql.SQL("DELETE FROM {p} WHERE {b} > %s AND {b} <= %s").format(p=pending, b=batch),
                     (after, through))  # an upsert's rollback needs the pre-images only
         return written, batches
+
+    def _on_conflict(self) -> sql.Composable:
+        """``DO UPDATE SET`` every non-key column to the incoming row's (``DO NOTHING`` for a key-only table)."""
+        assert self._columns is not None
+        non_key = [c.name for c in self._columns if c.name not in self.key]
+        if not non_key:
+            return sql.SQL("DO NOTHING")
+        return sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(
+            sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(n)) for n in non_key)
 
     def _set_committed(self, cur: PgCursor, batch_id: int) -> None:
         cur.execute(sql.SQL("UPDATE {} SET committed_batch = %s, updated_at = now() "
@@ -556,10 +562,7 @@ class TransactionalPostgresSink:
         cur.execute(sql.SQL("DELETE FROM {t} t USING {f} f WHERE {on} AND NOT f.{e}").format(
             t=target, f=firsts, on=on, e=sql.Identifier(_EXISTED)), (to,))
         deleted = int(cur.rowcount)
-        non_key = [c.name for c in self._columns if c.name not in self.key]
-        update = (sql.SQL("DO UPDATE SET ") + sql.SQL(", ").join(
-            sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(n)) for n in non_key)) if non_key else \
-            sql.SQL("DO NOTHING")
+        update = self._on_conflict()
         cur.execute(sql.SQL("INSERT INTO {t} ({c}) SELECT {c} FROM {f} f WHERE f.{e} ON CONFLICT ({keys}) {update}")
                     .format(t=target, c=self._cols(), f=firsts, e=sql.Identifier(_EXISTED), keys=key_list,
                             update=update), (to,))

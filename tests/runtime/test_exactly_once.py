@@ -36,6 +36,7 @@ from airflow_arroyo.examples import (
     PG_TOTALS_DDL,
     expected_report,
     expected_totals,
+    totals_of,
 )
 from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
@@ -172,14 +173,6 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
 
         return lambda: current(store, pid) is not None and after_delay()
     return lambda: current(store, pid) is not None and chosen()  # nothing to watch before it registers
-
-
-def totals_of(rows: list[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
-    out: dict[str, tuple[int, int]] = {}
-    for _, key, _, _, total in rows:
-        n, s = out.get(key, (0, 0))
-        out[key] = (n + 1, s + total)
-    return out
 
 
 def pg_tables_match_a_completed_epoch(store: EpochStore, pid: str, report_uri: str, sink_dsn: str) -> int | None:

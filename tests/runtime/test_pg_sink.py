@@ -20,6 +20,7 @@ from airflow_arroyo.examples import (
     demo,
     expected_report,
     expected_totals,
+    totals_of,
 )
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.channel import Channel
@@ -235,7 +236,7 @@ def test_restore_from_an_older_epoch_rolls_the_tables_back_then_recommits(
         # no controller: nothing commits before the final epoch, so the tables show the rollback
         cut = report_cut(restored, middle)
         assert report() == cut, "the append table was not rolled back to the restored epoch's cut"
-        assert totals() == expected_totals_of(cut), "the upsert table was not rolled back to the restored epoch's cut"
+        assert totals() == totals_of(cut.elements()), "the upsert table was not rolled back to the restored epoch's cut"
         wait_for(lambda: thread.error or row_count(restored.layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
                  timeout=600, what="the restored run to reach the end")
     finally:
@@ -252,11 +253,3 @@ def report_cut(driver: PipelineDriver, epoch: int) -> Counter[tuple[Any, ...]]:
     assert pos is not None
     return Counter(tuple(r.values()) for r in channel.read_table(end=pos).to_pylist())
 
-
-def expected_totals_of(rows: Counter[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
-    out: dict[str, tuple[int, int]] = {}
-    for (_, key, _, _, total), times in rows.items():
-        for _ in range(times):
-            n, s = out.get(key, (0, 0))
-            out[key] = (n + 1, s + total)
-    return out
