@@ -8,6 +8,7 @@ The tree is small on purpose::
     ├── UnknownPipelineError         no pipeline registered under that id
     ├── IllegalTransitionError       a life-cycle change the state machine does not allow
     ├── ConcurrencyConflict          another actor won the race (e.g. epoch already in flight)
+    │   └── FencedError              a superseded run tried to write (a newer run registered)
     ├── CleanupLockHeld              the pipeline's cleanup lock is held by someone else
     ├── LockLostError                our cleanup lease expired or was taken over mid-run
     ├── StoreError                   a permanent epoch-store failure (not retried)
@@ -25,6 +26,7 @@ __all__ = [
     "CleanupLockHeld",
     "ConcurrencyConflict",
     "ConfigurationError",
+    "FencedError",
     "IllegalTransitionError",
     "LockLostError",
     "PipelineFailedError",
@@ -68,6 +70,28 @@ class IllegalTransitionError(ArroyoError):
 
 class ConcurrencyConflict(ArroyoError):
     """Another actor changed the same rows first; the caller lost a race and should re-read."""
+
+
+class FencedError(ConcurrencyConflict):
+    """A write of a run that a newer run of the same pipeline has superseded (its fencing token, the
+    generation the store gave it at registration, is older than the pipeline's). The run must stop at
+    once and write nothing more; the newer run owns the pipeline's channels, sinks and epochs."""
+
+    def __init__(self, pipeline_id: str, run_id: str | None, generation: int, *, by_run: str | None = None,
+                 by_generation: int | None = None, what: str = "a write") -> None:
+        newer = f"run {by_run!r}" if by_run else "a newer run"
+        gen = f" (generation {by_generation})" if by_generation is not None else ""
+        own = f" of generation {generation}" if generation >= 0 else ""
+        super().__init__(
+            f"run {run_id!r} of pipeline {pipeline_id!r} is no longer current: it was superseded by {newer}{gen}; "
+            f"{what}{own} was refused, and the run stops without writing further"
+        )
+        self.pipeline_id = pipeline_id
+        self.run_id = run_id
+        self.generation = generation
+        self.by_run = by_run
+        self.by_generation = by_generation
+        self.what = what
 
 
 class CleanupLockHeld(ArroyoError):

@@ -2,8 +2,9 @@
 
 A channel is a directory (any :class:`~airflow_arroyo.fs.FileSystem` URI)::
 
-    _channel.json                     header: {"format_version": 1, "schema": <Spark schema JSON> | null}
+    _channel.json                     header: {"format_version": 2, "schema": <Spark schema JSON> | null}
     _truncated.json                   optional: {"before": P, "writers": {...}} (retention watermark)
+    _fence.json                       optional: {"fences": [{"generation": G, "from": P}, ...]} (fencing)
     log/00000000000000000000.json     entry 0
     log/00000000000000000001.json     entry 1 ...
     data/<writer>-b<batch>-<uuid>/    the Parquet files of one data entry
@@ -12,6 +13,13 @@ Entries are numbered 0, 1, 2...; a reader at position ``p`` has consumed entries
 names its Parquet files; a barrier entry carries an epoch. Data files are written first and the entry
 is created exclusively afterwards, so the entry is the commit point and files no entry names are
 ignored. The format is specified in ``docs/channel-format.md``.
+
+Fencing: an entry carries the generation (fencing token) of the run that wrote it. A run that takes the
+pipeline over records a fence, "generation G starts at position P" (:meth:`Channel.fence`); from then on
+an entry at or after P written by an older generation is a :attr:`EntryKind.FENCED` entry: it keeps its
+position but carries no rows and is no barrier, so a superseded run that is still alive cannot add
+anything readers see. A writer that knows its token refuses to append once it is fenced
+(:class:`~airflow_arroyo.exceptions.FencedError`).
 
 Concurrency contract: one writer per channel (the graph validator enforces it); any number of readers.
 :meth:`Channel.truncate_from` (restore) needs every reader and writer of the channel stopped;
@@ -34,12 +42,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError
+from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
+
+    from airflow_arroyo.store.records import FencingToken
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,9 +63,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: entries carry a generation, _fence.json (docs/channel-format.md, "Versions")
+READABLE_VERSIONS = (1, 2)  # a version-1 channel is read as one without fences; fencing it upgrades it to 2
 HEADER_FILE = "_channel.json"
 TRUNCATED_FILE = "_truncated.json"
+FENCE_FILE = "_fence.json"
 LOG_DIR = "log"
 DATA_DIR = "data"
 _INDEX_WIDTH = 20
@@ -78,6 +90,7 @@ class ChannelTruncatedError(ChannelError):
 class EntryKind(StrEnum):
     DATA = "data"
     BARRIER = "barrier"
+    FENCED = "fenced"  # never stored: how a reader sees an entry a superseded run wrote after the fence
 
 
 @dataclass(frozen=True)
@@ -94,10 +107,17 @@ class Entry:
     batch_id: int | None = None
     dir: str | None = None
     time: float | None = None
+    generation: int = 0  # the writer's fencing token (0: written without one, e.g. by format version 1)
 
     @property
     def is_barrier(self) -> bool:
         return self.kind is EntryKind.BARRIER
+
+    def fenced(self) -> Entry:
+        """How readers see this entry once a newer generation fenced it: no rows, no barrier; its data
+        folder is kept only so that retention deletes it with the entry."""
+        return Entry(self.index, EntryKind.FENCED, self.writer, dir=self.dir, time=self.time,
+                     generation=self.generation)
 
     def to_json(self) -> dict[str, Any]:
         if self.kind is EntryKind.BARRIER:
@@ -114,13 +134,19 @@ class Entry:
             }
         if self.time is not None:
             out["time"] = self.time
+        if self.generation:
+            out["generation"] = self.generation
         return out
 
     @classmethod
     def from_json(cls, index: int, raw: dict[str, Any]) -> Entry:
         kind = EntryKind(raw["kind"])
+        if kind is EntryKind.FENCED:
+            raise ChannelError(f"entry {index} is stored as kind 'fenced', which only readers produce")
+        generation = int(raw.get("generation") or 0)
         if kind is EntryKind.BARRIER:
-            return cls(index, kind, str(raw["writer"]), epoch=int(raw["epoch"]), time=raw.get("time"))
+            return cls(index, kind, str(raw["writer"]), epoch=int(raw["epoch"]), time=raw.get("time"),
+                       generation=generation)
         return cls(
             index,
             kind,
@@ -131,6 +157,7 @@ class Entry:
             batch_id=None if raw.get("batch_id") is None else int(raw["batch_id"]),
             dir=raw.get("dir"),
             time=raw.get("time"),
+            generation=generation,
         )
 
 
@@ -217,6 +244,14 @@ class _Caches:
     end: int | None = None
     entries: dict[int, Entry] = field(default_factory=dict)
     writers: dict[str, _WriterMemo] = field(default_factory=dict)
+    fences: list[tuple[int, int]] | None = None  # (generation, from position), read once per handle
+
+
+def fence_applies(fences: Iterable[tuple[int, int]], index: int, generation: int) -> int | None:
+    """The generation that fences an entry at ``index`` written by ``generation``, or None: a fence
+    ``(G, P)`` ignores every entry at or after ``P`` of a generation older than ``G``."""
+    newer = [g for g, p in fences if index >= p and generation < g]
+    return max(newer) if newer else None
 
 
 class Channel:
@@ -231,6 +266,8 @@ class Channel:
         self._header = header
         self._lock = threading.RLock()
         self._c = _Caches()
+        # the writer's fencing token: stamped on its entries; appends are refused once a newer one fenced
+        self.token: FencingToken | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -269,6 +306,7 @@ class Channel:
         self._header = state["header"]
         self._lock = threading.RLock()
         self._c = _Caches()
+        self.token = None
 
     def __repr__(self) -> str:
         return f"Channel({self.uri!r})"
@@ -387,6 +425,11 @@ class Channel:
             except json.JSONDecodeError as exc:
                 raise ChannelError(f"entry {index} of channel {self.uri} is corrupt: {exc}") from exc
             parsed = Entry.from_json(index, raw)
+            by = fence_applies(self._fences(), index, parsed.generation)
+            if by is not None:
+                log.info("channel %s: entry %s (%s of %r, generation %s) was written after generation %s took "
+                         "over; ignored", self.uri, index, parsed.kind.value, parsed.writer, parsed.generation, by)
+                parsed = parsed.fenced()
             self._remember(parsed)
             return parsed
 
@@ -451,6 +494,65 @@ class Channel:
                     return i
             return None
 
+    # ------------------------------------------------------------------ fencing
+    def _read_fences(self) -> list[tuple[int, int]]:
+        try:
+            raw = self._fs.read_json(FENCE_FILE)
+        except FileNotFoundError:
+            return []
+        try:
+            return [(int(f["generation"]), int(f["from"])) for f in raw.get("fences", [])]
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ChannelError(f"{FENCE_FILE} of channel {self.uri} is corrupt ({exc}); it must be "
+                               '{"fences": [{"generation": G, "from": P}, ...]}') from exc
+
+    def _fences(self) -> list[tuple[int, int]]:
+        if self._c.fences is None:
+            self._c.fences = self._read_fences()
+        return self._c.fences
+
+    def fences(self) -> list[tuple[int, int]]:
+        """The channel's fences as ``(generation, from position)``, re-read from storage."""
+        with self._lock:
+            self._c.fences = self._read_fences()
+            return list(self._c.fences)
+
+    def fence(self, generation: int, position: int) -> None:
+        """Generation ``generation`` (a run's fencing token) writes from ``position`` on: from now on,
+        readers ignore every entry at or after ``position`` that an older generation wrote (a superseded
+        run still alive), and such a writer's appends are refused. The driver calls it after a takeover's
+        restore cut the channel at ``position`` (or at the end when nothing was cut), before any stage runs.
+        Upgrades a version-1 channel to version 2 first, so that an older reader refuses it clearly
+        instead of reading the fenced entries."""
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+            raise ConfigurationError(f"a fencing generation must be an int >= 1, got {generation!r}")
+        with self._lock:
+            current = self._read_fences()
+            newer = [g for g, _ in current if g > generation]
+            if newer:
+                raise ChannelError(f"channel {self.uri} is already fenced by generation {max(newer)}; generation "
+                                   f"{generation} was superseded and must not write it")
+            if self._header.get("format_version") != FORMAT_VERSION:
+                self._header = {**_read_header(self._fs), "format_version": FORMAT_VERSION}
+                self._fs.write_json_atomic(HEADER_FILE, self._header)
+            # a fence at or after `position` of an older generation is implied by the new one
+            kept = sorted((g, p) for g, p in current if p < position and g != generation)
+            kept.append((generation, position))
+            self._fs.write_json_atomic(FENCE_FILE, {"fences": [{"generation": g, "from": p} for g, p in kept]})
+            self._c = _Caches()  # entries parsed before the fence are parsed again under it
+            log.info("channel %s: fenced: generation %s writes from position %s", self.uri, generation, position)
+
+    def _check_fenced(self) -> None:
+        """Refuse an append of a writer whose generation a newer one has fenced (read fresh: one small GET)."""
+        token = self.token
+        if token is None:
+            return
+        self._c.fences = self._read_fences()
+        newer = [g for g, _ in self._c.fences if g > token.generation]
+        if newer:
+            raise FencedError(token.pipeline_id, token.run_id, token.generation, by_generation=max(newer),
+                              what=f"an append to channel {self.uri}")
+
     # ------------------------------------------------------------------ per-writer memory
     def _writer_memo(self, writer: str) -> _WriterMemo:
         """Latest data batch id and latest barrier of ``writer``, scanning only what is not yet known."""
@@ -491,14 +593,25 @@ class Channel:
 
     # ------------------------------------------------------------------ appends
     def _append_entry(self, entry_json: dict[str, Any]) -> int:
+        self._check_fenced()
         end = self._refresh()
         entry_json = {**entry_json, "time": time.time()}
-        if not self._fs.create_exclusive(log_path(end), json.dumps(entry_json, sort_keys=True).encode()):
-            self._c.end = None
-            raise ConcurrencyConflict(
-                f"another writer committed entry {end} of channel {self.uri} first; a channel has exactly "
-                "one writer: check that no two stages (or two copies of one pipeline) write it"
-            )
+        if self.token is not None:
+            entry_json["generation"] = self.token.generation
+        data = json.dumps(entry_json, sort_keys=True).encode()
+        while not self._fs.create_exclusive(log_path(end), data):
+            # The slot is taken: by a superseded run that appended after the fence (its entry is
+            # ignored by readers: skip it), or by a second writer (a conflict).
+            self._c.entries.pop(end, None)
+            self._c.fences = None
+            if self.entry(end).kind is not EntryKind.FENCED:
+                self._c.end = None
+                raise ConcurrencyConflict(
+                    f"another writer committed entry {end} of channel {self.uri} first; a channel has exactly "
+                    "one writer: check that no two stages (or two copies of one pipeline) write it"
+                )
+            log.warning("channel %s: entry %s was written by a fenced run; appending after it", self.uri, end)
+            end += 1
         self._c.end = end + 1
         self._remember(Entry.from_json(end, entry_json))
         return end
@@ -757,6 +870,7 @@ class Channel:
             for i in listed:  # top down: an interrupted reset leaves a gap-free log
                 self._fs.delete(log_path(i))
             self._fs.delete(TRUNCATED_FILE)
+            self._fs.delete(FENCE_FILE)  # positions start again: the new run fences from 0 (Channel.fence)
             self._fs.delete_tree(DATA_DIR)
             self._c = _Caches(end=0)
             log.info("channel %s: reset (%s entries removed)", self.uri, len(listed))
@@ -820,10 +934,11 @@ def _read_header(fs: FileSystem) -> dict[str, Any]:
             "start the stage that writes it first"
         ) from None
     version = header.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ChannelError(
-            f"channel {fs.uri} has format_version {version!r}; this airflow-arroyo reads version "
-            f"{FORMAT_VERSION}: upgrade airflow-arroyo on this machine (or recreate the channel)"
+            f"channel {fs.uri} has format_version {version!r}; this airflow-arroyo reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade airflow-arroyo on this machine (or recreate the "
+            "channel)"
         )
     return header
 
@@ -839,11 +954,12 @@ def _check_batch_id(batch_id: int) -> None:
 
 
 def _delete_entry_data(fs: FileSystem, e: Entry) -> int:
-    """Delete the files of a data entry (its directory when it has one); returns bytes freed."""
-    if e.kind is not EntryKind.DATA:
+    """Delete the files of a data entry (its directory when it has one; a fenced entry's directory, which may
+    be gone already: a restore removes orphans while a superseded run may still write); returns bytes freed."""
+    if e.kind is EntryKind.BARRIER:
         return 0
     if e.dir:
-        freed = sum(f.size for f in fs.list_files(e.dir))
+        freed = sum(f.size for f in fs.list_files(e.dir)) if fs.exists(e.dir) else 0
         fs.delete_tree(e.dir)
         return freed
     freed = 0

@@ -44,6 +44,7 @@ from airflow_arroyo.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
     ConfigurationError,
+    FencedError,
     PipelineFailedError,
     SnapshotError,
 )
@@ -52,7 +53,7 @@ from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
-from airflow_arroyo.store import EpochStore, EpochWatch, PipelineRecord, redact_dsn
+from airflow_arroyo.store import EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -150,6 +151,7 @@ class PipelineDriver:
             if (sink := transactional_sink(self.pipeline_id, s)) is not None
         }
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
+        self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
 
     # ------------------------------------------------------------------ public
 
@@ -166,6 +168,7 @@ class PipelineDriver:
         """
         epoch_to_restore = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register(epoch_to_restore)
+        self._take_token()
         result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
         try:
             self._clean_leftovers()
@@ -173,6 +176,7 @@ class PipelineDriver:
                 self._restore(epoch_to_restore)
             elif self.restore_from == "latest":
                 self._start_over()
+            self._fence_channels(epoch_to_restore)
             for sink in self.sinks.values():
                 sink.claim()
             spark = self._session()
@@ -278,6 +282,53 @@ class PipelineDriver:
                          "output": s.output} for s in self.graph.stages}},
         )
 
+    # ------------------------------------------------------------------ fencing
+
+    def _take_token(self) -> None:
+        """Right after registering: this run's fencing token, which every write of the run carries (store
+        writes, channel entries, caps, sink pre-commits and commits), so that they are refused once a newer
+        run registers (docs/runtime.md, "Fencing")."""
+        token = self.token = self.store.fencing_token(self.pipeline_id, self.run_id)
+        self.snapshots.token = token
+        for sink in self.sinks.values():
+            sink.token = token
+        log.info("pipeline=%s run=%s: registered as generation %s", self.pipeline_id, self.run_id, token.generation)
+
+    def _fence_channels(self, epoch: int | None) -> None:
+        """Before any stage runs: each channel records that this generation writes from where the restore cut
+        it (right after barrier ``epoch``), or from 0 after a start over or on a fresh start (the channels are
+        empty). From then on readers ignore whatever an older run, superseded but maybe still alive, appends
+        there; its appends are refused. After the restore, not before it: a restore that fails must leave
+        every older entry readable for the next attempt."""
+        assert self.token is not None
+        for c in self.graph.channels:
+            uri = self.layout.channel_uri(c)
+            if not Channel.exists(uri):
+                continue
+            channel = Channel.open(uri)
+            if epoch is None:
+                position = 0
+            else:
+                barrier = channel.find_barrier(epoch)
+                if barrier is None:
+                    raise ConfigurationError(f"channel {c!r} has no barrier {epoch} after the restore of epoch {epoch}")
+                position = barrier + 1
+            channel.fence(self.token.generation, position)
+
+    def _superseded(self, refused: FencedError) -> FencedError:
+        """The refusal with the run that superseded this one named (storage refusals know only its
+        generation)."""
+        if refused.by_run is not None:
+            return refused
+        try:
+            current = self.store.get_pipeline(self.pipeline_id)
+        except ArroyoError:
+            return refused
+        out = FencedError(self.pipeline_id, self.run_id, refused.generation, by_run=current.run_id,
+                          by_generation=current.generation, what=refused.what)
+        out.__cause__ = refused
+        return out
+
     # ------------------------------------------------------------------ restore
 
     def _clean_leftovers(self) -> None:
@@ -362,7 +413,7 @@ class PipelineDriver:
                 self._ensure_feedback_channel(spec.name, fb)
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
-                                 gated=True, sink=self.sinks.get(spec.name))
+                                 gated=True, sink=self.sinks.get(spec.name), token=self.token)
             frames.append((runner, runner.build(spark)))
             self.runners.append(runner)
         self._wire_backpressure()
@@ -372,7 +423,7 @@ class PipelineDriver:
         # The Spark application and its UI are reported before `running`: whoever waits for `running`
         # (the submit task and its "Spark UI" link) reads them at once.
         self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=spark.sparkContext.applicationId,
-                             spark_ui_url=spark.sparkContext.uiWebUrl)
+                             spark_ui_url=spark.sparkContext.uiWebUrl, token=self.token)
         self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
         for runner, df in frames:
             if runner.kind is StageKind.SOURCE:
@@ -486,8 +537,11 @@ class PipelineDriver:
                 r.poll()
             now = time.monotonic()
             if now - last_heartbeat >= self.heartbeat_interval:
-                record = self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=app_id,
-                                              spark_ui_url=ui_url)
+                try:
+                    record = self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=app_id,
+                                                  spark_ui_url=ui_url, token=self.token)
+                except FencedError as exc:
+                    raise self._superseded(exc) from None
                 last_heartbeat = now
                 if record.stop_requested and self._stop_mode is None:
                     self._stop_mode = StopMode(record.stop_requested)
@@ -518,7 +572,8 @@ class PipelineDriver:
                         log.warning("pipeline=%s epoch=%s: final epoch %s; trying again", self.pipeline_id,
                                     final_epoch, state)
                         if state is EpochState.TRIGGERED:
-                            self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out")
+                            self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out",
+                                                  token=self.token)
                         final_epoch = None
             changed = watch.wait(self.poll_interval)
 
@@ -547,11 +602,14 @@ class PipelineDriver:
             if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
                 cuts = self._sink_cuts(epoch)
                 for name, sink in self.sinks.items():
-                    done = sink.commit_through(cuts[name])
+                    try:
+                        done = sink.commit_through(cuts[name])
+                    except FencedError as exc:
+                        raise self._superseded(exc) from None
                     if done.files or done.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
                         self.store.record_sink_commit(
                             self.pipeline_id, epoch, name, uri=sink.uri, batch_id=cuts[name], files=done.files,
-                            rows=done.rows, bytes_committed=done.bytes, run_id=self.run_id)
+                            rows=done.rows, bytes_committed=done.bytes, run_id=self.run_id, token=self.token)
                 self._sinks_committed = epoch
                 oldest = self.store.oldest_completed_epoch(self.pipeline_id)
                 if oldest is not None:
@@ -572,6 +630,9 @@ class PipelineDriver:
         return None, 0.0
 
     def _check_queries(self) -> None:
+        for r in self.runners:
+            if r.fenced is not None:  # superseded: stop now, and write nothing more (not even the failure)
+                raise self._superseded(r.fenced)
         for r in self.runners:
             q = r.query
             if q is None or q.isActive:

@@ -31,6 +31,18 @@ invisible to readers of ``<path>``.
   folders and committed files of batches ``> c`` (left by epochs after *N* when an older epoch is
   restored).
 
+Fencing (a run taken over while still alive must not change what readers see). The sink carries its
+run's generation ``G`` (the fencing token; 0 = none, the layout above): its pending folders are
+``pending/<batch>-g<G>/``, its final names ``<batch:012d>-g<G>-<part file>``, its manifests
+``committed/<batch:012d>-g<G>.json`` and its commit point ``committed-g<G>.json`` = ``{"through": c,
+"generation": G, "base": r}``, so an older generation can never overwrite any of them. The commit point
+readers trust is the one of the highest generation; a manifest counts if its generation is not above it
+(per batch the highest such one). A new generation writes its commit point when it claims the folder or
+rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
+refused (:class:`~airflow_arroyo.exceptions.FencedError`), and whatever it still moves in a race is named
+by no manifest readers trust; the newer generation's next commit deletes such files (batches after
+``base`` with an older generation's name).
+
 What readers see. :func:`committed_files` lists exactly the files of the batches ``<= through``
 (from their manifests): whole epochs only, on every backend, even while a commit runs or after a
 crash in the middle of one. A plain reader of the folder (``spark.read.parquet(path)``,
@@ -44,16 +56,19 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import re
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.sinks import SinkCommit
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
+
+    from airflow_arroyo.store.records import FencingToken
 
 __all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink", "committed_files"]
 
@@ -66,6 +81,19 @@ _MANIFESTS = f"{_META}/committed"
 _THROUGH = f"{_META}/committed.json"
 _BATCH_DIGITS = 12
 _BATCH_MANIFEST = "_arroyo_batch.json"  # in pending/<batch>/: {"rows": n}, written at pre-commit
+_PENDING_NAME = re.compile(r"^(\d+)(?:-g(\d+))?$")  # pending/<batch>[-g<generation>]
+_COMMIT_POINT = re.compile(r"^committed(?:-g(\d+))?\.json$")  # _arroyo_sink/committed[-g<generation>].json
+_FINAL_GEN = re.compile(r"^g(\d+)-")  # <batch>-g<generation>-<part file>
+
+
+class _Pending(NamedTuple):
+    batch: int
+    generation: int
+    path: str
+
+
+def _gen_suffix(generation: int) -> str:
+    return f"-g{generation}" if generation else ""
 
 
 def _hidden(name: str) -> bool:
@@ -90,6 +118,11 @@ class TransactionalFileSink:
         self.options = {k: v for k, v in options.items() if k != "path"}
         self.fs = FileSystem.from_uri(path)
         self.uri = self.fs.uri
+        self.token: FencingToken | None = None  # the run's fencing token (set by the driver before any write)
+
+    @property
+    def generation(self) -> int:
+        return self.token.generation if self.token is not None else 0
 
     def __repr__(self) -> str:
         return f"TransactionalFileSink({self.pipeline_id}/{self.stage} -> {self.uri})"
@@ -122,11 +155,34 @@ class TransactionalFileSink:
             )
 
     def claim(self) -> None:
-        """Record this pipeline and stage as the folder's writer (after :meth:`check_writable`)."""
+        """Record this pipeline and stage as the folder's writer (after :meth:`check_writable`); with a
+        fencing token, also fence older generations out (this generation's commit point)."""
         self.check_writable()
         if self.owner() is None:
             self.fs.write_json_atomic(f"{_META}/owner.json",
                                       {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format})
+        if self.generation and _commit_point(self.fs)[1] != self.generation:
+            self._write_commit_point(self._through(), base=self._through())
+
+    # ------------------------------------------------------------------ fencing
+
+    def _check_fence(self, what: str) -> None:
+        """Refuse a write of a generation older than the folder's newest commit point."""
+        newest = _commit_point(self.fs)[1]
+        if newest > self.generation:
+            token = self.token
+            raise FencedError(self.pipeline_id, token.run_id if token else None, self.generation,
+                              by_generation=newest, what=f"{what} of sink {self.stage!r} ({self.uri})")
+
+    def _write_commit_point(self, through: int, *, base: int | None = None) -> None:
+        """Write this generation's commit point (the legacy ``committed.json`` without a token)."""
+        self._check_fence("the commit point")
+        value: dict[str, int] = {"through": through}
+        if self.generation:
+            if base is None:
+                base = int(_read_commit_point(self.fs, self.generation).get("base", through))
+            value.update(generation=self.generation, base=base)
+        self.fs.write_json_atomic(_commit_point_path(self.generation), value)
 
     def has_state(self) -> bool:
         return self.owner() is not None and (bool(self.pending_batches()) or bool(self.committed_batches()))
@@ -139,6 +195,7 @@ class TransactionalFileSink:
         from pyspark.sql import Observation
         from pyspark.sql import functions as F
 
+        self._check_fence(f"the pre-commit of micro-batch {batch_id}")
         target = self.fs.spark_uri_of(self._pending(batch_id))
         observation = Observation(f"arroyo_rows_{uuid.uuid4().hex}")
         observed = df.observe(observation, F.count(F.lit(1)).alias("rows"))
@@ -147,37 +204,58 @@ class TransactionalFileSink:
         self.fs.write_json_atomic(f"{self._pending(batch_id)}/{_BATCH_MANIFEST}",
                                   {"rows": int(rows) if rows is not None else None})
 
-    def commit_through(self, batch_id: int) -> SinkCommit:
-        """Make every pending batch ``<= batch_id`` visible; says what it moved. The commit point is
-        ``committed.json`` (written last); a commit cut short is finished by the next call."""
-        pending = [b for b in self.pending_batches() if b <= batch_id]
+    def commit_through(self, batch_id: int, *, any_generation: bool = False) -> SinkCommit:
+        """Make every pending batch ``<= batch_id`` of this generation visible (``any_generation``: of any,
+        what a restore finishes for the run that completed the epoch); says what it moved. The commit point
+        (written last) is this generation's; a commit cut short is finished by the next call."""
+        self._check_fence(f"the commit through micro-batch {batch_id}")
+        chosen = [p for p in self._pending_dirs()
+                  if p.batch <= batch_id and (any_generation or p.generation == self.generation)]
+        pending = sorted({p.batch for p in chosen})
         moved = size = 0
         rows: int | None = 0
-        if pending:
+        if chosen:
             finals: dict[int, set[str]] = {}
-            for b, path in self._committed_files():  # files an interrupted commit already moved
-                finals.setdefault(b, set()).add(path)
-            for b in pending:
-                folder = self._pending(b)
+            for b, path in self._committed_files():  # files an interrupted commit of this generation moved
+                if _final_generation(path) == self.generation:
+                    finals.setdefault(b, set()).add(path)
+            for p in sorted(chosen):
+                b, folder = p.batch, p.path
+                self._check_fence(f"the commit of micro-batch {b}")
                 counted = self._manifest_rows(folder)
                 rows = rows + counted if rows is not None and counted is not None else None
                 for e in self.fs.list_files(folder):
                     rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
                     if any(_hidden(part) for part in rel.split("/")):
                         continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
-                    final = self._committed_name(b, rel)
+                    final = self._committed_name(b, rel, self.generation)
                     self.fs.move(e.path, final)
                     finals.setdefault(b, set()).add(final)
                     moved += 1
                     size += e.size
-                self.fs.write_json_atomic(self._manifest(b), {"batch": b, "files": sorted(finals.get(b, ()))})
+                self.fs.write_json_atomic(self._manifest(b, self.generation),
+                                          {"batch": b, "files": sorted(finals.get(b, ()))})
                 self.fs.delete_tree(folder)
-        if pending or self._through() < batch_id:
-            self.fs.write_json_atomic(_THROUGH, {"through": max(batch_id, self._through())})
+        if chosen or self._through() < batch_id:
+            self._write_commit_point(max(batch_id, self._through()))
+        if self.generation:
+            self._remove_fenced_files()
         if moved:
             log.info("pipeline=%s sink=%s: committed batches <= %s (%d files, %d bytes, %s rows) to %s",
                      self.pipeline_id, self.stage, batch_id, moved, size, rows, self.uri)
-        return SinkCommit(files=moved, bytes=size, rows=rows if pending else 0, batches=tuple(pending))
+        return SinkCommit(files=moved, bytes=size, rows=rows if chosen else 0, batches=tuple(pending))
+
+    def _remove_fenced_files(self) -> None:
+        """Delete files an older generation moved in after this one took over (a race the fence check
+        cannot close on storage without conditional writes): batches after this generation's base named
+        by another generation. No manifest readers trust names them; plain folder readers stop seeing them."""
+        base = int(_read_commit_point(self.fs, self.generation).get("base", -1))
+        stray = [path for b, path in self._committed_files() if b > base and _final_generation(path) != self.generation]
+        for path in stray:
+            self.fs.delete(path)
+        if stray:
+            log.warning("pipeline=%s sink=%s: removed %d files a superseded run committed after the takeover",
+                        self.pipeline_id, self.stage, len(stray))
 
     def _manifest_rows(self, folder: str) -> int | None:
         path = f"{folder}/{_BATCH_MANIFEST}"
@@ -188,14 +266,14 @@ class TransactionalFileSink:
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
-        self.commit_through(batch_id)
-        self.fs.write_json_atomic(_THROUGH, {"through": batch_id})  # readers stop seeing later batches first
-        for b in self._manifest_batches():
+        self.commit_through(batch_id, any_generation=True)
+        self._write_commit_point(batch_id, base=batch_id)  # readers stop seeing later batches first
+        for b, path in _manifests(self.fs):
             if b > batch_id:
-                self.fs.delete(self._manifest(b))
-        for b in self.pending_batches():
-            if b > batch_id:
-                self.fs.delete_tree(self._pending(b))
+                self.fs.delete(path)
+        for p in self._pending_dirs():
+            if p.batch > batch_id:
+                self.fs.delete_tree(p.path)
         dropped = 0
         for b, path in self._committed_files():
             if b > batch_id:
@@ -210,7 +288,16 @@ class TransactionalFileSink:
     # ------------------------------------------------------------------ listing
 
     def pending_batches(self) -> list[int]:
-        return sorted(int(e.name) for e in self.fs.list_dir(f"{_META}/pending") if e.is_dir and e.name.isdigit())
+        """The pre-committed batches of every generation."""
+        return sorted({p.batch for p in self._pending_dirs()})
+
+    def _pending_dirs(self) -> list[_Pending]:
+        out = []
+        for e in self.fs.list_dir(f"{_META}/pending"):
+            m = _PENDING_NAME.match(e.name) if e.is_dir else None
+            if m:
+                out.append(_Pending(int(m.group(1)), int(m.group(2) or 0), e.path))
+        return out
 
     def committed_batches(self) -> list[int]:
         return sorted({b for b, _ in self._committed_files()})
@@ -226,44 +313,81 @@ class TransactionalFileSink:
         return out
 
     def _pending(self, batch_id: int) -> str:
-        return f"{_META}/pending/{batch_id}"
+        return f"{_META}/pending/{batch_id}{_gen_suffix(self.generation)}"
 
     @staticmethod
-    def _manifest(batch_id: int) -> str:
-        return f"{_MANIFESTS}/{batch_id:0{_BATCH_DIGITS}d}.json"
-
-    def _manifest_batches(self) -> list[int]:
-        return _manifest_batches(self.fs)
+    def _manifest(batch_id: int, generation: int = 0) -> str:
+        return f"{_MANIFESTS}/{batch_id:0{_BATCH_DIGITS}d}{_gen_suffix(generation)}.json"
 
     def _through(self) -> int:
         return _through(self.fs)
 
     @staticmethod
-    def _committed_name(batch_id: int, rel: str) -> str:
+    def _committed_name(batch_id: int, rel: str, generation: int = 0) -> str:
         folder, name = posixpath.split(rel)  # partitioned writes keep their key=value folders
-        return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{name}")
+        tag = f"g{generation}-" if generation else ""
+        return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{tag}{name}")
 
 
-def _manifest_batches(fs: FileSystem) -> list[int]:
-    names = [e.name.removesuffix(".json") for e in fs.list_dir(_MANIFESTS) if e.name.endswith(".json")]
-    return sorted(int(n) for n in names if n.isdigit())
+def _final_generation(path: str) -> int:
+    """The generation in a committed file's name (``<batch>-g<G>-<part>``; 0 without one)."""
+    _, _, rest = posixpath.basename(path).partition("-")
+    m = _FINAL_GEN.match(rest)
+    return int(m.group(1)) if m else 0
+
+
+def _manifests(fs: FileSystem) -> list[tuple[int, str]]:
+    """(batch, path) of every manifest of every generation."""
+    out = []
+    for e in fs.list_dir(_MANIFESTS):
+        head, _, gen = e.name.removesuffix(".json").partition("-g")
+        if e.name.endswith(".json") and head.isdigit() and (not gen or gen.isdigit()):
+            out.append((int(head), e.path))
+    return sorted(out)
+
+
+def _commit_point_path(generation: int) -> str:
+    return f"{_META}/committed-g{generation}.json" if generation else _THROUGH
+
+
+def _commit_point(fs: FileSystem) -> tuple[int, int]:
+    """``(through, generation)`` of the commit point readers trust: the one of the highest generation."""
+    generations = [int(m.group(1) or 0) for e in fs.list_dir(_META) if (m := _COMMIT_POINT.match(e.name))]
+    if not generations:
+        return -1, 0
+    newest = max(generations)
+    return int(_read_commit_point(fs, newest)["through"]), newest
+
+
+def _read_commit_point(fs: FileSystem, generation: int) -> dict[str, int]:
+    try:
+        return dict(fs.read_json(_commit_point_path(generation)))
+    except FileNotFoundError:
+        return {}
 
 
 def _through(fs: FileSystem) -> int:
-    try:
-        return int(fs.read_json(_THROUGH)["through"])
-    except FileNotFoundError:
-        return -1
+    return _commit_point(fs)[0]
 
 
 def committed_files(uri: str) -> list[str]:
     """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
     batch order): what a reader that must never see part of an epoch reads, e.g.
-    ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``."""
+    ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``. Per batch, the manifest of the
+    highest generation not above the trusted commit point's (a superseded run's later ones are ignored)."""
     fs = FileSystem.from_uri(uri)
-    through = _through(fs)
+    through, generation = _commit_point(fs)
+    chosen: dict[int, tuple[int, str]] = {}
+    for b, path in _manifests(fs):
+        gen = _manifest_generation(path)
+        if b <= through and gen <= generation and gen >= chosen.get(b, (-1, ""))[0]:
+            chosen[b] = (gen, path)
     out: list[str] = []
-    for b in _manifest_batches(fs):
-        if b <= through:
-            out.extend(fs.read_json(TransactionalFileSink._manifest(b))["files"])
+    for b in sorted(chosen):
+        out.extend(fs.read_json(chosen[b][1])["files"])
     return out
+
+
+def _manifest_generation(path: str) -> int:
+    _, _, gen = posixpath.basename(path).removesuffix(".json").partition("-g")
+    return int(gen) if gen.isdigit() else 0

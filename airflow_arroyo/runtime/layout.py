@@ -14,7 +14,7 @@ Paths below are relative to their root::
 
     storage URI
       <pipeline>/channels/<channel>/                   a channel (docs/channel-format.md)
-      <pipeline>/stages/<stage>/caps.json              the stage's read caps (alignment)
+      <pipeline>/stages/<stage>/caps-g<G>.json         the stage's read caps (alignment) of run generation G
       <pipeline>/snapshots/objects/sha256/ab/<sha256>  an immutable snapshot object, named by content
       <pipeline>/snapshots/tmp/<uuid>                  an object being copied in (local disks only)
 
@@ -110,11 +110,16 @@ class StorageLayout:
         """The stage's folder (the same relative path below both roots)."""
         return f"{self.pipeline_id}/{STAGES_DIR}/{stage}"
 
-    def caps(self, stage: str) -> str:
-        return f"{self.stage_dir(stage)}/{CAPS_FILE}"
+    def caps(self, stage: str, generation: int = 0) -> str:
+        """The stage's caps file; one per run generation (``caps-g<G>.json``), so that a superseded run still
+        alive never moves the caps of the run that took over."""
+        if not generation:
+            return f"{self.stage_dir(stage)}/{CAPS_FILE}"
+        stem, _, ext = CAPS_FILE.rpartition(".")
+        return f"{self.stage_dir(stage)}/{stem}-g{generation}.{ext}"
 
-    def caps_uri(self, stage: str) -> str:
-        return self.fs.uri_of(self.caps(stage))
+    def caps_uri(self, stage: str, generation: int = 0) -> str:
+        return self.fs.uri_of(self.caps(stage, generation))
 
     def object_path(self, key: str) -> str:
         return object_path(self.pipeline_id, key)

@@ -34,6 +34,12 @@ Tables, all in the target table's schema (``<h>`` is a hash of pipeline and sink
 
 Readers of the target table see only committed epochs: nothing reaches it outside a commit or a
 rollback transaction.
+
+Fencing: the progress row also holds ``generation``, the fencing token of the newest run that claimed
+or rolled back the sink (taken in that transaction). Every pre-commit (the driver's clearing and each
+partition's transaction, which share-locks the row) and every commit or rollback (which locks it) first
+compares it with its own and refuses with :class:`~airflow_arroyo.exceptions.FencedError` when a newer
+run took over: a superseded run that is still alive can neither stage nor commit anything.
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ import psycopg2
 import psycopg2.extras
 from psycopg2 import sql
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.runtime.sinks import SinkCommit
-from airflow_arroyo.store import redact_dsn, retrying
+from airflow_arroyo.store import FencingToken, redact_dsn, retrying
 
 if TYPE_CHECKING:
     from psycopg2.extensions import connection as PgConnection
@@ -198,6 +204,11 @@ class TransactionalPostgresSink:
         self._table: str | None = None
         self._columns: list[_Column] | None = None
         self._checked_schema: StructType | None = None
+        self.token: FencingToken | None = None  # the run's fencing token (set by the driver before any write)
+
+    @property
+    def generation(self) -> int:
+        return self.token.generation if self.token is not None else 0
 
     def __repr__(self) -> str:
         return f"TransactionalPostgresSink({self.pipeline_id}/{self.stage} -> {self.target.table}, {self.mode})"
@@ -228,7 +239,7 @@ class TransactionalPostgresSink:
 
         try:
             return retrying()(attempt)
-        except psycopg2.Error as exc:
+        except psycopg2.Error as exc:  # a FencedError is no psycopg2 error: it passes through as it is
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigurationError(
                 f"sink {self.stage!r} of pipeline {self.pipeline_id!r}: {what} on {self.target.table!r} failed: {first}"
@@ -324,6 +335,7 @@ class TransactionalPostgresSink:
             cur.execute(sql.SQL("INSERT INTO {} (pipeline_id, sink, target, mode) VALUES (%s, %s, %s, %s) "
                                 "ON CONFLICT (pipeline_id, sink) DO NOTHING").format(self._ident(_PROGRESS)),
                         (self.pipeline_id, self.stage, self._table, self.mode))
+            self._fence(cur, take=True, what="claiming the sink")
             # Copies of the target's columns without its constraints (a pre-image of a missing key is NULLs).
             for name, extra in ((self._pending_name, _PENDING_COLUMNS), (self._undo_name, _UNDO_COLUMNS)):
                 cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{self._schema}.{name}",))
@@ -336,6 +348,31 @@ class TransactionalPostgresSink:
                 cur.execute(sql.SQL("CREATE INDEX ON {} ({})").format(self._ident(name), sql.Identifier(_BATCH)))
 
         self._run(tx, what="preparing the sink tables")
+
+    def _fence_sql(self, lock: Literal["SHARE", "UPDATE"]) -> sql.Composable:
+        return sql.SQL("SELECT generation FROM {} WHERE pipeline_id = %s AND sink = %s FOR {}").format(
+            self._ident(_PROGRESS), sql.SQL(lock))
+
+    def _fence(self, cur: PgCursor, *, take: bool, what: str) -> None:
+        """Fencing: refuse when a newer run's generation is recorded on the progress row; with ``take``
+        (claim, rollback), record this run's (the row stays locked until the transaction ends)."""
+        if not self.generation:
+            return  # no token: a sink used outside a driver (tests, tools)
+        if take:  # progress tables created before fencing have no generation column yet
+            cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS generation bigint NOT NULL DEFAULT 0")
+                        .format(self._ident(_PROGRESS)))
+        cur.execute(self._fence_sql("UPDATE" if take else "SHARE"), (self.pipeline_id, self.stage))
+        row = cur.fetchone()
+        if row is None:
+            return
+        recorded = int(row["generation"])
+        if recorded > self.generation:
+            token = self.token
+            raise FencedError(self.pipeline_id, token.run_id if token else None, self.generation,
+                              by_generation=recorded, what=f"{what} of sink {self.stage!r} ({self.target.table})")
+        if take and recorded < self.generation:
+            cur.execute(sql.SQL("UPDATE {} SET generation = %s WHERE pipeline_id = %s AND sink = %s").format(
+                self._ident(_PROGRESS)), (self.generation, self.pipeline_id, self.stage))
 
     def _progress(self, cur: PgCursor, *, lock: bool) -> int | None:
         cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{self._schema}.{_PROGRESS}",))
@@ -422,8 +459,9 @@ class TransactionalPostgresSink:
         delete = sql.SQL("DELETE FROM {} WHERE {} = %s AND {} = %s").format(
             self._ident(self._pending_name), sql.Identifier(_BATCH), sql.Identifier(_PART))
 
-        def clear(cur: PgCursor) -> tuple[str, str]:
+        def clear(cur: PgCursor) -> tuple[str, str, str]:
             committed = self._progress(cur, lock=False)
+            self._fence(cur, take=False, what=f"the pre-commit of micro-batch {batch_id}")
             if committed is not None and batch_id <= committed:
                 raise ConfigurationError(
                     f"sink {self.stage!r}: micro-batch {batch_id} is already committed into {self.target.table!r} "
@@ -432,10 +470,13 @@ class TransactionalPostgresSink:
                 )
             cur.execute(sql.SQL("DELETE FROM {} WHERE {} = %s").format(self._ident(self._pending_name),
                                                                        sql.Identifier(_BATCH)), (batch_id,))
-            return insert.as_string(cur), delete.as_string(cur)  # rendered here: executors get plain SQL
+            # rendered here: executors get plain SQL
+            return insert.as_string(cur), delete.as_string(cur), self._fence_sql("SHARE").as_string(cur)
 
-        insert_sql, delete_sql = self._run(clear, what=f"clearing an earlier attempt of micro-batch {batch_id}")
-        writer = _PartitionWriter(self.dsn, self.stage, batch_id, names, not_null, insert_sql, delete_sql)
+        insert_sql, delete_sql, fence_sql = self._run(
+            clear, what=f"clearing an earlier attempt of micro-batch {batch_id}")
+        writer = _PartitionWriter(self.dsn, self.stage, batch_id, names, not_null, insert_sql, delete_sql,
+                                  fence=(fence_sql, self.token) if self.generation else None)
         df.foreachPartition(writer)
 
     # ------------------------------------------------------------------ commit, rollback, trim
@@ -507,6 +548,7 @@ class TransactionalPostgresSink:
             if committed is None:
                 raise ConfigurationError(f"sink {self.stage!r}: no progress row in {self.target.table!r}'s schema; "
                                          "the sink was never claimed")
+            self._fence(cur, take=False, what=f"the commit through micro-batch {batch_id}")
             if batch_id <= committed:
                 return 0, ()
             done = self._apply(cur, committed, batch_id)
@@ -527,6 +569,7 @@ class TransactionalPostgresSink:
             committed = self._progress(cur, lock=True)
             if committed is None:
                 return 0, 0
+            self._fence(cur, take=True, what=f"the rollback to micro-batch {batch_id}")
             applied = undone = 0
             if committed < batch_id:
                 applied = self._apply(cur, committed, batch_id)[0]
@@ -590,9 +633,10 @@ class _PartitionWriter:
     """Runs on the executors: stages one partition of a micro-batch in one transaction of its own."""
 
     def __init__(self, dsn: str, stage: str, batch_id: int, names: list[str], not_null: list[int],
-                 insert: str, delete: str) -> None:
+                 insert: str, delete: str, *, fence: tuple[str, FencingToken | None] | None = None) -> None:
         self.dsn, self.stage, self.batch_id = dsn, stage, batch_id
         self.names, self.not_null, self.insert, self.delete = names, not_null, insert, delete
+        self.fence = fence  # (SELECT generation ... FOR SHARE, the run's token): refused once a newer run claimed
 
     def __call__(self, rows: Iterable[Any]) -> None:
         from pyspark import TaskContext
@@ -610,6 +654,15 @@ class _PartitionWriter:
             conn = psycopg2.connect(self.dsn, application_name=f"arroyo-sink-{self.stage}")
             try:
                 with conn, conn.cursor() as cur:
+                    if self.fence is not None and self.fence[1] is not None:
+                        token = self.fence[1]
+                        cur.execute(self.fence[0], (token.pipeline_id, self.stage))
+                        row = cur.fetchone()
+                        if row is not None and int(row[0]) > token.generation:
+                            raise FencedError(token.pipeline_id, token.run_id, token.generation,
+                                              by_generation=int(row[0]),
+                                              what=f"the pre-commit of micro-batch {self.batch_id} of sink "
+                                                   f"{self.stage!r}")
                     cur.execute(self.delete, (self.batch_id, part))
                     if values:
                         psycopg2.extras.execute_values(cur, self.insert, values, page_size=1000)

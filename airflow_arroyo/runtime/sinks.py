@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
     from airflow_arroyo.runtime.pipeline import StageSpec
+    from airflow_arroyo.store.records import FencingToken
 
 __all__ = ["SinkCommit", "TransactionalSink", "transactional_sink"]
 
@@ -33,7 +34,15 @@ class SinkCommit:
 
 
 class TransactionalSink(Protocol):
-    """A sink that commits with epochs (batch ids are the sink stage's micro-batch ids)."""
+    """A sink that commits with epochs (batch ids are the sink stage's micro-batch ids).
+
+    Fencing: the driver sets ``token`` (its run's fencing token) before the sink's first write; from the
+    moment a newer run claimed or rolled back the sink, every pre-commit, commit and rollback of the older
+    run is refused with :class:`~airflow_arroyo.exceptions.FencedError` (the PostgreSQL sink in SQL, on
+    its progress row; the file sink by per-generation names and commit points).
+    """
+
+    token: FencingToken | None
 
     @property
     def uri(self) -> str:

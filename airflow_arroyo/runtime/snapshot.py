@@ -50,7 +50,7 @@ from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.layout import StorageLayout, object_key, object_path
 from airflow_arroyo.runtime.spark_checkpoint import commit_path, rocksdb_zip_references, select_checkpoint_files
-from airflow_arroyo.store import EpochStore, SnapshotEntry
+from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
 
 __all__ = [
     "CaptureResult",
@@ -94,6 +94,9 @@ class SnapshotStore:
         self.checkpoint_fs = self.layout.checkpoint_fs
         self.pipeline_id = pipeline_id
         self.store = store
+        # the run's fencing token: recording a snapshot is refused once a newer run registered (objects are
+        # content-addressed, so what a superseded run copied is at worst an object nobody references)
+        self.token: FencingToken | None = None
         self._hash_cache: dict[tuple[str, int, int], str] = {}
         self._lock = threading.Lock()
 
@@ -183,7 +186,7 @@ class SnapshotStore:
             done.add(e.object_key)
             bytes_new += e.bytes
             copied += 1
-        self.store.record_snapshot(self.pipeline_id, epoch, stage, entries)
+        self.store.record_snapshot(self.pipeline_id, epoch, stage, entries, token=self.token)
         unique = {e.object_key: e.bytes for e in entries}
         result = CaptureResult(
             entries=tuple(entries), bytes_new=bytes_new, bytes_total=sum(unique.values()), files_copied=copied,

@@ -34,7 +34,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, SnapshotError
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError, SnapshotError
 from airflow_arroyo.runtime.alignment import (
     AlignmentAction,
     AlignmentDecision,
@@ -50,7 +50,7 @@ from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import write_caps
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
-from airflow_arroyo.store import EpochStore
+from airflow_arroyo.store import EpochStore, FencingToken
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -110,8 +110,12 @@ class StageRunner:
         commit_timeout: float = 300.0,
         gated: bool = False,
         sink: TransactionalSink | None = None,
+        token: FencingToken | None = None,
     ) -> None:
         self.spec = spec
+        # the run's fencing token: on every channel entry, caps file, acknowledgement and epoch failure
+        self.token = token
+        generation = token.generation if token is not None else 0
         self.sink = sink  # an exactly-once sink (files, PostgreSQL) this stage pre-commits to
         self.name = spec.name
         self.kind = spec.kind
@@ -123,7 +127,8 @@ class StageRunner:
         self.commit_timeout = commit_timeout
         self.checkpoint = layout.checkpoint(spec.name)
         self.checkpoint_uri = layout.checkpoint_uri(spec.name)
-        self.caps_uri = layout.caps_uri(spec.name)
+        self.caps_uri = layout.caps_uri(spec.name, generation)
+        self._caps_path = layout.caps(spec.name, generation)
         self.output: Channel | None = None
         self.inputs: dict[str, Channel] = {}
         self.query: StreamingQuery | None = None
@@ -191,6 +196,7 @@ class StageRunner:
             )
         if spec.output is not None:
             self.output = Channel.create(self.layout.channel_uri(spec.output), schema=df.schema)
+            self.output.token = self.token
         return df
 
     def start(self, spark: SparkSession, df: DataFrame) -> StreamingQuery:
@@ -386,7 +392,8 @@ class StageRunner:
                          self.pipeline_id, epoch, self.name)
                 return
             state = self.store.ack_epoch(
-                self.pipeline_id, epoch, self.name, cursors=pending.cursors, alignment_ms=pending.alignment_ms,
+                self.pipeline_id, epoch, self.name, token=self.token, cursors=pending.cursors,
+                alignment_ms=pending.alignment_ms,
                 sync_ms=pending.sync_ms, async_ms=result.wait_ms + result.copy_ms,
                 bytes_new=result.bytes_new, bytes_total=result.bytes_total,
                 snapshot_uri=self.layout.fs.uri_of(self.layout.snapshots_dir),
@@ -396,6 +403,9 @@ class StageRunner:
             )
             log.info("pipeline=%s epoch=%s stage=%s: acknowledged (%s bytes new of %s); epoch is %s",
                      self.pipeline_id, epoch, self.name, result.bytes_new, result.bytes_total, state)
+        except FencedError as exc:  # superseded: write nothing more (not even the epoch's failure)
+            log.error("pipeline=%s epoch=%s stage=%s: %s", self.pipeline_id, epoch, self.name, exc)
+            self.errors.append(exc)
         except (SnapshotError, ArroyoError, OSError) as exc:
             log.error("pipeline=%s epoch=%s stage=%s: snapshot failed: %s", self.pipeline_id, epoch, self.name, exc)
             self._fail_epoch(epoch, f"stage {self.name}: snapshot failed: {exc}")
@@ -405,7 +415,7 @@ class StageRunner:
 
     def _fail_epoch(self, epoch: int, reason: str) -> None:
         try:
-            self.store.fail_epoch(self.pipeline_id, epoch, reason[:2000])
+            self.store.fail_epoch(self.pipeline_id, epoch, reason[:2000], token=self.token)
         except ArroyoError:
             log.exception("pipeline=%s epoch=%s stage=%s: could not mark the epoch failed", self.pipeline_id,
                           epoch, self.name)
@@ -457,10 +467,15 @@ class StageRunner:
     def _write_caps(self, caps: dict[str, int]) -> None:
         if self.kind is StageKind.SOURCE:
             return
-        if caps == self._caps and self.layout.fs.exists(self.layout.caps(self.name)):
+        if caps == self._caps and self.layout.fs.exists(self._caps_path):
             return
         write_caps(self.caps_uri, caps)
         self._caps = dict(caps)
+
+    @property
+    def fenced(self) -> FencedError | None:
+        """The refusal that told this stage its run was superseded, if one did."""
+        return next((e for e in self.errors if isinstance(e, FencedError)), None)
 
     def stop(self) -> None:
         self._closing = True

@@ -42,6 +42,7 @@ from airflow_arroyo.exceptions import (
     CleanupLockHeld,
     ConcurrencyConflict,
     ConfigurationError,
+    FencedError,
     IllegalTransitionError,
     LockLostError,
     StoreError,
@@ -55,6 +56,7 @@ from airflow_arroyo.store.records import (
     CleanupLockRecord,
     CleanupRunRecord,
     EpochRecord,
+    FencingToken,
     PipelineRecord,
     PrunePlan,
     SinkCommitRecord,
@@ -200,6 +202,35 @@ class EpochStore:
             raise UnknownPipelineError(pipeline_id)
         return dict(row)
 
+    @staticmethod
+    def _check_token(cur: PgCursor, token: FencingToken | None, what: str) -> None:
+        """Fencing: refuse (:class:`FencedError`) a write of a run that is no longer the pipeline's current
+        generation. The row is share-locked until the transaction ends, so a registration (which updates
+        the row) waits for the write, and a write after a registration sees the new generation."""
+        if token is None:
+            return
+        cur.execute("SELECT run_id, generation FROM arroyo_pipelines WHERE pipeline_id = %s FOR SHARE",
+                    (token.pipeline_id,))
+        row = cur.fetchone()
+        if row is None:
+            raise UnknownPipelineError(token.pipeline_id)
+        if int(row["generation"]) != token.generation or row["run_id"] != token.run_id:
+            raise FencedError(token.pipeline_id, token.run_id, token.generation, by_run=row["run_id"],
+                              by_generation=int(row["generation"]), what=what)
+
+    def fencing_token(self, pipeline_id: str, run_id: str) -> FencingToken:
+        """The fencing token of run ``run_id`` (call it right after registering it);
+        :class:`FencedError` if another run registered since."""
+
+        def tx(cur: PgCursor) -> FencingToken:
+            record = self._get_pipeline(cur, pipeline_id)
+            if record.run_id != run_id:
+                raise FencedError(pipeline_id, run_id, -1, by_run=record.run_id, by_generation=record.generation,
+                                  what="taking its fencing token")
+            return record.token
+
+        return self._tx(tx)
+
     def register_pipeline(
         self,
         pipeline_id: str,
@@ -307,9 +338,8 @@ class EpochStore:
         def tx(cur: PgCursor) -> PipelineRecord:
             current = self._lock_pipeline(cur, pipeline_id)
             if run_id is not None and current["run_id"] != run_id:
-                raise ConcurrencyConflict(
-                    f"run {run_id!r} of pipeline {pipeline_id!r} was superseded by run {current['run_id']!r}"
-                )
+                raise FencedError(pipeline_id, run_id, -1, by_run=current["run_id"],
+                                  by_generation=current.get("generation"), what=f"the state change to {target.value}")
             if current["state"] not in pipeline_states_from(target):
                 raise IllegalTransitionError("pipeline", current["state"], target.value, subject=pipeline_id)
             if target.terminal:
@@ -324,18 +354,24 @@ class EpochStore:
         return self._tx(tx)
 
     def heartbeat(self, pipeline_id: str, run_id: str, *, spark_app_id: str | None = None,
-                  spark_ui_url: str | None = None) -> PipelineRecord:
+                  spark_ui_url: str | None = None, token: FencingToken | None = None) -> PipelineRecord:
+        """Record that run ``run_id`` is alive; :class:`FencedError` once another run registered (with
+        ``token``: once another generation did, even of the same run id)."""
+        generation = token.generation if token is not None else None
+
         def tx(cur: PgCursor) -> PipelineRecord:
             cur.execute(
                 "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp(),"
                 " spark_app_id = COALESCE(%s, spark_app_id), spark_ui_url = COALESCE(%s, spark_ui_url)"
-                " WHERE pipeline_id = %s AND run_id = %s RETURNING *",
-                (spark_app_id, spark_ui_url, pipeline_id, run_id),
+                " WHERE pipeline_id = %s AND run_id = %s AND (%s::bigint IS NULL OR generation = %s::bigint)"
+                " RETURNING *",
+                (spark_app_id, spark_ui_url, pipeline_id, run_id, generation, generation),
             )
             row = cur.fetchone()
             if row is None:
-                self._get_pipeline(cur, pipeline_id)  # raises UnknownPipelineError
-                raise ConcurrencyConflict(f"run {run_id!r} of pipeline {pipeline_id!r} is no longer current")
+                current = self._get_pipeline(cur, pipeline_id)  # raises UnknownPipelineError
+                raise FencedError(pipeline_id, run_id, -1 if generation is None else generation,
+                                  by_run=current.run_id, by_generation=current.generation, what="the heartbeat")
             return from_row(PipelineRecord, row)
 
         return self._tx(tx)
@@ -658,6 +694,7 @@ class EpochStore:
         bytes_total: int | None = None,
         snapshot_uri: str | None = None,
         details: Mapping[str, Any] | None = None,
+        token: FencingToken | None = None,
     ) -> EpochState:
         """Record a stage's acknowledgement (idempotent per stage); complete the epoch when it is the
         last one expected. Returns the epoch's state afterwards. An ack for an epoch that already
@@ -668,6 +705,7 @@ class EpochStore:
             # completes the epoch must not race the trigger expiring it (the trigger's guarded UPDATE
             # would find no row), and the history must stay in commit order per pipeline.
             self._lock_pipeline(cur, pipeline_id)
+            self._check_token(cur, token, f"the acknowledgement of epoch {epoch} by stage {stage!r}")
             cur.execute(
                 "SELECT state, stages FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                 (pipeline_id, epoch),
@@ -708,11 +746,12 @@ class EpochStore:
 
         return self._tx(tx)
 
-    def fail_epoch(self, pipeline_id: str, epoch: int, reason: str) -> EpochState:
+    def fail_epoch(self, pipeline_id: str, epoch: int, reason: str, *, token: FencingToken | None = None) -> EpochState:
         """Mark an in-flight epoch failed (e.g. a stage could not snapshot). No-op if it already ended."""
 
         def tx(cur: PgCursor) -> EpochState:
             self._lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
+            self._check_token(cur, token, f"failing epoch {epoch}")
             cur.execute(
                 "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
                 " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING state",
@@ -751,7 +790,8 @@ class EpochStore:
 
         return self._tx(tx) if key_list else set()
 
-    def record_snapshot(self, pipeline_id: str, epoch: int, stage: str, entries: Sequence[SnapshotEntry]) -> None:
+    def record_snapshot(self, pipeline_id: str, epoch: int, stage: str, entries: Sequence[SnapshotEntry], *,
+                        token: FencingToken | None = None) -> None:
         """Record the files of a stage's snapshot for an epoch (objects are inserted once).
 
         Refused with :class:`ConcurrencyConflict` once the epoch is ``pruning`` or ``pruned`` (a late
@@ -760,6 +800,7 @@ class EpochStore:
         """
 
         def tx(cur: PgCursor) -> None:
+            self._check_token(cur, token, f"the snapshot of stage {stage!r} for epoch {epoch}")
             cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                         (pipeline_id, epoch))
             row = cur.fetchone()
@@ -1022,10 +1063,12 @@ class EpochStore:
     # ------------------------------------------------------------------ sink commits
 
     def record_sink_commit(self, pipeline_id: str, epoch: int, sink: str, *, uri: str, batch_id: int, files: int,
-                           rows: int | None, bytes_committed: int, run_id: str | None = None) -> SinkCommitRecord:
+                           rows: int | None, bytes_committed: int, run_id: str | None = None,
+                           token: FencingToken | None = None) -> SinkCommitRecord:
         """Record what a file sink made visible for ``epoch`` (idempotent: a repeat returns the first record)."""
 
         def tx(cur: PgCursor) -> SinkCommitRecord:
+            self._check_token(cur, token, f"the commit record of sink {sink!r} for epoch {epoch}")
             cur.execute(
                 "INSERT INTO arroyo_sink_commits (pipeline_id, epoch, sink, uri, run_id, batch_id, files,"
                 " rows_committed, bytes_committed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"

@@ -16,6 +16,7 @@ __all__ = [
     "CleanupLockRecord",
     "CleanupRunRecord",
     "EpochRecord",
+    "FencingToken",
     "PipelineRecord",
     "PrunePlan",
     "SinkCommitRecord",
@@ -56,9 +57,31 @@ class PipelineRecord:
     config: dict[str, Any] = field(default_factory=dict)
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    generation: int = 0  # the fencing token of the current run (migration 0006): +1 at every registration
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", PipelineState(self.state))
+
+    @property
+    def token(self) -> FencingToken:
+        """The current run's fencing token."""
+        return FencingToken(self.pipeline_id, self.run_id or "", int(self.generation))
+
+
+@dataclass(frozen=True)
+class FencingToken:
+    """What a run's writes carry so that they are refused once a newer run registered (Kafka's producer
+    epoch, Flink's fencing token): the pipeline's ``generation``, which the store increments in the
+    transaction that registers a run. A write whose generation is not the pipeline's current one is a
+    write of a superseded run: the store refuses it in SQL, and storage readers ignore it (channels'
+    fences, the sinks' commit points). Picklable: executors carry it."""
+
+    pipeline_id: str
+    run_id: str
+    generation: int
+
+    def __str__(self) -> str:
+        return f"run {self.run_id!r} (generation {self.generation})"
 
 
 @dataclass(frozen=True)
