@@ -248,9 +248,13 @@ class TransactionalFileSink:
     def _remove_fenced_files(self) -> None:
         """Delete files an older generation moved in after this one took over (a race the fence check
         cannot close on storage without conditional writes): batches after this generation's base named
-        by another generation. No manifest readers trust names them; plain folder readers stop seeing them."""
-        base = int(_read_commit_point(self.fs, self.generation).get("base", -1))
-        stray = [path for b, path in self._committed_files() if b > base and _final_generation(path) != self.generation]
+        by an older generation (never a newer one's: a superseded run that raced its check deletes nothing
+        of the run that took over). No manifest readers trust names them; plain folder readers stop seeing them."""
+        mine = _read_commit_point(self.fs, self.generation)
+        if "base" not in mine:
+            return
+        base = int(mine["base"])
+        stray = [path for b, path in self._committed_files() if b > base and _final_generation(path) < self.generation]
         for path in stray:
             self.fs.delete(path)
         if stray:

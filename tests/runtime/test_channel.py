@@ -76,7 +76,7 @@ def test_append_read_round_trip(uri: str) -> None:
     raw = json.loads((Path(uri) / log_path(1)).read_text())
     assert {k: raw[k] for k in ("kind", "epoch", "writer")} == {"kind": "barrier", "epoch": 1, "writer": "src"}
     header = json.loads((Path(uri) / "_channel.json").read_text())
-    assert header["format_version"] == 1
+    assert header["format_version"] == 2
 
 
 def test_barrier_lookup_and_idempotency(uri: str) -> None:
@@ -156,8 +156,8 @@ def test_open_missing_and_future_version(tmp_path: Path) -> None:
         Channel.open(str(tmp_path / "nothing"))
     assert not Channel.exists(str(tmp_path / "nothing"))
     (tmp_path / "future").mkdir()
-    (tmp_path / "future" / "_channel.json").write_text(json.dumps({"format_version": 2}))
-    with pytest.raises(ChannelError, match="format_version 2"):
+    (tmp_path / "future" / "_channel.json").write_text(json.dumps({"format_version": 3}))
+    with pytest.raises(ChannelError, match="format_version 3"):
         Channel.open(str(tmp_path / "future"))
 
 

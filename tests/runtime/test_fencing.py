@@ -1,0 +1,278 @@
+"""Fencing, write by write, without Spark: once a newer run of a pipeline registered, every write of the
+older run is refused (store writes in SQL; channel entries, file-sink commits and PostgreSQL-sink
+commits in storage), and readers ignore what the older run still managed to put down. The live
+takeover of a running driver is in ``test_fencing_takeover.py``."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.exceptions import ConcurrencyConflict, FencedError
+from airflow_arroyo.runtime.channel import Channel, EntryKind, fence_applies, log_path
+from airflow_arroyo.runtime.file_sink import TransactionalFileSink, committed_files
+from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink, _PartitionWriter
+from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
+from tests.support import sql
+
+SCHEMA = pa.schema([("id", pa.int64())])
+
+
+def rows(start: int, n: int) -> pa.Table:
+    return pa.table({"id": pa.array(range(start, start + n), pa.int64())})
+
+
+def ids(ch: Channel) -> list[int]:
+    return sorted(ch.read_table().column("id").to_pylist())
+
+
+def token(generation: int, run: str = "") -> FencingToken:
+    return FencingToken("p", run or f"r{generation}", generation)
+
+
+# --------------------------------------------------------------------------- channels
+
+
+def test_fence_rule() -> None:
+    fences = [(2, 5), (4, 9)]
+    assert fence_applies(fences, 4, 1) is None  # before every fence: whoever wrote it
+    assert fence_applies(fences, 5, 1) == 2 and fence_applies(fences, 5, 2) is None
+    assert fence_applies(fences, 9, 3) == 4 and fence_applies(fences, 9, 1) == 4
+    assert fence_applies(fences, 12, 4) is None and fence_applies(fences, 12, 5) is None
+
+
+def test_a_superseded_writer_is_refused_and_what_it_slipped_in_is_ignored(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ch")
+    old = Channel.create(uri, SCHEMA)
+    old.token = token(1)
+    old.append_table(rows(0, 3), 0, "src")
+    old.append_barrier(1, "src")
+    old.append_table(rows(3, 2), 1, "src")  # after barrier 1: the takeover restores epoch 1 and cuts here
+    new = Channel.open(uri)
+    new.truncate_from(2)
+    new.fence(2, 2)
+    # The old writer still runs: its next append is refused before anything is written.
+    with pytest.raises(FencedError, match="superseded") as refused:
+        old.append_table(rows(100, 5), 2, "src")
+    assert refused.value.by_generation == 2 and isinstance(refused.value, ConcurrencyConflict)
+    assert Channel.open(uri).end_position() == 2
+    # An append that raced the fence (checked before it, committed after): a raw entry of generation 1.
+    data = f"data/src-b2-{uuid.uuid4().hex[:12]}"
+    (tmp_path / "ch" / data).mkdir(parents=True)
+    pq.write_table(rows(100, 5), tmp_path / "ch" / data / "part-0.parquet")
+    entry = {"kind": "data", "writer": "src", "batch_id": 2, "dir": data, "files": [f"{data}/part-0.parquet"],
+             "rows": 5, "bytes": 1, "generation": 1}
+    (tmp_path / "ch" / log_path(2)).write_text(json.dumps(entry))
+    (tmp_path / "ch" / log_path(3)).write_text(json.dumps({"kind": "barrier", "writer": "src", "epoch": 2,
+                                                             "generation": 1}))
+    reader = Channel.open(uri)
+    assert [e.kind for e in reader.entries(0)] == [EntryKind.DATA, EntryKind.BARRIER, EntryKind.FENCED,
+                                                  EntryKind.FENCED]
+    assert ids(reader) == [0, 1, 2]  # the superseded rows are not read
+    assert reader.find_barrier(2) is None and reader.next_barrier_at_or_after(2) is None
+    # The new writer replays batch 1 (its batch ids are not shadowed by the fenced batch 2) and appends
+    # after the fenced entries; a writer that finds a fenced entry in its slot steps over it.
+    new = Channel.open(uri)
+    new.token = token(2)
+    assert new.last_batch_id("src") == 0
+    assert new.append_table(rows(3, 2), 1, "src") == 4
+    (tmp_path / "ch" / log_path(5)).write_text(json.dumps({"kind": "barrier", "writer": "src", "epoch": 9,
+                                                             "generation": 1}))
+    new._refresh = lambda: 5  # type: ignore[method-assign]  # the racing entry came after it found the end
+    assert new.append_barrier(2, "src") == 6
+    reader = Channel.open(uri)
+    assert ids(reader) == [0, 1, 2, 3, 4] and reader.find_barrier(2) == 6
+    assert sum(e.kind is EntryKind.FENCED for e in reader.entries(0)) == 3
+    # A second writer of the current generation is still a conflict, not a fenced entry.
+    other = Channel.open(uri)
+    other.token = token(2)
+    other._refresh = lambda: 6  # type: ignore[method-assign]
+    with pytest.raises(ConcurrencyConflict) as conflict:
+        other.append_barrier(3, "other")
+    assert not isinstance(conflict.value, FencedError)
+
+
+def test_fencing_upgrades_a_version_1_channel_and_version_1_stays_readable(tmp_path: Path) -> None:
+    uri = str(tmp_path / "v1")
+    ch = Channel.create(uri, SCHEMA)
+    ch.append_table(rows(0, 2), 0, "src")  # no token: an entry without a generation, as version 1 wrote
+    header = tmp_path / "v1" / "_channel.json"
+    header.write_text(json.dumps({**json.loads(header.read_text()), "format_version": 1}))
+    assert ids(Channel.open(uri)) == [0, 1]
+    assert "generation" not in json.loads((tmp_path / "v1" / log_path(0)).read_text())
+    Channel.open(uri).fence(1, 1)
+    assert json.loads(header.read_text())["format_version"] == 2  # an old reader now refuses it clearly
+    assert ids(Channel.open(uri)) == [0, 1]  # entries before the fence stay, whoever wrote them
+    assert Channel.open(uri).fences() == [(1, 1)]
+    # A later generation's fence keeps the earlier one where it still matters and drops the one it implies.
+    Channel.open(uri).fence(3, 1)
+    assert Channel.open(uri).fences() == [(3, 1)]
+    with pytest.raises(Exception, match="already fenced by generation 3"):
+        Channel.open(uri).fence(2, 1)
+
+
+def test_reset_forgets_fences_and_retention_deletes_fenced_entries(tmp_path: Path) -> None:
+    uri = str(tmp_path / "r")
+    ch = Channel.create(uri, SCHEMA)
+    ch.token = token(1)
+    for b in range(3):
+        ch.append_table(rows(b, 1), b, "src")
+    Channel.open(uri).fence(2, 1)
+    reader = Channel.open(uri)
+    assert ids(reader) == [0]
+    assert reader.truncate_before(3) > 0  # fenced entries and their data go with retention
+    assert not any((tmp_path / "r" / "data").iterdir())
+    Channel.open(uri).reset()
+    assert Channel.open(uri).fences() == [] and Channel.open(uri).end_position() == 0
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_generation_grows_at_every_registration(store: EpochStore) -> None:
+    store.register_pipeline("g", stages=["a"], run_id="r1")
+    first = store.fencing_token("g", "r1")
+    assert first.generation == 1
+    store.set_pipeline_state("g", PipelineState.RUNNING, run_id="r1")
+    store.heartbeat("g", "r1", token=first)  # updates do not move it
+    store.register_pipeline("g", stages=["a"], run_id="r2", takeover=True)
+    assert store.fencing_token("g", "r2").generation == 2
+    with pytest.raises(FencedError, match="superseded by run 'r2'"):
+        store.fencing_token("g", "r1")
+    store.set_pipeline_state("g", PipelineState.STOPPED, run_id="r2")
+    store.register_pipeline("g", stages=["a"], run_id="r2")  # the same run id registered again: a new token
+    assert store.get_pipeline("g").generation == 3
+    with pytest.raises(FencedError):
+        store.heartbeat("g", "r2", token=FencingToken("g", "r2", 2))
+
+
+def test_store_writes_of_a_superseded_run_are_refused(store: EpochStore) -> None:
+    store.register_pipeline("f", stages=["a", "b"], run_id="old")
+    old = store.fencing_token("f", "old")
+    store.set_pipeline_state("f", PipelineState.RUNNING, run_id="old")
+    epoch = store.trigger_tick("f", CheckpointPolicy(interval=1.0), force=True).started
+    assert epoch is not None
+    store.ack_epoch("f", epoch.epoch, "a", token=old)  # accepted while current
+    store.register_pipeline("f", stages=["a", "b"], run_id="new", takeover=True)
+    new = store.fencing_token("f", "new")
+    store.set_pipeline_state("f", PipelineState.RUNNING, run_id="new")
+    mine = store.trigger_tick("f", CheckpointPolicy(interval=1.0), force=True).started
+    assert mine is not None
+    refusals = {
+        "ack": lambda: store.ack_epoch("f", mine.epoch, "a", token=old),
+        "snapshot": lambda: store.record_snapshot("f", mine.epoch, "a", [SnapshotEntry("x", "sha256/00/x", 1)],
+                                                  token=old),
+        "fail": lambda: store.fail_epoch("f", mine.epoch, "old run", token=old),
+        "sink commit": lambda: store.record_sink_commit("f", mine.epoch, "b", uri="u", batch_id=1, files=1, rows=1,
+                                                        bytes_committed=1, token=old),
+        "heartbeat": lambda: store.heartbeat("f", "old", token=old),
+        "state": lambda: store.set_pipeline_state("f", PipelineState.STOPPED, run_id="old"),
+    }
+    for what, write in refusals.items():
+        with pytest.raises(FencedError, match="superseded by run 'new'") as refused:
+            write()
+        assert refused.value.by_generation == new.generation, what
+    # nothing of it landed; the current run's writes go through
+    assert store.acks("f", mine.epoch) == [] and store.snapshot_entries("f", mine.epoch, "a") == []
+    assert store.get_epoch("f", mine.epoch).state is EpochState.TRIGGERED
+    store.ack_epoch("f", mine.epoch, "a", token=new)
+    assert store.ack_epoch("f", mine.epoch, "b", token=new) is EpochState.COMPLETED
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+def pending_batch(root: Path, name: str, start: int) -> None:
+    folder = root / "_arroyo_sink" / "pending" / name
+    folder.mkdir(parents=True)
+    pq.write_table(rows(start, 2), folder / "part-00000.parquet")
+
+
+def file_sink(path: Path, generation: int) -> TransactionalFileSink:
+    sink = TransactionalFileSink("p", "out", "parquet", {"path": str(path)})
+    sink.token = token(generation)
+    return sink
+
+
+def test_file_sink_refuses_a_superseded_generation(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    old = file_sink(out, 1)
+    old.claim()
+    pending_batch(out, "0-g1", 0)
+    pending_batch(out, "1-g1", 10)
+    old.commit_through(0)
+    assert committed_files(str(out)) == ["000000000000-g1-part-00000.parquet"]
+    new = file_sink(out, 2)
+    new.rollback_to(0)  # the takeover restores the epoch whose cut is batch 0
+    with pytest.raises(FencedError, match="commit through micro-batch 1"):
+        old.commit_through(1)
+    with pytest.raises(FencedError, match="pre-commit of micro-batch 2"):
+        old.write_batch(None, 2)  # type: ignore[arg-type]  # refused before the data is looked at
+    # What the old run moved anyway (it passed its check just before the new run's commit point): its own
+    # manifest and commit point, both of an older generation than the trusted one, change nothing.
+    pending_batch(out, "1-g1", 10)
+    old_again = file_sink(out, 1)
+    old_again._check_fence = lambda what: None  # type: ignore[method-assign]  # the race: check passed earlier
+    old_again.commit_through(1)
+    assert (out / "_arroyo_sink" / "committed-g1.json").exists()
+    assert committed_files(str(out)) == ["000000000000-g1-part-00000.parquet"]
+    # The new run commits its own batch 1; the older generation's file of batch 1 is removed.
+    pending_batch(out, "1-g2", 20)
+    new.commit_through(1)
+    assert committed_files(str(out)) == ["000000000000-g1-part-00000.parquet", "000000000001-g2-part-00000.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["000000000000-g1-part-00000.parquet",
+                                                             "000000000001-g2-part-00000.parquet"]
+
+
+@pytest.fixture
+def target_dsn(pg_server: Any) -> str:
+    dsn = pg_server.create_database(f"fence_{uuid.uuid4().hex[:10]}")
+    sql(dsn, "CREATE TABLE events (id bigint NOT NULL, key text NOT NULL, amount bigint)")
+    return dsn
+
+
+def pg_sink(dsn: str, generation: int) -> TransactionalPostgresSink:
+    sink = TransactionalPostgresSink("p", "events_sink", PostgresTarget(table="public.events", dsn=dsn))
+    sink.token = token(generation)
+    return sink
+
+
+def test_postgres_sink_refuses_a_superseded_generation(target_dsn: str) -> None:
+    old = pg_sink(target_dsn, 1)
+    old.claim()
+    sql(target_dsn, "ALTER TABLE arroyo_sink_progress DROP COLUMN generation")  # as claimed before fencing
+    old.claim()  # a claim adds it back
+    pending = old._pending_name
+    columns = "(_arroyo_batch, _arroyo_part, _arroyo_seq, id, key, amount)"
+    stage = f"INSERT INTO {pending} {columns} VALUES (%s, 0, 0, %s, 'k', 1)"  # noqa: S608 - the sink's own table
+    sql(target_dsn, stage, (0, 1))
+    old.commit_through(0)
+    new = pg_sink(target_dsn, 2)
+    new.rollback_to(0)  # takes the progress row for generation 2
+    sql(target_dsn, stage, (1, 2))
+    with pytest.raises(FencedError, match="commit through micro-batch 1"):
+        old.commit_through(1)
+    with pytest.raises(FencedError):
+        old.rollback_to(0)
+    with pytest.raises(FencedError):
+        old.claim()
+    insert = f"INSERT INTO {pending} {columns} VALUES %s"  # noqa: S608 - the sink's own table
+    delete = f"DELETE FROM {pending} WHERE _arroyo_batch = %s AND _arroyo_part = %s"  # noqa: S608
+    fence = "SELECT generation FROM arroyo_sink_progress WHERE pipeline_id = %s AND sink = %s FOR SHARE"
+    writer = _PartitionWriter(target_dsn, "events_sink", 1, ["id", "key", "amount"], [], insert, delete,
+                              fence=(fence, token(1)))
+    with pytest.raises(FencedError, match="pre-commit of micro-batch 1"):
+        writer([(99, "x", 9)])
+    assert sql(target_dsn, "SELECT id FROM events ORDER BY id") == [(1,)]
+    staged = f"SELECT count(*) FROM {pending} WHERE _arroyo_batch = 1"  # noqa: S608 - the sink's own table
+    assert sql(target_dsn, staged) == [(1,)]  # 99 was not staged
+    assert sql(target_dsn, "SELECT generation FROM arroyo_sink_progress") == [(2,)]
+    new.commit_through(1)
+    assert sql(target_dsn, "SELECT id FROM events ORDER BY id") == [(1,), (2,)]
