@@ -713,6 +713,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                         help="Spark conf when not run by spark-submit; repeatable")
     parser.add_argument("--poll-interval", type=float, default=0.15)
+    parser.add_argument("--heartbeat-interval", type=float,
+                        default=float(os.environ.get("ARROYO_HEARTBEAT_INTERVAL", "2.0")),
+                        help="seconds between heartbeats (default: $ARROYO_HEARTBEAT_INTERVAL, else 2)")
     parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -789,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = PipelineDriver(pipeline, store, storage_uri=args.storage_uri, checkpoint_uri=args.checkpoint_uri,
                             run_id=args.run_id,
                             restore_from=args.restore_from, spark=spark, takeover=args.takeover,
-                            poll_interval=args.poll_interval, own_spark=True)
+                            poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
+                            own_spark=True)
 
     def on_signal(signum: int, frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)
