@@ -315,6 +315,18 @@ class PipelineDriver:
                 position = barrier + 1
             channel.fence(self.token.generation, position)
 
+    def _raise_if_superseded(self, what: str) -> None:
+        """A failure of a run that a newer one superseded is that run's doing, not the user's: say so."""
+        if self.token is None:
+            return
+        try:
+            current = self.store.get_pipeline(self.pipeline_id)
+        except ArroyoError:
+            return
+        if current.generation != self.token.generation:
+            raise FencedError(self.pipeline_id, self.run_id, self.token.generation, by_run=current.run_id,
+                              by_generation=current.generation, what=what)
+
     def _superseded(self, refused: FencedError) -> FencedError:
         """The refusal with the run that superseded this one named (storage refusals know only its
         generation)."""
@@ -639,6 +651,7 @@ class PipelineDriver:
                 continue
             exc = q.exception()
             detail = _cause(exc) if exc is not None else "the query stopped unexpectedly"
+            self._raise_if_superseded(f"stage {r.name!r}")  # e.g. the new run's restore removed its files
             raise PipelineFailedError(self.pipeline_id, f"stage {r.name!r} failed: {detail}")
 
     def _finish(self, final_epoch: int | None, cause: str | None = None) -> DriverResult:
