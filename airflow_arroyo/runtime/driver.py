@@ -514,6 +514,12 @@ class PipelineDriver:
     # ------------------------------------------------------------------ the loop
 
     def _loop(self) -> DriverResult:
+        try:
+            return self._run_loop()
+        except FencedError as exc:  # e.g. a source stage's barrier, appended from this thread, was refused
+            raise self._superseded(exc) from None
+
+    def _run_loop(self) -> DriverResult:
         last_heartbeat = 0.0
         last_seen = self.restored_from_epoch or 0
         final_epoch: int | None = None
