@@ -70,7 +70,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
         controller.__enter__()
         wait_for(lambda: not old.alive() or (current(store, pid) is not None and any(
             e.state is EpochState.COMPLETED and e.run_id == "run-old" for e in store.list_epochs(pid))),
-            timeout=240, interval=0.2, what="the old run to complete an epoch")
+            timeout=480, interval=0.2, what="the old run to complete an epoch")
         assert old.alive(), old.tail()
         stall(store, old, pid)
         stalled_at = row_count(layout.channel_uri("left"))
@@ -79,7 +79,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
                      rows=ROWS)
         wait_for(lambda: not new.alive() or ((rec := current(store, pid)) is not None and rec.run_id == "run-new"
                                              and rec.state is PipelineState.RUNNING),
-                 timeout=240, interval=0.2, what="the new run to take over and run")
+                 timeout=480, interval=0.2, what="the new run to take over and run")
         assert new.alive(), new.tail()
         restored = store.get_pipeline(pid).restored_from_epoch
         assert restored is not None
