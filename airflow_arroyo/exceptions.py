@@ -5,7 +5,9 @@ The tree is small on purpose::
     ArroyoError                      base of everything this package raises
     ├── ConfigurationError           bad input from the user: raised before anything is written
     │   └── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
-    ├── UnknownPipelineError         no pipeline registered under that id
+    ├── NotFoundError                a named thing does not exist (also a LookupError)
+    │   ├── UnknownPipelineError     no pipeline registered under that id
+    │   └── UnknownEpochError        the pipeline has no epoch with that number
     ├── IllegalTransitionError       a life-cycle change the state machine does not allow
     ├── ConcurrencyConflict          another actor won the race (e.g. epoch already in flight)
     ├── CleanupLockHeld              the pipeline's cleanup lock is held by someone else
@@ -27,11 +29,13 @@ __all__ = [
     "ConfigurationError",
     "IllegalTransitionError",
     "LockLostError",
+    "NotFoundError",
     "PipelineFailedError",
     "PipelineGraphError",
     "SnapshotError",
     "StoreError",
     "TransientStoreError",
+    "UnknownEpochError",
     "UnknownPipelineError",
 ]
 
@@ -48,13 +52,27 @@ class PipelineGraphError(ConfigurationError):
     """The pipeline graph is invalid (unknown channel, stage without input, ...)."""
 
 
-class UnknownPipelineError(ArroyoError, LookupError):
+class NotFoundError(ArroyoError, LookupError):
+    """A pipeline, epoch or other named thing does not exist: not a transient failure, not bad syntax."""
+
+
+class UnknownPipelineError(NotFoundError):
     def __init__(self, pipeline_id: str) -> None:
         super().__init__(
             f"no pipeline named {pipeline_id!r} is registered in the epoch store; "
             "check the id (see `airflow-arroyo pipelines`) or start the pipeline first so that it registers"
         )
         self.pipeline_id = pipeline_id
+
+
+class UnknownEpochError(NotFoundError):
+    def __init__(self, pipeline_id: str, epoch: int, what: str = "") -> None:
+        super().__init__(
+            f"pipeline {pipeline_id!r} has no epoch {epoch}{' ' + what if what else ''}; "
+            "list its epochs with `airflow-arroyo epochs " + pipeline_id + "`"
+        )
+        self.pipeline_id = pipeline_id
+        self.epoch = epoch
 
 
 class IllegalTransitionError(ArroyoError):

@@ -45,6 +45,7 @@ from airflow_arroyo.exceptions import (
     IllegalTransitionError,
     LockLostError,
     StoreError,
+    UnknownEpochError,
     UnknownPipelineError,
 )
 from airflow_arroyo.store import _migrate
@@ -61,6 +62,7 @@ from airflow_arroyo.store.records import (
     SnapshotEntry,
     TickRequest,
     TickResult,
+    epoch_columns,
     from_row,
 )
 
@@ -68,10 +70,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_EPOCH_COLS = (
-    "pipeline_id, epoch, state, run_id, stages, is_final, triggered_by, triggered_at, timeout_at, "
-    "ended_at, failure_reason, bytes_new, bytes_total, pruned_at, bytes_freed"
-)
+_EPOCH_COLS = epoch_columns()
 _LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
 _ENDED = [EpochState.COMPLETED.value, EpochState.FAILED.value, EpochState.EXPIRED.value]
 
@@ -582,7 +581,7 @@ class EpochStore:
             " failure_reason = x.reason"
             " FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS x(pipeline_id, epoch, reason)"
             " WHERE e.pipeline_id = x.pipeline_id AND e.epoch = x.epoch AND e.state = 'triggered'"
-            f" RETURNING {', '.join('e.' + c.strip() for c in _EPOCH_COLS.split(','))}",
+            f" RETURNING {epoch_columns('e')}",
             ([r.pipeline_id for _, r, _ in expires], [d.epoch for _, _, d in expires],
              [f"not acknowledged by every stage within {r.policy.effective_timeout:g}s" for _, r, _ in expires]),
         )
@@ -597,7 +596,7 @@ class EpochStore:
             row = cur.fetchone()
             if row is None:
                 self._get_pipeline(cur, pipeline_id)
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+                raise UnknownEpochError(pipeline_id, epoch)
             return from_row(EpochRecord, row)
 
         return self._tx(tx)
@@ -674,7 +673,7 @@ class EpochStore:
             )
             row = cur.fetchone()
             if row is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to acknowledge")
+                raise UnknownEpochError(pipeline_id, epoch, "to acknowledge")
             if stage not in row["stages"]:
                 raise ConfigurationError(
                     f"stage {stage!r} is not one of the stages of epoch {epoch} of {pipeline_id!r} "
@@ -725,7 +724,7 @@ class EpochStore:
                         (pipeline_id, epoch))
             row = cur.fetchone()
             if row is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+                raise UnknownEpochError(pipeline_id, epoch)
             return EpochState(row["state"])
 
         return self._tx(tx)
@@ -765,7 +764,7 @@ class EpochStore:
             row = cur.fetchone()
             if row is None:
                 self._get_pipeline(cur, pipeline_id)
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to record a snapshot for")
+                raise UnknownEpochError(pipeline_id, epoch, "to record a snapshot for")
             if row["state"] in (EpochState.PRUNING.value, EpochState.PRUNED.value):
                 raise ConcurrencyConflict(
                     f"epoch {epoch} of {pipeline_id!r} is {row['state']}: the snapshot of stage {stage!r} came "

@@ -43,6 +43,7 @@ from airflow_arroyo.exceptions import (
     LockLostError,
     StoreError,
     TransientStoreError,
+    UnknownEpochError,
     UnknownPipelineError,
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
@@ -364,7 +365,7 @@ def test_an_ack_for_an_unknown_stage_or_epoch_writes_nothing(store: EpochStore, 
     epoch = start(store, "bad-ack")
     with pytest.raises(ConfigurationError, match="not one of the stages"):
         store.ack_epoch("bad-ack", epoch, "z")
-    with pytest.raises(ConfigurationError, match="no epoch 99"):
+    with pytest.raises(UnknownEpochError, match="no epoch 99"):
         store.ack_epoch("bad-ack", 99, "a")
     assert count(pg_dsn, "arroyo_acks") == 0
 
