@@ -72,7 +72,6 @@ T = TypeVar("T")
 
 _EPOCH_COLS = epoch_columns()
 _LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
-_ENDED = [EpochState.COMPLETED.value, EpochState.FAILED.value, EpochState.EXPIRED.value]
 
 
 def redact_dsn(dsn: str) -> str:
@@ -91,14 +90,7 @@ _SINK_COMMIT_COLS = ("seq, pipeline_id, epoch, sink, uri, run_id, batch_id, file
 
 
 class EpochStore:
-    """Synchronous epoch store API. Thread-safe; holds a small connection pool.
-
-    ``EpochStore.shared(dsn)`` returns one instance per DSN and process (used by triggers, so that
-    hundreds of triggers in one triggerer share a handful of connections).
-    """
-
-    _shared: dict[str, EpochStore] = {}
-    _shared_lock = threading.Lock()
+    """Synchronous epoch store API. Thread-safe; holds a small connection pool."""
 
     def __init__(self, dsn: str, *, max_connections: int = 8, retry_seconds: float = 60.0,
                  application_name: str = "airflow-arroyo") -> None:
@@ -112,15 +104,6 @@ class EpochStore:
         # helpers built on this store for one event loop each (the async tick coalescer, the listener)
         self._loop_helpers: dict[tuple[object, str], Any] = {}
         self._loop_helpers_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls, dsn: str) -> EpochStore:
-        with cls._shared_lock:
-            store = cls._shared.get(dsn)
-            if store is None or store._closed:
-                store = cls(dsn)
-                cls._shared[dsn] = store
-            return store
 
     def __repr__(self) -> str:
         return f"EpochStore({redact_dsn(self.dsn)!r})"
