@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import psycopg2
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError, SchemaError
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
@@ -197,8 +197,7 @@ def _store_from_connection(conn_id: str) -> EpochStore:
 
 
 def _require_schema(store: EpochStore) -> None:
-    if store.schema_version() == 0:
-        raise ConfigurationError("the epoch store has no schema yet; run `airflow-arroyo migrate` first")
+    store.check_schema()  # SchemaError says what to run: missing, behind, newer or edited
 
 
 # --------------------------------------------------------------------------- commands
@@ -499,7 +498,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, st
     except UsageError as exc:
         err.write(f"{_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
-    except (ConfigurationError, UnknownPipelineError) as exc:
+    except (ConfigurationError, NotFoundError, SchemaError) as exc:
         err.write(f"error: {_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
     except (ArroyoError, psycopg2.Error, OSError) as exc:

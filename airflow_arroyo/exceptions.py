@@ -13,7 +13,8 @@ The tree is small on purpose::
     ├── CleanupLockHeld              the pipeline's cleanup lock is held by someone else
     ├── LockLostError                our cleanup lease expired or was taken over mid-run
     ├── StoreError                   a permanent epoch-store failure (not retried)
-    │   └── TransientStoreError      a transient failure that survived the bounded retries
+    │   ├── TransientStoreError      a transient failure that survived the bounded retries
+    │   └── SchemaError              the database's schema is missing, behind, newer or edited
     ├── SnapshotError                a snapshot file is missing or corrupt (names epoch and file)
     └── PipelineFailedError          the pipeline reported failure (carries the cause)
 
@@ -32,6 +33,7 @@ __all__ = [
     "NotFoundError",
     "PipelineFailedError",
     "PipelineGraphError",
+    "SchemaError",
     "SnapshotError",
     "StoreError",
     "TransientStoreError",
@@ -109,6 +111,11 @@ class StoreError(ArroyoError):
 
 class TransientStoreError(StoreError):
     """A transient epoch store failure that persisted through the bounded retries."""
+
+
+class SchemaError(StoreError):
+    """The epoch store's schema is not the one this release ships (missing, behind, newer or edited);
+    the message says what to run. Not transient: retrying cannot fix it."""
 
 
 class SnapshotError(ArroyoError):

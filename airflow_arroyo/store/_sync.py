@@ -165,6 +165,17 @@ class EpochStore:
 
         return call_with_retry(attempt, max_seconds=self.retry_seconds)
 
+    def check_schema(self, *, complete: bool = True) -> int:
+        """The schema version after checking that it is the one this release ships (not newer, unedited
+        and, with ``complete``, fully applied); raises :class:`SchemaError` saying what to run otherwise.
+        Read-only."""
+
+        def attempt() -> int:
+            with self._connection() as conn:
+                return _migrate.check_schema(conn, complete=complete)
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
     def schema_version(self) -> int:
         def attempt() -> int:
             with self._connection() as conn:
