@@ -10,6 +10,7 @@
     prune (PIPELINE | --all) [--keep-last K] [--keep-newer-than 1h]
                                               prune old epochs under the cleanup lock
     lock PIPELINE                             who holds the pipeline's cleanup lock
+    stop PIPELINE [--immediate] [--wait 2m]   ask a running pipeline to stop (graceful: after a final epoch)
 
 The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
 connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
@@ -30,6 +31,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import IO, TYPE_CHECKING, Any, NoReturn
@@ -37,7 +39,7 @@ from urllib.parse import urlsplit
 
 import psycopg2
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError, SchemaError
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
@@ -197,8 +199,7 @@ def _store_from_connection(conn_id: str) -> EpochStore:
 
 
 def _require_schema(store: EpochStore) -> None:
-    if store.schema_version() == 0:
-        raise ConfigurationError("the epoch store has no schema yet; run `airflow-arroyo migrate` first")
+    store.check_schema()  # SchemaError says what to run: missing, behind, newer or edited
 
 
 # --------------------------------------------------------------------------- commands
@@ -256,6 +257,49 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
         out,
     )
     return EXIT_OK
+
+
+def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Ask a live pipeline to stop (graceful: its driver takes a final epoch first); with ``--wait``,
+    wait for its run to end and report how."""
+    from airflow_arroyo.retention import parse_duration
+
+    _require_schema(store)
+    wait = parse_duration(args.wait, name="--wait") or timedelta(0)
+    mode = "immediate" if args.immediate else "graceful"
+    current = store.get_pipeline(args.pipeline)
+    if current.state.terminal:
+        raise ConfigurationError(
+            f"pipeline {args.pipeline} is not running: its run {current.run_id} is {current.state.value}; "
+            "nothing to stop"
+        )
+    record = store.request_stop(args.pipeline, mode)
+    deadline = time.monotonic() + wait.total_seconds()
+    while not record.state.terminal and time.monotonic() < deadline:
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        record = store.get_pipeline(args.pipeline)
+    if record.run_id != current.run_id:  # another run registered meanwhile: ours ended before it
+        record = current
+    ended = record.state.terminal
+    newest = store.latest_completed_epoch(args.pipeline)
+    latest = newest.epoch if newest is not None else None
+    result = {"pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": record.state.value,
+              "stopped": ended, "latest_completed_epoch": latest, "failure_cause": record.failure_cause}
+    if args.json:
+        json.dump(result, out)
+        out.write("\n")
+    elif not ended and wait.total_seconds() > 0:
+        out.write(f"asked pipeline {args.pipeline} (run {current.run_id}) to stop ({mode}); it is still "
+                  f"{record.state.value} after {args.wait}: its driver acts on the request at its next heartbeat; "
+                  "check it is alive (airflow-arroyo pipelines)\n")
+    elif not ended:
+        out.write(f"asked pipeline {args.pipeline} (run {current.run_id}) to stop ({mode}); "
+                  "pass --wait DURATION to wait for it\n")
+    else:
+        cause = f": {record.failure_cause}" if record.failure_cause else ""
+        out.write(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}{cause}; "
+                  f"latest completed epoch {latest if latest is not None else '-'}\n")
+    return EXIT_OK if ended or wait.total_seconds() == 0 else EXIT_ERROR
 
 
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
@@ -392,13 +436,19 @@ def _build_parser() -> _Parser:
                        help="wait this long for an in-flight epoch to end (default 5m)")
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
+    stop = sub.add_parser("stop", parents=[common],
+                          help="ask a running pipeline to stop (graceful: after a final epoch)")
+    stop.add_argument("pipeline")
+    stop.add_argument("--immediate", action="store_true", help="stop without a final epoch")
+    stop.add_argument("--wait", default="0", metavar="DURATION",
+                      help="wait this long for the run to end, e.g. 2m (default 0: only ask); exit 1 if it has not")
     return parser
 
 
 #: Options whose value may start with "-" (a negative duration or number, refused with a clear message
 #: instead of argparse's "expected one argument").
 _VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
-                  "--limit")
+                  "--limit", "--wait")
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
@@ -422,6 +472,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "epochs": _cmd_epochs,
     "prune": _cmd_prune,
     "lock": _cmd_lock,
+    "stop": _cmd_stop,
 }
 
 
@@ -499,7 +550,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, st
     except UsageError as exc:
         err.write(f"{_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
-    except (ConfigurationError, UnknownPipelineError) as exc:
+    except (ConfigurationError, NotFoundError, SchemaError) as exc:
         err.write(f"error: {_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
     except (ArroyoError, psycopg2.Error, OSError) as exc:

@@ -5,14 +5,17 @@ The tree is small on purpose::
     ArroyoError                      base of everything this package raises
     ├── ConfigurationError           bad input from the user: raised before anything is written
     │   └── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
-    ├── UnknownPipelineError         no pipeline registered under that id
+    ├── NotFoundError                a named thing does not exist (also a LookupError)
+    │   ├── UnknownPipelineError     no pipeline registered under that id
+    │   └── UnknownEpochError        the pipeline has no epoch with that number
     ├── IllegalTransitionError       a life-cycle change the state machine does not allow
     ├── ConcurrencyConflict          another actor won the race (e.g. epoch already in flight)
     │   └── FencedError              a superseded run tried to write (a newer run registered)
     ├── CleanupLockHeld              the pipeline's cleanup lock is held by someone else
     ├── LockLostError                our cleanup lease expired or was taken over mid-run
     ├── StoreError                   a permanent epoch-store failure (not retried)
-    │   └── TransientStoreError      a transient failure that survived the bounded retries
+    │   ├── TransientStoreError      a transient failure that survived the bounded retries
+    │   └── SchemaError              the database's schema is missing, behind, newer or edited
     ├── SnapshotError                a snapshot file is missing or corrupt (names epoch and file)
     └── PipelineFailedError          the pipeline reported failure (carries the cause)
 
@@ -29,11 +32,14 @@ __all__ = [
     "FencedError",
     "IllegalTransitionError",
     "LockLostError",
+    "NotFoundError",
     "PipelineFailedError",
     "PipelineGraphError",
+    "SchemaError",
     "SnapshotError",
     "StoreError",
     "TransientStoreError",
+    "UnknownEpochError",
     "UnknownPipelineError",
 ]
 
@@ -50,13 +56,27 @@ class PipelineGraphError(ConfigurationError):
     """The pipeline graph is invalid (unknown channel, stage without input, ...)."""
 
 
-class UnknownPipelineError(ArroyoError, LookupError):
+class NotFoundError(ArroyoError, LookupError):
+    """A pipeline, epoch or other named thing does not exist: not a transient failure, not bad syntax."""
+
+
+class UnknownPipelineError(NotFoundError):
     def __init__(self, pipeline_id: str) -> None:
         super().__init__(
             f"no pipeline named {pipeline_id!r} is registered in the epoch store; "
             "check the id (see `airflow-arroyo pipelines`) or start the pipeline first so that it registers"
         )
         self.pipeline_id = pipeline_id
+
+
+class UnknownEpochError(NotFoundError):
+    def __init__(self, pipeline_id: str, epoch: int, what: str = "") -> None:
+        super().__init__(
+            f"pipeline {pipeline_id!r} has no epoch {epoch}{' ' + what if what else ''}; "
+            "list its epochs with `airflow-arroyo epochs " + pipeline_id + "`"
+        )
+        self.pipeline_id = pipeline_id
+        self.epoch = epoch
 
 
 class IllegalTransitionError(ArroyoError):
@@ -115,6 +135,11 @@ class StoreError(ArroyoError):
 
 class TransientStoreError(StoreError):
     """A transient epoch store failure that persisted through the bounded retries."""
+
+
+class SchemaError(StoreError):
+    """The epoch store's schema is not the one this release ships (missing, behind, newer or edited);
+    the message says what to run. Not transient: retrying cannot fix it."""
 
 
 class SnapshotError(ArroyoError):

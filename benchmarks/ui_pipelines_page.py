@@ -7,7 +7,7 @@ For each history length it loads ``--pipelines`` pipelines with that many epochs
 the rest failed/expired, the newest in flight) straight into a throwaway PostgreSQL (bulk SQL; the
 store's per-row trigger is disabled during the load), ANALYZEs, then times, in the same run:
 
-* **ui**: ``UIQueries.pipelines(limit=50)``, the page's whole read (pipelines, last completed epoch
+* **ui**: ``StoreReader.pipelines(limit=50)``, the page's whole read (pipelines, last completed epoch
   per pipeline by a LATERAL probe of ``arroyo_epochs_by_state``, in-flight epoch, newest 10 epochs,
   live locks), one read-only snapshot;
 * **aggregate**: the same "last completed epoch and in-flight epoch per pipeline" answered by one
@@ -31,7 +31,7 @@ import psycopg2
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.ui.queries import UIQueries
+from airflow_arroyo.store.reads import StoreReader
 
 AGGREGATE = """
 SELECT p.pipeline_id, a.last_completed, a.in_flight
@@ -101,7 +101,7 @@ def main() -> None:
             t0 = time.perf_counter()
             load(dsn, args.pipelines, n)
             loaded_s = time.perf_counter() - t0
-            ui = UIQueries(dsn)
+            ui = StoreReader(dsn)
             page = ui.pipelines(limit=50)
             assert len(page.items) == min(50, args.pipelines)
             assert all(o.last_completed is not None and o.in_flight is not None for o in page.items)

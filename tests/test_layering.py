@@ -17,7 +17,8 @@ import airflow_arroyo.examples
 import airflow_arroyo.runtime
 import airflow_arroyo.store
 
-_AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.exceptions", "airflow_arroyo.fs"]
+_AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.exceptions", "airflow_arroyo.fs",
+                     "airflow_arroyo.retention", "airflow_arroyo.cli", "airflow_arroyo.summary"]
 
 
 def _spark_side_modules() -> list[str]:

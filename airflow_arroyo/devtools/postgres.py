@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL server started from the machine's own binaries.
 
-Used by the embedded default (``airflow-arroyo-demo``), the test suite and the benchmarks. It runs
+Used by the embedded default (``scripts/dev.sh demo``), the test suite and the benchmarks. It runs
 ``initdb`` and ``pg_ctl`` from ``pg_config --bindir`` (or ``$ARROYO_PG_BINDIR``). PostgreSQL refuses
 to run as root, so when this process is root the server runs as the ``postgres`` system user
 (``runuser``), in a data folder owned by that user.

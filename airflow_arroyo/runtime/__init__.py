@@ -1,4 +1,4 @@
-"""The PySpark side of airflow-arroyo: channels, sources, and (later) the pipeline runtime.
+"""The PySpark side of airflow-arroyo: the pipeline API, channels, sources, stages, snapshots, sinks and the driver.
 
 Names are re-exported lazily so that ``import airflow_arroyo.runtime`` stays cheap; each entry of
 ``_EXPORTS`` maps a public name to the module defining it. Append new names, do not reorder.

@@ -47,6 +47,7 @@ from airflow_arroyo.exceptions import (
     FencedError,
     PipelineFailedError,
     SnapshotError,
+    UnknownEpochError,
 )
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
@@ -245,7 +246,11 @@ class PipelineDriver:
             assert isinstance(rf, int)
             if pipe is None:
                 raise ConfigurationError(f"pipeline {self.pipeline_id!r} has no epoch {rf} to restore from")
-            epoch = self.store.get_epoch(self.pipeline_id, rf)
+            try:
+                epoch = self.store.get_epoch(self.pipeline_id, rf)
+            except UnknownEpochError as exc:  # bad input, not a store failure: exit 2
+                raise ConfigurationError(f"{exc}; restore from a completed epoch (restore_from='latest' picks "
+                                         "the newest one)") from exc
             if epoch.state is not EpochState.COMPLETED:
                 raise ConfigurationError(
                     f"epoch {rf} of pipeline {self.pipeline_id!r} is {epoch.state}, not completed; restore from a "

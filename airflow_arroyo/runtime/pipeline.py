@@ -252,10 +252,6 @@ class PipelineGraph:
     def readers(self, channel: str) -> list[str]:
         return [s.name for s in self.stages if channel in s.all_inputs]
 
-    def upstream_of(self, name: str) -> list[str]:
-        """The stages writing the aligned (non-feedback) inputs of ``name``."""
-        return [self.writers[c] for c in self.stage(name).inputs]
-
     @classmethod
     def build(cls, pipeline_id: str, specs: Sequence[StageSpec]) -> PipelineGraph:
         if not specs:

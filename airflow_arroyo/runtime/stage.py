@@ -34,7 +34,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError, SnapshotError
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError, SnapshotError, UnknownEpochError
 from airflow_arroyo.runtime.alignment import (
     AlignmentAction,
     AlignmentDecision,
@@ -423,7 +423,7 @@ class StageRunner:
     def _epoch_in_flight(self, epoch: int) -> bool:
         try:
             return bool(self.store.get_epoch(self.pipeline_id, epoch).state.in_flight)
-        except ConfigurationError:
+        except UnknownEpochError:
             return False
 
     def _release_feedback_acks(self) -> None:

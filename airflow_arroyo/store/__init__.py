@@ -6,6 +6,7 @@ from airflow_arroyo.store._listen import EpochWatch, Subscription, channel_of
 from airflow_arroyo.store._migrate import available_migrations
 from airflow_arroyo.store._retry import is_transient, retrying
 from airflow_arroyo.store._sync import EpochStore, redact_dsn
+from airflow_arroyo.store.reads import StoreReader
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -33,6 +34,7 @@ __all__ = [
     "PrunePlan",
     "SinkCommitRecord",
     "SnapshotEntry",
+    "StoreReader",
     "Subscription",
     "TickRequest",
     "TickResult",

@@ -35,10 +35,6 @@ class AsyncEpochStore:
         self.coalesce = coalesce
         self.listen = listen
 
-    @classmethod
-    def shared(cls, dsn: str) -> AsyncEpochStore:
-        return cls(EpochStore.shared(dsn))
-
     async def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
                            force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
         if not self.coalesce:

@@ -46,6 +46,7 @@ from airflow_arroyo.exceptions import (
     IllegalTransitionError,
     LockLostError,
     StoreError,
+    UnknownEpochError,
     UnknownPipelineError,
 )
 from airflow_arroyo.store import _migrate
@@ -63,6 +64,7 @@ from airflow_arroyo.store.records import (
     SnapshotEntry,
     TickRequest,
     TickResult,
+    epoch_columns,
     from_row,
 )
 
@@ -70,12 +72,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_EPOCH_COLS = (
-    "pipeline_id, epoch, state, run_id, stages, is_final, triggered_by, triggered_at, timeout_at, "
-    "ended_at, failure_reason, bytes_new, bytes_total, pruned_at, bytes_freed"
-)
+_EPOCH_COLS = epoch_columns()
 _LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
-_ENDED = [EpochState.COMPLETED.value, EpochState.FAILED.value, EpochState.EXPIRED.value]
 
 
 def redact_dsn(dsn: str) -> str:
@@ -94,14 +92,7 @@ _SINK_COMMIT_COLS = ("seq, pipeline_id, epoch, sink, uri, run_id, batch_id, file
 
 
 class EpochStore:
-    """Synchronous epoch store API. Thread-safe; holds a small connection pool.
-
-    ``EpochStore.shared(dsn)`` returns one instance per DSN and process (used by triggers, so that
-    hundreds of triggers in one triggerer share a handful of connections).
-    """
-
-    _shared: dict[str, EpochStore] = {}
-    _shared_lock = threading.Lock()
+    """Synchronous epoch store API. Thread-safe; holds a small connection pool."""
 
     def __init__(self, dsn: str, *, max_connections: int = 8, retry_seconds: float = 60.0,
                  application_name: str = "airflow-arroyo") -> None:
@@ -115,15 +106,6 @@ class EpochStore:
         # helpers built on this store for one event loop each (the async tick coalescer, the listener)
         self._loop_helpers: dict[tuple[object, str], Any] = {}
         self._loop_helpers_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls, dsn: str) -> EpochStore:
-        with cls._shared_lock:
-            store = cls._shared.get(dsn)
-            if store is None or store._closed:
-                store = cls(dsn)
-                cls._shared[dsn] = store
-            return store
 
     def __repr__(self) -> str:
         return f"EpochStore({redact_dsn(self.dsn)!r})"
@@ -182,6 +164,17 @@ class EpochStore:
         def attempt() -> list[int]:
             with self._connection() as conn:
                 return _migrate.apply_migrations(conn)
+
+        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+
+    def check_schema(self, *, complete: bool = True) -> int:
+        """The schema version after checking that it is the one this release ships (not newer, unedited
+        and, with ``complete``, fully applied); raises :class:`SchemaError` saying what to run otherwise.
+        Read-only."""
+
+        def attempt() -> int:
+            with self._connection() as conn:
+                return _migrate.check_schema(conn, complete=complete)
 
         return call_with_retry(attempt, max_seconds=self.retry_seconds)
 
@@ -618,7 +611,7 @@ class EpochStore:
             " failure_reason = x.reason"
             " FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS x(pipeline_id, epoch, reason)"
             " WHERE e.pipeline_id = x.pipeline_id AND e.epoch = x.epoch AND e.state = 'triggered'"
-            f" RETURNING {', '.join('e.' + c.strip() for c in _EPOCH_COLS.split(','))}",
+            f" RETURNING {epoch_columns('e')}",
             ([r.pipeline_id for _, r, _ in expires], [d.epoch for _, _, d in expires],
              [f"not acknowledged by every stage within {r.policy.effective_timeout:g}s" for _, r, _ in expires]),
         )
@@ -633,7 +626,7 @@ class EpochStore:
             row = cur.fetchone()
             if row is None:
                 self._get_pipeline(cur, pipeline_id)
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+                raise UnknownEpochError(pipeline_id, epoch)
             return from_row(EpochRecord, row)
 
         return self._tx(tx)
@@ -712,7 +705,7 @@ class EpochStore:
             )
             row = cur.fetchone()
             if row is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to acknowledge")
+                raise UnknownEpochError(pipeline_id, epoch, "to acknowledge")
             if stage not in row["stages"]:
                 raise ConfigurationError(
                     f"stage {stage!r} is not one of the stages of epoch {epoch} of {pipeline_id!r} "
@@ -764,7 +757,7 @@ class EpochStore:
                         (pipeline_id, epoch))
             row = cur.fetchone()
             if row is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+                raise UnknownEpochError(pipeline_id, epoch)
             return EpochState(row["state"])
 
         return self._tx(tx)
@@ -806,7 +799,7 @@ class EpochStore:
             row = cur.fetchone()
             if row is None:
                 self._get_pipeline(cur, pipeline_id)
-                raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch} to record a snapshot for")
+                raise UnknownEpochError(pipeline_id, epoch, "to record a snapshot for")
             if row["state"] in (EpochState.PRUNING.value, EpochState.PRUNED.value):
                 raise ConcurrencyConflict(
                     f"epoch {epoch} of {pipeline_id!r} is {row['state']}: the snapshot of stage {stage!r} came "

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerDecision
 
 __all__ = [
+    "EPOCH_COLUMNS",
     "AckRecord",
     "CleanupLockRecord",
     "CleanupRunRecord",
@@ -23,9 +24,23 @@ __all__ = [
     "SnapshotEntry",
     "TickRequest",
     "TickResult",
+    "epoch_columns",
+    "from_row",
 ]
 
 R = TypeVar("R")
+
+#: The columns of ``arroyo_epochs`` that make an :class:`EpochRecord`, in one place for every query.
+EPOCH_COLUMNS = (
+    "pipeline_id", "epoch", "state", "run_id", "stages", "is_final", "triggered_by", "triggered_at", "timeout_at",
+    "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed",
+)
+
+
+def epoch_columns(alias: str = "") -> str:
+    """``EPOCH_COLUMNS`` as a select list, each qualified with ``alias`` when one is given."""
+    prefix = f"{alias}." if alias else ""
+    return ", ".join(prefix + c for c in EPOCH_COLUMNS)
 
 
 def from_row(cls: type[R], row: Mapping[str, Any]) -> R:

@@ -36,16 +36,11 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_arroyo.epochs import EpochState, validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownPipelineError
+from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.store.reads import EpochDetail, PipelineOverview, StoreReader
 from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
-from airflow_arroyo.ui.queries import (
-    EpochDetail,
-    PipelineOverview,
-    UIQueries,
-    UnknownEpochError,
-)
 from airflow_arroyo.ui.store_source import StoreSource
 from airflow_arroyo.ui.timeline import stage_timings
 
@@ -184,7 +179,7 @@ def create_app(source: StoreSource | None = None, *,
         html = templates.get_template(name).render(base=base(request), request=request, **context)
         return HTMLResponse(html, status_code=http_status)
 
-    def queries() -> UIQueries:
+    def queries() -> StoreReader:
         try:
             return src.get()
         except ConfigurationError as exc:

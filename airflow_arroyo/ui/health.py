@@ -23,8 +23,8 @@ import enum
 from dataclasses import dataclass
 
 from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.store.reads import PipelineOverview
 from airflow_arroyo.ui.format import duration_human, timestamp
-from airflow_arroyo.ui.queries import PipelineOverview
 
 __all__ = ["Finding", "HealthThresholds", "Severity", "assess", "worst"]
 

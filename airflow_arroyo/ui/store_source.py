@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from airflow_arroyo.exceptions import ConfigurationError
 from airflow_arroyo.store import redact_dsn
-from airflow_arroyo.ui.queries import UIQueries
+from airflow_arroyo.store.reads import StoreReader
 
 __all__ = ["DEFAULT_CONN_ID", "StoreSource", "resolve_dsn"]
 
@@ -45,20 +45,20 @@ def resolve_dsn(conn_id: str = DEFAULT_CONN_ID) -> str:
 
 
 class StoreSource:
-    """Gives the app its :class:`UIQueries`, resolving the DSN lazily and at most every ``ttl_s``."""
+    """Gives the app its :class:`StoreReader`, resolving the DSN lazily and at most every ``ttl_s``."""
 
     def __init__(self, resolve: Callable[[], str] = resolve_dsn, *, ttl_s: float = 60.0,
-                 factory: Callable[[str], UIQueries] = UIQueries,
+                 factory: Callable[[str], StoreReader] = StoreReader,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._resolve = resolve
         self._ttl_s = ttl_s
         self._factory = factory
         self._clock = clock
         self._lock = threading.Lock()
-        self._queries: UIQueries | None = None
+        self._queries: StoreReader | None = None
         self._resolved_at: float | None = None
 
-    def get(self) -> UIQueries:
+    def get(self) -> StoreReader:
         """The queries for the current DSN. Raises ConfigurationError when none is configured."""
         with self._lock:
             now = self._clock()

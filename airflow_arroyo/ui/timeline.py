@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.ui.queries import EpochDetail
+from airflow_arroyo.store.reads import EpochDetail
 
 __all__ = ["StageStatus", "StageTiming", "stage_timings"]
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from airflow_arroyo.cli import main
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.store import EpochStore
 from tests.controlplane.test_retention import Pipeline, sql
 
@@ -60,7 +61,7 @@ def test_migrate_then_up_to_date(pg_dsn: str, capsys: pytest.CaptureFixture[str]
 def test_unmigrated_store_is_bad_input(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "--dsn", pg_dsn, "epochs", "orders")
     assert (code, out) == (2, "")
-    assert "run `airflow-arroyo migrate` first" in err
+    assert "has no airflow-arroyo schema yet: run `airflow-arroyo migrate`" in err
 
 
 def test_pipelines_table_and_json(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
@@ -128,6 +129,40 @@ def test_prune_reports_a_skip(store: EpochStore, two_pipelines: tuple[Pipeline, 
     code, out, _ = run(capsys, "--dsn", store.dsn, "prune", "orders", "--keep-last", "1")
     assert code == 0 and "skipped: cleanup lock held by ops:bob" in out
     assert two_pipelines[0].states()[1] is EpochState.COMPLETED
+
+
+def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "orders")
+    assert code == 0 and "asked pipeline orders (run run-1) to stop (graceful); pass --wait" in out
+    assert store.get_pipeline("orders").stop_requested == "graceful"
+    # nobody acts on the request: --wait runs out, exit 1, and the message says what to check
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "orders", "--wait", "1s")
+    assert code == 1 and "still running after 1s" in out
+
+    stop_seen = threading.Event()
+
+    def driver() -> None:  # what a driver's loop does with the request (here: no final epoch)
+        while store.get_pipeline("clicks").stop_requested != "immediate":
+            if stop_seen.wait(0.05):
+                return
+        store.set_pipeline_state("clicks", PipelineState.STOPPED, run_id="run-1")
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    try:
+        code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "stop", "clicks", "--immediate", "--wait", "1m")
+    finally:
+        stop_seen.set()
+        thread.join()
+    assert code == 0
+    assert json.loads(out) == {"pipeline_id": "clicks", "run_id": "run-1", "mode": "immediate", "state": "stopped",
+                               "stopped": True, "latest_completed_epoch": store.latest_completed_epoch("clicks").epoch,
+                               "failure_cause": None}
+    code, _, err = run(capsys, "--dsn", store.dsn, "stop", "clicks")
+    assert code == 2 and "pipeline clicks is not running: its run run-1 is stopped; nothing to stop" in err
+    code, _, err = run(capsys, "--dsn", store.dsn, "stop", "nope")
+    assert code == 2 and "no pipeline named 'nope'" in err
 
 
 def test_lock_shows_the_holder(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],

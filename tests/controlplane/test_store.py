@@ -41,12 +41,14 @@ from airflow_arroyo.exceptions import (
     ConfigurationError,
     IllegalTransitionError,
     LockLostError,
+    SchemaError,
     StoreError,
     TransientStoreError,
+    UnknownEpochError,
     UnknownPipelineError,
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
-from airflow_arroyo.store._migrate import _LOCK_KEY
+from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
 from tests.support import sql
 
 # ----------------------------------------------------------------------------- helpers
@@ -163,6 +165,54 @@ def test_migrations_from_two_processes_at_once_apply_each_version_once(pg_dsn: s
     versions = [v for v, _, _ in available_migrations()]
     assert sorted((json.loads(o) for o in outputs), key=len) == [[], versions]
     assert sorted(r[0] for r in sql(pg_dsn, "SELECT version FROM arroyo_schema_migrations")) == versions
+
+
+def _migrations(dsn: str) -> list[tuple[int, str | None]]:
+    return [(int(v), c) for v, c in sql(dsn, "SELECT version, checksum FROM arroyo_schema_migrations ORDER BY 1")]
+
+
+def test_checksums_are_recorded_and_backfilled_for_rows_written_before_them(store: EpochStore, pg_dsn: str) -> None:
+    shipped = [(v, checksum(text)) for v, _, text in available_migrations()]
+    assert _migrations(pg_dsn) == shipped
+    # a store migrated by a release that recorded no checksums: no column at all, then NULLs
+    sql(pg_dsn, "ALTER TABLE arroyo_schema_migrations DROP COLUMN checksum")
+    assert store.check_schema() == shipped[-1][0]  # versions alone are checked
+    assert store.migrate() == []
+    assert _migrations(pg_dsn) == shipped
+    sql(pg_dsn, "UPDATE arroyo_schema_migrations SET checksum = NULL")
+    assert store.migrate() == [] and _migrations(pg_dsn) == shipped
+
+
+def test_a_newer_or_edited_schema_is_refused_before_anything_is_written(store: EpochStore, pg_dsn: str) -> None:
+    first, last = available_migrations()[0], available_migrations()[-1]
+    sql(pg_dsn, "INSERT INTO arroyo_schema_migrations (version, name, checksum) VALUES (%s, %s, 'x')",
+        (last[0] + 1, f"{last[0] + 1:04d}_from_the_future.sql"))
+    before = _migrations(pg_dsn)
+    for call in (store.migrate, store.check_schema):
+        with pytest.raises(SchemaError, match=f"{last[0] + 1:04d}_from_the_future.sql.*upgrade airflow-arroyo"):
+            call()
+    assert _migrations(pg_dsn) == before
+    sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0] + 1,))
+    sql(pg_dsn, "UPDATE arroyo_schema_migrations SET checksum = %s WHERE version = %s",
+        (checksum(first[2] + "-- edited\n"), first[0]))
+    for call in (store.migrate, store.check_schema):
+        with pytest.raises(SchemaError, match=f"migration {first[1]} applied to this epoch store differs"):
+            call()
+
+
+def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: EpochStore, pg_dsn: str) -> None:
+    empty = EpochStore(pg_server.create_database(f"empty_{uuid.uuid4().hex[:12]}"))
+    try:
+        with pytest.raises(SchemaError, match="no airflow-arroyo schema yet: run `airflow-arroyo migrate`"):
+            empty.check_schema()
+        assert empty.check_schema(complete=False) == 0
+    finally:
+        empty.close()
+    last = available_migrations()[-1]
+    sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0],))  # as if one release behind
+    with pytest.raises(SchemaError, match=f"lacks migration\\(s\\) {last[1]}: run `airflow-arroyo migrate`"):
+        store.check_schema()
+    assert store.check_schema(complete=False) == last[0] - 1
 
 
 CHECKS = {
@@ -364,7 +414,7 @@ def test_an_ack_for_an_unknown_stage_or_epoch_writes_nothing(store: EpochStore, 
     epoch = start(store, "bad-ack")
     with pytest.raises(ConfigurationError, match="not one of the stages"):
         store.ack_epoch("bad-ack", epoch, "z")
-    with pytest.raises(ConfigurationError, match="no epoch 99"):
+    with pytest.raises(UnknownEpochError, match="no epoch 99"):
         store.ack_epoch("bad-ack", 99, "a")
     assert count(pg_dsn, "arroyo_acks") == 0
 

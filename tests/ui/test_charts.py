@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.store.reads import EpochDetail
 from airflow_arroyo.store.records import AckRecord, EpochRecord, PipelineRecord
 from airflow_arroyo.ui.charts import STATE_COLOURS, duration_ticks, history_chart, nice_ticks, timeline_chart
 from airflow_arroyo.ui.format import age, bytes_human, duration_human, epoch_ranges
-from airflow_arroyo.ui.queries import EpochDetail
 from airflow_arroyo.ui.timeline import StageStatus, stage_timings
 
 SVG = "{http://www.w3.org/2000/svg}"

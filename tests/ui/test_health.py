@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.store.reads import RECENT_WINDOW, PipelineOverview
 from airflow_arroyo.store.records import CleanupLockRecord, EpochRecord, PipelineRecord
 from airflow_arroyo.ui.health import HealthThresholds, Severity, assess, worst
-from airflow_arroyo.ui.queries import RECENT_WINDOW, PipelineOverview, RecentEpoch
 
 NOW = datetime(2024, 5, 1, 12, 0, 0, tzinfo=UTC)
 T = HealthThresholds()
@@ -36,8 +36,9 @@ def completed(epoch: int, ended_s: float) -> EpochRecord:
 def overview(p: PipelineRecord | None = None, *, last: EpochRecord | None = None, in_flight: EpochRecord | None = None,
              recent: list[tuple[int, EpochState]] | None = None, lock: CleanupLockRecord | None = None,
              reason: str | None = "disk full") -> PipelineOverview:
-    rec = [RecentEpoch(n, s, ago(100), None if s is EpochState.TRIGGERED else ago(90),
-                       reason if s.ended_unsuccessfully else None) for n, s in (recent or [])]
+    rec = [EpochRecord("p", n, s, triggered_at=ago(100), timeout_at=ago(-200),
+                       ended_at=None if s is EpochState.TRIGGERED else ago(90),
+                       failure_reason=reason if s.ended_unsuccessfully else None) for n, s in (recent or [])]
     return PipelineOverview(pipeline=p or pipeline(), now=NOW, last_completed=last, in_flight=in_flight,
                             recent=rec, cleanup_lock=lock)
 

@@ -14,18 +14,18 @@ import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import StoreError, UnknownPipelineError
+from airflow_arroyo.exceptions import StoreError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.ui import queries as q
-from airflow_arroyo.ui.queries import RECENT_WINDOW, UIQueries, UnknownEpochError
+from airflow_arroyo.store import reads as q
+from airflow_arroyo.store.reads import RECENT_WINDOW, StoreReader
 from tests.ui.data import Dataset
 
 PIPELINES = ["clicks", "fresh", "orders", "payments", "sessions"]
 
 
 @pytest.fixture(scope="module")
-def ui(dataset: Dataset) -> Iterator[UIQueries]:
-    queries = UIQueries(dataset.dsn)
+def ui(dataset: Dataset) -> Iterator[StoreReader]:
+    queries = StoreReader(dataset.dsn)
     try:
         yield queries
     finally:
@@ -41,7 +41,7 @@ def store(dataset: Dataset) -> Iterator[EpochStore]:
         s.close()
 
 
-def test_pipelines_page_agrees_with_the_store(ui: UIQueries, store: EpochStore) -> None:
+def test_pipelines_page_agrees_with_the_store(ui: StoreReader, store: EpochStore) -> None:
     page = ui.pipelines()
     assert [o.pipeline.pipeline_id for o in page.items] == PIPELINES
     assert page.next_after is None
@@ -55,7 +55,7 @@ def test_pipelines_page_agrees_with_the_store(ui: UIQueries, store: EpochStore) 
         assert [(r.epoch, r.state) for r in o.recent] == [(e.epoch, e.state) for e in newest]
 
 
-def test_overview_facts_follow_the_history_that_was_written(ui: UIQueries, dataset: Dataset) -> None:
+def test_overview_facts_follow_the_history_that_was_written(ui: StoreReader, dataset: Dataset) -> None:
     by_id = {o.pipeline.pipeline_id: o for o in ui.pipelines().items}
     for pid, plan in dataset.plans.items():
         o = by_id[pid]
@@ -77,7 +77,7 @@ def test_overview_facts_follow_the_history_that_was_written(ui: UIQueries, datas
     assert by_id["orders"].last_completed_age_s is not None and by_id["orders"].last_completed_age_s > 0
 
 
-def test_pipelines_are_paged_by_id_without_gaps_or_repeats(ui: UIQueries) -> None:
+def test_pipelines_are_paged_by_id_without_gaps_or_repeats(ui: StoreReader) -> None:
     seen, after, pages = [], None, 0
     while True:
         page = ui.pipelines(after=after, limit=2)
@@ -91,7 +91,7 @@ def test_pipelines_are_paged_by_id_without_gaps_or_repeats(ui: UIQueries) -> Non
     assert pages == 3
 
 
-def test_epoch_history_pages_walk_all_epochs_both_ways(ui: UIQueries, store: EpochStore) -> None:
+def test_epoch_history_pages_walk_all_epochs_both_ways(ui: StoreReader, store: EpochStore) -> None:
     everything = [e.epoch for e in store.list_epochs("orders", limit=10_000)]
     assert len(everything) == 241
     older: list[list[int]] = []
@@ -115,7 +115,7 @@ def test_epoch_history_pages_walk_all_epochs_both_ways(ui: UIQueries, store: Epo
     assert ui.epochs("orders", limit=5).epochs == store.list_epochs("orders", limit=5)
 
 
-def test_pipeline_page_is_one_snapshot_of_overview_and_history(ui: UIQueries) -> None:
+def test_pipeline_page_is_one_snapshot_of_overview_and_history(ui: StoreReader) -> None:
     page = ui.pipeline_page("clicks", limit=10)
     assert [e.epoch for e in page.epochs.epochs] == list(range(60, 50, -1))
     assert page.epochs.older_before == 51 and page.epochs.newer_after is None
@@ -124,7 +124,7 @@ def test_pipeline_page_is_one_snapshot_of_overview_and_history(ui: UIQueries) ->
     assert page.overview.consecutive_failures == 4
 
 
-def test_epoch_detail_of_an_in_flight_epoch_names_the_stages_still_missing(ui: UIQueries, store: EpochStore,
+def test_epoch_detail_of_an_in_flight_epoch_names_the_stages_still_missing(ui: StoreReader, store: EpochStore,
                                                                            dataset: Dataset) -> None:
     plan = dataset.plan("orders").epochs[-1]
     assert plan.outcome == "in_flight" and plan.epoch == 241
@@ -136,7 +136,7 @@ def test_epoch_detail_of_an_in_flight_epoch_names_the_stages_still_missing(ui: U
     assert d.pending_stages  # there is something to wait for
 
 
-def test_epoch_detail_of_a_completed_epoch(ui: UIQueries, store: EpochStore) -> None:
+def test_epoch_detail_of_a_completed_epoch(ui: StoreReader, store: EpochStore) -> None:
     done = store.latest_completed_epoch("orders")
     assert done is not None
     d = ui.epoch_detail("orders", done.epoch)
@@ -146,7 +146,7 @@ def test_epoch_detail_of_a_completed_epoch(ui: UIQueries, store: EpochStore) -> 
     assert sum(a.bytes_new or 0 for a in d.acks) == done.bytes_new
 
 
-def test_unknown_pipeline_and_epoch(ui: UIQueries) -> None:
+def test_unknown_pipeline_and_epoch(ui: StoreReader) -> None:
     with pytest.raises(UnknownPipelineError):
         ui.pipeline_page("nope")
     with pytest.raises(UnknownPipelineError):
@@ -157,7 +157,7 @@ def test_unknown_pipeline_and_epoch(ui: UIQueries) -> None:
         ui.retention("nope")
 
 
-def test_retention_page(ui: UIQueries, store: EpochStore, dataset: Dataset) -> None:
+def test_retention_page(ui: StoreReader, store: EpochStore, dataset: Dataset) -> None:
     orders = ui.retention("orders")
     assert [r.id for r in orders.runs] == sorted(dataset.orders_cleanup_runs, reverse=True)
     assert orders.runs == store.list_cleanup_runs("orders")
@@ -181,7 +181,7 @@ def test_retention_page(ui: UIQueries, store: EpochStore, dataset: Dataset) -> N
     assert [r.id for r in second.runs] == [min(dataset.orders_cleanup_runs)] and second.next_before_id is None
 
 
-def test_the_ui_cannot_write(ui: UIQueries) -> None:
+def test_the_ui_cannot_write(ui: StoreReader) -> None:
     def write(cur: Any) -> None:
         cur.execute("UPDATE arroyo_pipelines SET failure_cause = 'x' WHERE pipeline_id = 'orders'")
 
@@ -189,7 +189,7 @@ def test_the_ui_cannot_write(ui: UIQueries) -> None:
         ui._read(write)
 
 
-def test_page_sizes_are_capped(ui: UIQueries) -> None:
+def test_page_sizes_are_capped(ui: StoreReader) -> None:
     assert len(ui.epochs("orders", limit=10_000).epochs) == min(241, q.MAX_PAGE_SIZE)
     with pytest.raises(ValueError):
         ui.epochs("orders", limit=0)

@@ -1,4 +1,8 @@
-"""Read-only queries behind the UI, one method per page, each in one read-only snapshot.
+"""Read-only queries of the epoch store, one method per page of the UI, each in one read-only snapshot.
+
+:class:`StoreReader` is how everything that only looks at the store (the UI plugin, its JSON API, the
+benchmarks) reads it: the same records (:mod:`airflow_arroyo.store.records`), column lists, connection
+pool and retry rule as :class:`~airflow_arroyo.store.EpochStore`, on connections that cannot write.
 
 Every query is parameterised, bounded (``LIMIT``) and driven by an index of migration 0001:
 
@@ -19,9 +23,7 @@ No page reads all epochs of a pipeline, let alone of all pipelines. The connecti
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -29,20 +31,21 @@ from typing import Any, TypeVar
 import psycopg2
 import psycopg2.extensions
 import psycopg2.extras
-import psycopg2.pool
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extras import RealDictCursor as PgCursor
 
-from airflow_arroyo.epochs import EpochState, consecutive_failures, validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
-from airflow_arroyo.store import redact_dsn
+from airflow_arroyo.epochs import consecutive_failures, validate_pipeline_id
+from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
+from airflow_arroyo.store._sync import redact_dsn
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
     CleanupRunRecord,
     EpochRecord,
     PipelineRecord,
+    epoch_columns,
     from_row,
 )
 from airflow_arroyo.summary import CheckpointSummary
@@ -55,10 +58,8 @@ __all__ = [
     "PipelineOverview",
     "PipelinePage",
     "PipelinesPage",
-    "RecentEpoch",
     "RetentionPage",
-    "UIQueries",
-    "UnknownEpochError",
+    "StoreReader",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,7 @@ RECENT_WINDOW = 10
 #: The largest page any query returns, whatever the caller asks for.
 MAX_PAGE_SIZE = 500
 
-_EPOCH_COLS = (
-    "e.pipeline_id, e.epoch, e.state, e.run_id, e.stages, e.is_final, e.triggered_by, e.triggered_at, "
-    "e.timeout_at, e.ended_at, e.failure_reason, e.bytes_new, e.bytes_total, e.pruned_at, e.bytes_freed"
-)
+_EPOCH_COLS = epoch_columns("e")
 
 # --------------------------------------------------------------------------- SQL (named, parameterised)
 
@@ -94,8 +92,7 @@ SQL_IN_FLIGHT = (
     " WHERE e.pipeline_id = ANY(%(ids)s::text[]) AND e.state = 'triggered'"
 )
 SQL_RECENT = (
-    "SELECT e.pipeline_id, e.epoch, e.state, e.triggered_at, e.ended_at, e.failure_reason"
-    " FROM unnest(%(ids)s::text[]) AS ids(pipeline_id)"
+    f"SELECT {_EPOCH_COLS} FROM unnest(%(ids)s::text[]) AS ids(pipeline_id)"  # noqa: S608 - constant columns
     " CROSS JOIN LATERAL (SELECT * FROM arroyo_epochs x WHERE x.pipeline_id = ids.pipeline_id"
     "   ORDER BY x.epoch DESC LIMIT %(window)s) e"
     " ORDER BY e.pipeline_id, e.epoch DESC"
@@ -144,28 +141,7 @@ SQL_CLEANUP_RUNS = (
 SQL_NOW = "SELECT clock_timestamp() AS now"
 
 
-class UnknownEpochError(LookupError):
-    """The pipeline exists but has no epoch with that number."""
-
-    def __init__(self, pipeline_id: str, epoch: int) -> None:
-        super().__init__(f"pipeline {pipeline_id!r} has no epoch {epoch}")
-        self.pipeline_id = pipeline_id
-        self.epoch = epoch
-
-
 # --------------------------------------------------------------------------- what the pages get
-
-
-@dataclass(frozen=True)
-class RecentEpoch:
-    epoch: int
-    state: EpochState
-    triggered_at: datetime
-    ended_at: datetime | None = None
-    failure_reason: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "state", EpochState(self.state))
 
 
 @dataclass(frozen=True)
@@ -176,7 +152,7 @@ class PipelineOverview:
     now: datetime  # the database's clock, read in the same snapshot
     last_completed: EpochRecord | None = None
     in_flight: EpochRecord | None = None
-    recent: list[RecentEpoch] = field(default_factory=list)  # newest first, at most RECENT_WINDOW
+    recent: list[EpochRecord] = field(default_factory=list)  # newest first, at most RECENT_WINDOW
     cleanup_lock: CleanupLockRecord | None = None  # an unexpired lease, if any
 
     @property
@@ -190,11 +166,11 @@ class PipelineOverview:
         return len(self.recent) >= RECENT_WINDOW and self.consecutive_failures >= RECENT_WINDOW
 
     @property
-    def last_failure(self) -> RecentEpoch | None:
+    def last_failure(self) -> EpochRecord | None:
         return next((r for r in self.recent if r.state.ended_unsuccessfully), None)
 
     @property
-    def latest(self) -> RecentEpoch | None:
+    def latest(self) -> EpochRecord | None:
         return self.recent[0] if self.recent else None
 
     @property
@@ -265,33 +241,31 @@ def _page_size(limit: int) -> int:
     return min(limit, MAX_PAGE_SIZE)
 
 
-class UIQueries:
-    """Read-only access to the epoch store for the UI. Thread-safe; a small pool of read-only connections.
+class StoreReader:
+    """Read-only access to the epoch store. Thread-safe; a small pool of read-only connections.
 
     Each public method reads everything one page needs in one ``REPEATABLE READ READ ONLY``
     transaction, so that a page is a consistent snapshot.
     """
 
     def __init__(self, dsn: str, *, max_connections: int = 4, retry_seconds: float = 5.0,
-                 statement_timeout_ms: int = 10_000) -> None:
+                 statement_timeout_ms: int = 10_000, application_name: str = "airflow-arroyo-ui") -> None:
         if not dsn:
             raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
         self.dsn = dsn
         self.retry_seconds = retry_seconds
-        self._pool = psycopg2.pool.ThreadedConnectionPool(
-            0, max_connections, dsn, connect_timeout=5, application_name="airflow-arroyo-ui",
-            options=f"-c default_transaction_read_only=on -c statement_timeout={int(statement_timeout_ms)}",
-        )
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.application_name = application_name
+        self.statement_timeout_ms = int(statement_timeout_ms)
+        self._pool = ConnectionPool(self._connect, max_connections)
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"UIQueries({redact_dsn(self.dsn)!r})"
+        return f"StoreReader({redact_dsn(self.dsn)!r})"
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.closeall()
+            self._pool.close()
 
     @property
     def closed(self) -> bool:
@@ -299,32 +273,17 @@ class UIQueries:
 
     # ------------------------------------------------------------------ plumbing
 
-    @contextmanager
-    def _connection(self) -> Iterator[PgConnection]:
-        self._slots.acquire()
-        conn: PgConnection | None = None
-        broken = False
-        try:
-            conn = self._pool.getconn()
-            yield conn
-        except (psycopg2.OperationalError, psycopg2.InterfaceError):
-            broken = True
-            raise
-        finally:
-            if conn is not None:
-                try:
-                    if not broken and not conn.closed:
-                        conn.rollback()
-                except psycopg2.Error:
-                    broken = True
-                self._pool.putconn(conn, close=broken or bool(conn.closed))
-            self._slots.release()
+    def _connect(self) -> PgConnection:
+        return psycopg2.connect(
+            self.dsn, connect_timeout=5, application_name=self.application_name,
+            options=f"-c default_transaction_read_only=on -c statement_timeout={self.statement_timeout_ms}",
+        )
 
     def _read(self, fn: Callable[[PgCursor], T]) -> T:
         """Run ``fn`` in one read-only snapshot, retried briefly on transient errors."""
 
         def attempt() -> T:
-            with self._connection() as conn:
+            with self._pool.connection() as conn:
                 if conn.status == psycopg2.extensions.STATUS_READY:
                     conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ,
                                      readonly=True)
@@ -360,9 +319,9 @@ class UIQueries:
         cur.execute(SQL_IN_FLIGHT, params)
         in_flight = {r["pipeline_id"]: from_row(EpochRecord, r) for r in cur.fetchall()}
         cur.execute(SQL_RECENT, params)
-        recent: dict[str, list[RecentEpoch]] = {}
+        recent: dict[str, list[EpochRecord]] = {}
         for r in cur.fetchall():
-            recent.setdefault(r["pipeline_id"], []).append(from_row(RecentEpoch, r))
+            recent.setdefault(r["pipeline_id"], []).append(from_row(EpochRecord, r))
         cur.execute(SQL_LIVE_LOCKS, params)
         locks = {r["pipeline_id"]: from_row(CleanupLockRecord, r) for r in cur.fetchall()}
         return [
