@@ -212,7 +212,7 @@ def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: Epo
     sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0],))  # as if one release behind
     with pytest.raises(SchemaError, match=f"lacks migration\\(s\\) {last[1]}: run `airflow-arroyo migrate`"):
         store.check_schema()
-    assert store.check_schema(complete=False) == last[0] - 1
+    assert store.check_schema(complete=False) == available_migrations()[-2][0]  # versions may skip a number
 
 
 CHECKS = {
