@@ -197,8 +197,7 @@ def _store_from_connection(conn_id: str) -> EpochStore:
 
 
 def _require_schema(store: EpochStore) -> None:
-    if store.schema_version() == 0:
-        raise ConfigurationError("the epoch store has no schema yet; run `airflow-arroyo migrate` first")
+    store.require_schema()  # SchemaMissingError (bad input, exit 2) says to run `airflow-arroyo migrate`
 
 
 # --------------------------------------------------------------------------- commands
