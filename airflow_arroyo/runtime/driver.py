@@ -177,9 +177,9 @@ class PipelineDriver:
         """
         epoch_to_restore = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
-        self._step("registered")
         result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
         try:
+            self._step("registered")
             self._clean_leftovers()
             if epoch_to_restore is not None:
                 self._restore(epoch_to_restore)
