@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import psycopg2
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError, SchemaError
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
@@ -199,7 +199,7 @@ def _store_from_connection(conn_id: str) -> EpochStore:
 
 
 def _require_schema(store: EpochStore) -> None:
-    store.check_schema()  # SchemaError says what to run: missing, behind, newer or edited
+    store.check_schema()  # SchemaError says what to do: migrate (missing, behind), or the release (newer, edited)
 
 
 # --------------------------------------------------------------------------- commands
@@ -550,7 +550,7 @@ def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, st
     except UsageError as exc:
         err.write(f"{_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
-    except (ConfigurationError, NotFoundError, SchemaError) as exc:
+    except (ConfigurationError, NotFoundError) as exc:  # SchemaError is a ConfigurationError
         err.write(f"error: {_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
     except (ArroyoError, psycopg2.Error, OSError) as exc:

@@ -4,7 +4,9 @@ The tree is small on purpose::
 
     ArroyoError                      base of everything this package raises
     ├── ConfigurationError           bad input from the user: raised before anything is written
-    │   └── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
+    │   ├── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
+    │   └── SchemaError              the store's schema is not this release's (also a StoreError)
+    │       └── SchemaMissingError   missing or behind: `airflow-arroyo migrate` fixes it
     ├── NotFoundError                a named thing does not exist (also a LookupError)
     │   ├── UnknownPipelineError     no pipeline registered under that id
     │   └── UnknownEpochError        the pipeline has no epoch with that number
@@ -15,14 +17,17 @@ The tree is small on purpose::
     ├── LockLostError                our cleanup lease expired or was taken over mid-run
     ├── StoreError                   a permanent epoch-store failure (not retried)
     │   ├── TransientStoreError      a transient failure that survived the bounded retries
-    │   └── SchemaError              the database's schema is missing, behind, newer or edited
+    │   └── SchemaError              (see above: newer than this release, or an edited migration)
     ├── SnapshotError                a snapshot file is missing or corrupt (names epoch and file)
     └── PipelineFailedError          the pipeline reported failure (carries the cause)
+        └── StageBuildError          a stage's source or transform raised while the pipeline was built
 
 Messages say what most likely went wrong and how to fix it.
 """
 
 from __future__ import annotations
+
+import traceback
 
 __all__ = [
     "ArroyoError",
@@ -36,7 +41,9 @@ __all__ = [
     "PipelineFailedError",
     "PipelineGraphError",
     "SchemaError",
+    "SchemaMissingError",
     "SnapshotError",
+    "StageBuildError",
     "StoreError",
     "TransientStoreError",
     "UnknownEpochError",
@@ -137,9 +144,25 @@ class TransientStoreError(StoreError):
     """A transient epoch store failure that persisted through the bounded retries."""
 
 
-class SchemaError(StoreError):
-    """The epoch store's schema is not the one this release ships (missing, behind, newer or edited);
-    the message says what to run. Not transient: retrying cannot fix it."""
+class SchemaError(ConfigurationError, StoreError):
+    """The epoch store's schema is not the one this release ships: newer (a newer release migrated it),
+    an applied migration whose text differs, or (:class:`SchemaMissingError`) missing or behind. Bad
+    configuration, found before anything is written; retrying cannot fix it. The message says what to do."""
+
+
+class SchemaMissingError(SchemaError):
+    """The epoch store's database has no schema, or an older one than this package needs: migrate it."""
+
+    def __init__(self, have: int, want: int, where: str = "", missing: str = "") -> None:
+        what = "has no airflow-arroyo schema" if have == 0 else f"has schema version {have}, this package needs {want}"
+        lacks = f" (it lacks {missing})" if missing and have else ""
+        at = f" ({where})" if where else ""
+        super().__init__(
+            f"the epoch store's database{at} {what}{lacks}: run `airflow-arroyo migrate` against it (same DSN: "
+            "--dsn or ARROYO_DSN), or let the Airflow hook migrate it, then start again"
+        )
+        self.have = have
+        self.want = want
 
 
 class SnapshotError(ArroyoError):
@@ -154,3 +177,18 @@ class PipelineFailedError(ArroyoError):
         super().__init__(f"pipeline {pipeline_id!r} failed: {cause or 'no cause reported'}")
         self.pipeline_id = pipeline_id
         self.cause = cause
+
+
+class StageBuildError(PipelineFailedError):
+    """A stage's source ``read`` or ``transform`` raised while the driver built the pipeline (before any
+    query ran). The cause names the stage, keeps the exception's type and ends with its traceback."""
+
+    def __init__(self, pipeline_id: str, stage: str, error: BaseException) -> None:
+        detail = str(error).strip()
+        head = f"stage {stage!r} could not be built: {type(error).__name__}" + (f": {detail}" if detail else "")
+        trace = "".join(traceback.format_exception(error)).rstrip()
+        if len(trace) > 3000:  # keep the innermost frames and the error line: where the user's code raised
+            trace = "Traceback (most recent call last, outer frames cut):\n..." + trace[-3000:]
+        super().__init__(pipeline_id, f"{head}\n{trace}")
+        self.stage = stage
+        self.error = error

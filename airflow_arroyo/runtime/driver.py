@@ -30,11 +30,14 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,8 +49,9 @@ from airflow_arroyo.exceptions import (
     ConfigurationError,
     FencedError,
     PipelineFailedError,
-    SnapshotError,
+    StageBuildError,
     UnknownEpochError,
+    UnknownPipelineError,
 )
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
@@ -59,7 +63,8 @@ from airflow_arroyo.store import EpochStore, EpochWatch, FencingToken, PipelineR
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "dsn_from_environment", "load_pipeline", "main"]
+__all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "check_registrable", "dsn_from_environment",
+           "load_pipeline", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,9 @@ DEFAULT_SQL_CONF = {
 
 # Longest time between two reads of the in-flight epoch while the database's announcements are heard.
 EPOCH_READ_FALLBACK = 5.0
+
+# A registered run that has not heartbeated for this long is presumed dead: a new run takes it over.
+DEFAULT_STALE_AFTER = 30.0
 
 
 class StopMode(enum.StrEnum):
@@ -114,7 +122,7 @@ class PipelineDriver:
         heartbeat_interval: float = 2.0,
         final_epoch_timeout: float = 300.0,
         takeover: bool = False,
-        stale_after: float = 30.0,
+        stale_after: float = DEFAULT_STALE_AFTER,
         commit_timeout: float = 300.0,
         own_spark: bool | None = None,
         max_backlog_entries: int | None = None,
@@ -153,6 +161,9 @@ class PipelineDriver:
         }
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
         self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
+        # Test seam: called with the name of each step of a start (see _restore) before the next begins; a
+        # test raises there (a failure) or blocks there (a kill: nothing after it happens).
+        self.on_step: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -168,10 +179,11 @@ class PipelineDriver:
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
         epoch_to_restore = self._plan_restore()  # reads only: refuse bad input before writing anything
-        self._register(epoch_to_restore)
+        self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
         result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
         try:
+            self._step("registered")
             self._clean_leftovers()
             if epoch_to_restore is not None:
                 self._restore(epoch_to_restore)
@@ -221,6 +233,7 @@ class PipelineDriver:
 
     def _plan_restore(self) -> int | None:
         rf = self.restore_from
+        self.store.check_schema()
         for sink in self.sinks.values():
             sink.check_writable()  # read-only: before any restore touches the folder
         if rf is None:
@@ -233,7 +246,7 @@ class PipelineDriver:
             return None
         try:
             pipe = self.store.get_pipeline(self.pipeline_id)
-        except ArroyoError:
+        except UnknownPipelineError:
             pipe = None
         if rf == "latest":
             latest = self.store.latest_completed_epoch(self.pipeline_id) if pipe is not None else None
@@ -265,23 +278,13 @@ class PipelineDriver:
             )
         return epoch.epoch
 
-    def _register(self, epoch: int | None) -> None:
-        takeover = self.takeover
-        if not takeover:
-            try:
-                current = self.store.get_pipeline(self.pipeline_id)
-            except ArroyoError:
-                current = None
-            if current is not None and not current.state.terminal and current.heartbeat_at is not None:
-                age = (self.store.db_now() - current.heartbeat_at).total_seconds()
-                if age > self.stale_after:
-                    log.warning("pipeline=%s: run %s has not heartbeated for %.0fs; taking over", self.pipeline_id,
-                                current.run_id, age)
-                    takeover = True
+    def _register(self) -> None:
+        takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,
+                                     stale_after=self.stale_after)
         self.store.register_pipeline(
             self.pipeline_id, stages=self.graph.stage_names, run_id=self.run_id,
             channels={c: self.layout.channel_uri(c) for c in self.graph.channels},
-            storage_uri=self.storage_uri, restored_from_epoch=epoch, takeover=takeover,
+            storage_uri=self.storage_uri, takeover=takeover,
             config={"driver": "airflow_arroyo.runtime.driver", "checkpoint_uri": self.checkpoint_uri, "stages": {
                 s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
                          "output": s.output} for s in self.graph.stages}},
@@ -356,32 +359,53 @@ class PipelineDriver:
             for folder in self.layout.stray_checkpoints(s.name):
                 self.layout.checkpoint_fs.delete_tree(folder)
 
-    def _restore(self, epoch: int) -> None:
-        """Rebuild every stage's checkpoint from ``epoch`` and truncate every channel after barrier ``epoch``.
+    def _step(self, name: str) -> None:
+        log.debug("pipeline=%s run=%s: step %s done", self.pipeline_id, self.run_id, name)
+        if self.on_step is not None:
+            self.on_step(name)
 
-        All checkpoints are rebuilt and verified in new folders first; only when every one is complete are
-        the stages' checkpoint pointers switched to them (no folder is renamed) and the channels truncated.
+    def _restore(self, epoch: int) -> None:
+        """Restore ``epoch``: rebuild every stage's checkpoint, cut every channel right after barrier ``epoch``,
+        roll every exactly-once sink back to its cut. Three phases, in this order:
+
+        1. *verify and prepare* (additive only): every channel holds barrier ``epoch``, every sink's cut is
+           known, every stage's checkpoint is rebuilt in a new folder with each object's size and SHA-256
+           verified. A failure or a kill here changes nothing: every epoch stays restorable.
+        2. *commit* (:meth:`EpochStore.commit_restore`, one transaction, only while this run is the current
+           one): the completed epochs after ``epoch`` become ``superseded`` and ``restored_from_epoch`` is
+           recorded. From here ``epoch`` is the latest completed epoch.
+        3. *roll forward* (destructive, each step idempotent): switch the checkpoint pointers, truncate the
+           channels, roll the sinks back. A run killed here is finished by the next ``restore_from='latest'``,
+           which picks ``epoch`` again and repeats the three phases.
         """
         t0 = time.monotonic()
         channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
-        cut_positions = check_channels_have_barrier(channels, epoch)  # fail before touching anything
+        cut_positions = check_channels_have_barrier(channels, epoch)
         sink_cuts = self._sink_cuts(epoch)
+        self._step("verified")
         prepared: list[PreparedRestore] = []
         try:
             for s in self.graph.stages:
                 prepared.append(self.snapshots.prepare_restore(s.name, epoch))
-        except SnapshotError:
+                self._step(f"prepared:{s.name}")
+            self.store.commit_restore(self.pipeline_id, self.run_id, epoch)  # the commit point
+        except BaseException:
             self.snapshots.discard(prepared)
             raise
+        self._step("committed")
         for p in prepared:
             self.snapshots.commit_restore(p)
+            self._step(f"switched:{p.stage}")
         for name, ch in channels.items():
             ch.truncate_from(cut_positions[name])
             Channel.open(ch.uri).remove_orphans()
+            self._step(f"truncated:{name}")
         for name, sink in self.sinks.items():
             sink.rollback_to(sink_cuts[name])
+            self._step(f"rolled-back:{name}")
         self._sinks_committed = epoch
         self.restored_from_epoch = epoch
+        self._step("restored")
         log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
                  self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
                  time.monotonic() - t0)
@@ -431,7 +455,13 @@ class PipelineDriver:
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
                                  gated=True, sink=self.sinks.get(spec.name), token=self.token)
-            frames.append((runner, runner.build(spark)))
+            try:
+                df = runner.build(spark)  # runs the user's source read / transform
+            except ArroyoError:
+                raise
+            except Exception as exc:
+                raise StageBuildError(self.pipeline_id, spec.name, exc) from exc
+            frames.append((runner, df))
             self.runners.append(runner)
         self._wire_backpressure()
         for runner, df in reversed(frames):
@@ -674,13 +704,75 @@ class PipelineDriver:
                             list(self._epochs_seen), cause)
 
 
+# A Python exception line ("KeyError: 'x'", "pyspark.errors.exceptions.captured.AnalysisException: ...") at the start
+# of a line, as Python prints it at the end of a traceback; Java's own ("org.apache...", "Caused by: ...") do not count.
+_PY_ERROR_LINE = re.compile(
+    r"^(?!(?:org|java|javax|scala|py4j)\.)[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?::|$)")
+_PY_FRAME_LINE = re.compile(r'^\s*File "[^"]+", line \d+, in ')
+
+
 def _cause(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    # Spark wraps Python errors from foreachBatch in long traces: keep the head and the Python error line
-    head = lines[:6]
-    tail = [ln for ln in lines[6:] if "Error:" in ln or "Exception:" in ln][-3:]
-    return "\n".join(head + tail)[:4000]
+    """A failure cause for the store and the log, the user's error first.
+
+    Spark reports a Python error of a stage (a UDF, the ``foreachBatch`` writer, a data source) inside
+    long Java and py4j traces: the last Python exception line of the message, and the frame that raised
+    it, lead; the message follows without Java stack frames. An exception of our own keeps its message;
+    any other keeps its type and traceback.
+    """
+    if isinstance(exc, ArroyoError):
+        return str(exc)[:4000]
+    text = str(exc).strip()
+    if type(exc).__module__.startswith(("pyspark.", "py4j.")):
+        return _user_error_first(text or type(exc).__name__)[:4000]
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    head = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{head}\n{trace[-3500:]}"
+
+
+def _user_error_first(text: str) -> str:
+    """``text`` (a Spark error message) led by the Python error it carries, if any: that error's line, then
+    the frame that raised it, then the whole message without Java stack frames (``\tat ...``)."""
+    main, sep, query = text.partition("=== Streaming Query ===")
+    lines = [ln for ln in main.rstrip().splitlines() if not ln.startswith(("\tat ", "\t... "))]
+    hits = [i for i, ln in enumerate(lines) if _PY_ERROR_LINE.match(ln)]
+    if not hits:
+        return "\n".join(lines) + (f"\n{sep}{query}" if sep else "")
+    last = hits[-1]
+    lead = [lines[last].strip()]
+    frames = [i for i in range(last) if _PY_FRAME_LINE.match(lines[i])]
+    if frames:
+        at = lines[frames[-1]].strip()
+        code = lines[frames[-1] + 1].strip() if frames[-1] + 1 < last else ""
+        lead.append(f"  raised at {at}" + (f": {code}" if code and not code.startswith("^") else ""))
+    return "\n".join([*lead, "", "Spark's message:", *lines]) + (f"\n{sep}{query}" if sep else "")
+
+
+def check_registrable(store: EpochStore, pipeline_id: str, *, takeover: bool = False,
+                      stale_after: float = DEFAULT_STALE_AFTER) -> bool:
+    """Read-only: may a new run of ``pipeline_id`` register now? Returns whether it must take over the current
+    run (``takeover`` given, or that run is still registered/running/stopping but has not heartbeated for
+    ``stale_after`` seconds: presumed dead). Raises :class:`ConcurrencyConflict` when a live run holds the
+    pipeline. :meth:`EpochStore.register_pipeline`'s transaction stays the proof; this check lets the driver
+    refuse before Spark starts."""
+    if takeover:
+        return True
+    try:
+        current = store.get_pipeline(pipeline_id)
+    except UnknownPipelineError:
+        return False
+    if current.state.terminal:
+        return False
+    age = (store.db_now() - current.heartbeat_at).total_seconds() if current.heartbeat_at is not None else None
+    if age is not None and age > stale_after:
+        log.warning("pipeline=%s: run %s has not heartbeated for %.0fs; taking over", pipeline_id, current.run_id,
+                    age)
+        return True
+    seen = f"last heartbeat {age:.0f}s ago" if age is not None else "no heartbeat yet"
+    raise ConcurrencyConflict(
+        f"pipeline {pipeline_id!r} is {current.state} (run {current.run_id!r}, {seen}): another driver runs it. "
+        f"Stop that run first; if its driver is dead, pass --takeover (takeover=True), or start again once its "
+        f"heartbeat is older than {stale_after:g}s (then it is taken over automatically)"
+    )
 
 
 def _parse_restore_from(value: RestoreFrom) -> RestoreFrom:
@@ -803,6 +895,13 @@ def main(argv: list[str] | None = None) -> int:
     store = EpochStore(dsn, application_name=f"arroyo-driver-{pipeline.pipeline_id}")
     log.info("pipeline=%s: epoch store %s, storage %s, checkpoints %s", pipeline.pipeline_id, redact_dsn(dsn),
              args.storage_uri, args.checkpoint_uri or args.storage_uri)
+    try:  # before Spark starts (tens of seconds): the schema, and no live run holding the pipeline
+        store.check_schema()
+        check_registrable(store, pipeline.pipeline_id, takeover=args.takeover)
+    except ArroyoError as exc:
+        store.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigurationError) else 1
     spark = None
     if args.master or args.conf:
         from pyspark.sql import SparkSession

@@ -18,7 +18,7 @@ from importlib import resources
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extensions import cursor as PgRawCursor
 
-from airflow_arroyo.exceptions import SchemaError
+from airflow_arroyo.exceptions import SchemaError, SchemaMissingError
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,14 @@ def apply_migrations(conn: PgConnection) -> list[int]:
     return applied_now
 
 
-def check_schema(conn: PgConnection, *, complete: bool = True) -> int:
+def check_schema(conn: PgConnection, *, complete: bool = True, where: str = "") -> int:
     """The schema version, once it is known to be the one this code ships (and, with ``complete``,
     fully applied); read-only.
 
     Raises :class:`SchemaError` naming what to do: a newer schema, a migration whose text differs,
-    and with ``complete`` also no schema or missing migrations (run ``airflow-arroyo migrate``)."""
+    and with ``complete`` :class:`SchemaMissingError` for no schema or missing migrations (run
+    ``airflow-arroyo migrate``). ``where`` (a redacted DSN) goes into the message."""
+    want = max((v for v, _, _ in available_migrations()), default=0)
     with conn:
         with conn.cursor() as cur:
             cur.execute("SELECT to_regclass('arroyo_schema_migrations') IS NOT NULL")
@@ -114,10 +116,7 @@ def check_schema(conn: PgConnection, *, complete: bool = True) -> int:
             if not row or not row[0]:
                 if not complete:
                     return 0
-                raise SchemaError(
-                    "the epoch store has no airflow-arroyo schema yet: run `airflow-arroyo migrate` (with the "
-                    "same --dsn or ARROYO_DSN) once, or let the hook's migrate create it"
-                )
+                raise SchemaMissingError(0, want, where)
             cur.execute("SELECT column_name FROM information_schema.columns"
                         " WHERE table_name = 'arroyo_schema_migrations' AND column_name = 'checksum'"
                         " AND table_schema = current_schema()")
@@ -126,10 +125,7 @@ def check_schema(conn: PgConnection, *, complete: bool = True) -> int:
     _verify(recorded)
     missing = [name for v, name, _ in available_migrations() if v not in recorded]
     if missing and complete:
-        raise SchemaError(
-            f"the epoch store's schema lacks migration(s) {', '.join(missing)}: run `airflow-arroyo migrate` "
-            "(with the same --dsn or ARROYO_DSN) to bring it up to this release"
-        )
+        raise SchemaMissingError(max(recorded, default=0), want, where, missing=", ".join(missing))
     return max(recorded, default=0)
 
 

@@ -169,12 +169,13 @@ class EpochStore:
 
     def check_schema(self, *, complete: bool = True) -> int:
         """The schema version after checking that it is the one this release ships (not newer, unedited
-        and, with ``complete``, fully applied); raises :class:`SchemaError` saying what to run otherwise.
+        and, with ``complete``, fully applied); raises :class:`SchemaError` (:class:`SchemaMissingError`
+        when ``airflow-arroyo migrate`` fixes it) saying what to run otherwise.
         Read-only."""
 
         def attempt() -> int:
             with self._connection() as conn:
-                return _migrate.check_schema(conn, complete=complete)
+                return _migrate.check_schema(conn, complete=complete, where=redact_dsn(self.dsn))
 
         return call_with_retry(attempt, max_seconds=self.retry_seconds)
 
@@ -235,18 +236,19 @@ class EpochStore:
         checkpoint_interval: float | None = None,
         spark_app_id: str | None = None,
         spark_ui_url: str | None = None,
-        restored_from_epoch: int | None = None,
         config: Mapping[str, Any] | None = None,
         takeover: bool = False,
     ) -> PipelineRecord:
-        """Register a new run of a pipeline (state ``registered``).
+        """Register a new run of a pipeline (state ``registered``, ``restored_from_epoch`` unset).
 
         A pipeline whose previous run stopped or failed starts a new run. A pipeline still
         registered/running/stopping is refused (two drivers would fight) unless ``takeover``:
         then the old run is marked failed ("superseded") and its in-flight epoch failed.
-        With ``restored_from_epoch`` N, the completed epochs after N become ``superseded``: the restore
-        cuts the channels right after barrier N, so they can never be restored again; "latest
-        completed" and retention's guarantees then mean N until the new run completes an epoch.
+
+        Registering changes no epoch. A run that restores an epoch registers first (so that it owns the
+        pipeline before it touches storage), prepares and verifies everything the restore needs, and
+        only then calls :meth:`commit_restore`, the restore's commit point in the store: a restore that
+        fails or is killed before it leaves every epoch as it was.
         """
         validate_pipeline_id(pipeline_id)
         if not stages:
@@ -257,7 +259,7 @@ class EpochStore:
             "pipeline_id": pipeline_id, "run_id": run_id, "stages": list(stages),
             "channels": json.dumps(dict(channels or {})), "storage_uri": storage_uri,
             "interval": checkpoint_interval, "spark_app_id": spark_app_id, "spark_ui_url": spark_ui_url,
-            "restored": restored_from_epoch, "config": json.dumps(dict(config or {})),
+            "config": json.dumps(dict(config or {})),
         }
 
         def tx(cur: PgCursor) -> PipelineRecord:
@@ -265,7 +267,7 @@ class EpochStore:
                 "INSERT INTO arroyo_pipelines (pipeline_id, state, run_id, stages, channels, storage_uri,"
                 " checkpoint_interval_s, spark_app_id, spark_ui_url, restored_from_epoch, config, heartbeat_at)"
                 " VALUES (%(pipeline_id)s, 'registered', %(run_id)s, %(stages)s, %(channels)s::jsonb,"
-                " %(storage_uri)s, %(interval)s, %(spark_app_id)s, %(spark_ui_url)s, %(restored)s,"
+                " %(storage_uri)s, %(interval)s, %(spark_app_id)s, %(spark_ui_url)s, NULL,"
                 " %(config)s::jsonb, clock_timestamp())"
                 " ON CONFLICT (pipeline_id) DO NOTHING RETURNING *",
                 params,
@@ -295,20 +297,56 @@ class EpochStore:
                 " channels = %(channels)s::jsonb, storage_uri = %(storage_uri)s,"
                 " checkpoint_interval_s = COALESCE(%(interval)s, checkpoint_interval_s),"
                 " spark_app_id = %(spark_app_id)s,"
-                " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = %(restored)s, config = %(config)s::jsonb,"
+                " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = NULL, config = %(config)s::jsonb,"
                 " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
                 " updated_at = now() WHERE pipeline_id = %(pipeline_id)s RETURNING *",
                 params,
             )
-            record = from_row(PipelineRecord, _one(cur))
-            if restored_from_epoch is not None:
-                # the restore cuts the channels right after barrier N: completed epochs after N are abandoned
-                cur.execute(
-                    "UPDATE arroyo_epochs SET state = 'superseded', failure_reason = %(reason)s"
-                    " WHERE pipeline_id = %(pipeline_id)s AND epoch > %(restored)s AND state = 'completed'",
-                    {**params, "reason": f"superseded: run {run_id} restored the older epoch {restored_from_epoch}"},
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def commit_restore(self, pipeline_id: str, run_id: str, epoch: int) -> PipelineRecord:
+        """The commit point of run ``run_id``'s restore of ``epoch``, in one transaction under the pipeline's
+        row lock: the completed epochs after ``epoch`` become ``superseded`` (the restore then cuts every
+        channel right after barrier ``epoch``, so they can never be restored again; "latest completed" and
+        retention's guarantees mean ``epoch`` until the run completes one) and ``restored_from_epoch`` is
+        recorded.
+
+        Call it only once the restore has verified everything it needs (every stage's checkpoint rebuilt
+        and verified, every channel's barrier found, every sink's cut known) and before it changes anything
+        it cannot undo. Refused (``ConcurrencyConflict``) unless ``run_id`` is the pipeline's current run,
+        still ``registered``; refused (``ConfigurationError``) unless ``epoch`` is still ``completed`` (e.g.
+        retention pruned it meanwhile). Idempotent: a later run that finishes a restore cut short after this
+        commit restores the same epoch (now the latest completed) and commits it again.
+        """
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            current = self._lock_pipeline(cur, pipeline_id)
+            if current["run_id"] != run_id or current["state"] != PipelineState.REGISTERED.value:
+                raise ConcurrencyConflict(
+                    f"run {run_id!r} of pipeline {pipeline_id!r} cannot commit its restore of epoch {epoch}: the "
+                    f"pipeline's current run is {current['run_id']!r} ({current['state']}); nothing was changed"
                 )
-            return record
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (pipeline_id, epoch))
+            row = cur.fetchone()
+            state = row["state"] if row is not None else None
+            if state != EpochState.COMPLETED.value:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {pipeline_id!r} is {state or 'unknown'}, no longer completed (did "
+                    "retention prune it during the restore?); nothing was changed: restore from a completed epoch"
+                )
+            cur.execute(
+                "UPDATE arroyo_epochs SET state = 'superseded', failure_reason = %s"
+                " WHERE pipeline_id = %s AND epoch > %s AND state = 'completed'",
+                (f"superseded: run {run_id} restored the older epoch {epoch}", pipeline_id, epoch),
+            )
+            cur.execute(
+                "UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
+                " WHERE pipeline_id = %s RETURNING *",
+                (epoch, pipeline_id),
+            )
+            return from_row(PipelineRecord, _one(cur))
 
         return self._tx(tx)
 

@@ -61,7 +61,7 @@ def test_migrate_then_up_to_date(pg_dsn: str, capsys: pytest.CaptureFixture[str]
 def test_unmigrated_store_is_bad_input(pg_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "--dsn", pg_dsn, "epochs", "orders")
     assert (code, out) == (2, "")
-    assert "has no airflow-arroyo schema yet: run `airflow-arroyo migrate`" in err
+    assert "has no airflow-arroyo schema: run `airflow-arroyo migrate`" in err
 
 
 def test_pipelines_table_and_json(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],

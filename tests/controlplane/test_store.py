@@ -42,6 +42,7 @@ from airflow_arroyo.exceptions import (
     IllegalTransitionError,
     LockLostError,
     SchemaError,
+    SchemaMissingError,
     StoreError,
     TransientStoreError,
     UnknownEpochError,
@@ -203,14 +204,15 @@ def test_a_newer_or_edited_schema_is_refused_before_anything_is_written(store: E
 def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: EpochStore, pg_dsn: str) -> None:
     empty = EpochStore(pg_server.create_database(f"empty_{uuid.uuid4().hex[:12]}"))
     try:
-        with pytest.raises(SchemaError, match="no airflow-arroyo schema yet: run `airflow-arroyo migrate`"):
+        with pytest.raises(SchemaMissingError, match="has no airflow-arroyo schema: run `airflow-arroyo migrate`"):
             empty.check_schema()
         assert empty.check_schema(complete=False) == 0
     finally:
         empty.close()
     last = available_migrations()[-1]
     sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0],))  # as if one release behind
-    with pytest.raises(SchemaError, match=f"lacks migration\\(s\\) {last[1]}: run `airflow-arroyo migrate`"):
+    behind = f"this package needs {last[0]} \\(it lacks {last[1]}\\): run `airflow-arroyo migrate`"
+    with pytest.raises(SchemaMissingError, match=behind):
         store.check_schema()
     assert store.check_schema(complete=False) == available_migrations()[-2][0]  # versions may skip a number
 
@@ -517,16 +519,32 @@ def test_registering_a_live_pipeline_again_is_refused_unless_taking_over(store: 
 
 def test_restoring_an_older_epoch_supersedes_the_completed_epochs_after_it(store: EpochStore, pg_dsn: str) -> None:
     """The restore cuts the channels right after barrier N: later completed epochs cannot be restored
-    again, so 'latest completed' (restore, retention) must mean N until the new run completes one."""
+    again, so 'latest completed' (restore, retention) must mean N until the new run completes one. That
+    happens at the restore's commit point (commit_restore), never at registration: a restore that fails
+    after registering changes no epoch."""
     running(store, "older", run_id="r1")
     e1, e2, e3 = complete(store, "older"), complete(store, "older"), complete(store, "older")
     e4 = expire(store, "older")
     store.set_pipeline_state("older", PipelineState.STOPPED)
-    store.register_pipeline("older", stages=["src", "sink"], run_id="r2", restored_from_epoch=e1)
+    before = {e.epoch: e.state for e in store.list_epochs("older")}
+    registered = store.register_pipeline("older", stages=["src", "sink"], run_id="r2")
+    assert registered.restored_from_epoch is None
+    assert {e.epoch: e.state for e in store.list_epochs("older")} == before  # registering changes no epoch
+    # only the current, registered run commits a restore, and only of an epoch still completed
+    with pytest.raises(ConcurrencyConflict, match="current run is 'r2'"):
+        store.commit_restore("older", "r1", e1)
+    with pytest.raises(ConfigurationError, match=f"epoch {e4} .* is expired, no longer completed"):
+        store.commit_restore("older", "r2", e4)
+    assert {e.epoch: e.state for e in store.list_epochs("older")} == before
+    assert store.get_pipeline("older").restored_from_epoch is None
+    committed = store.commit_restore("older", "r2", e1)
+    assert committed.restored_from_epoch == e1 and committed.state is PipelineState.REGISTERED
     states = {e.epoch: e.state for e in store.list_epochs("older")}
     assert states == {e1: EpochState.COMPLETED, e2: EpochState.SUPERSEDED, e3: EpochState.SUPERSEDED,
                       e4: EpochState.EXPIRED}
     assert "run r2 restored the older epoch" in (store.get_epoch("older", e3).failure_reason or "")
+    assert store.commit_restore("older", "r2", e1).restored_from_epoch == e1  # idempotent (a resumed restore)
+    assert {e.epoch: e.state for e in store.list_epochs("older")} == states
     latest = store.latest_completed_epoch("older")
     assert latest is not None and latest.epoch == e1
     store.set_pipeline_state("older", PipelineState.RUNNING)

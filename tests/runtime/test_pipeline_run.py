@@ -1,31 +1,49 @@
 """The demo pipeline run in-process on real Spark with a real epoch store: epochs while it runs, the
 output against plain Python, every stage's acks and barriers, a graceful stop with a final epoch, a
-restore from a middle epoch that gives the same output, and the refusals of impossible restores."""
+restore from a middle epoch that gives the same output, and the refusals of impossible restores.
+
+The steps of a restore are walked with a failure injected at each and a kill simulated at each (the driver
+blocks at the step while the test looks: nothing after it happens, as after a SIGKILL), through the driver's
+step hook (``PipelineDriver.on_step``) and without running a Spark query (issue 16: a failed restore superseded
+the newer epochs, and a later 'latest' rolled the sink back). Before the commit point the store (epoch states,
+restored_from_epoch, the latest completed epoch) and every file's size and mtime (channels, checkpoint pointers
+and folders, snapshots, the sink's folder) are unchanged; after it the next 'latest' picks the same epoch,
+finishes the restore and runs to the exact output."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_report
 from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
+from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.file_sink import committed_files
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
     barriers,
     check_barriers_follow_cuts,
     committed_rows,
+    fail_at,
+    file_tree,
+    interrupted_restore,
+    restore_steps,
     row_count,
     rows_of,
     run_until,
+    sigkill_restore_at,
+    store_view,
 )
 
 pytestmark = [pytest.mark.spark]
@@ -36,8 +54,20 @@ CHANNELS = ["left", "right", "joined", "report"]
 STAGES = [*CHANNELS, SINK_STAGE]  # the demo with its exactly-once Parquet sink
 
 
+def pipeline_kwargs(pipeline_id: str, storage: Path) -> dict[str, Any]:
+    return {"pipeline_id": pipeline_id, "rows": ROWS, "rows_per_batch": PER_BATCH,
+            "sink_path": str(storage / "report_files")}
+
+
 def pipeline(pipeline_id: str, storage: Path) -> Any:
-    return demo(pipeline_id, rows=ROWS, rows_per_batch=PER_BATCH, sink_path=str(storage / "report_files"))
+    return demo(**pipeline_kwargs(pipeline_id, storage))
+
+
+def sigkill_restore(store: EpochStore, pipeline_id: str, storage: Path, restore_from: Any, step: str) -> None:
+    """A real SIGKILL of a restore at ``step`` (in a process of its own; a restore runs no Spark query)."""
+    sigkill_restore_at(step, dsn=store.dsn, storage=storage, pipeline="airflow_arroyo.examples.pipelines:demo",
+                       kwargs=pipeline_kwargs(pipeline_id, storage), restore_from=restore_from,
+                       run_id=f"sigkill-{step.replace(':', '-')}")
 
 
 def sink_rows(storage: Path) -> list[tuple[Any, ...]]:
@@ -54,11 +84,21 @@ class Ran:
     layout: StorageLayout
 
 
-def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
-               epochs: bool = True, run_id: str | None = None, stop: str = "graceful") -> Any:
-    """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
+def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
+               run_id: str | None = None, on_step: Callable[[str], None] | None = None,
+               takeover: bool = False) -> PipelineDriver:
     driver = PipelineDriver(pipeline(pipeline_id, storage), store, storage_uri=str(storage),
-                            run_id=run_id, restore_from=restore_from, spark=spark)
+                            run_id=run_id, restore_from=restore_from, spark=spark, takeover=takeover)
+    driver.on_step = on_step
+    return driver
+
+
+def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
+               epochs: bool = True, run_id: str | None = None, stop: str = "graceful",
+               on_step: Callable[[str], None] | None = None) -> Any:
+    """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
+    driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
+                        on_step=on_step)
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
                      what=f"{expected} rows in the report channel", epochs=epochs, stop=stop)
@@ -177,23 +217,145 @@ def copy_of(ran: Ran, tmp_path: Path) -> Path:
     return target
 
 
+def completed_epochs(store: EpochStore, pipeline_id: str) -> list[int]:
+    return sorted(e.epoch for e in store.list_epochs(pipeline_id, limit=1000) if e.state is EpochState.COMPLETED)
+
+
+def test_a_restore_failed_or_killed_before_its_commit_point_changes_nothing(ran: Ran, module_store: EpochStore,
+                                                                          spark: Any, tmp_path: Path) -> None:
+    storage, pid = copy_of(ran, tmp_path), ran.pipeline_id
+    completed = completed_epochs(module_store, pid)
+    target = completed[0]  # the oldest: restoring it would supersede every other epoch
+    store_before, files_before = store_view(module_store, pid), file_tree(storage)
+    assert store_before["latest"] == completed[-1] > target and store_before["restored_from_epoch"] is None
+
+    def make(run_id: str, hook: Callable[[str], None]) -> PipelineDriver:
+        return driver_for(spark, module_store, pid, storage, restore_from=target, run_id=run_id, on_step=hook)
+
+    before, _ = restore_steps(make("names", fail_at("")))
+    for step in before:
+        for mode in ("fail", "kill"):
+            def look(step: str = step, mode: str = mode) -> None:
+                assert store_view(module_store, pid) == store_before, (mode, step)
+                files = file_tree(storage)
+                assert {k: files.get(k) for k in files_before} == files_before, (mode, step)  # nothing touched
+                # only a killed restore leaves something: the checkpoint folders it was rebuilding (never named
+                # by a pointer; the next run removes them)
+                added = sorted(set(files) - set(files_before))
+                assert mode == "kill" or not added, (step, added[:5])
+                assert all(f"/checkpoint-{target}-" in k for k in added), (step, added[:5])
+            interrupted_restore(make, step, mode, look)
+    # a real SIGKILL at the last step before the commit point: the same
+    sigkill_restore(module_store, pid, storage, target, before[-1])
+    record = module_store.get_pipeline(pid)
+    assert (record.state, record.run_id) == (PipelineState.REGISTERED, f"sigkill-{before[-1].replace(':', '-')}")
+    look(before[-1], "kill")
+    # the next run takes the dead one over and removes what it left; still nothing else changed
+    with pytest.raises(PipelineFailedError, match="injected at verified"):
+        driver_for(spark, module_store, pid, storage, restore_from=target, run_id="after-kill",
+                   on_step=fail_at("verified"), takeover=True).run()
+    assert store_view(module_store, pid) == store_before and file_tree(storage) == files_before
+
+
+def test_an_unreachable_snapshot_object_fails_the_restore_and_every_newer_epoch_stays_restorable(
+        ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    """The issue's case: a restore of an older epoch fails because a snapshot object is briefly unreachable;
+    every newer epoch is still completed and restorable, and 'latest' is still the newest."""
+    storage, pid = copy_of(ran, tmp_path), ran.pipeline_id
+    completed = completed_epochs(module_store, pid)
+    target = completed[0]
+    victim = next(e for e in module_store.snapshot_entries(pid, target, "joined") if e.rel_path.startswith("state/"))
+    obj = storage / object_path(pid, victim.object_key)
+    store_before = store_view(module_store, pid)
+    shutil.move(obj, tmp_path / "away")
+    files_before = file_tree(storage)
+    try:
+        with pytest.raises(SnapshotError, match=rf"epoch {target} cannot be restored: file {victim.rel_path} .* is "
+                                                 "missing; nothing was changed"):
+            driver_for(spark, module_store, pid, storage, restore_from=target, run_id="unreachable").run()
+        assert file_tree(storage) == files_before
+    finally:
+        shutil.move(tmp_path / "away", obj)
+    assert store_view(module_store, pid) == store_before
+    assert store_before["latest"] == completed[-1] and store_before["restored_from_epoch"] is None
+    # every newer epoch, and 'latest', verifies and prepares everything (stopped right before its commit point)
+    before, _ = restore_steps(driver_for(spark, module_store, pid, storage))
+    for n in [*completed[1:], "latest"]:
+        with pytest.raises(PipelineFailedError, match=f"injected at {before[-1]}"):
+            driver_for(spark, module_store, pid, storage, restore_from=n, run_id=f"check-{n}",
+                       on_step=fail_at(before[-1])).run()
+    assert store_view(module_store, pid) == store_before
+
+
 def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_store: EpochStore, spark: Any,
                                                            tmp_path: Path) -> None:
-    storage = copy_of(ran, tmp_path)
-    completed = sorted(e.epoch for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED)
+    """Walked first: a failure and a kill at each step after the commit point; each time the store holds the
+    restore, and the next 'latest' (same epoch) carries it on. The last one finishes it and runs to the end."""
+    storage, pid = copy_of(ran, tmp_path), ran.pipeline_id
+    completed = completed_epochs(module_store, pid)
     middle = completed[len(completed) // 2 - 1] if len(completed) > 1 else completed[0]
-    layout = StorageLayout.at(str(storage), ran.pipeline_id)
-    result = run_to_end(spark, module_store, ran.pipeline_id, storage, restore_from=middle, epochs=False,
-                        run_id="restored")
+    newer = [n for n in completed if n > middle]
+    layout = StorageLayout.at(str(storage), pid)
+
+    def make(restore_from: Any) -> Callable[[str, Callable[[str], None]], PipelineDriver]:
+        return lambda run_id, hook: driver_for(spark, module_store, pid, storage, restore_from=restore_from,
+                                               run_id=run_id, on_step=hook, takeover=True)
+
+    def committed() -> None:
+        view = store_view(module_store, pid)
+        assert view["latest"] == middle and view["restored_from_epoch"] == middle
+        assert all(view["epochs"][n][0] is EpochState.SUPERSEDED for n in newer), view["epochs"]
+
+    probe = driver_for(spark, module_store, pid, storage)
+    before, after = restore_steps(probe)
+    # a real SIGKILL half-way through the roll-forward (pointers switched, one channel truncated)
+    sigkill_restore(module_store, pid, storage, middle, f"truncated:{CHANNELS[0]}")
+    committed()
+    restore_from: Any = "latest"
+    for step in after:
+        for mode in ("fail", "kill"):
+            interrupted_restore(make(restore_from), step, mode, committed)  # 'latest' is `middle` now
+
+    seen: list[str] = []
+    restored: dict[str, Any] = {}
+
+    def watch(name: str) -> None:
+        seen.append(name)
+        if name == "restored":  # before any query starts: what the restore left
+            sink = storage / "report_files"
+            restored["ends"] = {c: Channel.open(layout.channel_uri(c)).end_position() for c in CHANNELS}
+            restored["checkpoints"] = {
+                s: sorted(str(p.relative_to(storage / layout.checkpoint(s)))
+                          for p in (storage / layout.checkpoint(s)).rglob("*") if p.is_file()) for s in STAGES}
+            restored["sink"] = (json.loads((sink / "_arroyo_sink" / "committed.json").read_text())["through"],
+                                committed_files(str(sink)),
+                                sorted(str(p.relative_to(sink)) for p in sink.rglob("*")
+                                       if p.is_file() and not str(p.relative_to(sink)).startswith(("_", "."))))
+
+    result = run_to_end(spark, module_store, pid, storage, restore_from="latest", epochs=False,
+                        run_id="restored", on_step=watch)
+    assert seen == [*before, *after, "restored"]
     assert result.restored_from_epoch == middle
-    assert module_store.get_pipeline(ran.pipeline_id).restored_from_epoch == middle
+    assert module_store.get_pipeline(pid).restored_from_epoch == middle
+    # what the restore left: channels end right after barrier `middle`, pointers name its rebuilt checkpoints,
+    # the sink's folder holds exactly the batches up to its cut in `middle`
+    for c, end in restored["ends"].items():
+        assert end == Channel.open(layout.channel_uri(c)).find_barrier(middle) + 1, c
+    for stage, files in restored["checkpoints"].items():
+        assert files == sorted({e.rel_path for e in module_store.snapshot_entries(pid, middle, stage)}), stage
+    (cut,) = [a.details["batch_id"] for a in module_store.acks(pid, middle) if a.stage == SINK_STAGE]
+    through, listed, visible = restored["sink"]
+    assert through == cut and visible == sorted(listed), (through, cut, visible[:3], listed[:3])
+    assert all(int(f.split("-", 1)[0]) <= cut for f in visible)  # later batches' files are gone
+    # and from there: the plain-Python output
     assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
     assert sink_rows(storage) == ran.expected  # the sink was rolled back to `middle`, then re-committed
     # the channels were cut right after barrier `middle`: no later barrier of the first run survived
     for c in CHANNELS:
-        seen = [e for _, e in barriers(layout.channel_uri(c))]
-        later = [e for e in seen if middle < e < result.final_epoch]
-        assert later == [], (c, seen)
+        seen_barriers = [e for _, e in barriers(layout.channel_uri(c))]
+        later = [e for e in seen_barriers if middle < e < result.final_epoch]
+        assert later == [], (c, seen_barriers)
+    check_history(module_store.dsn, [pid]).assert_clean()
 
 
 def test_fresh_start_over_existing_state_is_refused_before_anything_is_written(ran: Ran, module_store: EpochStore,
@@ -255,7 +417,9 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
     assert "row 500 is cursed" in str(err.value)
     record = module_store.get_pipeline(pid)
     assert record.state is PipelineState.FAILED
-    assert "stage 'boom' failed" in (record.failure_cause or "") and "row 500 is cursed" in (record.failure_cause or "")
+    # the user's error leads, before Spark's and py4j's traces
+    assert (record.failure_cause or "").startswith("stage 'boom' failed: ValueError: row 500 is cursed\n"), \
+        (record.failure_cause or "")[:500]
 
 
 def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_store: EpochStore, spark: Any,

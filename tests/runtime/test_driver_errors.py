@@ -1,0 +1,167 @@
+"""What the driver says when things go wrong (issue 16, "Errors"): a stage that raises while the pipeline is
+built and a missing source folder name the stage and keep the exception's type and traceback; Spark's causes
+lead with the user's Python error; a database without the schema says to migrate (exit 2); a live run is found
+before Spark starts, with the stale-heartbeat takeover rule."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.exceptions import ConcurrencyConflict, SchemaMissingError, StageBuildError
+from airflow_arroyo.runtime.driver import PipelineDriver, _user_error_first, check_registrable
+from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.store import EpochStore
+from tests.support import sql
+
+# What Spark 4.2 reports (StreamingQueryException's message, Java stack frames cut) when the foreachBatch
+# function of a query raises KeyError('min_paid'), and when a Python UDF raises: captured from real runs.
+FOREACH_BATCH_MESSAGE = '''\
+An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/py4j/clientserver.py", line 644, in _call_proxy
+    return_value = getattr(self.pool[obj_id], method)(*params)
+                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/pyspark/sql/utils.py", line 166, in call
+    raise e
+  File "/venv/lib/python3.11/site-packages/pyspark/sql/utils.py", line 163, in call
+    self.func(DataFrame(jdf, wrapped_session_jdf), batch_id)
+  File "/jobs/orders.py", line 20, in write_orders
+    raise KeyError("min_paid")
+KeyError: 'min_paid'
+
+=== Streaming Query ===
+Identifier: [id = 5f8df718-405a-4ed0-bf2e-3ad98a28e7b1, runId = f5eff639-8e4a-4354-a24a-25edb5c5bace]
+Current State: ACTIVE
+'''
+UDF_MESSAGE = '''[PYTHON_EXCEPTION] An exception was thrown from the Python worker: Traceback (most recent call last):
+  File "/jobs/orders.py", line 8, in boom
+    raise ValueError("row 3 is cursed")
+ValueError: row 3 is cursed
+ SQLSTATE: 38000
+	at org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(PythonRunner.scala:665)
+	at java.base/java.lang.Thread.run(Thread.java:840)
+Caused by: py4j.Py4JException: An exception was raised by the Python Proxy.
+=== Streaming Query ===
+Identifier: [id = 10c3ba17]
+'''
+
+
+@pytest.mark.parametrize(("message", "lead"), [
+    (FOREACH_BATCH_MESSAGE,
+     ["KeyError: 'min_paid'",
+      '  raised at File "/jobs/orders.py", line 20, in write_orders: raise KeyError("min_paid")']),
+    (UDF_MESSAGE, ["ValueError: row 3 is cursed",
+                   '  raised at File "/jobs/orders.py", line 8, in boom: raise ValueError("row 3 is cursed")']),
+])
+def test_spark_causes_lead_with_the_users_python_error(message: str, lead: list[str]) -> None:
+    cause = _user_error_first(message)
+    assert cause.splitlines()[:3] == [*lead, ""]
+    body = message.split("=== Streaming Query ===")[0].splitlines()[0]
+    assert body in cause  # the whole message follows the lead
+    assert "\tat org.apache" not in cause  # Java stack frames dropped
+    assert cause.index("=== Streaming Query ===") > cause.index(body)
+
+
+def test_a_java_only_message_is_kept_as_it_is_without_stack_frames() -> None:
+    text = "org.apache.spark.SparkException: Job aborted\n\tat org.apache.spark.Foo.bar(Foo.scala:1)\nCaused by: x"
+    assert _user_error_first(text) == "org.apache.spark.SparkException: Job aborted\nCaused by: x"
+
+
+@pytest.mark.spark
+def test_a_stage_raising_while_built_is_named_with_its_error_type_and_traceback(
+        store: EpochStore, spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings: dict[str, int] = {}
+
+    def keep_paid(df: Any) -> Any:
+        return df.where(df.value >= settings["min_paid"])  # the user's bug: a missing setting
+
+    pid = f"build-{uuid.uuid4().hex[:6]}"
+    p = Pipeline(pid)
+    src = p.source("orders", lambda s: s.readStream.format("rate").load())
+    p.stage("paid", keep_paid, inputs=[src])
+    with caplog.at_level(logging.ERROR, logger="airflow_arroyo.runtime.driver"), \
+            pytest.raises(StageBuildError) as err:
+        PipelineDriver(p, store, storage_uri=str(tmp_path), spark=spark).run()
+    assert err.value.stage == "paid" and isinstance(err.value.error, KeyError)
+    cause = store.get_pipeline(pid).failure_cause or ""
+    assert store.get_pipeline(pid).state is PipelineState.FAILED
+    for where in (str(err.value), cause, caplog.text):
+        assert "stage 'paid' could not be built: KeyError: 'min_paid'" in where
+        assert "Traceback (most recent call last)" in where and "in keep_paid" in where
+        assert 'settings["min_paid"]' in where
+
+
+@pytest.mark.spark
+def test_a_missing_source_folder_names_the_stage(store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    missing = tmp_path / "incoming"
+    pid = f"nofolder-{uuid.uuid4().hex[:6]}"
+    p = Pipeline(pid)
+    src = p.source("orders", lambda s: s.readStream.schema("id BIGINT, paid DOUBLE").json(str(missing)))
+    p.stage("paid", lambda df: df.where("paid > 0"), inputs=[src])
+    with pytest.raises(StageBuildError, match=r"stage 'orders' could not be built: AnalysisException: "
+                                              r"\[PATH_NOT_FOUND\] Path does not exist: .*incoming"):
+        PipelineDriver(p, store, storage_uri=str(tmp_path / "storage"), spark=spark).run()
+    assert "stage 'orders' could not be built" in (store.get_pipeline(pid).failure_cause or "")
+
+
+def test_the_driver_on_a_database_without_the_schema_says_to_migrate(pg_dsn: str, tmp_path: Path) -> None:
+    store = EpochStore(pg_dsn)
+    try:
+        with pytest.raises(SchemaMissingError, match="has no airflow-arroyo schema: run `airflow-arroyo migrate`"):
+            p = Pipeline("p")
+            p.source("s", lambda spark: spark)
+            PipelineDriver(p, store, storage_uri=str(tmp_path)).run()
+    finally:
+        store.close()
+
+
+def test_a_live_run_is_refused_and_a_stale_one_taken_over(store: EpochStore) -> None:
+    assert check_registrable(store, "fresh") is False  # never registered
+    store.register_pipeline("live", stages=["s"], run_id="r1")
+    with pytest.raises(ConcurrencyConflict, match=r"pipeline 'live' is registered \(run 'r1', last heartbeat "
+                                                  r"\d+s ago\): another driver runs it.*--takeover"):
+        check_registrable(store, "live")
+    assert check_registrable(store, "live", takeover=True) is True
+    sql(store, "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() - interval '31 seconds'"
+               " WHERE pipeline_id = 'live'")
+    assert check_registrable(store, "live", stale_after=30) is True  # presumed dead: taken over
+    with pytest.raises(ConcurrencyConflict):
+        check_registrable(store, "live", stale_after=60)
+    store.set_pipeline_state("live", PipelineState.FAILED)
+    assert check_registrable(store, "live") is False
+
+
+def driver_cli(dsn: str, storage: Path, pipeline_id: str) -> subprocess.CompletedProcess[str]:
+    """The driver's command line with a Spark that cannot start (SPARK_HOME points nowhere): an error found
+    after Spark was asked for would be a launch failure, not the message the test expects."""
+    env = {**os.environ, "ARROYO_DSN": dsn, "SPARK_HOME": str(storage / "no-spark-here")}
+    return subprocess.run(
+        [sys.executable, "-m", "airflow_arroyo.runtime.driver", "--pipeline", "airflow_arroyo.examples.pipelines:demo",
+         "--arg", f"pipeline_id={pipeline_id}", "--storage-uri", str(storage), "--master", "local[1]"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+
+
+def test_the_command_line_refuses_before_spark_starts(pg_dsn: str, tmp_path: Path) -> None:
+    """Exit 2 and what to run on a database without the schema; exit 1 naming the live run when another
+    driver holds the pipeline; both before Spark is started."""
+    bare = driver_cli(pg_dsn, tmp_path, "orders")
+    assert bare.returncode == 2, bare.stderr[-2000:]
+    assert "has no airflow-arroyo schema: run `airflow-arroyo migrate`" in bare.stderr
+    assert "does not exist" not in bare.stderr
+    store = EpochStore(pg_dsn)
+    try:
+        store.migrate()
+        store.register_pipeline("orders", stages=["left"], run_id="alive")
+        live = driver_cli(pg_dsn, tmp_path, "orders")
+    finally:
+        store.close()
+    assert live.returncode == 1, live.stderr[-2000:]
+    assert "pipeline 'orders' is registered (run 'alive'" in live.stderr and "--takeover" in live.stderr
