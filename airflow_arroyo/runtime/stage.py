@@ -50,7 +50,7 @@ from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import write_caps
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
-from airflow_arroyo.store import EpochStore
+from airflow_arroyo.store import EpochRecord, EpochStore
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -371,10 +371,12 @@ class StageRunner:
     # ------------------------------------------------------------------ snapshot and ack (async)
 
     def _snapshot(self, epoch: int, batch_id: int) -> Any:
-        if not self._epoch_in_flight(epoch):
+        record = self._epoch_record(epoch)
+        if record is None or not record.state.in_flight:
             return None
         return self.snapshots.capture(self.name, epoch, self.checkpoint, batch_id,
-                                      commit_timeout=self.commit_timeout, alive=self.alive)
+                                      commit_timeout=self.commit_timeout, alive=self.alive,
+                                      self_contained=record.self_contained)
 
     def _snapshot_and_ack(self, pending: _Pending) -> None:
         epoch = pending.epoch
@@ -410,11 +412,11 @@ class StageRunner:
             log.exception("pipeline=%s epoch=%s stage=%s: could not mark the epoch failed", self.pipeline_id,
                           epoch, self.name)
 
-    def _epoch_in_flight(self, epoch: int) -> bool:
+    def _epoch_record(self, epoch: int) -> EpochRecord | None:
         try:
-            return bool(self.store.get_epoch(self.pipeline_id, epoch).state.in_flight)
+            return self.store.get_epoch(self.pipeline_id, epoch)
         except ConfigurationError:
-            return False
+            return None
 
     def _release_feedback_acks(self) -> None:
         """Iteration head: acknowledge an epoch once its barrier came back on every feedback input."""
