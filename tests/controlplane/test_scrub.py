@@ -127,6 +127,11 @@ def test_one_corrupt_shared_object_names_every_epoch_and_the_self_contained_epoc
     code, out, _ = cli(capsys, "--dsn", store.dsn, "verify", s.id, "--epoch", str(e2), "--json")
     assert (code, json.loads(out)["restorable_epochs"], json.loads(out)["damaged_epochs"]) == (3, [], [e1, e2, e4])
 
+    # the retention run scrubs after pruning and reports the same
+    pruned = prune_pipeline(store, s.id, RetentionPolicy(keep_last=10), holder="test", scrub_budget=30)
+    assert (pruned.epochs_pruned, pruned.damaged_epochs, pruned.restorable_epochs) == ([], [e1, e2, e4], [e3])
+    assert pruned.objects_verified == 2 * r1.files_copied and f"restore from epoch {e3}" in (pruned.scrub or "")
+
     # the next epoch copies the damaged object again from the live checkpoint: the older epochs heal
     e5, r5 = s.epoch()
     assert [e.rel_path for e in r5.entries if e.object_key == victim.object_key] == [victim.rel_path]
