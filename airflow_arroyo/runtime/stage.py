@@ -226,6 +226,11 @@ class StageRunner:
     def alive(self) -> bool:
         return self.query is not None and self.query.isActive
 
+    @property
+    def warm(self) -> bool:
+        """This run's query has completed a micro-batch (planning, state store and Python workers are up)."""
+        return self._last_completed >= 0
+
     # ------------------------------------------------------------------ epochs from the driver
 
     def request_epoch(self, epoch: int) -> None:
