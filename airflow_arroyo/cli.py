@@ -11,12 +11,17 @@
                                               prune old epochs under the cleanup lock
     lock PIPELINE                             who holds the pipeline's cleanup lock
     stop PIPELINE [--immediate] [--wait 2m]   ask a running pipeline to stop (graceful: after a final epoch)
+    verify PIPELINE [--epoch N] [--budget DURATION]
+                                              re-hash snapshot objects; name damaged epochs (exit 3)
+    checkpoint PIPELINE [--self-contained] [--timeout DURATION]
+                                              fire one epoch now and wait for its end
 
 The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
 connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
 Airflow is imported only on that path). Output is a table, or JSON with ``--json`` (options may
 come before or after the command). Exit codes: 0 ok, 2 bad input (the message names the problem and
-the fix), 1 any other error. Passwords are never printed.
+the fix), 3 ``verify`` found damage, 1 any other error (``checkpoint``: the epoch failed or expired).
+Passwords are never printed.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DAMAGED = 0, 1, 2, 3
 DSN_ENV = "ARROYO_DSN"
 CLI_RETRY_SECONDS = 10.0
 
@@ -403,6 +408,92 @@ def _cmd_lock(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
+def _cmd_verify(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.scrub import verify_pipeline
+
+    budget = parse_duration(args.budget, name="--budget") if args.budget is not None else None
+    if budget is not None and budget.total_seconds() <= 0:
+        raise ConfigurationError(f"--budget must be a positive duration such as 30s or 5m, got {args.budget!r}")
+    _require_schema(store)
+    report = verify_pipeline(store, args.pipeline, epoch=args.epoch,
+                             budget=budget.total_seconds() if budget is not None else None)
+    if args.json:
+        json.dump(_jsonable(report.to_dict()), out)
+        out.write("\n")
+    else:
+        scope = f"epoch {args.epoch}" if args.epoch is not None else "retained epochs"
+        out.write(f"pipeline {args.pipeline} ({scope}): checked {report.objects_checked} of {report.objects_total} "
+                  f"objects ({_human_bytes(report.bytes_checked)}) in {report.elapsed_s:.1f}s\n")
+        if report.damaged:
+            _table(["OBJECT", "STATE", "EPOCHS", "DETAIL"],
+                   [[d.object_key, d.state, list(d.epochs), d.detail] for d in report.damaged], out)
+        out.write(f"damaged epochs: {_cell(report.damaged_epochs)}\n"
+                  f"restorable epochs: {_cell(report.restorable_epochs)}\n")
+        if report.unverified_epochs:
+            out.write(f"not fully verified yet: {_cell(report.unverified_epochs)}\n")
+        out.write(f"{report.advice()}\n")
+    return EXIT_OK if report.ok else EXIT_DAMAGED
+
+
+def _cmd_checkpoint(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Fire one epoch now (after an in-flight one ends, or a cleanup releases its lock), wait for its end."""
+    from airflow_arroyo.epochs import CheckpointPolicy, EpochState, TriggerAction
+    from airflow_arroyo.retention import parse_duration
+
+    timeout = parse_duration(args.timeout, name="--timeout")
+    if timeout is None or timeout.total_seconds() <= 0:
+        raise ConfigurationError(f"--timeout must be a positive duration such as 90s or 5m, got {args.timeout!r}")
+    _require_schema(store)
+    store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2
+    seconds = timeout.total_seconds()
+    # the epoch times out with the command: a tick after the deadline expires it (the trigger's own rule)
+    policy = CheckpointPolicy(interval=seconds, timeout=seconds)
+    by = f"cli:{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"
+    deadline = time.monotonic() + seconds
+    delay = 0.05
+    while True:
+        tick = store.trigger_tick(args.pipeline, policy, triggered_by=by, force=True,
+                                  self_contained=args.self_contained)
+        if tick.started is not None:
+            break
+        action = tick.decision.action
+        if action in (TriggerAction.PIPELINE_ENDED, TriggerAction.PIPELINE_NOT_RUNNING,
+                      TriggerAction.PIPELINE_NOT_ALIVE):
+            err = f"no epoch started for pipeline {args.pipeline!r}: {tick.decision.reason}"
+            if action is not TriggerAction.PIPELINE_NOT_ALIVE:
+                err += " (start its driver first)"
+            raise _NotStarted(err)
+        if time.monotonic() >= deadline:
+            raise _NotStarted(f"no epoch started for pipeline {args.pipeline!r} within {seconds:g}s: "
+                              f"{tick.decision.reason}")
+        time.sleep(delay)  # an epoch in flight or a cleanup lock: wait for it, then start ours
+        delay = min(delay * 2, 1.0)
+    epoch = tick.started.epoch
+    deadline = time.monotonic() + seconds + 1.0
+    delay = 0.05
+    record = store.get_epoch(args.pipeline, epoch)
+    while record.state is EpochState.TRIGGERED:
+        if time.monotonic() >= deadline:
+            store.trigger_tick(args.pipeline, policy, triggered_by=by, watch=[epoch])  # expires it
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+        record = store.get_epoch(args.pipeline, epoch)
+    if args.json:
+        json.dump(_jsonable(record), out)
+        out.write("\n")
+    else:
+        _table(["PIPELINE", "EPOCH", "STATE", "SELF-CONTAINED", "DURATION", "SIZE", "REASON"],
+               [[record.pipeline_id, record.epoch, record.state.value, "yes" if record.self_contained else "no",
+                 "-" if record.duration_s is None else f"{record.duration_s:.1f}s", _human_bytes(record.bytes_total),
+                 record.failure_reason]], out)
+    return EXIT_OK if record.state is EpochState.COMPLETED else EXIT_ERROR
+
+
+class _NotStarted(ArroyoError):
+    """``checkpoint`` could not start an epoch (exit 1)."""
+
+
 # --------------------------------------------------------------------------- parser and main
 
 
@@ -442,13 +533,25 @@ def _build_parser() -> _Parser:
     stop.add_argument("--immediate", action="store_true", help="stop without a final epoch")
     stop.add_argument("--wait", default="0", metavar="DURATION",
                       help="wait this long for the run to end, e.g. 2m (default 0: only ask); exit 1 if it has not")
+    verify = sub.add_parser("verify", parents=[common],
+                            help="re-hash the snapshot objects of the retained epochs; name damaged epochs")
+    verify.add_argument("pipeline")
+    verify.add_argument("--epoch", type=int, help="only this epoch's objects")
+    verify.add_argument("--budget", metavar="DURATION",
+                        help="stop after this long (least recently verified objects first; default: check all)")
+    checkpoint = sub.add_parser("checkpoint", parents=[common], help="fire one epoch now and wait for its end")
+    checkpoint.add_argument("pipeline")
+    checkpoint.add_argument("--self-contained", action="store_true",
+                            help="the epoch's snapshot copies every object (shares none with other epochs)")
+    checkpoint.add_argument("--timeout", default="5m", metavar="DURATION",
+                            help="give up (and expire the epoch) after this long (default 5m)")
     return parser
 
 
 #: Options whose value may start with "-" (a negative duration or number, refused with a clear message
 #: instead of argparse's "expected one argument").
 _VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
-                  "--limit", "--wait")
+                  "--limit", "--wait", "--budget", "--timeout", "--epoch")
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
@@ -473,6 +576,8 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "prune": _cmd_prune,
     "lock": _cmd_lock,
     "stop": _cmd_stop,
+    "verify": _cmd_verify,
+    "checkpoint": _cmd_checkpoint,
 }
 
 

@@ -74,6 +74,12 @@ OPTIONS: dict[str, Option] = {
         "Default of the retention DAG: also keep epochs newer than this age (e.g. 2h, 30m, 1d). Empty: none.",
         "2h",
     ),
+    "retention_scrub_budget": Option(
+        "60s", "string",
+        "Default of the retention DAG: after pruning, re-hash snapshot objects for at most this long (least "
+        "recently verified first, so successive runs cover them all) and report damaged epochs. Empty: no scrub.",
+        "5m",
+    ),
 }
 
 

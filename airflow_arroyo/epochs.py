@@ -150,12 +150,16 @@ class CheckpointPolicy:
     * ``min_pause``: at least this long between the end of one epoch and the start of the next.
     * ``tolerable_failures``: consecutive failed/expired epochs tolerated; one more ends the trigger
       with a failure event.
+    * ``heartbeat_timeout``: a running pipeline whose driver has not heartbeated for this long is not
+      alive: no epoch starts for it (it could only expire). The driver heartbeats every 2 s and a new
+      run takes over one silent for 30 s; ``None`` starts epochs whatever the heartbeat says.
     """
 
     interval: float
     timeout: float | None = None
     min_pause: float = 0.0
     tolerable_failures: int = 3
+    heartbeat_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         if not _finite(self.interval) or self.interval <= 0:
@@ -176,6 +180,10 @@ class CheckpointPolicy:
         if not isinstance(self.tolerable_failures, int) or self.tolerable_failures < 0:
             raise ConfigurationError(
                 f"tolerable_failures must be a whole number >= 0, got {self.tolerable_failures!r}"
+            )
+        if self.heartbeat_timeout is not None and (not _finite(self.heartbeat_timeout) or self.heartbeat_timeout <= 0):
+            raise ConfigurationError(
+                f"heartbeat_timeout must be a positive number of seconds (or None), got {self.heartbeat_timeout!r}"
             )
 
     @property
@@ -207,6 +215,7 @@ class TriggerFacts:
     last_ended_at: datetime | None = None  # end of the newest ended epoch (completed/failed/expired)
     cleanup_lease: CleanupLease | None = None  # an unexpired lease, if any
     stop_requested: bool = False
+    heartbeat_at: datetime | None = None  # the driver's last heartbeat (None: never heartbeated)
 
 
 class TriggerAction(enum.StrEnum):
@@ -216,6 +225,7 @@ class TriggerAction(enum.StrEnum):
     WAIT_CLEANUP = "wait_cleanup"
     WAIT_SCHEDULE = "wait_schedule"
     PIPELINE_NOT_RUNNING = "pipeline_not_running"
+    PIPELINE_NOT_ALIVE = "pipeline_not_alive"  # running, but its driver's heartbeat is stale
     PIPELINE_ENDED = "pipeline_ended"
 
 
@@ -232,8 +242,10 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     """Should a checkpoint epoch start now? The whole rule, in one place.
 
     Order matters: an in-flight epoch past its timeout is expired first (so it stops blocking);
-    then a pipeline that ended ends the trigger; then the one-in-flight rule; then the cleanup lock;
-    then the schedule (interval since the last start, min pause since the last end).
+    then a pipeline that ended ends the trigger; then the one-in-flight rule; then liveness (a running
+    pipeline whose heartbeat is older than ``policy.heartbeat_timeout`` gets no epoch: it would only
+    expire); then the cleanup lock; then the schedule (interval since the last start, min pause since
+    the last end).
     """
     now = facts.now
     if facts.in_flight_epoch is not None:
@@ -248,6 +260,14 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     if facts.pipeline_state is not PipelineState.RUNNING or facts.stop_requested:
         return TriggerDecision(TriggerAction.PIPELINE_NOT_RUNNING, recheck_at=now + timedelta(seconds=1),
                                reason=f"pipeline is {facts.pipeline_state}")
+    if policy.heartbeat_timeout is not None and facts.heartbeat_at is not None:
+        age = (now - facts.heartbeat_at).total_seconds()
+        if age > policy.heartbeat_timeout:
+            return TriggerDecision(
+                TriggerAction.PIPELINE_NOT_ALIVE, recheck_at=now + timedelta(seconds=1),
+                reason=f"the driver's last heartbeat is {age:.0f}s old (more than {policy.heartbeat_timeout:g}s): "
+                       "it is not alive; no epoch until it heartbeats again or a new run registers",
+            )
     if facts.cleanup_lease is not None and facts.cleanup_lease.expires_at > now:
         return TriggerDecision(TriggerAction.WAIT_CLEANUP, recheck_at=facts.cleanup_lease.expires_at,
                                reason=f"cleanup lock held by {facts.cleanup_lease.holder}")

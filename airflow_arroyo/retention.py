@@ -8,6 +8,7 @@ is the I/O around it, in the order that keeps every retained epoch restorable::
       ──> delete the snapshot objects only pruned epochs reference (renewing the lease)
       ──> truncate each channel before its low watermark
       ──> finish_prune (epochs -> pruned, bytes freed) ──> release the lease
+      ──> scrub for at most ``scrub_budget`` seconds (:mod:`airflow_arroyo.scrub`; no lease needed: it reads)
 
 * While we hold the lease the trigger starts no epoch. An epoch already in flight may reference
   (incrementally) an object we would delete before it records it, so nothing is deleted while one
@@ -176,6 +177,11 @@ class PruneReport:
     objects_deleted: int = 0
     objects_missing: int = 0
     channel_bytes_freed: int = 0
+    # the scrub after the prune (scrub_budget): objects re-hashed now, and all known damage
+    objects_verified: int = 0
+    damaged_epochs: list[int] = field(default_factory=list)
+    restorable_epochs: list[int] = field(default_factory=list)
+    scrub: str | None = None  # the scrub's advice (or why it failed); None: no scrub asked for
 
     @property
     def skipped(self) -> bool:
@@ -234,8 +240,10 @@ def prune_pipeline(
     open_channel: Callable[[str], TruncatableChannel | None] = _default_open_channel,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    scrub_budget: float | None = None,
 ) -> PruneReport:
-    """Prune the epochs of ``pipeline_id`` that ``policy`` does not keep. See the module docstring.
+    """Prune the epochs of ``pipeline_id`` that ``policy`` does not keep, then scrub for at most
+    ``scrub_budget`` seconds (None: no scrub). See the module docstring.
 
     * ``holder`` names this run in the lease (shown by ``airflow-arroyo lock``).
     * ``lock_ttl``: lease length in seconds; a crashed run blocks cleanup and checkpoints this long.
@@ -262,8 +270,39 @@ def prune_pipeline(
                                  f"lock_ttl ({lock_ttl}s), or the lease expires while we wait")
     if not holder:
         raise ConfigurationError("holder must name this cleanup run (e.g. 'airflow:<dag>/<task>/<run>')")
+    if scrub_budget is not None and not (isinstance(scrub_budget, int | float) and scrub_budget > 0):
+        raise ConfigurationError(f"scrub_budget must be a positive number of seconds (or None), got {scrub_budget!r}")
     store.get_pipeline(pipeline_id)  # UnknownPipelineError before anything is written
+    report = _prune(store, pipeline_id, policy, holder=holder, lock_ttl=lock_ttl, wait_for_lock=wait_for_lock,
+                    wait_for_in_flight=wait_for_in_flight, poll_interval=poll_interval, renew=renew, fs_for=fs_for,
+                    open_channel=open_channel, clock=clock, sleep=sleep)
+    if scrub_budget is not None:
+        _scrub(store, report, scrub_budget)
+    return report
 
+
+def _scrub(store: EpochStore, report: PruneReport, budget: float) -> None:
+    """Scrub after the prune; a scrub that cannot read the storage is reported, the prune stands."""
+    from airflow_arroyo.scrub import verify_pipeline
+
+    try:
+        scrub = verify_pipeline(store, report.pipeline_id, budget=budget)
+    except (ArroyoError, OSError) as exc:
+        report.scrub = f"scrub failed: {type(exc).__name__}: {exc}"
+        log.error("pipeline %s: %s", report.pipeline_id, report.scrub)
+        return
+    report.objects_verified = scrub.objects_checked
+    report.damaged_epochs = scrub.damaged_epochs
+    report.restorable_epochs = scrub.restorable_epochs
+    report.scrub = scrub.advice()
+    if not scrub.ok:
+        log.error("pipeline %s: scrub: %s", report.pipeline_id, report.scrub)
+
+
+def _prune(store: EpochStore, pipeline_id: str, policy: RetentionPolicy, *, holder: str, lock_ttl: float,
+           wait_for_lock: timedelta, wait_for_in_flight: timedelta, poll_interval: float, renew: float,
+           fs_for: Callable[[str], ObjectFileSystem], open_channel: Callable[[str], TruncatableChannel | None],
+           clock: Callable[[], float], sleep: Callable[[float], None]) -> PruneReport:
     report = PruneReport(pipeline_id)
     run = _acquire(store, pipeline_id, policy, holder=holder, ttl=lock_ttl, wait=wait_for_lock,
                    poll_interval=poll_interval, clock=clock, sleep=sleep, report=report)

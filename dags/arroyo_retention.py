@@ -12,6 +12,8 @@ Configuration (Airflow Variables, or the ``[arroyo]`` section of Airflow's confi
 * ``arroyo_retention_keep_last`` / ``retention_keep_last``: completed epochs to keep (default 10);
 * ``arroyo_retention_keep_newer_than`` / ``retention_keep_newer_than``: also keep epochs newer
   than this, e.g. ``6h`` (default: not set);
+* ``arroyo_retention_scrub_budget`` / ``retention_scrub_budget``: after pruning, re-hash snapshot objects
+  for at most this long and report damaged epochs (default ``60s``; empty: no scrub);
 * ``arroyo_retention_conn_id`` / ``conn_id``: the epoch store connection (default ``arroyo_default``).
 
 The policy values are rendered when a task runs, so a changed Variable applies to the next run.
@@ -42,6 +44,7 @@ with DAG(
         "conn_id": config.get("conn_id"),
         "keep_last": config.get("retention_keep_last"),
         "keep_newer_than": config.get("retention_keep_newer_than"),
+        "scrub_budget": config.get("retention_scrub_budget"),
     },
     tags=["arroyo", "retention"],
     doc_md=__doc__,
@@ -60,5 +63,6 @@ with DAG(
         conn_id=conn_id,
         keep_last="{{ var.value.get('arroyo_retention_keep_last', params.keep_last) }}",
         keep_newer_than="{{ var.value.get('arroyo_retention_keep_newer_than', params.keep_newer_than) }}",
+        scrub_budget="{{ var.value.get('arroyo_retention_scrub_budget', params.scrub_budget) }}",
         map_index_template="{{ task.pipeline_id }}",
     ).expand(pipeline_id=registered_pipelines(conn_id))

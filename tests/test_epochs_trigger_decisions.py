@@ -27,7 +27,7 @@ from airflow_arroyo.exceptions import ConfigurationError
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 WAITS = {TriggerAction.WAIT_IN_FLIGHT, TriggerAction.WAIT_CLEANUP, TriggerAction.WAIT_SCHEDULE,
-         TriggerAction.PIPELINE_NOT_RUNNING}
+         TriggerAction.PIPELINE_NOT_RUNNING, TriggerAction.PIPELINE_NOT_ALIVE}
 
 offsets = st.floats(min_value=-3600, max_value=3600, allow_nan=False).map(lambda s: NOW + timedelta(seconds=s))
 
@@ -38,7 +38,8 @@ def policies(draw: st.DrawFn) -> CheckpointPolicy:
     timeout = draw(st.none() | st.floats(min_value=interval, max_value=interval * 100, allow_nan=False))
     min_pause = draw(st.sampled_from([0.0]) | st.floats(min_value=0, max_value=3600, allow_nan=False))
     return CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause,
-                            tolerable_failures=draw(st.integers(0, 10)))
+                            tolerable_failures=draw(st.integers(0, 10)),
+                            heartbeat_timeout=draw(st.none() | st.floats(min_value=0.001, max_value=3600)))
 
 
 @st.composite
@@ -57,6 +58,7 @@ def facts(draw: st.DrawFn) -> TriggerFacts:
         last_ended_at=draw(st.none() | offsets) if last_epoch > 0 else None,
         cleanup_lease=lease,
         stop_requested=draw(st.booleans()),
+        heartbeat_at=draw(st.none() | offsets),
     )
 
 
@@ -72,18 +74,24 @@ def _lease_live(f: TriggerFacts) -> bool:
     return f.cleanup_lease is not None and f.cleanup_lease.expires_at > f.now
 
 
+def _alive(f: TriggerFacts, p: CheckpointPolicy) -> bool:
+    return (p.heartbeat_timeout is None or f.heartbeat_at is None
+            or (f.now - f.heartbeat_at).total_seconds() <= p.heartbeat_timeout)
+
+
 @settings(max_examples=400, deadline=None)
 @given(facts(), policies())
 def test_start_only_when_every_rule_allows_it_and_always_then(f: TriggerFacts, p: CheckpointPolicy) -> None:
     d = decide_trigger(f, p)
     may_start = (f.in_flight_epoch is None and f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
-                 and not _lease_live(f) and _due(f, p))
+                 and not _lease_live(f) and _due(f, p) and _alive(f, p))
     assert (d.action is TriggerAction.START) == may_start
     if d.action is TriggerAction.START:
         assert d.epoch == f.last_epoch + 1
         assert f.in_flight_epoch is None  # never a second epoch in flight
         assert not _lease_live(f)  # never under a live cleanup lease
         assert f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
+        assert _alive(f, p)  # never for a driver whose heartbeat is stale: the epoch could only expire
 
 
 @settings(max_examples=400, deadline=None)
@@ -112,6 +120,9 @@ def test_a_decision_is_total_and_each_wait_says_when_to_look_again(f: TriggerFac
     if d.action is TriggerAction.PIPELINE_NOT_RUNNING:
         assert f.pipeline_state is not PipelineState.RUNNING or f.stop_requested
         assert d.recheck_at is not None and d.recheck_at > f.now
+    if d.action is TriggerAction.PIPELINE_NOT_ALIVE:
+        assert f.pipeline_state is PipelineState.RUNNING and not f.stop_requested and not _alive(f, p)
+        assert d.recheck_at is not None and d.recheck_at > f.now and "heartbeat" in d.reason
     if d.action is TriggerAction.WAIT_CLEANUP:
         assert f.cleanup_lease is not None and d.recheck_at == f.cleanup_lease.expires_at > f.now
     if d.action is TriggerAction.WAIT_SCHEDULE:
@@ -127,9 +138,14 @@ def test_waiting_until_recheck_at_then_starts_if_nothing_else_changed(f: Trigger
     if d.action is not TriggerAction.WAIT_SCHEDULE:
         return
     assert d.recheck_at is not None
-    later = TriggerFacts(**{**f.__dict__, "now": d.recheck_at})
+
+    def at(now: datetime) -> TriggerFacts:  # the driver kept heartbeating meanwhile
+        beat = None if f.heartbeat_at is None else f.heartbeat_at + (now - f.now)
+        return TriggerFacts(**{**f.__dict__, "now": now, "heartbeat_at": beat})
+
+    later = at(d.recheck_at)
     assert decide_trigger(later, p).action is TriggerAction.START
-    just_before = TriggerFacts(**{**f.__dict__, "now": d.recheck_at - timedelta(microseconds=1)})
+    just_before = at(d.recheck_at - timedelta(microseconds=1))
     assert decide_trigger(just_before, p).action is TriggerAction.WAIT_SCHEDULE
 
 
@@ -160,18 +176,28 @@ LEASE = {"none": None, "live": CleanupLease("retention", NOW + timedelta(seconds
 SCHEDULE = {"never": (None, None), "not_due": (NOW - timedelta(seconds=5), None),
             "due": (NOW - timedelta(seconds=10), None), "due_but_paused": (NOW - timedelta(seconds=60), NOW),
             "due_after_pause": (NOW - timedelta(seconds=60), NOW - timedelta(seconds=30))}
-POLICY = CheckpointPolicy(interval=10, timeout=60, min_pause=20)
+HEARTBEAT = {"never": None, "fresh": NOW - timedelta(seconds=2), "at_bound": NOW - timedelta(seconds=30),
+             "stale": NOW - timedelta(seconds=31)}
+POLICY = CheckpointPolicy(interval=10, timeout=60, min_pause=20, heartbeat_timeout=30)
 
 
-@pytest.mark.parametrize(("state", "in_flight", "lease", "stop", "schedule"), list(itertools.product(
-    list(PipelineState), IN_FLIGHT, LEASE, [False, True], SCHEDULE)))
+def _product() -> list[tuple[PipelineState, str, str, bool, str, str]]:
+    """Every combination, the heartbeat fresh; and every heartbeat against what decides before or after it."""
+    fresh = [(*c, "fresh") for c in itertools.product(list(PipelineState), IN_FLIGHT, LEASE, [False, True], SCHEDULE)]
+    beats = [(st_, fl, ls, stop, "due", hb) for st_, fl, ls, stop, hb in itertools.product(
+        list(PipelineState), IN_FLIGHT, ("none", "live"), [False, True], HEARTBEAT) if hb != "fresh"]
+    return fresh + beats
+
+
+@pytest.mark.parametrize(("state", "in_flight", "lease", "stop", "schedule", "heartbeat"), _product())
 def test_every_discrete_situation(state: PipelineState, in_flight: str, lease: str, stop: bool,
-                                  schedule: str) -> None:
+                                  schedule: str, heartbeat: str) -> None:
     last_triggered, last_ended = SCHEDULE[schedule]
     f = TriggerFacts(now=NOW, pipeline_state=state, last_epoch=7,
                      in_flight_epoch=7 if IN_FLIGHT[in_flight] is not None else None,
                      in_flight_timeout_at=IN_FLIGHT[in_flight], last_triggered_at=last_triggered,
-                     last_ended_at=last_ended, cleanup_lease=LEASE[lease], stop_requested=stop)
+                     last_ended_at=last_ended, cleanup_lease=LEASE[lease], stop_requested=stop,
+                     heartbeat_at=HEARTBEAT[heartbeat])
     d = decide_trigger(f, POLICY)
     if in_flight in ("timed_out", "at_timeout"):
         expected = TriggerAction.EXPIRE
@@ -181,6 +207,8 @@ def test_every_discrete_situation(state: PipelineState, in_flight: str, lease: s
         expected = TriggerAction.PIPELINE_ENDED
     elif state is not PipelineState.RUNNING or stop:
         expected = TriggerAction.PIPELINE_NOT_RUNNING
+    elif heartbeat == "stale":
+        expected = TriggerAction.PIPELINE_NOT_ALIVE
     elif lease == "live":
         expected = TriggerAction.WAIT_CLEANUP
     elif schedule in ("not_due", "due_but_paused"):

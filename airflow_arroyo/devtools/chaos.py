@@ -485,8 +485,13 @@ def _ack_lane(w: _Worker, store: Any) -> None:
     plans: dict[tuple[str, int], _Plan] = {}
     versions: dict[tuple[str, str], int] = {}  # (pipeline, stage) -> current state-file version
     planned: dict[str, int] = {}  # pipeline -> newest epoch given a fate
+    beat = 0.0
     while not w.stop.is_set():
         try:
+            if time.monotonic() - beat >= 2.0:  # the driver heartbeats (a silent one gets no epoch)
+                for pid in w.pipelines:
+                    store.heartbeat(pid, f"chaos-{w.config.seed}")
+                beat = time.monotonic()
             _ack_round(w, store, plans, versions, planned)
             w.ok()
         except TransientStoreError as exc:

@@ -61,9 +61,12 @@ class PruneEpochsOperator(BaseOperator):
     :param lock_ttl: seconds of the cleanup lease; a crashed run blocks checkpoints at most this long.
     :param lock_wait: how long to retry while another cleanup run holds the lock, then skip.
     :param in_flight_wait: how long to wait for an in-flight epoch to end, then skip.
+    :param scrub_budget: after pruning, re-hash snapshot objects for at most this long (templated;
+        timedelta, seconds or text like ``"60s"``; None or empty: no scrub), least recently verified first;
+        damaged epochs are logged as errors and returned in ``damaged_epochs`` (docs/retention.md).
     """
 
-    template_fields: Sequence[str] = ("pipeline_id", "keep_last", "keep_newer_than", "conn_id")
+    template_fields: Sequence[str] = ("pipeline_id", "keep_last", "keep_newer_than", "conn_id", "scrub_budget")
     ui_color = "#e8f4f8"
 
     def __init__(
@@ -76,6 +79,7 @@ class PruneEpochsOperator(BaseOperator):
         lock_ttl: float = 60.0,
         lock_wait: timedelta | float = timedelta(minutes=2),
         in_flight_wait: timedelta | float = timedelta(minutes=5),
+        scrub_budget: timedelta | float | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -86,6 +90,7 @@ class PruneEpochsOperator(BaseOperator):
         self.lock_ttl = lock_ttl
         self.lock_wait = lock_wait
         self.in_flight_wait = in_flight_wait
+        self.scrub_budget = scrub_budget
         # Bad input fails when the DAG is parsed, naming the task; templated values once rendered.
         if not any(isinstance(v, str) and ("{{" in v or "{%" in v) for v in (keep_last, keep_newer_than)):
             try:
@@ -105,6 +110,10 @@ class PruneEpochsOperator(BaseOperator):
             policy = policy_from(self.keep_last, self.keep_newer_than)
             lock_wait = parse_duration(self.lock_wait, name="lock_wait") or timedelta(0)
             in_flight_wait = parse_duration(self.in_flight_wait, name="in_flight_wait") or timedelta(0)
+            scrub = parse_duration(self.scrub_budget or None, name="scrub_budget")
+            if scrub is not None and scrub.total_seconds() <= 0:
+                raise ConfigurationError(
+                    f"scrub_budget must be a positive duration such as 60s, got {self.scrub_budget!r}")
         except ConfigurationError as exc:
             # retrying cannot fix the task's own arguments
             raise AirflowFailException(f"retention of pipeline {self.pipeline_id!r}: {exc}") from exc
@@ -117,6 +126,7 @@ class PruneEpochsOperator(BaseOperator):
                 lock_ttl=self.lock_ttl,
                 wait_for_lock=lock_wait,
                 wait_for_in_flight=in_flight_wait,
+                scrub_budget=scrub.total_seconds() if scrub is not None else None,
             )
         except (ConfigurationError, UnknownPipelineError) as exc:
             raise AirflowFailException(str(exc)) from exc
@@ -125,6 +135,10 @@ class PruneEpochsOperator(BaseOperator):
         else:
             self.log.info("pipeline %s: pruned epochs %s, %s bytes freed; kept epochs %s",
                           self.pipeline_id, report.epochs_pruned, report.bytes_freed, report.kept)
+        if report.scrub is not None:
+            level = self.log.error if report.damaged_epochs else self.log.info
+            level("pipeline %s: scrub verified %s objects: %s", self.pipeline_id, report.objects_verified,
+                  report.scrub)
         return report.to_dict()
 
 

@@ -126,6 +126,7 @@ class PipelineDriver:
         commit_timeout: float = 300.0,
         own_spark: bool | None = None,
         max_backlog_entries: int | None = None,
+        warmup_timeout: float = 20.0,
     ) -> None:
         self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         self.pipeline = pipeline
@@ -143,6 +144,7 @@ class PipelineDriver:
         self.stale_after = stale_after
         self.commit_timeout = commit_timeout
         self.max_backlog_entries = self.DEFAULT_MAX_BACKLOG if max_backlog_entries is None else max_backlog_entries
+        self.warmup_timeout = warmup_timeout
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
         self.runners: list[StageRunner] = []
@@ -471,12 +473,45 @@ class PipelineDriver:
         # (the submit task and its "Spark UI" link) reads them at once.
         self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=spark.sparkContext.applicationId,
                              spark_ui_url=spark.sparkContext.uiWebUrl, token=self.token)
-        self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
         for runner, df in frames:
             if runner.kind is StageKind.SOURCE:
                 self._start_one(spark, runner, df)
         for runner in self.runners:
             runner.open_gate()
+        self._warm_up()
+        self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
+
+    def _warm_up(self) -> None:
+        """Before `running` (no epoch can start before it): let every query complete its first micro-batch, for
+        at most ``warmup_timeout`` seconds. A query's first batch pays for planning and code generation, its
+        state store and Python workers: seconds per stage, which the first epoch's barrier would otherwise wait
+        for stage after stage. A stage with nothing to read (its upstream stages are warm, or it has none, and
+        its query has had no data for a second) does not hold the others up: an idle input may never give it a
+        batch."""
+        t0 = time.monotonic()
+        deadline = t0 + self.warmup_timeout
+        beat = t0
+        writers = {r.spec.output: r for r in self.runners if r.spec.output}
+        idle_since: dict[str, float] = {}
+        cold = [r for r in self.runners if not r.warm]
+        while cold and time.monotonic() < deadline and not self._stop.is_set():
+            self._check_queries()
+            now = time.monotonic()
+            if now - beat >= self.heartbeat_interval:
+                self.store.heartbeat(self.pipeline_id, self.run_id)
+                beat = now
+            for r in cold:
+                upstream = [writers[c] for c in r.spec.inputs if c in writers]
+                status = r.query.status if r.query is not None else {}
+                if (all(u.warm or u.name not in {c.name for c in cold} for u in upstream)
+                        and not status.get("isDataAvailable") and not status.get("isTriggerActive")):
+                    idle_since.setdefault(r.name, now)
+                else:
+                    idle_since.pop(r.name, None)
+            cold = [r for r in cold if not r.warm and now - idle_since.get(r.name, now) < 1.0]
+            self._stop.wait(0.05)
+        log.info("pipeline=%s: queries warmed up in %.1fs%s", self.pipeline_id, time.monotonic() - t0,
+                 f" ({', '.join(r.name for r in cold)} ran no micro-batch yet)" if cold else "")
 
     def _wire_backpressure(self) -> None:
         """Bound each channel's unread backlog on aligned edges (never on a loop's feedback edge: a loop
@@ -832,6 +867,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-interval", type=float,
                         default=float(os.environ.get("ARROYO_HEARTBEAT_INTERVAL", "2.0")),
                         help="seconds between heartbeats (default: $ARROYO_HEARTBEAT_INTERVAL, else 2)")
+    parser.add_argument("--warmup-timeout", type=float, default=20.0,
+                        help="seconds to let every query run its first micro-batch before epochs may start")
     parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -916,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
                             run_id=args.run_id,
                             restore_from=args.restore_from, spark=spark, takeover=args.takeover,
                             poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
-                            own_spark=True)
+                            own_spark=True, warmup_timeout=args.warmup_timeout)
 
     def on_signal(signum: int, frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)

@@ -16,6 +16,8 @@ Paths below are relative to their root::
       <pipeline>/channels/<channel>/                   a channel (docs/channel-format.md)
       <pipeline>/stages/<stage>/caps-g<G>.json         the stage's read caps (alignment) of run generation G
       <pipeline>/snapshots/objects/sha256/ab/<sha256>  an immutable snapshot object, named by content
+      <pipeline>/snapshots/objects/epochs/<n>/sha256/ab/<sha256>
+                                                       an object private to self-contained epoch n
       <pipeline>/snapshots/tmp/<uuid>                  an object being copied in (local disks only)
 
     checkpoint URI
@@ -44,6 +46,8 @@ __all__ = [
     "CHECKPOINT_DIR",
     "SNAPSHOT_OBJECTS_DIR",
     "StorageLayout",
+    "epoch_object_key",
+    "object_digest",
     "object_key",
     "object_path",
 ]
@@ -63,6 +67,18 @@ _GENERATIONS = (f"{CHECKPOINT_DIR}-", f"{CHECKPOINT_DIR}.restoring-")
 def object_key(digest: str) -> str:
     """The object key of content with SHA-256 ``digest`` (relative to the objects folder)."""
     return f"sha256/{digest[:2]}/{digest}"
+
+
+def epoch_object_key(epoch: int, digest: str) -> str:
+    """The key of content with SHA-256 ``digest`` private to self-contained epoch ``epoch``: no other epoch
+    references it (incremental snapshots name content by :func:`object_key`), so damage to a shared object
+    cannot reach it, and retention deletes it with the epoch."""
+    return f"epochs/{int(epoch)}/{object_key(digest)}"
+
+
+def object_digest(key: str) -> str:
+    """The SHA-256 an object's content must hash to (the last part of its key, shared or private)."""
+    return key.rstrip("/").rsplit("/", 1)[-1]
 
 
 def object_path(pipeline_id: str, key: str) -> str:

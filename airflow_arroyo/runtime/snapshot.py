@@ -9,10 +9,14 @@ state version ``b + 1`` (the version batch b committed), for both state store pr
   checkpointing is on) and the ``SSTs/`` / ``logs/`` files that zip references.
 
 Every file is stored once as an immutable **object** named by the SHA-256 of its content
-(``<storage>/<pipeline>/snapshots/objects/sha256/ab/abcdef...``). Spark rewrites ``N.delta`` and
-``N.zip`` under the same names with new content after a restore, so names alone would share the wrong
-file; content addresses cannot. A file whose object the pipeline already holds (any retained epoch) is
-referenced, not copied: ``bytes_new`` is what this epoch added, ``bytes_total`` what it references.
+(``<storage>/<pipeline>/snapshots/objects/sha256/ab/abcdef...``). A **self-contained** epoch (asked for
+when it is started: ``airflow-arroyo checkpoint --self-contained``) copies every file under keys private to
+it (``objects/epochs/<n>/sha256/...``): it shares no object with any other epoch, so damage to a shared
+object cannot make it unrestorable, and retention deletes its objects exactly when it prunes the epoch.
+Spark rewrites ``N.delta`` and ``N.zip`` under the same names with new content after a restore, so names
+alone would share the wrong file; content addresses cannot. A file whose object the pipeline already holds
+(any retained epoch) is referenced, not copied: ``bytes_new`` is what this epoch added, ``bytes_total``
+what it references.
 Hashes are cached by (path, size, mtime) so unchanged files are not even re-read.
 
 Restore rebuilds a checkpoint folder from an epoch's entries into a fresh folder, verifying every
@@ -48,7 +52,7 @@ import pyarrow.fs as pafs
 
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.layout import StorageLayout, object_key, object_path
+from airflow_arroyo.runtime.layout import StorageLayout, epoch_object_key, object_digest, object_key, object_path
 from airflow_arroyo.runtime.spark_checkpoint import commit_path, rocksdb_zip_references, select_checkpoint_files
 from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
 
@@ -142,9 +146,10 @@ class SnapshotStore:
         return key
 
     def capture(self, stage: str, epoch: int, checkpoint: str, batch_id: int, *, commit_timeout: float = 120.0,
-                alive: Callable[[], bool] = lambda: True) -> CaptureResult:
+                alive: Callable[[], bool] = lambda: True, self_contained: bool = False) -> CaptureResult:
         """Snapshot ``checkpoint`` (rel to the storage root) as of ``batch_id`` and record it for
-        ``epoch``. Runs while later batches proceed; files Spark adds meanwhile are not selected."""
+        ``epoch``. Runs while later batches proceed; files Spark adds meanwhile are not selected.
+        ``self_contained``: copy every file under keys private to ``epoch`` (no object shared)."""
         wait_ms = self.wait_for_commit(checkpoint, batch_id, timeout=commit_timeout, alive=alive)
         t0 = time.monotonic()
         root = self.checkpoint_fs.arrow_path(checkpoint).rstrip("/")
@@ -164,7 +169,10 @@ class SnapshotStore:
         try:
             for rel in selected:
                 info = infos[rel]
-                entries.append(SnapshotEntry(rel, self._hash(info), int(info.size or 0)))
+                key = self._hash(info)
+                if self_contained:
+                    key = epoch_object_key(epoch, object_digest(key))
+                entries.append(SnapshotEntry(rel, key, int(info.size or 0)))
         except FileNotFoundError as exc:
             raise SnapshotError(
                 f"checkpoint file vanished while snapshotting epoch {epoch} of stage {stage!r}: {exc}; Spark deleted "
@@ -228,7 +236,7 @@ class SnapshotStore:
                     "Spark deleted it (raise spark.sql.streaming.minBatchesToRetain)", epoch=epoch,
                     path=entry.rel_path,
                 ) from exc
-            if object_key(h.hexdigest()) != entry.object_key or size != entry.bytes:
+            if h.hexdigest() != object_digest(entry.object_key) or size != entry.bytes:
                 if local:
                     self.fs.delete(tmp)
                 raise SnapshotError(
@@ -276,7 +284,7 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: file {where} is missing; nothing was changed, choose an "
                 "earlier epoch (restore_from=<n>)", epoch=epoch, path=src,
             ) from None
-        if size != e.bytes or object_key(h.hexdigest()) != e.object_key:
+        if size != e.bytes or h.hexdigest() != object_digest(e.object_key):
             raise SnapshotError(
                 f"epoch {epoch} cannot be restored: file {where} is corrupt ({size} bytes, expected {e.bytes}; "
                 "content does not match its SHA-256 name); nothing was changed, choose an earlier epoch",

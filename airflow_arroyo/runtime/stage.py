@@ -50,7 +50,7 @@ from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import write_caps
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
-from airflow_arroyo.store import EpochStore, FencingToken
+from airflow_arroyo.store import EpochRecord, EpochStore, FencingToken
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -232,6 +232,11 @@ class StageRunner:
     def alive(self) -> bool:
         return self.query is not None and self.query.isActive
 
+    @property
+    def warm(self) -> bool:
+        """This run's query has completed a micro-batch (planning, state store and Python workers are up)."""
+        return self._last_completed >= 0
+
     # ------------------------------------------------------------------ epochs from the driver
 
     def request_epoch(self, epoch: int) -> None:
@@ -377,10 +382,12 @@ class StageRunner:
     # ------------------------------------------------------------------ snapshot and ack (async)
 
     def _snapshot(self, epoch: int, batch_id: int) -> Any:
-        if not self._epoch_in_flight(epoch):
+        record = self._epoch_record(epoch)
+        if record is None or not record.state.in_flight:
             return None
         return self.snapshots.capture(self.name, epoch, self.checkpoint, batch_id,
-                                      commit_timeout=self.commit_timeout, alive=self.alive)
+                                      commit_timeout=self.commit_timeout, alive=self.alive,
+                                      self_contained=record.self_contained)
 
     def _snapshot_and_ack(self, pending: _Pending) -> None:
         epoch = pending.epoch
@@ -420,11 +427,11 @@ class StageRunner:
             log.exception("pipeline=%s epoch=%s stage=%s: could not mark the epoch failed", self.pipeline_id,
                           epoch, self.name)
 
-    def _epoch_in_flight(self, epoch: int) -> bool:
+    def _epoch_record(self, epoch: int) -> EpochRecord | None:
         try:
-            return bool(self.store.get_epoch(self.pipeline_id, epoch).state.in_flight)
+            return self.store.get_epoch(self.pipeline_id, epoch)
         except UnknownEpochError:
-            return False
+            return None
 
     def _release_feedback_acks(self) -> None:
         """Iteration head: acknowledge an epoch once its barrier came back on every feedback input."""

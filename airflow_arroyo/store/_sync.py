@@ -58,6 +58,7 @@ from airflow_arroyo.store.records import (
     CleanupRunRecord,
     EpochRecord,
     FencingToken,
+    ObjectRecord,
     PipelineRecord,
     PrunePlan,
     SinkCommitRecord,
@@ -461,7 +462,8 @@ class EpochStore:
     # ------------------------------------------------------------------ triggering
 
     def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
-                     force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
+                     force: bool = False, is_final: bool = False, watch: Iterable[int] = (),
+                     self_contained: bool = False) -> TickResult:
         """One decision of the checkpoint controller, applied atomically under the pipeline's row lock.
 
         Reads the facts, asks :func:`decide_trigger`, and applies START (insert epoch n+1) or
@@ -469,10 +471,11 @@ class EpochStore:
         a graceful stop, a manual checkpoint) but never the one-in-flight rule or the cleanup lock.
         ``watch``: epoch numbers the caller saw in flight; those that have ended come back in
         ``TickResult.ended`` (saves the controller a transaction per epoch to report its end).
+        ``self_contained``: an epoch started by this tick snapshots its own copy of every object.
         A batch of one of :meth:`trigger_ticks`.
         """
         request = TickRequest(pipeline_id, policy, triggered_by=triggered_by, force=force, is_final=is_final,
-                              watch=tuple(watch))
+                              watch=tuple(watch), self_contained=self_contained)
         result = self.trigger_ticks([request])[0]
         if isinstance(result, BaseException):
             raise result
@@ -537,6 +540,7 @@ class EpochStore:
                 last_ended_at=None if r.force else f["last_ended_at"],
                 cleanup_lease=CleanupLease(f["holder"], f["expires_at"]) if f["holder"] else None,
                 stop_requested=bool(pipe["stop_requested"]) and not r.is_final,
+                heartbeat_at=pipe["heartbeat_at"],
             )
             decision = decide_trigger(tf, r.policy)
             decided[i] = (tf, decision)
@@ -622,11 +626,12 @@ class EpochStore:
             return {}
         cur.execute(
             "WITH s AS (SELECT * FROM unnest(%(p)s::text[], %(n)s::bigint[], %(final)s::boolean[],"  # noqa: S608
-            "   %(by)s::text[], %(timeout)s::float8[]) AS s(pipeline_id, epoch, is_final, triggered_by, timeout_s)),"
+            "   %(by)s::text[], %(timeout)s::float8[], %(whole)s::boolean[])"
+            "   AS s(pipeline_id, epoch, is_final, triggered_by, timeout_s, self_contained)),"
             f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
             "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
             "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-            "   NULL, NULL, NULL, NULL, NULL, NULL"
+            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained"
             "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
             f"   RETURNING {_EPOCH_COLS}),"
             " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
@@ -634,7 +639,8 @@ class EpochStore:
             " SELECT * FROM ins",
             {"p": [r.pipeline_id for _, r, _ in starts], "n": [d.epoch for _, _, d in starts],
              "final": [r.is_final for _, r, _ in starts], "by": [r.triggered_by for _, r, _ in starts],
-             "timeout": [float(r.policy.effective_timeout) for _, r, _ in starts]},
+             "timeout": [float(r.policy.effective_timeout) for _, r, _ in starts],
+             "whole": [r.self_contained for _, r, _ in starts]},
         )
         return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in cur.fetchall())}
 
@@ -811,11 +817,13 @@ class EpochStore:
     # ------------------------------------------------------------------ snapshot objects
 
     def known_objects(self, pipeline_id: str, keys: Iterable[str]) -> set[str]:
-        """Which of ``keys`` are already stored for the pipeline (incremental snapshots skip them)."""
+        """Which of ``keys`` are already stored for the pipeline (incremental snapshots skip them). An object
+        a scrub found missing or corrupt is not: the next snapshot that has the file copies it again."""
         key_list = list(keys)
 
         def tx(cur: PgCursor) -> set[str]:
-            cur.execute("SELECT object_key FROM arroyo_objects WHERE pipeline_id = %s AND object_key = ANY(%s)",
+            cur.execute("SELECT object_key FROM arroyo_objects WHERE pipeline_id = %s AND object_key = ANY(%s)"
+                        " AND verify_state IS DISTINCT FROM 'missing' AND verify_state IS DISTINCT FROM 'corrupt'",
                         (pipeline_id, key_list))
             return {r["object_key"] for r in cur.fetchall()}
 
@@ -846,7 +854,8 @@ class EpochStore:
             psycopg2.extras.execute_values(
                 cur,
                 "INSERT INTO arroyo_objects (pipeline_id, object_key, bytes, first_epoch) VALUES %s"
-                " ON CONFLICT (pipeline_id, object_key) DO NOTHING",
+                " ON CONFLICT (pipeline_id, object_key) DO UPDATE SET verified_at = NULL, verify_state = NULL,"
+                "   verify_detail = NULL WHERE arroyo_objects.verify_state IN ('missing', 'corrupt')",
                 sorted({(pipeline_id, e.object_key, e.bytes, epoch) for e in entries}),
             )
             psycopg2.extras.execute_values(
@@ -870,6 +879,54 @@ class EpochStore:
             return [SnapshotEntry(r["rel_path"], r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
 
         return self._tx(tx)
+
+    # ------------------------------------------------------------------ scrubbing (migration 0005)
+
+    def objects_to_verify(self, pipeline_id: str, *, epoch: int | None = None) -> list[ObjectRecord]:
+        """The objects the retained epochs (or only ``epoch``) reference, least recently verified first
+        (never verified first, then oldest check), each with the retained epochs that reference it."""
+
+        def tx(cur: PgCursor) -> list[ObjectRecord]:
+            self._get_pipeline(cur, pipeline_id)
+            if epoch is not None:
+                cur.execute("SELECT 1 FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (pipeline_id, epoch))
+                if cur.fetchone() is None:
+                    raise ConfigurationError(f"pipeline {pipeline_id!r} has no epoch {epoch}")
+            cur.execute(
+                "SELECT o.object_key, o.bytes, o.verified_at, o.verify_state, o.verify_detail,"
+                " array_agg(DISTINCT eo.epoch ORDER BY eo.epoch) AS epochs"
+                " FROM arroyo_objects o JOIN arroyo_epoch_objects eo USING (pipeline_id, object_key)"
+                " JOIN arroyo_epochs e USING (pipeline_id, epoch)"
+                " WHERE o.pipeline_id = %s AND e.state NOT IN ('pruning', 'pruned')"
+                " AND (%s::bigint IS NULL OR o.object_key IN (SELECT object_key FROM arroyo_epoch_objects"
+                "   WHERE pipeline_id = %s AND epoch = %s))"
+                " GROUP BY o.object_key, o.bytes, o.verified_at, o.verify_state, o.verify_detail"
+                " ORDER BY o.verified_at NULLS FIRST, o.object_key",
+                (pipeline_id, epoch, pipeline_id, epoch),
+            )
+            return [ObjectRecord(r["object_key"], int(r["bytes"]), r["verified_at"], r["verify_state"],
+                                 r["verify_detail"], tuple(int(e) for e in r["epochs"])) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    def record_verification(self, pipeline_id: str, results: Sequence[tuple[str, str, str | None]]) -> None:
+        """Record scrub results ``(object_key, 'ok' | 'missing' | 'corrupt', detail)`` at database time."""
+
+        def tx(cur: PgCursor) -> None:
+            psycopg2.extras.execute_values(
+                cur,
+                "UPDATE arroyo_objects o SET verified_at = clock_timestamp(), verify_state = r.state,"
+                " verify_detail = r.detail FROM (VALUES %s) AS r(pipeline_id, object_key, state, detail)"
+                " WHERE o.pipeline_id = r.pipeline_id AND o.object_key = r.object_key",
+                [(pipeline_id, k, st, d) for k, st, d in results],
+            )
+
+        if results:
+            self._tx(tx)
+
+    def damaged_objects(self, pipeline_id: str) -> list[ObjectRecord]:
+        """Objects the last scrub found missing or corrupt that retained epochs still reference."""
+        return [o for o in self.objects_to_verify(pipeline_id) if o.verify_state not in (None, "ok")]
 
     # ------------------------------------------------------------------ cleanup lock and pruning
 

@@ -33,7 +33,7 @@ R = TypeVar("R")
 #: The columns of ``arroyo_epochs`` that make an :class:`EpochRecord`, in one place for every query.
 EPOCH_COLUMNS = (
     "pipeline_id", "epoch", "state", "run_id", "stages", "is_final", "triggered_by", "triggered_at", "timeout_at",
-    "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed",
+    "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed", "self_contained",
 )
 
 
@@ -116,6 +116,7 @@ class EpochRecord:
     bytes_total: int | None = None
     pruned_at: datetime | None = None
     bytes_freed: int | None = None
+    self_contained: bool = False  # its snapshot shares no object with another epoch
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", EpochState(self.state))
@@ -224,6 +225,7 @@ class TickRequest:
     is_final: bool = False
     watch: tuple[int, ...] = ()
     skip_if_locked: bool = False
+    self_contained: bool = False  # a started epoch's snapshot copies every object (docs/runtime.md)
 
 
 @dataclass(frozen=True)
@@ -234,3 +236,16 @@ class PrunePlan:
     objects: list[tuple[str, int]]  # (object_key, bytes) referenced by no retained epoch
     channel_low_watermarks: dict[str, int]  # channel URI -> first position a retained epoch may need
     storage_uri: str | None
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """A snapshot object as the store knows it, with what the last scrub found (``verify_state`` ``None``:
+    never verified; ``ok``, ``missing`` or ``corrupt``)."""
+
+    object_key: str
+    bytes: int
+    verified_at: datetime | None = None
+    verify_state: str | None = None
+    verify_detail: str | None = None
+    epochs: tuple[int, ...] = ()  # the retained epochs whose snapshot references it

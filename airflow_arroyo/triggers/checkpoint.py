@@ -285,6 +285,7 @@ class _Controller:
         self.outage_since: float | None = None
         self.cleanup_wait: str | None = None  # the cleanup wait already logged (reason names the holder)
         self.idle_state: str | None = None  # last logged "pipeline not running" state
+        self.not_alive = False  # logged that the driver's heartbeat is stale
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
@@ -505,8 +506,15 @@ class _Controller:
                              message=f"pipeline {self.pid} stopped; {figures}")
 
     async def _log_waits(self, tick: TickResult) -> None:
-        """Say once per wait why no epoch starts (cleanup lock held, pipeline not running)."""
+        """Say once per wait why no epoch starts (cleanup lock held, pipeline not running or not alive)."""
         decision = tick.decision
+        if decision.action is TriggerAction.PIPELINE_NOT_ALIVE:
+            if not self.not_alive:
+                self.log.warning("pipeline %s: %s", self.pid, decision.reason)
+                self.not_alive = True
+        elif self.not_alive:
+            self.log.info("pipeline %s: the driver heartbeats again; checkpoints resume", self.pid)
+            self.not_alive = False
         if decision.action is TriggerAction.WAIT_CLEANUP:
             if decision.reason != self.cleanup_wait:  # a new wait (or another holder took over)
                 self.cleanup_wait = decision.reason

@@ -784,3 +784,33 @@ async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, c
     ages = stats.values("gauge", "pipeline.heartbeat_age")
     assert len(ages) == 3 and all(0 <= a < 60 for a in ages), ages  # one per ended epoch
     assert all(t["pipeline_id"] == PID for _, _, _, t in stats.calls)
+
+
+async def test_no_epoch_for_a_driver_whose_heartbeat_is_stale_and_the_log_says_why(running: EpochStore,
+                                                                                connection: str) -> None:
+    """A running pipeline whose driver went silent gets no epoch (it would only expire); the trigger says so
+    once, and starts epochs again when the heartbeat is back."""
+    stale = "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() - interval '2 minutes' WHERE pipeline_id = %s"
+    with psycopg2.connect(connection) as conn, conn.cursor() as cur:
+        cur.execute(stale, (PID,))
+    conn.close()
+    sleeps = 0
+
+    def pipeline() -> None:
+        nonlocal sleeps
+        sleeps += 1
+        if sleeps < 8:
+            assert running.list_epochs(PID) == [], "an epoch started for a pipeline that is not alive"
+        elif sleeps == 8:
+            running.heartbeat(PID, "run-1")
+        elif ack(running) == 1:
+            running.set_pipeline_state(PID, PipelineState.STOPPED)
+
+    with structlog.testing.capture_logs() as logs:
+        event = await first_event(make_trigger(), VirtualClock(connection, pipeline))
+
+    assert event["status"] == "success" and event["summary"]["completed"] == 1
+    text = messages(logs)
+    silent = [m for m in text if "not alive" in m]
+    assert len(silent) == 1 and re.search(r"heartbeat is 1[23]\ds old \(more than 30s\)", silent[0]), silent
+    assert sum("heartbeats again; checkpoints resume" in m for m in text) == 1

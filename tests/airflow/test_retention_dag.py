@@ -75,6 +75,10 @@ def test_retention_dag_prunes_every_registered_pipeline(
                for ti in run.get_task_instances() if ti.task_id == "prune_epochs"}
     assert sorted(r["pipeline_id"] for r in reports.values()) == ["clicks", "orders"]
     assert all(r["epochs_pruned"] == [1, 2] and r["bytes_freed"] == 10 for r in reports.values())
+    # then it scrubbed (the [arroyo] retention_scrub_budget default): these test objects are zeros under
+    # made-up keys, so nothing hashes to its name and the retained epoch is reported damaged
+    assert all((r["objects_verified"], r["damaged_epochs"], r["restorable_epochs"]) == (2, [3], [])
+               for r in reports.values())
 
 
 class _NoStore:
@@ -102,6 +106,7 @@ def test_bad_policy_fails_when_the_dag_is_parsed_naming_the_task(kwargs: dict[st
     [
         ({"keep_last": "{{ not rendered }}x"}, "whole number"),
         ({"keep_last": 1, "lock_wait": "forever"}, "lock_wait"),
+        ({"keep_last": 1, "scrub_budget": "often"}, "scrub_budget"),
     ],
 )
 def test_bad_rendered_arguments_fail_without_touching_the_store(kwargs: dict[str, Any], needle: str) -> None:

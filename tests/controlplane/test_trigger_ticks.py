@@ -179,3 +179,28 @@ def test_two_triggerers_batches_racing_over_the_same_pipelines(store: EpochStore
     report = check_history(pg_dsn, pids)
     report.assert_clean()
     assert report.counts["triggered"] == sum(starts) > len(pids)
+
+
+def test_a_pipeline_whose_driver_stopped_heartbeating_gets_no_epoch_alone_or_in_a_batch(store: EpochStore,
+                                                                                       pg_dsn: str) -> None:
+    """A running pipeline whose heartbeat is older than the policy's bound is not alive: epochs started for it
+    would only expire one after another. Batched with a live pipeline, each is decided on its own heartbeat."""
+    running(store, "silent", "alive")
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() - interval '45 seconds'"
+                        " WHERE pipeline_id = 'silent'")
+    finally:
+        conn.close()
+    policy = CheckpointPolicy(interval=3600, timeout=7200, heartbeat_timeout=30)
+    silent, alive = store.trigger_ticks([TickRequest("silent", policy), TickRequest("alive", policy)])
+    assert isinstance(silent, TickResult) and isinstance(alive, TickResult)
+    assert silent.decision.action is TriggerAction.PIPELINE_NOT_ALIVE and silent.started is None
+    assert "heartbeat is 45s old" in silent.decision.reason
+    assert alive.started is not None
+    # not even forced (a manual checkpoint): the epoch could only expire
+    assert store.trigger_tick("silent", policy, force=True).started is None
+    store.heartbeat("silent", "r1")
+    assert store.trigger_tick("silent", policy).started is not None
+    assert [e.state.value for e in store.list_epochs("silent")] == ["triggered"]

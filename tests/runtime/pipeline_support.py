@@ -36,8 +36,9 @@ class Controller:
     """Plays the checkpoint trigger: one ``trigger_tick`` every ``tick`` seconds (what the Airflow trigger does)."""
 
     def __init__(self, store: Any, pipeline_id: str, *, interval: float = 1.5, timeout: float = 120.0,
-                 tick: float = 0.25) -> None:
+                 tick: float = 0.25, self_contained_every: int = 0) -> None:
         self.store = store
+        self.self_contained_every = self_contained_every  # every k-th epoch (the 2nd, k+2nd...) self-contained
         self.pipeline_id = pipeline_id
         self.policy = CheckpointPolicy(interval=interval, timeout=timeout)
         self.tick = tick
@@ -63,7 +64,9 @@ class Controller:
 
         while not self._stop.wait(self.tick):
             try:
-                result = self.store.trigger_tick(self.pipeline_id, self.policy, triggered_by="test-controller")
+                k = self.self_contained_every
+                result = self.store.trigger_tick(self.pipeline_id, self.policy, triggered_by="test-controller",
+                                                 self_contained=bool(k) and len(self.started) % k == 1 % k)
             except ArroyoError as exc:  # e.g. the pipeline is not registered yet
                 self.errors.append(exc)
                 continue
@@ -142,13 +145,13 @@ def check_barriers_follow_cuts(store: Any, pipeline_id: str, channel_uris: dict[
 
 
 def run_until(driver: Any, store: Any, done: Callable[[], bool], *, what: str, epochs: bool = True,
-              stop: str = "graceful", interval: float = 1.5) -> Any:
+              stop: str = "graceful", interval: float = 1.5, self_contained_every: int = 0) -> Any:
     """Run ``driver`` in a thread (with a checkpoint controller if ``epochs``) until ``done()``, then
     request ``stop`` and return the driver's result. ``done`` is first called once the driver started
     (a restore truncates channels, so they are read only after it)."""
     pipeline_id = driver.pipeline.pipeline_id
     thread = DriverThread(driver).start()
-    controller = Controller(store, pipeline_id, interval=interval)
+    controller = Controller(store, pipeline_id, interval=interval, self_contained_every=self_contained_every)
     if epochs:
         controller.__enter__()
     try:

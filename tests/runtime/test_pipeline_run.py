@@ -95,20 +95,21 @@ def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
 
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                epochs: bool = True, run_id: str | None = None, stop: str = "graceful",
-               on_step: Callable[[str], None] | None = None) -> Any:
+               on_step: Callable[[str], None] | None = None, self_contained_every: int = 0) -> Any:
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
                         on_step=on_step)
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
-                     what=f"{expected} rows in the report channel", epochs=epochs, stop=stop)
+                     what=f"{expected} rows in the report channel", epochs=epochs, stop=stop,
+                     self_contained_every=self_contained_every)
 
 
 @pytest.fixture(scope="module")
 def ran(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathFactory) -> Ran:
     pid = f"run-{uuid.uuid4().hex[:8]}"
     storage = tmp_path_factory.mktemp("storage")
-    result = run_to_end(spark, module_store, pid, storage, run_id="straight")
+    result = run_to_end(spark, module_store, pid, storage, run_id="straight", self_contained_every=2)
     return Ran(pid, storage, result, expected_report(ROWS), StorageLayout.at(str(storage), pid))
 
 
@@ -134,6 +135,24 @@ def test_the_sink_commits_recorded_in_the_store_are_what_the_folder_holds(ran: R
     assert sum(c.bytes_committed for c in commits) == sum(p.stat().st_size for p in files)
     final = module_store.latest_completed_epoch(ran.pipeline_id)
     assert final is not None and final.is_final and commits[-1].epoch == final.epoch
+
+
+def test_self_contained_epochs_share_no_object_and_every_epoch_verifies(ran: Ran, module_store: EpochStore) -> None:
+    """Every second epoch of the run was asked for self-contained: each stage's snapshot of it copied every file
+    under keys private to it; the others are incremental; a scrub of the whole run finds every object sound."""
+    from airflow_arroyo.scrub import verify_pipeline
+
+    epochs = [e for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED]
+    whole = [e.epoch for e in epochs if e.self_contained]
+    assert whole and len(whole) < len(epochs)
+    keys = {e.epoch: {x.object_key for s in STAGES for x in module_store.snapshot_entries(ran.pipeline_id, e.epoch, s)}
+            for e in epochs}
+    for n in whole:
+        assert keys[n] and all(k.startswith(f"epochs/{n}/sha256/") for k in keys[n])
+        assert all(keys[n].isdisjoint(keys[m]) for m in keys if m != n)
+    assert all(k.startswith("sha256/") for n in keys if n not in whole for k in keys[n])
+    report = verify_pipeline(module_store, ran.pipeline_id)
+    assert report.ok and report.restorable_epochs == sorted(keys) and report.objects_checked == report.objects_total
 
 
 def test_graceful_stop_took_a_completed_final_epoch(ran: Ran, module_store: EpochStore) -> None:
