@@ -48,9 +48,8 @@ from tests.runtime.pipeline_support import (
     committed_rows,
     row_count,
     rows_of,
-    wait_for,
 )
-from tests.support import sql
+from tests.support import sql, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
