@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import psycopg2
+
+T = TypeVar("T")
 
 
 def sql(target: Any, query: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[tuple[Any, ...]]:
@@ -19,3 +22,27 @@ def sql(target: Any, query: str, params: Sequence[Any] | dict[str, Any] = ()) ->
             return cur.fetchall() if cur.description else []
     finally:
         conn.close()
+
+
+def wait_for(condition: Callable[[], T], *, timeout: float = 10.0, what: str = "a condition",
+             interval: float = 0.05) -> T:
+    """Poll ``condition`` until it returns something truthy (returned); fail with ``what`` (an
+    ``AssertionError``) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def running(store: Any, *pipeline_ids: str, stages: Sequence[str] = ("src", "sink"), run_id: str = "r1") -> None:
+    """Register each pipeline (``stages``, run ``run_id``) and move it to RUNNING, as a driver does once its
+    queries started."""
+    from airflow_arroyo.epochs import PipelineState
+
+    for pipeline_id in pipeline_ids:
+        store.register_pipeline(pipeline_id, stages=list(stages), run_id=run_id)
+        store.set_pipeline_state(pipeline_id, PipelineState.RUNNING, run_id=run_id)

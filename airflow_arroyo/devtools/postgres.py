@@ -133,8 +133,9 @@ class ThrowawayPostgres:
         finally:
             conn.close()
 
-    def create_database(self, name: str) -> str:
-        """Create another database on this server and return its DSN."""
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """Create another database on this server and return its DSN; with ``template``, a copy of that
+        database (which nobody may be connected to meanwhile), e.g. one migrated once for many tests."""
         import psycopg2
         from psycopg2 import sql
 
@@ -142,7 +143,10 @@ class ThrowawayPostgres:
         try:
             conn.autocommit = True
             with conn.cursor() as cur:
-                cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+                if template is not None:
+                    query = sql.SQL("{} TEMPLATE {}").format(query, sql.Identifier(template))
+                cur.execute(query)
         finally:
             conn.close()
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/{name}"

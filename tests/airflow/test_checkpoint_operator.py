@@ -216,13 +216,13 @@ class FakePipeline(threading.Thread):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dag_test_runs_the_deferred_controller_until_the_pipeline_stops(
-        checkpoint_dag: Any, airflow_db: str, store: EpochStore, pg_dsn: str,
+        checkpoint_dag: Any, airflow_db: str, store: EpochStore, migrated_dsn: str,
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
     from airflow.utils.state import TaskInstanceState
 
-    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", pg_dsn)
+    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", migrated_dsn)
     hook_module._reset_shared_stores()
     driver = FakePipeline(store, epochs=3)
     driver.start()

@@ -26,6 +26,7 @@ from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
 from airflow_arroyo.triggers import checkpoint as trigger_module
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
+from tests.support import running as register_running
 
 REAL_SLEEP = asyncio.sleep
 PID = "orders"
@@ -45,17 +46,16 @@ def polling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def connection(monkeypatch: pytest.MonkeyPatch, pg_dsn: str) -> Iterator[str]:
-    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", pg_dsn)
+def connection(monkeypatch: pytest.MonkeyPatch, migrated_dsn: str) -> Iterator[str]:
+    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", migrated_dsn)
     hook_module._reset_shared_stores()
-    yield pg_dsn
+    yield migrated_dsn
     hook_module._reset_shared_stores()
 
 
 @pytest.fixture
 def running(store: EpochStore) -> EpochStore:
-    store.register_pipeline(PID, stages=STAGES, run_id="run-1")
-    store.set_pipeline_state(PID, PipelineState.RUNNING)
+    register_running(store, PID, stages=STAGES, run_id="run-1")
     return store
 
 

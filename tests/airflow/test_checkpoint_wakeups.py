@@ -26,16 +26,11 @@ from airflow_arroyo.store import AsyncEpochStore, EpochStore, EpochWatch, TickRe
 from airflow_arroyo.store._coalesce import TickCoalescer
 from airflow_arroyo.triggers import checkpoint as trigger_module
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
+from tests.support import running
 
 pytestmark = pytest.mark.timeout(120)
 STAGES = ["source", "sink"]
 POLICY = CheckpointPolicy(interval=3600, timeout=7200)
-
-
-def running(store: EpochStore, *pids: str) -> None:
-    for pid in pids:
-        store.register_pipeline(pid, stages=STAGES, run_id="r1")
-        store.set_pipeline_state(pid, PipelineState.RUNNING)
 
 
 def ack_all(store: EpochStore, pid: str) -> int | None:
@@ -52,7 +47,7 @@ def ack_all(store: EpochStore, pid: str) -> int | None:
 
 async def test_many_triggers_ticks_go_out_in_few_transactions(store: EpochStore) -> None:
     pids = [f"p{i:02d}" for i in range(30)]
-    running(store, *pids)
+    running(store, *pids, stages=STAGES)
     astore = AsyncEpochStore(store)
     results = await asyncio.gather(*(astore.trigger_tick(pid, POLICY, triggered_by=f"t-{pid}") for pid in pids))
     coalescer = TickCoalescer.for_store(store)
@@ -68,7 +63,7 @@ async def test_many_triggers_ticks_go_out_in_few_transactions(store: EpochStore)
 
 
 async def test_a_permanent_error_reaches_only_the_trigger_whose_pipeline_caused_it(store: EpochStore) -> None:
-    running(store, "fine-1", "broken", "fine-2")
+    running(store, "fine-1", "broken", "fine-2", stages=STAGES)
     astore = AsyncEpochStore(store)
     # a timeout the database cannot add to a timestamp: the batch's INSERT fails for everybody
     absurd = CheckpointPolicy(interval=1.0, timeout=1e15)
@@ -85,7 +80,7 @@ async def test_a_permanent_error_reaches_only_the_trigger_whose_pipeline_caused_
 
 
 async def test_a_subscription_wakes_on_its_pipelines_epoch_end_only(store: EpochStore) -> None:
-    running(store, "mine", "other")
+    running(store, "mine", "other", stages=STAGES)
     astore = AsyncEpochStore(store)
     mine = await astore.subscribe("mine")
     assert mine is not None and mine.live
@@ -113,12 +108,12 @@ async def test_a_subscription_wakes_on_its_pipelines_epoch_end_only(store: Epoch
         mine.close()
 
 
-async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore, pg_dsn: str,
+async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore, migrated_dsn: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Epochs overrun their interval (0.1 s) by 0.4 s: the trigger learns each end from the database's
     announcement, about one tick at the due time and one at the end, and starts the next epoch at once."""
     monkeypatch.setattr(trigger_module, "WAKE_ON_NOTIFY", True)
-    running(store, "slow")
+    running(store, "slow", stages=STAGES)
     stop = threading.Event()
 
     def pipeline() -> None:  # acknowledges every epoch 0.5 s after it started; stops after 5 epochs
@@ -169,7 +164,7 @@ async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore
 async def test_the_listener_survives_a_server_restart(private_pg: ThrowawayPostgres) -> None:
     store = EpochStore(private_pg.dsn, retry_seconds=20)
     store.migrate()
-    running(store, "p")
+    running(store, "p", stages=STAGES)
     astore = AsyncEpochStore(store)
     sub = await astore.subscribe("p")
     assert sub is not None
@@ -196,7 +191,7 @@ async def test_the_listener_survives_a_server_restart(private_pg: ThrowawayPostg
 
 
 def test_a_drivers_watch_wakes_on_an_epoch_start_and_polls_when_it_cannot_listen(store: EpochStore) -> None:
-    running(store, "p")
+    running(store, "p", stages=STAGES)
     watch = EpochWatch(store, "p")
     try:
         assert watch.wait(0.05) is True  # the first call: read the store (nothing was heard before)

@@ -29,6 +29,7 @@ from airflow_arroyo.sensors.pipeline import PipelineSensor
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers import settle
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
+from tests.support import running as register_running
 
 PID = "orders"
 CONN = "arroyo_settle"
@@ -39,8 +40,7 @@ STAGES = ["source", "sink"]
 def running(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> EpochStore:
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", store.dsn)
     hook_module._reset_shared_stores()
-    store.register_pipeline(PID, stages=STAGES, run_id="r1")
-    store.set_pipeline_state(PID, PipelineState.RUNNING, run_id="r1")
+    register_running(store, PID, stages=STAGES)
     yield store
     hook_module._reset_shared_stores()
 

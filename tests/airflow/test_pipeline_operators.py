@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from airflow_arroyo.operators.pipeline import (
 )
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
+from tests.support import wait_for
 
 FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
 PID = "orders"
@@ -90,14 +90,6 @@ def run_trigger(trigger: PipelineStateTrigger) -> dict[str, Any]:
         raise AssertionError("trigger ended without an event")
 
     return asyncio.run(first())
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -195,7 +187,7 @@ def test_submit_defers_returns_once_running_and_on_kill_stops_it(conns: EpochSto
     # killing the task (Airflow calls on_kill) stops the run and ends the process group
     op.on_kill()
     assert store.get_pipeline(PID).stop_requested == "immediate"
-    wait_for(lambda: not started[0].group_alive())
+    wait_for(lambda: not started[0].group_alive(), timeout=60, what="the process group to end")
 
 
 @pytest.mark.spark

@@ -34,6 +34,7 @@ from airflow_arroyo.triggers.pipeline import (
     evaluate_wait,
     normalize_target,
 )
+from tests.support import wait_for
 
 PID = "orders"
 STAGES = ["source", "sink"]
@@ -306,25 +307,17 @@ def process_group() -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_on_kill_stops_the_run_and_its_process_group(store: EpochStore, conn: str,
                                                      process_group: subprocess.Popen[bytes]) -> None:
     register(store)
     group = LocalProcess.of(process_group.pid)
-    wait_for(lambda: _group_size(group) == 2)
+    wait_for(lambda: _group_size(group) == 2, timeout=20, what="the process group to have two members")
     trigger = PipelineStateTrigger(PID, state="running", run_id="r1", conn_id=conn, stop_on_kill=True,
                                    submit_pid=group.pid, submit_host=group.host, submit_start_ticks=group.start_ticks)
     asyncio.run(trigger.on_kill())
     assert store.get_pipeline(PID).stop_requested == "immediate"
     process_group.wait(timeout=20)
-    wait_for(lambda: not group.group_alive())
+    wait_for(lambda: not group.group_alive(), timeout=20, what="the process group to end")
 
 
 def test_on_kill_of_a_plain_wait_touches_nothing(store: EpochStore, conn: str,

@@ -34,7 +34,8 @@ from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import LocalProcess
 from tests.airflow.test_pipeline_operators import _TI, run_trigger
-from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of, wait_for
+from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of
+from tests.support import wait_for
 
 # two driver starts on a 2-core machine: minutes (10-13 min measured while five test runs shared it)
 pytestmark = [pytest.mark.spark, pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -30,7 +30,7 @@ from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
 from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore
-from tests.support import sql
+from tests.support import sql, wait_for
 
 V = ViolationKind
 
@@ -40,14 +40,6 @@ TRIGGER_MODE = "airflow"
 # single-threaded process; with spawn each of the 8 trigger processes imports Airflow itself
 # (about 6 s of CPU each on this 2-core machine).
 START_METHOD = "forkserver"
-
-
-def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 # ============================================================================= synthetic histories
@@ -137,15 +129,9 @@ def write_history(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping
 
 
 @pytest.fixture(scope="module")
-def scratch_dsn(pg_server: ThrowawayPostgres) -> str:
+def scratch_dsn(migrated_db: Callable[[str], str]) -> str:
     """One migrated database for the synthetic histories (each writes its own pipeline)."""
-    dsn = pg_server.create_database(f"history_{uuid.uuid4().hex[:12]}")
-    s = EpochStore(dsn)
-    try:
-        s.migrate()
-    finally:
-        s.close()
-    return dsn
+    return migrated_db("history")
 
 
 def checked(dsn: str, events: Sequence[Ev], policies: Mapping[int, Mapping[str, Any]] | None = None) -> HistoryReport:
@@ -281,7 +267,7 @@ def complete_epoch(store: EpochStore, pid: str) -> int:
     return started.epoch
 
 
-def test_checker_passes_a_real_history_and_agrees_with_the_tables(store: EpochStore, pg_dsn: str) -> None:
+def test_checker_passes_a_real_history_and_agrees_with_the_tables(store: EpochStore, migrated_dsn: str) -> None:
     store.register_pipeline("real", stages=["a", "b"], run_id="r1")
     store.set_pipeline_state("real", PipelineState.RUNNING)
     for _ in range(3):
@@ -291,12 +277,12 @@ def test_checker_passes_a_real_history_and_agrees_with_the_tables(store: EpochSt
     store.fail_epoch("real", failed.epoch, "stage b could not snapshot")
     # a crashed cleanup: its lease expires without a release, the next run takes over
     crashed = store.acquire_cleanup_lock("real", "crashed", ttl=0.05, policy={"keep_last": 1})
-    wait_until(lambda: store.cleanup_lock("real") is None, what="the crashed lease to expire")
+    wait_for(lambda: store.cleanup_lock("real") is None, what="the crashed lease to expire")
     report = prune_pipeline(store, "real", RetentionPolicy(keep_last=1), holder="retention", lock_ttl=10)
     assert report.epochs_pruned == [1, 2, failed.epoch]
     complete_epoch(store, "real")
 
-    history = check_history(pg_dsn)
+    history = check_history(migrated_dsn)
     assert history.violations == []
     assert history.counts["triggered"] == 5
     assert history.counts["completed"] == 4
@@ -307,32 +293,32 @@ def test_checker_passes_a_real_history_and_agrees_with_the_tables(store: EpochSt
     assert runs[crashed.id] == "lock_lost"
 
 
-def test_checker_reports_tables_that_disagree_with_the_history(store: EpochStore, pg_dsn: str) -> None:
+def test_checker_reports_tables_that_disagree_with_the_history(store: EpochStore, migrated_dsn: str) -> None:
     store.register_pipeline("real", stages=["a"], run_id="r1")
     store.set_pipeline_state("real", PipelineState.RUNNING)
     epoch = complete_epoch(store, "real")
-    assert check_history(pg_dsn).violations == []
+    assert check_history(migrated_dsn).violations == []
     # change a state behind the history trigger's back
-    sql(pg_dsn, "ALTER TABLE arroyo_epochs DISABLE TRIGGER arroyo_epochs_history;"
+    sql(migrated_dsn, "ALTER TABLE arroyo_epochs DISABLE TRIGGER arroyo_epochs_history;"
                 "UPDATE arroyo_epochs SET state = 'failed', failure_reason = 'x' WHERE epoch = %s;"
                 "ALTER TABLE arroyo_epochs ENABLE TRIGGER arroyo_epochs_history", (epoch,))
-    report = check_history(pg_dsn)
+    report = check_history(migrated_dsn)
     assert report.kinds() == {V.TABLE_MISMATCH}
 
 
-def test_checker_catches_breaches_made_behind_the_stores_back(store: EpochStore, pg_dsn: str) -> None:
+def test_checker_catches_breaches_made_behind_the_stores_back(store: EpochStore, migrated_dsn: str) -> None:
     """Raw SQL that skips the store's rules: the database's triggers record it, the checker reports it."""
     store.register_pipeline("raw", stages=["a"], run_id="r1")
     store.set_pipeline_state("raw", PipelineState.RUNNING)
     first, second = complete_epoch(store, "raw"), complete_epoch(store, "raw")
     store.acquire_cleanup_lock("raw", "cleaner", ttl=60, policy={"keep_last": 1})
     # an epoch started although the cleanup lease is live (the store's trigger_tick would wait)
-    sql(pg_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
+    sql(migrated_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
                 " VALUES ('raw', 3, 'triggered', '{a}', now() + interval '1 hour');"
                 "UPDATE arroyo_pipelines SET last_epoch = 3 WHERE pipeline_id = 'raw'")
     # the latest completed epoch marked pruning (begin_prune refuses it)
-    sql(pg_dsn, "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = 'raw' AND epoch = %s", (second,))
-    report = check_history(pg_dsn)
+    sql(migrated_dsn, "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = 'raw' AND epoch = %s", (second,))
+    report = check_history(migrated_dsn)
     assert report.kinds() == {V.TRIGGERED_UNDER_LOCK, V.PRUNED_WHILE_IN_FLIGHT, V.PRUNED_LATEST_COMPLETED}
     assert first == 1
 

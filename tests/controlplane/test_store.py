@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -50,23 +50,9 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
-from tests.support import sql
+from tests.support import running, sql, wait_for
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], object], *, timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
-def running(store: EpochStore, pipeline_id: str, stages: Sequence[str] = ("src", "sink"), run_id: str = "r1") -> None:
-    store.register_pipeline(pipeline_id, stages=list(stages), run_id=run_id)
-    store.set_pipeline_state(pipeline_id, PipelineState.RUNNING)
 
 
 def count(dsn: str, table: str) -> int:
@@ -99,22 +85,16 @@ def complete(store: EpochStore, pipeline_id: str) -> int:
 def expire(store: EpochStore, pipeline_id: str) -> int:
     started = store.trigger_tick(pipeline_id, FAST, force=True).started
     assert started is not None
-    wait_until(lambda: store.db_now() > started.timeout_at, what="the epoch to pass its timeout")
+    wait_for(lambda: store.db_now() > started.timeout_at, what="the epoch to pass its timeout")
     tick = store.trigger_tick(pipeline_id, FAST)
     assert tick.decision.action is TriggerAction.EXPIRE and tick.expired is not None
     return started.epoch
 
 
 @pytest.fixture(scope="module")
-def shared_dsn(pg_server: ThrowawayPostgres) -> str:
+def shared_dsn(migrated_db: Callable[[str], str]) -> str:
     """One migrated database for the tests that each use their own pipelines."""
-    dsn = pg_server.create_database(f"store_{uuid.uuid4().hex[:12]}")
-    s = EpochStore(dsn)
-    try:
-        s.migrate()
-    finally:
-        s.close()
-    return dsn
+    return migrated_db("store")
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +116,12 @@ def new_id(prefix: str = "p") -> str:
 # ============================================================================= schema
 
 
-def test_migrations_are_idempotent(store: EpochStore, pg_dsn: str) -> None:
+def test_migrations_are_idempotent(store: EpochStore, migrated_dsn: str) -> None:
     versions = [v for v, _, _ in available_migrations()]
     assert store.schema_version() == max(versions)
     assert store.migrate() == []
     assert store.migrate() == []
-    assert sorted(r[0] for r in sql(pg_dsn, "SELECT version FROM arroyo_schema_migrations")) == versions
+    assert sorted(r[0] for r in sql(migrated_dsn, "SELECT version FROM arroyo_schema_migrations")) == versions
 
 
 def test_migrations_from_two_processes_at_once_apply_each_version_once(pg_dsn: str) -> None:
@@ -154,7 +134,7 @@ def test_migrations_from_two_processes_at_once_apply_each_version_once(pg_dsn: s
             cur.execute("SELECT pg_advisory_lock(%s)", (_LOCK_KEY,))
         procs = [subprocess.Popen([sys.executable, "-c", code, pg_dsn], stdout=subprocess.PIPE, text=True)
                  for _ in range(2)]
-        wait_until(lambda: int(sql(pg_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        wait_for(lambda: int(sql(pg_dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
                                            " AND NOT granted")[0][0]) == 2,
                    timeout=60, what="both processes to wait for the migration lock")
         with holder.cursor() as cur:
@@ -172,36 +152,36 @@ def _migrations(dsn: str) -> list[tuple[int, str | None]]:
     return [(int(v), c) for v, c in sql(dsn, "SELECT version, checksum FROM arroyo_schema_migrations ORDER BY 1")]
 
 
-def test_checksums_are_recorded_and_backfilled_for_rows_written_before_them(store: EpochStore, pg_dsn: str) -> None:
+def test_checksums_are_recorded_and_backfilled_for_rows_written_before_them(store: EpochStore) -> None:
     shipped = [(v, checksum(text)) for v, _, text in available_migrations()]
-    assert _migrations(pg_dsn) == shipped
+    assert _migrations(store.dsn) == shipped
     # a store migrated by a release that recorded no checksums: no column at all, then NULLs
-    sql(pg_dsn, "ALTER TABLE arroyo_schema_migrations DROP COLUMN checksum")
+    sql(store.dsn, "ALTER TABLE arroyo_schema_migrations DROP COLUMN checksum")
     assert store.check_schema() == shipped[-1][0]  # versions alone are checked
     assert store.migrate() == []
-    assert _migrations(pg_dsn) == shipped
-    sql(pg_dsn, "UPDATE arroyo_schema_migrations SET checksum = NULL")
-    assert store.migrate() == [] and _migrations(pg_dsn) == shipped
+    assert _migrations(store.dsn) == shipped
+    sql(store.dsn, "UPDATE arroyo_schema_migrations SET checksum = NULL")
+    assert store.migrate() == [] and _migrations(store.dsn) == shipped
 
 
-def test_a_newer_or_edited_schema_is_refused_before_anything_is_written(store: EpochStore, pg_dsn: str) -> None:
+def test_a_newer_or_edited_schema_is_refused_before_anything_is_written(store: EpochStore) -> None:
     first, last = available_migrations()[0], available_migrations()[-1]
-    sql(pg_dsn, "INSERT INTO arroyo_schema_migrations (version, name, checksum) VALUES (%s, %s, 'x')",
+    sql(store.dsn, "INSERT INTO arroyo_schema_migrations (version, name, checksum) VALUES (%s, %s, 'x')",
         (last[0] + 1, f"{last[0] + 1:04d}_from_the_future.sql"))
-    before = _migrations(pg_dsn)
+    before = _migrations(store.dsn)
     for call in (store.migrate, store.check_schema):
         with pytest.raises(SchemaError, match=f"{last[0] + 1:04d}_from_the_future.sql.*upgrade airflow-arroyo"):
             call()
-    assert _migrations(pg_dsn) == before
-    sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0] + 1,))
-    sql(pg_dsn, "UPDATE arroyo_schema_migrations SET checksum = %s WHERE version = %s",
+    assert _migrations(store.dsn) == before
+    sql(store.dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0] + 1,))
+    sql(store.dsn, "UPDATE arroyo_schema_migrations SET checksum = %s WHERE version = %s",
         (checksum(first[2] + "-- edited\n"), first[0]))
     for call in (store.migrate, store.check_schema):
         with pytest.raises(SchemaError, match=f"migration {first[1]} applied to this epoch store differs"):
             call()
 
 
-def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: EpochStore, pg_dsn: str) -> None:
+def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: EpochStore) -> None:
     empty = EpochStore(pg_server.create_database(f"empty_{uuid.uuid4().hex[:12]}"))
     try:
         with pytest.raises(SchemaMissingError, match="has no airflow-arroyo schema: run `airflow-arroyo migrate`"):
@@ -210,7 +190,7 @@ def test_check_schema_names_what_to_run(pg_server: ThrowawayPostgres, store: Epo
     finally:
         empty.close()
     last = available_migrations()[-1]
-    sql(pg_dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0],))  # as if one release behind
+    sql(store.dsn, "DELETE FROM arroyo_schema_migrations WHERE version = %s", (last[0],))  # as if one release behind
     behind = f"this package needs {last[0]} \\(it lacks {last[1]}\\): run `airflow-arroyo migrate`"
     with pytest.raises(SchemaMissingError, match=behind):
         store.check_schema()
@@ -248,24 +228,24 @@ def test_check_constraints_refuse_invalid_rows(shared_dsn: str, case: str) -> No
         sql(shared_dsn, query, params)
 
 
-def test_a_second_in_flight_epoch_is_refused_even_by_raw_sql(store: EpochStore, pg_dsn: str) -> None:
+def test_a_second_in_flight_epoch_is_refused_even_by_raw_sql(store: EpochStore, migrated_dsn: str) -> None:
     running(store, "one")
     running(store, "other")
     first = start(store, "one")
     with pytest.raises(psycopg2.errors.UniqueViolation, match="arroyo_epochs_one_in_flight"):
-        sql(pg_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
+        sql(migrated_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
                     " VALUES ('one', %s, 'triggered', '{src}', now() + interval '1 hour')", (first + 1,))
     start(store, "other")  # another pipeline has its own
     assert store.trigger_tick("one", SLOW, force=True).decision.action is TriggerAction.WAIT_IN_FLIGHT
 
 
-def test_epoch_numbers_must_increase_even_for_raw_sql(store: EpochStore, pg_dsn: str) -> None:
+def test_epoch_numbers_must_increase_even_for_raw_sql(store: EpochStore, migrated_dsn: str) -> None:
     running(store, "inc")
     complete(store, "inc")
     complete(store, "inc")
     for epoch in (1, 2):
         with pytest.raises(psycopg2.errors.CheckViolation, match="not greater than every earlier epoch"):
-            sql(pg_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
+            sql(migrated_dsn, "INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
                         " VALUES ('inc', %s, 'triggered', '{src}', now() + interval '1 hour')", (epoch,))
     assert start(store, "inc") == 3
 
@@ -394,7 +374,7 @@ def test_begin_prune_lists_only_objects_no_retained_epoch_references(store: Epoc
 
 
 def test_acks_are_idempotent_and_complete_the_epoch_only_when_every_stage_acked(store: EpochStore,
-                                                                                 pg_dsn: str) -> None:
+                                                                                 migrated_dsn: str) -> None:
     running(store, "acks", stages=["a", "b", "c"])
     epoch = start(store, "acks")
     assert store.ack_epoch("acks", epoch, "a", bytes_new=10, bytes_total=100) is EpochState.TRIGGERED
@@ -406,19 +386,19 @@ def test_acks_are_idempotent_and_complete_the_epoch_only_when_every_stage_acked(
     rec = store.get_epoch("acks", epoch)
     assert (rec.state, rec.bytes_new, rec.bytes_total) == (EpochState.COMPLETED, 60, 600)
     assert sorted(a.stage for a in store.acks("acks", epoch)) == ["a", "b", "c"]
-    completions = sql(pg_dsn, "SELECT count(*) FROM arroyo_history WHERE pipeline_id = 'acks' AND epoch = %s"
+    completions = sql(migrated_dsn, "SELECT count(*) FROM arroyo_history WHERE pipeline_id = 'acks' AND epoch = %s"
                               " AND new_state = 'completed'", (epoch,))
     assert completions == [(1,)]
 
 
-def test_an_ack_for_an_unknown_stage_or_epoch_writes_nothing(store: EpochStore, pg_dsn: str) -> None:
+def test_an_ack_for_an_unknown_stage_or_epoch_writes_nothing(store: EpochStore, migrated_dsn: str) -> None:
     running(store, "bad-ack", stages=["a"])
     epoch = start(store, "bad-ack")
     with pytest.raises(ConfigurationError, match="not one of the stages"):
         store.ack_epoch("bad-ack", epoch, "z")
     with pytest.raises(UnknownEpochError, match="no epoch 99"):
         store.ack_epoch("bad-ack", 99, "a")
-    assert count(pg_dsn, "arroyo_acks") == 0
+    assert count(migrated_dsn, "arroyo_acks") == 0
 
 
 def test_an_ack_after_expiry_is_kept_but_the_epoch_stays_expired(store: EpochStore) -> None:
@@ -433,23 +413,23 @@ def test_an_ack_after_expiry_is_kept_but_the_epoch_stays_expired(store: EpochSto
     assert store.fail_epoch("late", epoch, "too late") is EpochState.EXPIRED
 
 
-def test_ack_racing_the_expiry_of_the_same_epoch_is_serialised(store: EpochStore, pg_dsn: str) -> None:
+def test_ack_racing_the_expiry_of_the_same_epoch_is_serialised(store: EpochStore, migrated_dsn: str) -> None:
     """A stage's last ack and the trigger's expiry of the same epoch arrive together: one of them wins,
     neither errors, and the history stays in commit order (every writer takes the pipeline lock)."""
     running(store, "race", stages=["s"])
     started = store.trigger_tick("race", FAST).started
     assert started is not None
-    wait_until(lambda: store.db_now() > started.timeout_at, what="the epoch to pass its timeout")
-    blocker = psycopg2.connect(pg_dsn)
+    wait_for(lambda: store.db_now() > started.timeout_at, what="the epoch to pass its timeout")
+    blocker = psycopg2.connect(migrated_dsn)
     try:
         with blocker.cursor() as cur:  # hold the epoch row so that both writers queue behind it
             cur.execute("SELECT 1 FROM arroyo_epochs WHERE pipeline_id = 'race' AND epoch = %s FOR UPDATE",
                         (started.epoch,))
         with ThreadPoolExecutor(2) as pool:
             ack = pool.submit(store.ack_epoch, "race", started.epoch, "s")
-            wait_until(lambda: lock_waiters(pg_dsn) >= 1, what="the ack to wait for a lock")
+            wait_for(lambda: lock_waiters(migrated_dsn) >= 1, what="the ack to wait for a lock")
             tick = pool.submit(store.trigger_tick, "race", FAST)
-            wait_until(lambda: lock_waiters(pg_dsn) >= 2, what="the tick to wait for a lock")
+            wait_for(lambda: lock_waiters(migrated_dsn) >= 2, what="the tick to wait for a lock")
             blocker.commit()
             ack_state = ack.result(timeout=30)
             tick_result = tick.result(timeout=30)
@@ -458,7 +438,7 @@ def test_ack_racing_the_expiry_of_the_same_epoch_is_serialised(store: EpochStore
     assert ack_state is EpochState.COMPLETED
     assert store.get_epoch("race", started.epoch).state is EpochState.COMPLETED
     assert tick_result.decision.action is not TriggerAction.EXPIRE
-    check_history(pg_dsn).assert_clean()
+    check_history(migrated_dsn).assert_clean()
 
 
 # ============================================================================= triggering
@@ -517,7 +497,8 @@ def test_registering_a_live_pipeline_again_is_refused_unless_taking_over(store: 
     assert (again.state, again.run_id) == (PipelineState.REGISTERED, "r3")
 
 
-def test_restoring_an_older_epoch_supersedes_the_completed_epochs_after_it(store: EpochStore, pg_dsn: str) -> None:
+def test_restoring_an_older_epoch_supersedes_the_completed_epochs_after_it(store: EpochStore,
+                                                                          migrated_dsn: str) -> None:
     """The restore cuts the channels right after barrier N: later completed epochs cannot be restored
     again, so 'latest completed' (restore, retention) must mean N until the new run completes one. That
     happens at the restore's commit point (commit_restore), never at registration: a restore that fails
@@ -555,7 +536,7 @@ def test_restoring_an_older_epoch_supersedes_the_completed_epochs_after_it(store
     plan_run = store.acquire_cleanup_lock("older", "test", ttl=60, policy={"keep_last": 1})
     plan = store.begin_prune("older", plan_run.id, [e2, e3])
     assert plan.epochs == [e2, e3]
-    check_history(pg_dsn, ["older"]).assert_clean()
+    check_history(migrated_dsn, ["older"]).assert_clean()
 
 
 # ============================================================================= the cleanup lease
@@ -574,7 +555,7 @@ def test_cleanup_lease_is_exclusive_expires_and_is_taken_over(store: EpochStore)
     assert lease is not None and lease.expires_at == renewed and lease.cleanup_run == a.id
     store.renew_cleanup_lock("lease", a.id, ttl=0.2)  # A stalls: its lease runs out
 
-    wait_until(lambda: store.cleanup_lock("lease") is None, what="A's lease to expire")
+    wait_for(lambda: store.cleanup_lock("lease") is None, what="A's lease to expire")
     with pytest.raises(LockLostError):
         store.renew_cleanup_lock("lease", a.id)
     b = store.acquire_cleanup_lock("lease", "B", ttl=60)
@@ -689,7 +670,7 @@ def test_the_store_reconnects_after_a_server_restart(private_pg: ThrowawayPostgr
         caplog.clear()
         with ThreadPoolExecutor(1) as pool:
             call = pool.submit(store.trigger_tick, "restart", SLOW, force=True)
-            wait_until(lambda: any("transient error" in r.getMessage() for r in caplog.records),
+            wait_for(lambda: any("transient error" in r.getMessage() for r in caplog.records),
                        what="the call to retry while the server is down")
             assert not call.done()
             private_pg.start()
@@ -838,7 +819,7 @@ def test_the_pool_keeps_and_reuses_its_connections(pg_dsn: str) -> None:
         assert store_backends(pg_dsn, "arroyo-pool-test") == first
     finally:
         store.close()
-    wait_until(lambda: not store_backends(pg_dsn, "arroyo-pool-test"), what="close() to end the connections")
+    wait_for(lambda: not store_backends(pg_dsn, "arroyo-pool-test"), what="close() to end the connections")
 
 
 def test_concurrent_calls_from_threads_share_the_pool(store: EpochStore) -> None:

@@ -18,15 +18,10 @@ from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore, TickRequest, TickResult
+from tests.support import running
 
 POLICY = CheckpointPolicy(interval=3600, timeout=7200, tolerable_failures=3)
 STAGES = ["source", "sink"]
-
-
-def running(store: EpochStore, *pids: str) -> None:
-    for pid in pids:
-        store.register_pipeline(pid, stages=STAGES, run_id="r1")
-        store.set_pipeline_state(pid, PipelineState.RUNNING)
 
 
 def shift_history(dsn: str, pid: str, seconds: float) -> None:
@@ -41,10 +36,10 @@ def shift_history(dsn: str, pid: str, seconds: float) -> None:
         conn.close()
 
 
-def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: EpochStore, pg_dsn: str) -> None:
-    running(store, "due", "in-flight", "timed-out", "not-due", "leased", "watched")
+def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: EpochStore, migrated_dsn: str) -> None:
+    running(store, "due", "in-flight", "timed-out", "not-due", "leased", "watched", stages=STAGES)
     store.register_pipeline("registered", stages=STAGES, run_id="r1")
-    running(store, "stopped")
+    running(store, "stopped", stages=STAGES)
     store.set_pipeline_state("stopped", PipelineState.STOPPED)
     # in-flight: an epoch in flight, not timed out
     store.trigger_tick("in-flight", POLICY)
@@ -54,13 +49,13 @@ def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: Epoch
         assert started is not None
         store.fail_epoch("timed-out", started.epoch, "stage sink could not snapshot")
     store.trigger_tick("timed-out", POLICY, force=True)
-    shift_history(pg_dsn, "timed-out", 7300)
+    shift_history(migrated_dsn, "timed-out", 7300)
     # not-due: one completed epoch, started a minute ago
     done = store.trigger_tick("not-due", POLICY).started
     assert done is not None
     for stage in STAGES:
         store.ack_epoch("not-due", done.epoch, stage)
-    shift_history(pg_dsn, "not-due", 60)
+    shift_history(migrated_dsn, "not-due", 60)
     # leased: a cleanup holds the lock
     store.acquire_cleanup_lock("leased", "retention@w1", ttl=600)
     # watched: epoch 1 completed since the caller saw it in flight; epoch 2 in flight now
@@ -105,19 +100,19 @@ def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: Epoch
     # one statement read every pipeline's facts (each row at its own clock_timestamp())
     nows = sorted(r.now for r in decided.values())
     assert (nows[-1] - nows[0]).total_seconds() < 1.0
-    check_history(pg_dsn).assert_clean()
+    check_history(migrated_dsn).assert_clean()
 
 
 def test_a_pipeline_appears_once_per_batch(store: EpochStore) -> None:
-    running(store, "p")
+    running(store, "p", stages=STAGES)
     with pytest.raises(ConfigurationError, match="once per batch"):
         store.trigger_ticks([TickRequest("p", POLICY), TickRequest("p", POLICY)])
     assert store.trigger_ticks([]) == []
 
 
-def test_a_row_another_transaction_holds_is_skipped_not_waited_for(store: EpochStore, pg_dsn: str) -> None:
-    running(store, "busy", "free")
-    holder = psycopg2.connect(pg_dsn)
+def test_a_row_another_transaction_holds_is_skipped_not_waited_for(store: EpochStore, migrated_dsn: str) -> None:
+    running(store, "busy", "free", stages=STAGES)
+    holder = psycopg2.connect(migrated_dsn)
     try:
         with holder.cursor() as cur:  # e.g. a cleanup in the middle of its transaction
             cur.execute("SELECT 1 FROM arroyo_pipelines WHERE pipeline_id = 'busy' FOR UPDATE")
@@ -139,14 +134,14 @@ def test_a_row_another_transaction_holds_is_skipped_not_waited_for(store: EpochS
         holder.close()
 
 
-def test_two_triggerers_batches_racing_over_the_same_pipelines(store: EpochStore, pg_dsn: str) -> None:
+def test_two_triggerers_batches_racing_over_the_same_pipelines(store: EpochStore, migrated_dsn: str) -> None:
     """Triggerer HA at the store: two batches at a time over the same pipelines (in different orders,
     with and without skipping locked rows), many rounds: one of them starts each epoch, no deadlock,
     and the database's history is clean."""
     pids = [f"p{i:02d}" for i in range(40)]
-    running(store, *pids)
+    running(store, *pids, stages=STAGES)
     policy = CheckpointPolicy(interval=0.001, timeout=60)
-    other = EpochStore(pg_dsn)
+    other = EpochStore(migrated_dsn)
     starts: list[int] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -176,7 +171,7 @@ def test_two_triggerers_batches_racing_over_the_same_pipelines(store: EpochStore
     finally:
         other.close()
     assert errors == []
-    report = check_history(pg_dsn, pids)
+    report = check_history(migrated_dsn, pids)
     report.assert_clean()
     assert report.counts["triggered"] == sum(starts) > len(pids)
 

@@ -16,20 +16,9 @@ from typing import Any, TypeVar
 
 from airflow_arroyo.epochs import CheckpointPolicy
 from airflow_arroyo.runtime.channel import Channel
+from tests.support import wait_for
 
 T = TypeVar("T")
-
-
-def wait_for(condition: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``condition`` until it returns something truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Controller:

@@ -48,9 +48,8 @@ from tests.runtime.pipeline_support import (
     committed_rows,
     row_count,
     rows_of,
-    wait_for,
 )
-from tests.support import sql
+from tests.support import sql, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -192,7 +191,7 @@ def pg_tables_match_a_completed_epoch(store: EpochStore, pid: str, report_uri: s
     return next((epoch for epoch, rows in cuts.items() if Counter(rows) == report), None)
 
 
-def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: str, pg_server: Any,
+def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(store: EpochStore, pg_server: Any,
                                                                         tmp_path: Path) -> None:
     """With the demo's Parquet sink and its two PostgreSQL sinks (in a database that is not the epoch
     store's)."""
@@ -206,38 +205,36 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(pg_dsn: s
     sink_dsn = pg_server.create_database(f"sink_{uuid.uuid4().hex[:10]}")
     sql(sink_dsn, PG_REPORT_DDL.format(table="report_rows"))
     sql(sink_dsn, PG_TOTALS_DDL.format(table="key_totals"))
-    kill_and_restore(pg_dsn, tmp_path, [MOMENTS[0], *rest], rng, storage=tmp_path / "storage", rows=ROWS,
+    kill_and_restore(store, tmp_path, [MOMENTS[0], *rest], rng, storage=tmp_path / "storage", rows=ROWS,
                      sink_dsn=sink_dsn)
 
 
-def test_sigkill_with_channels_and_snapshots_on_s3_is_exactly_once(pg_dsn: str, tmp_path: Path, bucket: str,
+def test_sigkill_with_channels_and_snapshots_on_s3_is_exactly_once(store: EpochStore, tmp_path: Path, bucket: str,
                                                                     s3_server: Any) -> None:
     """The same proof with channels and snapshots on S3 (moto's server; the executors write and read the
     channels with pyarrow) and Spark's checkpoints on a local disk (no S3A connector here): killed
     between epochs and while snapshots are copied to S3, restored from S3 each time."""
     seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
     print(f"ARROYO_TEST_SEED={seed}")
-    kill_and_restore(pg_dsn, tmp_path, ["between", "snapshot"], random.Random(seed), storage=f"{bucket}/storage",
+    kill_and_restore(store, tmp_path, ["between", "snapshot"], random.Random(seed), storage=f"{bucket}/storage",
                      rows=S3_ROWS, checkpoints=tmp_path / "checkpoints", env=s3_server.env)
     assert any("/snapshots/objects/" in k for k in s3_server.keys(f"{bucket}/storage"))
     assert list((tmp_path / "checkpoints").rglob("checkpoint.json"))  # restores switched checkpoint pointers
 
 
-def kill_and_restore(pg_dsn: str, tmp_path: Path, plan: list[str], rng: random.Random, *, storage: Path | str,
+def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: random.Random, *, storage: Path | str,
                      rows: int, checkpoints: Path | None = None, env: dict[str, str] | None = None,
                      sink_dsn: str | None = None) -> None:
     """Kill the driver at each moment of ``plan`` and restart it from the latest epoch, then run to the end
     and stop gracefully; every channel and the sinks (with ``sink_dsn``, the PostgreSQL ones too) must hold
     the plain-Python result exactly once."""
-    store = EpochStore(pg_dsn)
-    store.migrate()
     pid = f"eo-{uuid.uuid4().hex[:8]}"
     logs = tmp_path / "logs"
     logs.mkdir()
     sink = tmp_path / "report_files"  # the demo's exactly-once Parquet sink
     layout = StorageLayout.at(str(storage), pid)
     expected = expected_report(rows)
-    start = functools.partial(Driver, dsn=pg_dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink, rows=rows,
+    start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink, rows=rows,
                               checkpoints=checkpoints, env=env, sink_dsn=sink_dsn)
     kills: list[dict[str, Any]] = []
     with Controller(store, pid, interval=1.5, timeout=60.0, tick=0.2):

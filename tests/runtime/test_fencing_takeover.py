@@ -24,9 +24,9 @@ from airflow_arroyo.runtime.channel import Channel, EntryKind
 from airflow_arroyo.runtime.file_sink import committed_files
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of, wait_for
+from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of
 from tests.runtime.test_exactly_once import Driver, current
-from tests.support import sql
+from tests.support import sql, wait_for
 
 pytestmark = [pytest.mark.spark]
 

@@ -27,8 +27,8 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.runtime.pipeline import Pipeline
-from tests.runtime.pipeline_support import DriverThread, row_count, run_until, wait_for
-from tests.support import sql
+from tests.runtime.pipeline_support import DriverThread, row_count, run_until
+from tests.support import sql, wait_for
 
 pytestmark = [pytest.mark.spark]
 

@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +19,15 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.store import EpochStore
 from tests.ui.data import Dataset, populate
 
 
 @pytest.fixture(scope="session")
-def dataset(pg_server: ThrowawayPostgres) -> Iterator[Dataset]:
+def dataset(migrated_db: Callable[[str], str]) -> Iterator[Dataset]:
     """Five pipelines, hundreds of epochs, acks, cleanup runs and a held lock (see tests/ui/data.py).
     Session-wide: the UI only reads, and no test here writes to it."""
-    dsn = pg_server.create_database(f"ui_{uuid.uuid4().hex[:12]}")
-    store = EpochStore(dsn)
-    store.migrate()
+    store = EpochStore(migrated_db("ui"))
     try:
         yield populate(store)
     finally:
