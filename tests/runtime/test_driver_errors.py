@@ -18,6 +18,7 @@ import pytest
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict, SchemaMissingError, StageBuildError
 from airflow_arroyo.runtime.driver import PipelineDriver, _user_error_first, check_registrable
+from airflow_arroyo.runtime.generator import generator_source
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
 from tests.support import sql
@@ -85,7 +86,7 @@ def test_a_stage_raising_while_built_is_named_with_its_error_type_and_traceback(
 
     pid = f"build-{uuid.uuid4().hex[:6]}"
     p = Pipeline(pid)
-    src = p.source("orders", lambda s: s.readStream.format("rate").load())
+    src = p.source("orders", lambda s: generator_source(s, seed=3, total_rows=10, rows_per_batch=10))
     p.stage("paid", keep_paid, inputs=[src])
     with caplog.at_level(logging.ERROR, logger="airflow_arroyo.runtime.driver"), \
             pytest.raises(StageBuildError) as err:
