@@ -176,12 +176,11 @@ def test_two_triggerers_batches_racing_over_the_same_pipelines(store: EpochStore
     assert report.counts["triggered"] == sum(starts) > len(pids)
 
 
-def test_a_pipeline_whose_driver_stopped_heartbeating_gets_no_epoch_alone_or_in_a_batch(store: EpochStore,
-                                                                                       pg_dsn: str) -> None:
+def test_a_pipeline_whose_driver_stopped_heartbeating_gets_no_epoch_alone_or_in_a_batch(store: EpochStore) -> None:
     """A running pipeline whose heartbeat is older than the policy's bound is not alive: epochs started for it
     would only expire one after another. Batched with a live pipeline, each is decided on its own heartbeat."""
     running(store, "silent", "alive")
-    conn = psycopg2.connect(pg_dsn)
+    conn = psycopg2.connect(store.dsn)
     try:
         with conn, conn.cursor() as cur:
             cur.execute("UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() - interval '45 seconds'"

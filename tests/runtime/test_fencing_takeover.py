@@ -53,7 +53,7 @@ def fenced(uri: str) -> int:
     return sum(e.kind is EntryKind.FENCED for e in ch.entries(ch.start_position()))
 
 
-def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store: EpochStore, pg_dsn: str,
+def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store: EpochStore,
                                                                           tmp_path: Path) -> None:
     pid = f"fence-{uuid.uuid4().hex[:6]}"
     storage, sink, logs = tmp_path / "storage", tmp_path / "sink", tmp_path / "logs"
@@ -62,7 +62,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
     expected = expected_report(ROWS)
     t0 = time.monotonic()
     # the old driver heartbeats once at start only: it can learn of the takeover from its refused writes alone
-    old = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-old", logs=logs, sink=sink, rows=ROWS,
+    old = Driver(dsn=store.dsn, storage=storage, pipeline_id=pid, run_id="run-old", logs=logs, sink=sink, rows=ROWS,
                  env={"ARROYO_HEARTBEAT_INTERVAL": "600"})
     new: Driver | None = None
     controller = Controller(store, pid, interval=1.0)
@@ -75,7 +75,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
         stall(store, old, pid)
         stalled_at = row_count(layout.channel_uri("left"))
         assert stalled_at < ROWS, "the old run had read its whole input before the takeover"
-        new = Driver(dsn=pg_dsn, storage=storage, pipeline_id=pid, run_id="run-new", logs=logs, sink=sink,
+        new = Driver(dsn=store.dsn, storage=storage, pipeline_id=pid, run_id="run-new", logs=logs, sink=sink,
                      rows=ROWS)
         wait_for(lambda: not new.alive() or ((rec := current(store, pid)) is not None and rec.run_id == "run-new"
                                              and rec.state is PipelineState.RUNNING),
