@@ -374,6 +374,11 @@ def _through(fs: FileSystem) -> int:
     return _commit_point(fs)[0]
 
 
+def committed_through(uri: str) -> int:
+    """The newest batch the trusted commit point (the highest generation's) says is committed; -1 for none."""
+    return _through(FileSystem.from_uri(uri))
+
+
 def committed_files(uri: str) -> list[str]:
     """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
     batch order): what a reader that must never see part of an epoch reads, e.g.

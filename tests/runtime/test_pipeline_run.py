@@ -28,7 +28,7 @@ from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_r
 from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.file_sink import committed_files
+from airflow_arroyo.runtime.file_sink import committed_files, committed_through
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.store import EpochStore
 from tests.runtime.pipeline_support import (
@@ -346,7 +346,7 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
             restored["checkpoints"] = {
                 s: sorted(str(p.relative_to(storage / layout.checkpoint(s)))
                           for p in (storage / layout.checkpoint(s)).rglob("*") if p.is_file()) for s in STAGES}
-            restored["sink"] = (json.loads((sink / "_arroyo_sink" / "committed.json").read_text())["through"],
+            restored["sink"] = (committed_through(str(sink)),
                                 committed_files(str(sink)),
                                 sorted(str(p.relative_to(sink)) for p in sink.rglob("*")
                                        if p.is_file() and not str(p.relative_to(sink)).startswith(("_", "."))))
