@@ -163,27 +163,37 @@ class CommittedDataTrigger(BaseEventTrigger):
             await state.aset(CURSOR_KEY, value)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        store = await self._open_store()
+        store: AsyncEpochStore | None = None
         cursor = await self._load_cursor()
-        if cursor is None:
-            cursor = await self._present(store)
-            self.log.info("pipeline %s %s: announcing commits after %s", self.pipeline_id, self.sink or "epochs",
-                          cursor)
         while True:
+            # A watcher lives as long as a DAG is scheduled on its Asset, and the triggerer does not
+            # restart one that raised: whatever fails here (the store unreachable, a connection lost
+            # in the middle of a read) is logged, and the next look tries again.
+            payloads: list[tuple[int, dict[str, Any]]] = []
             try:
+                if store is None:
+                    store = await self._open_store()
+                if cursor is None:
+                    cursor = await self._present(store)
+                    self.log.info("pipeline %s %s: announcing commits after %s", self.pipeline_id,
+                                  self.sink or "epochs", cursor)
                 payloads = await self._since(store, cursor)
             except UnknownPipelineError:
-                payloads = []  # not registered yet
-            except ArroyoError as exc:  # transient or not: keep watching, the next look may succeed
-                self.log.warning("pipeline %s: epoch store error while watching commits: %s", self.pipeline_id, exc)
-                payloads = []
+                pass  # not registered yet
+            except Exception as exc:  # see above: keep watching, the next look may succeed
+                self.log.warning("pipeline %s: error while watching commits (looking again in %gs): %s",
+                                 self.pipeline_id, self.poll_interval, exc, exc_info=not isinstance(exc, ArroyoError))
             for position, payload in payloads:
                 self.log.info("pipeline %s: %s epoch %s committed (%s rows, %s bytes)", self.pipeline_id,
                               payload.get("sink") or "checkpoint", payload["epoch"], payload.get("rows"),
                               payload.get("bytes", payload.get("bytes_new")))
                 yield TriggerEvent(payload)
                 cursor = position
-                await self._save_cursor(cursor)
+                try:
+                    await self._save_cursor(cursor)
+                except Exception as exc:  # a lost cursor costs a repeated event, not the watcher
+                    self.log.warning("pipeline %s: could not save the watcher's position %s: %s", self.pipeline_id,
+                                     cursor, exc, exc_info=True)
             await asyncio.sleep(self.poll_interval)
 
     async def _present(self, store: AsyncEpochStore) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import psycopg2
 import pytest
 
 from airflow_arroyo import assets as assets_module
@@ -25,7 +26,7 @@ from airflow_arroyo.assets import (
     sink_asset,
 )
 from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
 
 PID = "orders"
@@ -88,8 +89,10 @@ class StateStore:
         self.values[key] = value
 
 
-async def collect(trigger: CommittedDataTrigger, store: EpochStore, between: list[Any], count: int) -> list[dict]:
-    """Run the trigger until ``count`` events; each sleep of the trigger runs the next step of ``between``."""
+async def collect(trigger: CommittedDataTrigger, store: EpochStore, between: list[Any], count: int,
+                  open_failures: dict[str, int] | None = None) -> list[dict]:
+    """Run the trigger until ``count`` events; each sleep of the trigger runs the next step of ``between``
+    (``open_failures["open"]``: how many times opening the store fails first)."""
     steps = iter(between)
 
     async def sleep(seconds: float, *args: Any) -> None:
@@ -97,6 +100,9 @@ async def collect(trigger: CommittedDataTrigger, store: EpochStore, between: lis
         await REAL_SLEEP(0)
 
     async def open_store() -> AsyncEpochStore:
+        if open_failures and open_failures["open"]:
+            open_failures["open"] -= 1
+            raise TransientStoreError("the epoch store is unreachable")
         return AsyncEpochStore(store)
 
     trigger._open_store = open_store  # type: ignore[method-assign]
@@ -129,6 +135,32 @@ async def test_the_watcher_announces_each_new_commit_once_and_resumes_after_its_
     again = CommittedDataTrigger(PID, sink="out", conn_id="x")
     again.asset_state_store = state  # type: ignore[assignment]
     assert [e["epoch"] for e in await collect(again, pipeline, [], 2)] == [4, 5]
+
+
+async def test_the_watcher_survives_failures_of_the_store_and_of_its_state_store(pipeline: EpochStore) -> None:
+    """The triggerer does not restart a watcher that raised: a failed look is logged and tried again."""
+    failures = {"open": 1, "read": 2, "save": 1}
+
+    class Flaky(StateStore):
+        async def aset(self, key: str, value: Any) -> None:
+            if failures["save"]:
+                failures["save"] -= 1
+                raise OSError("the API server is restarting")
+            await super().aset(key, value)
+
+    class FlakyTrigger(CommittedDataTrigger):
+        async def _since(self, store: AsyncEpochStore, cursor: int) -> list[tuple[int, dict[str, Any]]]:
+            if failures["read"]:
+                failures["read"] -= 1
+                raise (psycopg2.OperationalError if failures["read"] else RuntimeError)("connection lost")
+            return await super()._since(store, cursor)
+
+    trigger = FlakyTrigger(PID, sink="out", conn_id="x")
+    trigger.asset_state_store = Flaky()  # type: ignore[assignment]
+    steps = [lambda: None, lambda: commit(pipeline, 1), lambda: None, lambda: commit(pipeline, 2)]
+    events = await collect(trigger, pipeline, steps, 2, open_failures=failures)
+    assert [e["epoch"] for e in events] == [1, 2]
+    assert failures == {"open": 0, "read": 0, "save": 0}
 
 
 async def test_the_epochs_watcher_announces_completed_epochs(pipeline: EpochStore) -> None:

@@ -110,7 +110,13 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
         parts = [f"task instances: {airflow.task_instances(EXAMPLE_DAG, run_id)}"]
         for log in sorted((home / "logs" / "arroyo").glob("*/*.log")):
             parts.append(f"--- {log.name} (tail)\n{log_tail(str(log), 40)}")
-        parts.append(f"--- standalone.log (tail)\n{log_tail(str(airflow.log_path), 40)}")
+        log = [line for line in airflow.log_path.read_text(errors="replace").splitlines()
+               if "request finished" not in line]  # the API's access log would fill the tail
+        parts.append("--- standalone.log (tail, no access log)\n" + "\n".join(log[-40:]))
+        parts.append(f"--- {REPORT_DAG} runs\n{_report_run_states(airflow)}")
+        mentions = [line for line in log if "committed_report" in line or "arroyo-arroyo-demo" in line]
+        parts.append("--- standalone.log lines on the report DAG and its Asset watcher (last 40)\n"
+                     + "\n".join(mentions[-40:]))
         return "\n".join(parts)
 
     def run_state() -> str:
@@ -209,6 +215,16 @@ def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
         value = entry["value"]
         out.append(value if isinstance(value, dict) else ast.literal_eval(value))
     return out
+
+
+def _report_run_states(airflow: EmbeddedAirflow) -> str:
+    """Every run of the report DAG, whatever its state, with its task's state (for a failure's diagnosis)."""
+    try:
+        runs = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns", params={"limit": 100})["dag_runs"]
+        return "\n".join(f"{r['dag_run_id']}: {r['state']} {airflow.task_instances(REPORT_DAG, r['dag_run_id'])}"
+                         for r in runs)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
+        return f"(could not list them: {exc!r})"
 
 
 def _check_report(store: EpochStore, report: dict[str, Any]) -> None:
