@@ -466,16 +466,12 @@ class PipelineDriver:
             frames.append((runner, df))
             self.runners.append(runner)
         self._wire_backpressure()
-        for runner, df in reversed(frames):
-            if runner.kind is not StageKind.SOURCE:
-                self._start_one(spark, runner, df)
+        self._start_queries(spark, [(r, df) for r, df in reversed(frames) if r.kind is not StageKind.SOURCE])
         # The Spark application and its UI are reported before `running`: whoever waits for `running`
         # (the submit task and its "Spark UI" link) reads them at once.
         self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=spark.sparkContext.applicationId,
                              spark_ui_url=spark.sparkContext.uiWebUrl, token=self.token)
-        for runner, df in frames:
-            if runner.kind is StageKind.SOURCE:
-                self._start_one(spark, runner, df)
+        self._start_queries(spark, [(r, df) for r, df in frames if r.kind is StageKind.SOURCE])
         for runner in self.runners:
             runner.open_gate()
         self._warm_up()
@@ -532,29 +528,50 @@ class PipelineDriver:
 
             writer.set_backpressure(backlog, self.max_backlog_entries)
 
-    def _start_one(self, spark: SparkSession, runner: StageRunner, df: Any, attempts: int = 6,
-                   timeout: float = 300.0) -> None:
-        """Start queries one at a time, and retry a start whose source initialization failed: each Python
-        data source starts a Python process that must connect back to the JVM within a fixed 10 s, which a
-        busy machine can miss. A query that failed before its first batch is safe to start again."""
-        for attempt in range(1, attempts + 1):
-            query = runner.start(spark, df)
-            deadline = time.monotonic() + timeout
-            # up once its first trigger ran, or its first micro-batch reached the gate: sources are planned
+    def _start_queries(self, spark: SparkSession, stages: list[tuple[StageRunner, Any]], attempts: int = 6) -> None:
+        """Start the queries of ``stages`` together and wait until each has initialized its sources (its first
+        trigger ran, or its first micro-batch reached the gate). Each query initializes in its own stream
+        thread, so together they take about as long as the slowest one instead of the sum (the channel stages
+        wait at their gates until every query is up).
+
+        Each Python data source starts a Python process that must connect back to the JVM within Spark's fixed
+        10 s; on a busy machine several at once can miss it (importing pyspark alone takes seconds of CPU). A
+        query that failed that way ran no batch and is safe to start again: those are started again one at a
+        time, up to ``attempts`` times each. Any other failure is left to the loop, which reports it with its
+        cause."""
+        t0 = time.monotonic()
+        again = self._start_together(spark, stages)
+        for stage in again:
+            for attempt in range(2, attempts + 1):
+                log.warning("pipeline=%s stage=%s: a Python data source process did not connect back in time; "
+                            "starting the query again, alone (attempt %d of %d)", self.pipeline_id, stage[0].name,
+                            attempt, attempts)
+                if not self._start_together(spark, [stage], retry=attempt < attempts):
+                    break
+        log.info("pipeline=%s: started %d queries (%s) in %.1fs", self.pipeline_id, len(stages),
+                 ", ".join(r.name for r, _ in stages), time.monotonic() - t0)
+
+    def _start_together(self, spark: SparkSession, stages: list[tuple[StageRunner, Any]], *, retry: bool = True,
+                        timeout: float = 300.0) -> list[tuple[StageRunner, Any]]:
+        """Start ``stages`` at once, wait for each to initialize; return those whose Python data source process
+        did not connect back (when ``retry``)."""
+        started = [(runner, df, runner.start(spark, df)) for runner, df in stages]
+        deadline = time.monotonic() + timeout
+        for runner, _df, query in started:
             while query.isActive and query.lastProgress is None and not runner.batch_started.is_set():
                 if time.monotonic() > deadline:
                     raise ArroyoError(f"stage {runner.name!r}: its query did not initialize its sources in "
                                       f"{timeout:g}s")
-                time.sleep(0.1)
-            if query.isActive or attempt == attempts:
-                return
+                time.sleep(0.05)
+        failed = []
+        for runner, df, query in started:
+            if query.isActive or not retry:
+                continue
             error = query.exception()
             text = str(error) if error is not None else ""
-            if "connect back" not in text and "CANNOT_OPEN_SOCKET" not in text:
-                return  # a real failure: the loop reports it with its cause
-            log.warning("pipeline=%s stage=%s: a Python data source process did not connect back in time "
-                        "(attempt %d of %d); starting the query again", self.pipeline_id, runner.name, attempt,
-                        attempts)
+            if "connect back" in text or "CANNOT_OPEN_SOCKET" in text:
+                failed.append((runner, df))
+        return failed
 
     def _ensure_feedback_channel(self, head: str, channel: str) -> None:
         """A loop's feedback channel is read before its writer is built: create it with the schema of the
