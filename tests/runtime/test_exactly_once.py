@@ -54,7 +54,7 @@ from tests.support import sql, wait_for
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 ROWS = 2000
-S3_ROWS = 600  # the S3 run: fewer rows, two kills (every request goes through moto's HTTP server)
+S3_ROWS = 600  # the S3 run: fewer rows, one kill (every request goes through moto's HTTP server)
 PER_BATCH = 100
 STAGES = ("left", "right", "joined", "report")
 SINK_DSN_ENV = "ARROYO_TEST_SINK_DSN"
@@ -136,9 +136,12 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
         n = len(store.acks(pid, e.epoch))
         return 1 <= n < len(STAGES)
 
-    def snapshot() -> bool:
+    def snapshot() -> bool:  # after an epoch of this run completed, so that there is one to restore from
         e = store.in_flight_epoch(pid)
         if e is None or e.run_id != run_id:
+            return False
+        latest = store.latest_completed_epoch(pid)
+        if latest is None or latest.epoch <= completed_before:
             return False
         acked = {a.stage for a in store.acks(pid, e.epoch)}
         return "left" not in acked and Channel.open(left).find_barrier(e.epoch) is not None
@@ -212,11 +215,12 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(store: Ep
 def test_sigkill_with_channels_and_snapshots_on_s3_is_exactly_once(store: EpochStore, tmp_path: Path, bucket: str,
                                                                     s3_server: Any) -> None:
     """The same proof with channels and snapshots on S3 (moto's server; the executors write and read the
-    channels with pyarrow) and Spark's checkpoints on a local disk (no S3A connector here): killed
-    between epochs and while snapshots are copied to S3, restored from S3 each time."""
+    channels with pyarrow) and Spark's checkpoints on a local disk (no S3A connector here): killed while
+    the snapshots of an epoch are copied to S3, after an earlier epoch completed, then restored from S3.
+    (One kill: every moment is covered by the local proof above; this one is about object storage.)"""
     seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
     print(f"ARROYO_TEST_SEED={seed}")
-    kill_and_restore(store, tmp_path, ["between", "snapshot"], random.Random(seed), storage=f"{bucket}/storage",
+    kill_and_restore(store, tmp_path, ["snapshot"], random.Random(seed), storage=f"{bucket}/storage",
                      rows=S3_ROWS, checkpoints=tmp_path / "checkpoints", env=s3_server.env)
     assert any("/snapshots/objects/" in k for k in s3_server.keys(f"{bucket}/storage"))
     assert list((tmp_path / "checkpoints").rglob("checkpoint.json"))  # restores switched checkpoint pointers
@@ -266,6 +270,8 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
             print(f"{time.strftime('%H:%M:%S')} killed: {kills[-1]}", flush=True)
         print(json.dumps(kills, indent=1))
         # the last run: to the end of the input, then a graceful stop with a final epoch
+        latest_before_final = store.latest_completed_epoch(pid)
+        assert latest_before_final is not None, f"no epoch completed in {len(plan)} killed runs: {kills}"
         final = start(run_id="run-final")
         try:
             # channels are read only once the driver restored them and runs
@@ -295,6 +301,7 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
             assert k["restored_from"] == k["completed_before"], kills
     record = store.get_pipeline(pid)
     assert record.state is PipelineState.STOPPED
+    assert record.restored_from_epoch == latest_before_final.epoch, (record, kills)
     epochs = store.list_epochs(pid, limit=1000)
     final_epoch = max(e.epoch for e in epochs if e.state is EpochState.COMPLETED)
     assert store.get_epoch(pid, final_epoch).is_final
