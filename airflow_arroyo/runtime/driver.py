@@ -12,6 +12,9 @@ the stages' checkpoints and truncates the channels when asked to, starts one str
 * on ``stop_requested == 'graceful'``: state ``stopping``, one **final epoch** (Flink's
   stop-with-savepoint), wait for it, stop the queries, state ``stopped``; on ``'immediate'``: stop now.
 
+What to restore, the next step of a stop and which sink commits to make are pure decisions
+(:mod:`airflow_arroyo.runtime.decisions`): the driver reads the facts, asks, and applies the answer.
+
 Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_DSN`` or the file
 ``ARROYO_DSN_FILE`` names, so that no secret is on the command line)::
 
