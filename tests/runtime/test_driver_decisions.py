@@ -6,6 +6,8 @@ saw and the sinks' cuts. The Spark tests (``test_pipeline_run.py``) show the dri
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -310,3 +312,12 @@ def test_sink_cuts_read_every_sink_from_its_ack() -> None:
     assert sink_cuts("p", 4, ["pg", "files"], details) == {"pg": 9, "files": 7}
     assert list(sink_cuts("p", 4, ["pg", "files"], details)) == ["pg", "files"]  # the sinks' order
     assert sink_cuts("p", 4, [], details) == {}
+
+
+def test_the_decisions_import_neither_spark_nor_the_store_nor_airflow() -> None:
+    """Pure: importing the module loads no Spark, no store (no database driver) and no Airflow."""
+    code = ("import sys, airflow_arroyo.runtime.decisions; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'psycopg2', 'airflow') "
+            "or m.startswith(('airflow_arroyo.store', 'airflow_arroyo.runtime.driver'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
