@@ -12,6 +12,9 @@ the stages' checkpoints and truncates the channels when asked to, starts one str
 * on ``stop_requested == 'graceful'``: state ``stopping``, one **final epoch** (Flink's
   stop-with-savepoint), wait for it, stop the queries, state ``stopped``; on ``'immediate'``: stop now.
 
+What to restore, the next step of a stop and which sink commits to make are pure decisions
+(:mod:`airflow_arroyo.runtime.decisions`): the driver reads the facts, asks, and applies the answer.
+
 Command line (also a ``spark-submit`` application; the DSN comes from ``ARROYO_DSN`` or the file
 ``ARROYO_DSN_FILE`` names, so that no secret is on the command line)::
 
@@ -25,7 +28,6 @@ with the ``--arg`` values as keyword arguments).
 from __future__ import annotations
 
 import argparse
-import enum
 import importlib
 import json
 import logging
@@ -39,10 +41,10 @@ import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
@@ -54,11 +56,27 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.decisions import (
+    EpochFacts,
+    RestoreAction,
+    RestoreFacts,
+    RestoreFrom,
+    RestorePlan,
+    StopAction,
+    StopDecision,
+    StopFacts,
+    StopMode,
+    decide_stop,
+    epoch_to_commit,
+    plan_restore,
+    sink_cuts,
+    sinks_to_commit,
+)
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
-from airflow_arroyo.store import EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
+from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -67,8 +85,6 @@ __all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "check_registrable",
            "load_pipeline", "main"]
 
 log = logging.getLogger(__name__)
-
-RestoreFrom = str | int | None  # None (fresh start), "latest", or an epoch number
 
 # SQL confs the driver sets unless the session already has them.
 DEFAULT_SQL_CONF = {
@@ -84,11 +100,6 @@ EPOCH_READ_FALLBACK = 5.0
 DEFAULT_STALE_AFTER = 30.0
 
 
-class StopMode(enum.StrEnum):
-    GRACEFUL = "graceful"
-    IMMEDIATE = "immediate"
-
-
 @dataclass
 class DriverResult:
     """How a run ended."""
@@ -100,6 +111,23 @@ class DriverResult:
     final_epoch: int | None = None
     epochs_seen: list[int] = field(default_factory=list)
     failure_cause: str | None = None
+
+
+@dataclass
+class _LoopState:
+    """What the driver's loop carries from one turn to the next."""
+
+    last_seen: int  # the newest epoch handed to the stages
+    app_id: str | None = None  # the Spark application, reported with each heartbeat
+    ui_url: str | None = None
+    last_heartbeat: float = 0.0
+    last_read: float = 0.0  # when the in-flight epoch was last read (monotonic)
+    in_flight: EpochRecord | None = None
+    previous_in_flight: int | None = None
+    stopping: bool = False  # marked `stopping` (a graceful stop)
+    final_epoch: int | None = None  # the final epoch in flight
+    final_attempts: int = 0
+    final_deadline: float = 0.0
 
 
 class PipelineDriver:
@@ -180,18 +208,19 @@ class PipelineDriver:
         Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
-        epoch_to_restore = self._plan_restore()  # reads only: refuse bad input before writing anything
+        plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
         result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
         try:
             self._step("registered")
             self._clean_leftovers()
-            if epoch_to_restore is not None:
-                self._restore(epoch_to_restore)
-            elif self.restore_from == "latest":
+            if plan.action is RestoreAction.RESTORE:
+                assert plan.epoch is not None
+                self._restore(plan.epoch)
+            elif plan.action is RestoreAction.START_OVER:
                 self._start_over()
-            self._fence_channels(epoch_to_restore)
+            self._fence_channels(plan.epoch)
             for sink in self.sinks.values():
                 sink.claim()
             spark = self._session()
@@ -233,52 +262,38 @@ class PipelineDriver:
                 return True
         return any(sink.has_state() for sink in self.sinks.values())
 
-    def _plan_restore(self) -> int | None:
-        rf = self.restore_from
+    def _plan_restore(self) -> RestorePlan:
+        """What to restore (:func:`~airflow_arroyo.runtime.decisions.plan_restore`); reads only, so that bad
+        input is refused before anything is written."""
         self.store.check_schema()
         for sink in self.sinks.values():
             sink.check_writable()  # read-only: before any restore touches the folder
+        plan = plan_restore(self._restore_facts())
+        if plan.action is RestoreAction.START_OVER:
+            log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
+        return plan
+
+    def _restore_facts(self) -> RestoreFacts:
+        """The facts :func:`plan_restore` needs for this run's ``restore_from``, and only those."""
+        rf = self.restore_from
+        facts = RestoreFacts(self.pipeline_id, rf, tuple(self.graph.stage_names))
         if rf is None:
-            if self._has_state():
-                raise ConfigurationError(
-                    f"pipeline {self.pipeline_id!r} has state of an earlier run under "
-                    f"{self.layout.fs.uri_of(self.pipeline_id)}; start with restore_from='latest' (or an epoch number) "
-                    "to resume from a completed epoch, or delete that folder to start over"
-                )
-            return None
+            return replace(facts, has_state=self._has_state(), location=self.layout.fs.uri_of(self.pipeline_id))
         try:
-            pipe = self.store.get_pipeline(self.pipeline_id)
+            self.store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
-            pipe = None
+            return facts
+        record: EpochRecord | None
         if rf == "latest":
-            latest = self.store.latest_completed_epoch(self.pipeline_id) if pipe is not None else None
-            if latest is None:
-                log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning",
-                         self.pipeline_id)
-                return None
-            epoch = latest
+            record = self.store.latest_completed_epoch(self.pipeline_id)
         else:
             assert isinstance(rf, int)
-            if pipe is None:
-                raise ConfigurationError(f"pipeline {self.pipeline_id!r} has no epoch {rf} to restore from")
             try:
-                epoch = self.store.get_epoch(self.pipeline_id, rf)
-            except UnknownEpochError as exc:  # bad input, not a store failure: exit 2
-                raise ConfigurationError(f"{exc}; restore from a completed epoch (restore_from='latest' picks "
-                                         "the newest one)") from exc
-            if epoch.state is not EpochState.COMPLETED:
-                raise ConfigurationError(
-                    f"epoch {rf} of pipeline {self.pipeline_id!r} is {epoch.state}, not completed; restore from a "
-                    "completed epoch (restore_from='latest' picks the newest one)"
-                )
-        missing = sorted(set(self.graph.stage_names) - set(epoch.stages))
-        if missing:
-            raise ConfigurationError(
-                f"epoch {epoch.epoch} of pipeline {self.pipeline_id!r} has no snapshot of stage(s) "
-                f"{', '.join(missing)} "
-                f"(its stages: {', '.join(epoch.stages)}); the graph changed since: restore needs the same stages"
-            )
-        return epoch.epoch
+                record = self.store.get_epoch(self.pipeline_id, rf)
+            except UnknownEpochError:  # bad input, not a store failure: plan_restore refuses it (exit 2)
+                record = None
+        epoch = None if record is None else EpochFacts(record.epoch, record.state, tuple(record.stages))
+        return replace(facts, pipeline_known=True, epoch=epoch)
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,
@@ -607,121 +622,138 @@ class PipelineDriver:
             raise self._superseded(exc) from None
 
     def _run_loop(self) -> DriverResult:
-        last_heartbeat = 0.0
-        last_seen = self.restored_from_epoch or 0
-        final_epoch: int | None = None
-        final_attempts = 0
-        final_deadline = 0.0
-        stopping = False
+        """Every turn: watch the queries, follow the in-flight epoch (inject a new one at the sources, commit the
+        sinks when one ended), cut idle sources, heartbeat, and ask :func:`decide_stop` what to do about a stop.
+        Epoch starts and ends are announced by the database (LISTEN/NOTIFY): the in-flight epoch is read when one
+        was, and at least every EPOCH_READ_FALLBACK seconds (every poll while the watch cannot listen); the
+        stages are polled every poll_interval regardless."""
         spark = self._spark
         assert spark is not None
-        app_id = spark.sparkContext.applicationId
-        ui_url = spark.sparkContext.uiWebUrl
-        previous_in_flight: int | None = None
-        # Epoch starts and ends are announced by the database (LISTEN/NOTIFY): the in-flight epoch is
-        # read when one was, and at least every EPOCH_READ_FALLBACK seconds (every poll while the
-        # watch cannot listen); the stages are polled every poll_interval regardless.
+        turn = _LoopState(last_seen=self.restored_from_epoch or 0, app_id=spark.sparkContext.applicationId,
+                          ui_url=spark.sparkContext.uiWebUrl)
         watch = self._epoch_watch = EpochWatch(self.store, self.pipeline_id, idle=self._stop.wait)
-        changed, last_read, in_flight = True, 0.0, None
+        changed = True
         while True:
             self._check_queries()
-            if changed or time.monotonic() - last_read >= EPOCH_READ_FALLBACK:
-                in_flight, last_read = self.store.in_flight_epoch(self.pipeline_id), time.monotonic()
-            current = in_flight.epoch if in_flight is not None else None
-            if self.sinks and current != previous_in_flight:
-                self._commit_sinks()  # an epoch ended (completed or not): commit what completed
-            previous_in_flight = current
-            if in_flight is not None and in_flight.epoch > last_seen and in_flight.run_id == self.run_id:
-                last_seen = in_flight.epoch
-                self._epochs_seen.append(in_flight.epoch)
-                log.info("pipeline=%s epoch=%s: triggered%s; injecting at the sources", self.pipeline_id,
-                         in_flight.epoch, " (final)" if in_flight.is_final else "")
-                for r in self.runners:
-                    r.request_epoch(in_flight.epoch)
+            self._follow_epochs(turn, changed)
             for r in self.runners:
                 r.poll()
-            now = time.monotonic()
-            if now - last_heartbeat >= self.heartbeat_interval:
-                try:
-                    record = self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=app_id,
-                                                  spark_ui_url=ui_url, token=self.token)
-                except FencedError as exc:
-                    raise self._superseded(exc) from None
-                last_heartbeat = now
-                if record.stop_requested and self._stop_mode is None:
-                    self._stop_mode = StopMode(record.stop_requested)
-                    self._stop.set()
-            if self._stop.is_set() and self._stop_mode is StopMode.IMMEDIATE:
-                return self._finish(final_epoch)
-            if self._stop.is_set() and self._stop_mode is StopMode.GRACEFUL:
-                if not stopping:
-                    stopping = True
-                    self.store.set_pipeline_state(self.pipeline_id, PipelineState.STOPPING, run_id=self.run_id)
-                    log.info("pipeline=%s: graceful stop: taking a final epoch", self.pipeline_id)
-                if final_epoch is None:
-                    final_epoch, final_deadline = self._try_final_epoch()
-                    if final_epoch is not None:
-                        final_attempts += 1
-                else:
-                    state = self.store.get_epoch(self.pipeline_id, final_epoch).state
-                    if state is EpochState.COMPLETED:
-                        log.info("pipeline=%s epoch=%s: final epoch completed; stopping", self.pipeline_id,
-                                 final_epoch)
-                        self._commit_sinks()
-                        return self._finish(final_epoch)
-                    if state is not EpochState.TRIGGERED or time.monotonic() > final_deadline:
-                        if final_attempts >= 3:
-                            log.error("pipeline=%s epoch=%s: final epoch %s three times; stopping without it",
-                                      self.pipeline_id, final_epoch, state)
-                            return self._finish(None, cause=f"final epoch {final_epoch} {state}")
-                        log.warning("pipeline=%s epoch=%s: final epoch %s; trying again", self.pipeline_id,
-                                    final_epoch, state)
-                        if state is EpochState.TRIGGERED:
-                            self.store.fail_epoch(self.pipeline_id, final_epoch, "final epoch timed out",
-                                                  token=self.token)
-                        final_epoch = None
+            self._heartbeat_if_due(turn)
+            decision = decide_stop(self._stop_facts(turn))
+            if decision.action is not StopAction.RUN:
+                ended = self._apply_stop(decision, turn)
+                if ended is not None:
+                    return ended
             changed = watch.wait(self.poll_interval)
+
+    def _follow_epochs(self, turn: _LoopState, changed: bool) -> None:
+        """Read the in-flight epoch when it may have changed; when it did, an epoch ended or started: commit what
+        completed; hand an epoch of this run not seen yet to the stages (the sources inject it)."""
+        if changed or time.monotonic() - turn.last_read >= EPOCH_READ_FALLBACK:
+            turn.in_flight, turn.last_read = self.store.in_flight_epoch(self.pipeline_id), time.monotonic()
+        in_flight = turn.in_flight
+        current = in_flight.epoch if in_flight is not None else None
+        if self.sinks and current != turn.previous_in_flight:
+            self._commit_sinks()  # an epoch ended (completed or not): commit what completed
+        turn.previous_in_flight = current
+        if in_flight is None or in_flight.epoch <= turn.last_seen or in_flight.run_id != self.run_id:
+            return
+        turn.last_seen = in_flight.epoch
+        self._epochs_seen.append(in_flight.epoch)
+        log.info("pipeline=%s epoch=%s: triggered%s; injecting at the sources", self.pipeline_id,
+                 in_flight.epoch, " (final)" if in_flight.is_final else "")
+        for r in self.runners:
+            r.request_epoch(in_flight.epoch)
+
+    def _heartbeat_if_due(self, turn: _LoopState) -> None:
+        """Heartbeat every ``heartbeat_interval``; the heartbeat's answer carries a stop asked through the store."""
+        now = time.monotonic()
+        if now - turn.last_heartbeat < self.heartbeat_interval:
+            return
+        try:
+            record = self.store.heartbeat(self.pipeline_id, self.run_id, spark_app_id=turn.app_id,
+                                          spark_ui_url=turn.ui_url, token=self.token)
+        except FencedError as exc:
+            raise self._superseded(exc) from None
+        turn.last_heartbeat = now
+        if record.stop_requested and self._stop_mode is None:
+            self._stop_mode = StopMode(record.stop_requested)
+            self._stop.set()
+
+    def _stop_facts(self, turn: _LoopState) -> StopFacts:
+        """The facts of :func:`decide_stop`; the final epoch's state is read only while stopping gracefully."""
+        mode = self._stop_mode if self._stop.is_set() else None
+        state = None
+        if mode is StopMode.GRACEFUL and turn.final_epoch is not None:
+            state = self.store.get_epoch(self.pipeline_id, turn.final_epoch).state
+        return StopFacts(mode=mode, stopping=turn.stopping, final_epoch=turn.final_epoch, final_state=state,
+                         final_attempts=turn.final_attempts, final_deadline=turn.final_deadline,
+                         now=time.monotonic())
+
+    def _apply_stop(self, decision: StopDecision, turn: _LoopState) -> DriverResult | None:
+        """Carry out :func:`decide_stop`'s decision; the run's result when the run ends."""
+        if decision.mark_stopping:
+            turn.stopping = True
+            self.store.set_pipeline_state(self.pipeline_id, PipelineState.STOPPING, run_id=self.run_id)
+            log.info("pipeline=%s: graceful stop: taking a final epoch", self.pipeline_id)
+        action = decision.action
+        if action is StopAction.STOP:
+            return self._finish(decision.epoch)
+        if action is StopAction.START_FINAL:
+            epoch, deadline = self._try_final_epoch()
+            if epoch is not None:
+                turn.final_epoch, turn.final_deadline = epoch, deadline
+                turn.final_attempts += 1
+        elif action is StopAction.FINISH:
+            log.info("pipeline=%s epoch=%s: final epoch completed; stopping", self.pipeline_id, decision.epoch)
+            self._commit_sinks()
+            return self._finish(decision.epoch)
+        elif action is StopAction.GIVE_UP:
+            log.error("pipeline=%s epoch=%s: %s", self.pipeline_id, decision.epoch, decision.reason)
+            return self._finish(None, cause=decision.cause)
+        elif action is StopAction.RETRY_FINAL:
+            log.warning("pipeline=%s epoch=%s: %s", self.pipeline_id, decision.epoch, decision.reason)
+            if decision.fail_epoch and decision.epoch is not None:
+                self.store.fail_epoch(self.pipeline_id, decision.epoch, "final epoch timed out", token=self.token)
+            turn.final_epoch = None
+        return None  # RUN, WAIT_FINAL, or a final epoch asked for or forgotten: keep going
 
     def _sink_cuts(self, epoch: int) -> dict[str, int]:
         """Each exactly-once sink's cut batch in ``epoch`` (from its acknowledgement)."""
         if not self.sinks:
             return {}
-        acks = {a.stage: a for a in self.store.acks(self.pipeline_id, epoch)}
-        out: dict[str, int] = {}
-        for name in self.sinks:
-            batch = (acks[name].details or {}).get("batch_id") if name in acks else None
-            if batch is None:
-                raise ConfigurationError(
-                    f"epoch {epoch} of pipeline {self.pipeline_id!r} has no cut batch of sink {name!r}; it cannot be "
-                    "restored with that sink: choose another epoch"
-                )
-            out[name] = int(batch)
-        return out
+        details = {a.stage: a.details for a in self.store.acks(self.pipeline_id, epoch)}
+        return sink_cuts(self.pipeline_id, epoch, self.sinks, details)
 
     def _commit_sinks(self) -> None:
         """Second phase of the exactly-once sinks: commit every batch up to the cut of the newest completed
-        epoch this run took part in (never an epoch of an earlier run, e.g. one whose storage was deleted for a
-        fresh start: its cut batch ids are not this run's); then let them forget what only a restore behind
-        the oldest completed epoch could need."""
-        for epoch in sorted((e for e in self._epochs_seen if e > self._sinks_committed), reverse=True):
-            if self.store.get_epoch(self.pipeline_id, epoch).state is EpochState.COMPLETED:
-                cuts = self._sink_cuts(epoch)
-                for name, sink in self.sinks.items():
-                    try:
-                        done = sink.commit_through(cuts[name])
-                    except FencedError as exc:
-                        raise self._superseded(exc) from None
-                    if done.files or done.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
-                        self.store.record_sink_commit(
-                            self.pipeline_id, epoch, name, uri=sink.uri, batch_id=cuts[name], files=done.files,
-                            rows=done.rows, bytes_committed=done.bytes, run_id=self.run_id, token=self.token)
-                self._sinks_committed = epoch
-                oldest = self.store.oldest_completed_epoch(self.pipeline_id)
-                if oldest is not None:
-                    floors = self._sink_cuts(oldest.epoch) if oldest.epoch != epoch else cuts
-                    for name, sink in self.sinks.items():
-                        sink.trim_through(floors[name])
-                return
+        epoch this run took part in (:func:`epoch_to_commit`); then let them forget what only a restore behind
+        the oldest completed epoch could need (:func:`sinks_to_commit`)."""
+        if not self.sinks:
+            return
+        done = self._sinks_committed
+        states = {e: self.store.get_epoch(self.pipeline_id, e).state for e in self._epochs_seen if e > done}
+        epoch = epoch_to_commit(done, self._epochs_seen, states)
+        if epoch is None:
+            return
+        cuts = self._sink_cuts(epoch)
+        oldest = self.store.oldest_completed_epoch(self.pipeline_id)
+        oldest_epoch = oldest.epoch if oldest is not None else None
+        floors = self._sink_cuts(oldest_epoch) if oldest_epoch is not None and oldest_epoch != epoch else None
+        plan = sinks_to_commit(epoch, cuts, oldest_epoch, floors)
+        for commit in plan.commits:
+            sink = self.sinks[commit.sink]
+            try:
+                result = sink.commit_through(commit.batch)
+            except FencedError as exc:
+                raise self._superseded(exc) from None
+            if result.files or result.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
+                self.store.record_sink_commit(
+                    self.pipeline_id, epoch, commit.sink, uri=sink.uri, batch_id=commit.batch, files=result.files,
+                    rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token)
+        self._sinks_committed = epoch
+        for trim in plan.trims:
+            self.sinks[trim.sink].trim_through(trim.batch)
 
     def _try_final_epoch(self) -> tuple[int | None, float]:
         policy = CheckpointPolicy(interval=1.0, timeout=max(1.0, self.final_epoch_timeout))

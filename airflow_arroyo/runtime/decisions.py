@@ -1,0 +1,273 @@
+"""The driver's decisions, as pure functions over facts it has already read (no Spark, no store, no I/O).
+
+Like :func:`airflow_arroyo.epochs.decide_trigger`, each rule lives here once and is tested by enumerating
+facts -> decision (``tests/runtime/test_driver_decisions.py``); :class:`~airflow_arroyo.runtime.driver.
+PipelineDriver` reads the facts, asks, and applies the answer:
+
+* :func:`plan_restore` — before anything is written: a fresh start, a start over (``'latest'`` with no
+  completed epoch) or the restore of one epoch; or :class:`ConfigurationError` naming the problem and the fix;
+* :func:`decide_stop` — every turn of the loop: keep running, stop now, or the next step of a graceful stop
+  with a final epoch (start it, wait for it, retry it, finish with it, or give up on it);
+* :func:`epoch_to_commit` and :func:`sinks_to_commit` — when an epoch ends: which completed epoch's cuts the
+  exactly-once sinks commit, which commits to make (in the sinks' order) and how far they may forget.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError
+
+__all__ = [
+    "FINAL_EPOCH_ATTEMPTS",
+    "EpochFacts",
+    "RestoreAction",
+    "RestoreFacts",
+    "RestoreFrom",
+    "RestorePlan",
+    "SinkCommit",
+    "SinkCommitPlan",
+    "StopAction",
+    "StopDecision",
+    "StopFacts",
+    "StopMode",
+    "decide_stop",
+    "epoch_to_commit",
+    "plan_restore",
+    "sink_cuts",
+    "sinks_to_commit",
+]
+
+RestoreFrom = str | int | None  # None (fresh start), "latest", or an epoch number
+
+# A graceful stop starts at most this many final epochs before it stops without one.
+FINAL_EPOCH_ATTEMPTS = 3
+
+_PICK_COMPLETED = "restore from a completed epoch (restore_from='latest' picks the newest one)"
+
+
+# --------------------------------------------------------------------------- restore
+
+
+@dataclass(frozen=True)
+class EpochFacts:
+    """What a restore needs to know of one epoch."""
+
+    epoch: int
+    state: EpochState
+    stages: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestoreFacts:
+    """What the driver read before deciding what to restore (nothing is written before the decision).
+
+    ``epoch`` is the candidate: for ``'latest'`` the latest completed epoch, for ``N`` epoch ``N``; None when
+    there is none (or the pipeline is unknown). ``has_state`` is read for a fresh start only (``requested`` is
+    None); ``location`` is where that state lives, for the message.
+    """
+
+    pipeline_id: str
+    requested: RestoreFrom
+    stages: tuple[str, ...]
+    pipeline_known: bool = False
+    epoch: EpochFacts | None = None
+    has_state: bool = False
+    location: str = ""
+
+
+class RestoreAction(enum.StrEnum):
+    FRESH = "fresh"  # nothing to restore and nothing there: start from the beginning
+    START_OVER = "start_over"  # 'latest' without a completed epoch: empty checkpoints and channels, then start
+    RESTORE = "restore"  # restore ``epoch``
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    action: RestoreAction
+    epoch: int | None = None
+    reason: str = ""
+
+
+def plan_restore(facts: RestoreFacts) -> RestorePlan:
+    """What to restore, or :class:`ConfigurationError` (raised before anything is written; exit status 2).
+
+    * ``None`` — a fresh start, refused when the storage holds state of an earlier run (the user must say
+      whether to resume from it or delete it: the driver never guesses);
+    * ``'latest'`` — the latest completed epoch; with none (or an unknown pipeline), a start over;
+    * ``N`` — epoch ``N``, which must exist and be ``completed``.
+
+    The epoch restored must hold a snapshot of every stage of the graph.
+    """
+    pid, rf = facts.pipeline_id, facts.requested
+    if rf is None:
+        if facts.has_state:
+            raise ConfigurationError(
+                f"pipeline {pid!r} has state of an earlier run under {facts.location}; start with "
+                "restore_from='latest' (or an epoch number) to resume from a completed epoch, or delete that "
+                "folder to start over"
+            )
+        return RestorePlan(RestoreAction.FRESH, reason="fresh start")
+    epoch = facts.epoch
+    if rf == "latest":
+        if epoch is None or not facts.pipeline_known:
+            return RestorePlan(RestoreAction.START_OVER, reason="no completed epoch to restore from")
+    elif not isinstance(rf, int) or isinstance(rf, bool):
+        raise ConfigurationError(f"restore_from must be 'latest', an epoch number or None, got {rf!r}")
+    elif not facts.pipeline_known:
+        raise ConfigurationError(f"pipeline {pid!r} has no epoch {rf} to restore from")
+    elif epoch is None:
+        raise ConfigurationError(f"{UnknownEpochError(pid, rf)}; {_PICK_COMPLETED}")
+    elif epoch.state is not EpochState.COMPLETED:
+        raise ConfigurationError(f"epoch {rf} of pipeline {pid!r} is {epoch.state}, not completed; {_PICK_COMPLETED}")
+    missing = sorted(set(facts.stages) - set(epoch.stages))
+    if missing:
+        raise ConfigurationError(
+            f"epoch {epoch.epoch} of pipeline {pid!r} has no snapshot of stage(s) {', '.join(missing)} "
+            f"(its stages: {', '.join(epoch.stages)}); the graph changed since: restore needs the same stages"
+        )
+    return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=f"epoch {epoch.epoch} ({rf})")
+
+
+# --------------------------------------------------------------------------- graceful stop
+
+
+class StopMode(enum.StrEnum):
+    GRACEFUL = "graceful"
+    IMMEDIATE = "immediate"
+
+
+@dataclass(frozen=True)
+class StopFacts:
+    """One turn of the driver's loop, as far as stopping goes.
+
+    ``final_epoch`` is the final epoch this stop started and still waits for (None: none yet, or the last
+    one was given up); ``final_state`` its state read this turn (read only while stopping gracefully);
+    ``final_attempts`` how many final epochs this stop started; ``final_deadline`` when the final epoch in
+    flight times out (its start plus the driver's ``final_epoch_timeout``); times are monotonic seconds.
+    """
+
+    mode: StopMode | None = None
+    stopping: bool = False  # the pipeline was marked `stopping` already
+    final_epoch: int | None = None
+    final_state: EpochState | None = None
+    final_attempts: int = 0
+    final_deadline: float = 0.0
+    now: float = 0.0
+
+
+class StopAction(enum.StrEnum):
+    RUN = "run"  # no stop requested: keep running
+    STOP = "stop"  # stop the queries and end the run now (with ``epoch`` as the final epoch, if any)
+    START_FINAL = "start_final"  # try to start the final epoch (a force tick marked final)
+    WAIT_FINAL = "wait_final"  # the final epoch is in flight: wait for it
+    FINISH = "finish"  # the final epoch completed: commit the sinks, then end the run with it
+    RETRY_FINAL = "retry_final"  # the final epoch ended without completing or timed out: forget it, start another
+    GIVE_UP = "give_up"  # the last allowed final epoch (``epoch``) did not complete: end without one (``cause``)
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    action: StopAction
+    epoch: int | None = None
+    mark_stopping: bool = False  # first: set the pipeline's state to `stopping`
+    fail_epoch: bool = False  # RETRY_FINAL of an epoch still in flight (timed out): fail it first
+    cause: str | None = None  # GIVE_UP: the run's failure cause
+    reason: str = ""
+
+
+def decide_stop(facts: StopFacts) -> StopDecision:
+    """The driver's stop, Flink's stop-with-savepoint: the whole rule, in one place.
+
+    ``immediate`` stops at once. ``graceful`` marks the pipeline `stopping` (once), starts a final epoch, waits
+    for it until ``final_deadline``, and ends the run with it when it completes. One that fails, expires
+    or times out (a timed-out one is failed first, so that it stops blocking) is tried again, up to
+    :data:`FINAL_EPOCH_ATTEMPTS` final epochs; then the run ends without one, the cause naming the last.
+    """
+    f = facts
+    if f.mode is None:
+        return StopDecision(StopAction.RUN, reason="no stop requested")
+    if f.mode is StopMode.IMMEDIATE:
+        return StopDecision(StopAction.STOP, epoch=f.final_epoch, reason="immediate stop")
+    mark = not f.stopping
+    if f.final_epoch is None:
+        return StopDecision(StopAction.START_FINAL, mark_stopping=mark, reason="graceful stop: taking a final epoch")
+    state = f.final_state
+    if state is EpochState.COMPLETED:
+        return StopDecision(StopAction.FINISH, epoch=f.final_epoch, mark_stopping=mark,
+                            reason=f"final epoch {f.final_epoch} completed")
+    timed_out = f.now > f.final_deadline
+    if state is EpochState.TRIGGERED and not timed_out:
+        return StopDecision(StopAction.WAIT_FINAL, epoch=f.final_epoch, mark_stopping=mark,
+                            reason=f"final epoch {f.final_epoch} in flight")
+    if f.final_attempts >= FINAL_EPOCH_ATTEMPTS:
+        return StopDecision(StopAction.GIVE_UP, epoch=f.final_epoch, mark_stopping=mark,
+                            cause=f"final epoch {f.final_epoch} {state}",
+                            reason=f"final epoch {state} {f.final_attempts} times; stopping without it")
+    return StopDecision(StopAction.RETRY_FINAL, epoch=f.final_epoch, mark_stopping=mark,
+                        fail_epoch=state is EpochState.TRIGGERED,  # timed out: fail it, or it blocks the next one
+                        reason=f"final epoch {state}{' (timed out)' if timed_out else ''}; trying again")
+
+
+# --------------------------------------------------------------------------- exactly-once sinks
+
+
+def epoch_to_commit(committed: int, seen: Iterable[int], states: Mapping[int, EpochState]) -> int | None:
+    """The epoch whose cuts the exactly-once sinks commit now: the newest completed epoch this run took part in
+    (``seen``) after ``committed``, the one they are committed through. Never an epoch of an earlier run (e.g.
+    one whose storage was deleted for a fresh start: its cut batch ids are not this run's). ``states`` holds
+    the state of each seen epoch after ``committed`` (an epoch missing there is not known to be completed)."""
+    done = [e for e in seen if e > committed and states.get(e) is EpochState.COMPLETED]
+    return max(done) if done else None
+
+
+def sink_cuts(pipeline_id: str, epoch: int, sinks: Iterable[str],
+              ack_details: Mapping[str, Mapping[str, Any] | None]) -> dict[str, int]:
+    """Each exactly-once sink's cut batch in ``epoch``, from its stage's acknowledgement (``ack_details``: stage
+    -> the ack's details); :class:`ConfigurationError` when one is missing (that epoch cannot be restored or
+    committed with that sink)."""
+    out: dict[str, int] = {}
+    for name in sinks:
+        batch = (ack_details.get(name) or {}).get("batch_id")
+        if batch is None:
+            raise ConfigurationError(
+                f"epoch {epoch} of pipeline {pipeline_id!r} has no cut batch of sink {name!r}; it cannot be "
+                "restored with that sink: choose another epoch"
+            )
+        out[name] = int(batch)
+    return out
+
+
+@dataclass(frozen=True)
+class SinkCommit:
+    sink: str
+    batch: int  # through this micro-batch
+
+
+@dataclass(frozen=True)
+class SinkCommitPlan:
+    """Commit each sink through its cut in ``epoch`` (in this order), then let each forget what only a restore
+    behind the oldest completed epoch could need (``trims``, after every commit)."""
+
+    epoch: int
+    commits: tuple[SinkCommit, ...]
+    trims: tuple[SinkCommit, ...] = ()
+
+
+def sinks_to_commit(epoch: int, cuts: Mapping[str, int], oldest_completed: int | None = None,
+                    oldest_cuts: Mapping[str, int] | None = None) -> SinkCommitPlan:
+    """The commits for ``epoch`` (:func:`epoch_to_commit`): every sink through its cut batch in ``epoch``, in the
+    sinks' order (``cuts``'s order); then, when an oldest completed epoch is known, trims of every sink through
+    its cut there (``oldest_cuts``; the same as ``cuts`` when it is ``epoch``): no restore goes behind it."""
+    commits = tuple(SinkCommit(name, batch) for name, batch in cuts.items())
+    if oldest_completed is None:
+        return SinkCommitPlan(epoch, commits)
+    floors = cuts if oldest_completed == epoch else (oldest_cuts or {})
+    missing = [name for name in cuts if name not in floors]
+    if missing:
+        raise ValueError(f"no cut of sink(s) {', '.join(missing)} in the oldest completed epoch {oldest_completed}")
+    return SinkCommitPlan(epoch, commits, tuple(SinkCommit(name, floors[name]) for name in cuts))
