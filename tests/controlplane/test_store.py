@@ -304,11 +304,29 @@ def _op_finish_prune(s: EpochStore, pid: str, epoch: int, run: int) -> None:
     s.finish_prune(pid, run, {epoch: 0})
 
 
+def _op_expire(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    # epoch 2 passed its timeout an hour ago; a tick expires it if it is the one in flight
+    sql(s, "UPDATE arroyo_epochs SET triggered_at = triggered_at - interval '2 hours',"
+           " timeout_at = now() - interval '1 hour' WHERE pipeline_id = %s AND epoch = %s", (pid, epoch))
+    s.trigger_tick(pid, SLOW)
+
+
+def _op_pipeline_fails(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    s.set_pipeline_state(pid, PipelineState.FAILED, failure_cause="test")
+
+
+def _op_restore_older(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    s.commit_restore(pid, "r", epoch - 1)
+
+
 OPERATIONS: dict[str, tuple[Callable[[EpochStore, str, int, int], None], EpochState]] = {
     "ack every stage": (_op_complete, EpochState.COMPLETED),
     "fail_epoch": (_op_fail, EpochState.FAILED),
     "begin_prune": (_op_begin_prune, EpochState.PRUNING),
     "finish_prune": (_op_finish_prune, EpochState.PRUNED),
+    "trigger tick past the timeout": (_op_expire, EpochState.EXPIRED),
+    "the pipeline fails": (_op_pipeline_fails, EpochState.FAILED),
+    "commit_restore of an older epoch": (_op_restore_older, EpochState.SUPERSEDED),
 }
 
 
