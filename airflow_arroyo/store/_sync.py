@@ -526,18 +526,19 @@ class EpochStore:
         decided: dict[int, tuple[TriggerFacts, TriggerDecision]] = {}
         for i, r in todo:
             pipe, f = pipes[r.pipeline_id], facts[r.pipeline_id]
-            state = PipelineState(pipe["state"])
             tf = TriggerFacts(
                 now=f["now"],
-                pipeline_state=PipelineState.RUNNING if r.force and state is PipelineState.STOPPING else state,
+                pipeline_state=PipelineState(pipe["state"]),
                 last_epoch=int(pipe["last_epoch"]),
                 in_flight_epoch=f["in_flight"],
                 in_flight_timeout_at=f["in_flight_timeout_at"],
-                last_triggered_at=None if r.force else f["last_triggered_at"],
-                last_ended_at=None if r.force else f["last_ended_at"],
+                last_triggered_at=f["last_triggered_at"],
+                last_ended_at=f["last_ended_at"],
                 cleanup_lease=CleanupLease(f["holder"], f["expires_at"]) if f["holder"] else None,
-                stop_requested=bool(pipe["stop_requested"]) and not r.is_final,
+                stop_requested=bool(pipe["stop_requested"]),
                 heartbeat_at=pipe["heartbeat_at"],
+                force=r.force,
+                final_epoch=r.is_final,
             )
             decision = decide_trigger(tf, r.policy)
             decided[i] = (tf, decision)

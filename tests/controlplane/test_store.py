@@ -482,6 +482,21 @@ def test_trigger_tick_decisions(store: EpochStore) -> None:
     assert store.trigger_tick("tick", SLOW).decision.action is TriggerAction.PIPELINE_ENDED
 
 
+def test_a_graceful_stops_final_epoch_is_the_only_one_that_starts_while_stopping(store: EpochStore) -> None:
+    """The store hands ``force`` and ``is_final`` to ``decide_trigger`` as facts: a stopping pipeline asked
+    to stop gets no epoch from the schedule nor from a manual checkpoint, only the driver's final one."""
+    running(store, "final")
+    complete(store, "final")
+    store.request_stop("final", "graceful")
+    store.set_pipeline_state("final", PipelineState.STOPPING)
+    assert store.trigger_tick("final", FAST).decision.action is TriggerAction.PIPELINE_NOT_RUNNING
+    manual = store.trigger_tick("final", SLOW, force=True, triggered_by="manual")
+    assert manual.decision.action is TriggerAction.PIPELINE_NOT_RUNNING and manual.started is None
+    final = store.trigger_tick("final", SLOW, force=True, is_final=True, triggered_by="final-epoch")
+    assert final.decision.action is TriggerAction.START and final.started is not None
+    assert final.started.is_final and final.pipeline_state is PipelineState.STOPPING
+
+
 def test_no_epoch_starts_while_the_cleanup_lease_is_live(store: EpochStore) -> None:
     running(store, "leased")
     run = store.acquire_cleanup_lock("leased", "cleaner", ttl=60)
