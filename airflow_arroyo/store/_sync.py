@@ -629,7 +629,7 @@ class EpochStore:
             f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
             "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
             "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained"
+            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL"
             "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
             f"   RETURNING {_EPOCH_COLS}),"
             " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"

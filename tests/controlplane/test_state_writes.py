@@ -161,3 +161,80 @@ def test_guards_and_transition_checks_live_only_in_the_helper() -> None:
     assert not found, "\n".join(found)
     assert {name for _, name in _calls(HELPER)} >= {"epoch_states_from", "pipeline_states_from"}
 
+
+
+# ----------------------------------------------------------------------------- the outcome (migration 0007)
+
+# what an epoch's outcome is, by definition: the last state it was in that ends an epoch (not in flight,
+# not retention's own pruning/pruned)
+NOT_AN_OUTCOME = {EpochState.TRIGGERED, EpochState.PRUNING, EpochState.PRUNED}
+
+
+def _paths(state: EpochState = EpochState.TRIGGERED) -> Iterator[list[EpochState]]:
+    """Every life of an epoch the table allows, from its start to its last state (the table has no cycle)."""
+    yield [state]
+    for nxt in sorted(EPOCH_TRANSITIONS[state]):
+        for rest in _paths(nxt):
+            yield [state, *rest]
+
+
+def test_the_database_records_the_outcome_along_every_life_of_an_epoch(cur: psycopg2.extras.RealDictCursor) -> None:
+    paths = [p for p in _paths() if len(p) > 1]
+    assert {s for p in paths for s in p} == set(EpochState)  # every state is reached by some path
+    try:
+        for path in paths:
+            cur.execute("SAVEPOINT t")
+            cur.execute("INSERT INTO arroyo_pipelines (pipeline_id, state) VALUES ('p', 'running')")
+            cur.execute("INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
+                        " VALUES ('p', 1, 'triggered', '{a}', now() + interval '1 hour') RETURNING outcome")
+            assert cur.fetchone()["outcome"] is None
+            expected: str | None = None
+            for target in path[1:]:
+                (row,) = transition(cur, target, where="e.epoch = 1", params={},
+                                    also="ended_at = COALESCE(e.ended_at, clock_timestamp())",
+                                    returning="e.outcome")
+                expected = expected if target in NOT_AN_OUTCOME else target.value
+                assert row["outcome"] == expected, path
+                # the outcome cannot be written on its own
+                cur.execute("UPDATE arroyo_epochs SET outcome = 'failed' WHERE epoch = 1 RETURNING outcome")
+                assert cur.fetchone()["outcome"] == expected, path
+            cur.execute("ROLLBACK TO SAVEPOINT t")
+    finally:
+        cur.connection.rollback()
+
+
+def test_migration_0007_records_the_outcome_of_epochs_that_ended_before_it(
+        pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Epochs already pruned get the outcome the database's history recorded for them, not one read from
+    their failure reason (epoch 3 failed with a reason that reads like an expiry)."""
+    from airflow_arroyo.store import EpochStore, _migrate
+
+    shipped = _migrate.available_migrations()
+    monkeypatch.setattr(_migrate, "available_migrations", lambda: [m for m in shipped if m[0] < 7])
+    store = EpochStore(pg_dsn)
+    try:
+        assert store.migrate() == [1, 2, 3, 4, 5, 6]
+        lives = {1: ["completed", "pruning", "pruned"], 2: ["expired", "pruning", "pruned"],
+                 3: ["failed", "pruning", "pruned"], 4: ["completed", "superseded", "pruning"],
+                 5: ["completed"], 6: ["failed"], 7: []}
+        conn = psycopg2.connect(pg_dsn)
+        try:
+            with conn, conn.cursor() as c:
+                c.execute("INSERT INTO arroyo_pipelines (pipeline_id, state) VALUES ('old', 'running')")
+                for n, life in lives.items():
+                    c.execute("INSERT INTO arroyo_epochs (pipeline_id, epoch, state, stages, timeout_at)"
+                              " VALUES ('old', %s, 'triggered', '{a}', now() + interval '1 hour')", (n,))
+                    for state in life:
+                        c.execute("UPDATE arroyo_epochs SET state = %s, ended_at = COALESCE(ended_at, now()),"
+                                  " failure_reason = CASE WHEN %s IN ('failed', 'expired')"
+                                  "   THEN 'not acknowledged by stage a' ELSE failure_reason END"
+                                  " WHERE pipeline_id = 'old' AND epoch = %s", (state, state, n))
+        finally:
+            conn.close()
+        monkeypatch.setattr(_migrate, "available_migrations", lambda: shipped)
+        assert store.migrate() == [7]
+        outcomes = {e.epoch: e.outcome for e in store.list_epochs("old")}
+        assert outcomes == {1: EpochState.COMPLETED, 2: EpochState.EXPIRED, 3: EpochState.FAILED,
+                            4: EpochState.SUPERSEDED, 5: EpochState.COMPLETED, 6: EpochState.FAILED, 7: None}
+    finally:
+        store.close()
