@@ -31,8 +31,10 @@ _RESERVED = frozenset({"_target", "_from"})
 
 def transition(cur: PgCursor, target: EpochState | PipelineState, *, where: str, params: Mapping[str, Any],
                also: str = "", using: str = "", returning: str = "") -> list[dict[str, Any]]:
-    """Move the rows matched by ``where`` to ``target`` if the transition table allows it from their
-    current state; return the rows moved (``returning``, default: their keys).
+    """Move the rows matched by ``where`` to ``target`` where the transition table allows it.
+
+    Only rows whose current state may reach ``target`` move; returns the rows moved (``returning``,
+    default: their keys).
 
     ``target`` picks the table: an :class:`EpochState` moves rows of ``arroyo_epochs`` (alias ``e``), a
     :class:`PipelineState` rows of ``arroyo_pipelines`` (alias ``p``). ``where``, ``also`` (more
