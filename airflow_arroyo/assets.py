@@ -215,10 +215,11 @@ class CommittedDataTrigger(BaseEventTrigger):
         if self.kind == KIND_SINK:
             commits = await store.sink_commits(self.pipeline_id, after_seq=cursor, sink=self.sink)
             return [(c.seq, sink_commit_payload(c)) for c in commits]
-        # completed epochs after the cursor, oldest first (pruned ones had completed too)
+        # completed epochs after the cursor, oldest first (pruned ones too, if they had completed: their outcome)
         epochs = await store.list_epochs(self.pipeline_id, limit=100,
                                          states=[EpochState.COMPLETED, EpochState.PRUNING, EpochState.PRUNED])
-        newer = sorted((e for e in epochs if e.epoch > cursor and e.failure_reason is None), key=lambda e: e.epoch)
+        newer = sorted((e for e in epochs if e.epoch > cursor and e.outcome is EpochState.COMPLETED),
+                       key=lambda e: e.epoch)
         return [(e.epoch, epoch_payload(e)) for e in newer]
 
 

@@ -216,6 +216,12 @@ class TriggerFacts:
     cleanup_lease: CleanupLease | None = None  # an unexpired lease, if any
     stop_requested: bool = False
     heartbeat_at: datetime | None = None  # the driver's last heartbeat (None: never heartbeated)
+    # asked for now, not by the schedule (a manual checkpoint, a graceful stop's final epoch): the schedule
+    # does not apply and a stopping pipeline counts as running; the other rules all still do
+    force: bool = False
+    # the final epoch of a graceful stop, asked for by the stopping driver: its own stop request does
+    # not hold it back
+    final_epoch: bool = False
 
 
 class TriggerAction(enum.StrEnum):
@@ -242,10 +248,14 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     """Should a checkpoint epoch start now? The whole rule, in one place.
 
     Order matters: an in-flight epoch past its timeout is expired first (so it stops blocking);
-    then a pipeline that ended ends the trigger; then the one-in-flight rule; then liveness (a running
-    pipeline whose heartbeat is older than ``policy.heartbeat_timeout`` gets no epoch: it would only
-    expire); then the cleanup lock; then the schedule (interval since the last start, min pause since
-    the last end).
+    then a pipeline that ended ends the trigger; then the one-in-flight rule; then a pipeline that is
+    not running, or was asked to stop, gets no epoch; then liveness (a running pipeline whose
+    heartbeat is older than ``policy.heartbeat_timeout`` gets no epoch: it would only expire); then
+    the cleanup lock; then the schedule (interval since the last start, min pause since the last end).
+
+    ``facts.force`` skips the schedule and lets a ``stopping`` pipeline count as running;
+    ``facts.final_epoch`` lets the stop request through (a graceful stop's final epoch). Neither
+    overrides the in-flight epoch, a pipeline that ended, liveness or the cleanup lock.
     """
     now = facts.now
     if facts.in_flight_epoch is not None:
@@ -257,7 +267,9 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
                                reason=f"epoch {facts.in_flight_epoch} is in flight")
     if facts.pipeline_state.terminal:
         return TriggerDecision(TriggerAction.PIPELINE_ENDED, reason=f"pipeline is {facts.pipeline_state}")
-    if facts.pipeline_state is not PipelineState.RUNNING or facts.stop_requested:
+    running = facts.pipeline_state is PipelineState.RUNNING or (
+        facts.force and facts.pipeline_state is PipelineState.STOPPING)
+    if not running or (facts.stop_requested and not facts.final_epoch):
         return TriggerDecision(TriggerAction.PIPELINE_NOT_RUNNING, recheck_at=now + timedelta(seconds=1),
                                reason=f"pipeline is {facts.pipeline_state}")
     if policy.heartbeat_timeout is not None and facts.heartbeat_at is not None:
@@ -271,7 +283,7 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     if facts.cleanup_lease is not None and facts.cleanup_lease.expires_at > now:
         return TriggerDecision(TriggerAction.WAIT_CLEANUP, recheck_at=facts.cleanup_lease.expires_at,
                                reason=f"cleanup lock held by {facts.cleanup_lease.holder}")
-    due = next_start_at(facts, policy)
+    due = None if facts.force else next_start_at(facts, policy)
     if due is not None and now < due:
         return TriggerDecision(TriggerAction.WAIT_SCHEDULE, recheck_at=due, reason="not due yet")
     return TriggerDecision(TriggerAction.START, epoch=facts.last_epoch + 1, reason="due")

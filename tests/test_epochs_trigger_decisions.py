@@ -1,6 +1,7 @@
 """The checkpoint trigger's decision (``decide_trigger``), ``consecutive_failures`` and ``CheckpointPolicy``:
 property-based over every kind of fact the store can hand in, plus the exhaustive product of the discrete
-situations (pipeline state x in-flight epoch x cleanup lease x stop request x schedule)."""
+situations (pipeline state x in-flight epoch x cleanup lease x stop request x schedule, each asked for
+by the schedule, forced, and as a graceful stop's final epoch)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,14 @@ def facts(draw: st.DrawFn) -> TriggerFacts:
         cleanup_lease=lease,
         stop_requested=draw(st.booleans()),
         heartbeat_at=draw(st.none() | offsets),
+        force=draw(st.booleans()),
+        final_epoch=draw(st.booleans()),
     )
 
 
 def _due(f: TriggerFacts, p: CheckpointPolicy) -> bool:
+    if f.force:
+        return True
     if f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval):
         return False
     if f.last_ended_at is not None and p.min_pause > 0 and f.now < f.last_ended_at + timedelta(seconds=p.min_pause):
@@ -74,6 +79,12 @@ def _lease_live(f: TriggerFacts) -> bool:
     return f.cleanup_lease is not None and f.cleanup_lease.expires_at > f.now
 
 
+def _runs(f: TriggerFacts) -> bool:
+    """Running, or stopping and forced; and not asked to stop, unless this is the stop's final epoch."""
+    state_ok = f.pipeline_state is PipelineState.RUNNING or (f.force and f.pipeline_state is PipelineState.STOPPING)
+    return state_ok and (not f.stop_requested or f.final_epoch)
+
+
 def _alive(f: TriggerFacts, p: CheckpointPolicy) -> bool:
     return (p.heartbeat_timeout is None or f.heartbeat_at is None
             or (f.now - f.heartbeat_at).total_seconds() <= p.heartbeat_timeout)
@@ -83,14 +94,15 @@ def _alive(f: TriggerFacts, p: CheckpointPolicy) -> bool:
 @given(facts(), policies())
 def test_start_only_when_every_rule_allows_it_and_always_then(f: TriggerFacts, p: CheckpointPolicy) -> None:
     d = decide_trigger(f, p)
-    may_start = (f.in_flight_epoch is None and f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
-                 and not _lease_live(f) and _due(f, p) and _alive(f, p))
+    may_start = f.in_flight_epoch is None and _runs(f) and not _lease_live(f) and _due(f, p) and _alive(f, p)
     assert (d.action is TriggerAction.START) == may_start
     if d.action is TriggerAction.START:
         assert d.epoch == f.last_epoch + 1
         assert f.in_flight_epoch is None  # never a second epoch in flight
-        assert not _lease_live(f)  # never under a live cleanup lease
-        assert f.pipeline_state is PipelineState.RUNNING and not f.stop_requested
+        assert not _lease_live(f)  # never under a live cleanup lease, forced or not
+        assert f.pipeline_state in (PipelineState.RUNNING, PipelineState.STOPPING)  # never for an ended pipeline
+        assert f.pipeline_state is PipelineState.RUNNING or f.force
+        assert not f.stop_requested or f.final_epoch
         assert _alive(f, p)  # never for a driver whose heartbeat is stale: the epoch could only expire
 
 
@@ -118,14 +130,15 @@ def test_a_decision_is_total_and_each_wait_says_when_to_look_again(f: TriggerFac
     if d.action is TriggerAction.PIPELINE_ENDED:
         assert f.pipeline_state.terminal and f.in_flight_epoch is None
     if d.action is TriggerAction.PIPELINE_NOT_RUNNING:
-        assert f.pipeline_state is not PipelineState.RUNNING or f.stop_requested
+        assert not _runs(f)
         assert d.recheck_at is not None and d.recheck_at > f.now
     if d.action is TriggerAction.PIPELINE_NOT_ALIVE:
-        assert f.pipeline_state is PipelineState.RUNNING and not f.stop_requested and not _alive(f, p)
+        assert _runs(f) and not _alive(f, p)
         assert d.recheck_at is not None and d.recheck_at > f.now and "heartbeat" in d.reason
     if d.action is TriggerAction.WAIT_CLEANUP:
         assert f.cleanup_lease is not None and d.recheck_at == f.cleanup_lease.expires_at > f.now
     if d.action is TriggerAction.WAIT_SCHEDULE:
+        assert not f.force  # a forced epoch never waits for the schedule
         assert d.recheck_at == next_start_at(f, p) and d.recheck_at is not None and d.recheck_at > f.now
     if d.action in WAITS - {TriggerAction.WAIT_IN_FLIGHT}:
         assert d.epoch is None
@@ -189,37 +202,58 @@ def _product() -> list[tuple[PipelineState, str, str, bool, str, str]]:
     return fresh + beats
 
 
+# how the epoch is asked for: (force, final_epoch)
+ASKED = {"by the schedule": (False, False), "forced": (True, False), "final epoch": (True, True),
+         "final, not forced": (False, True)}
+
+
 @pytest.mark.parametrize(("state", "in_flight", "lease", "stop", "schedule", "heartbeat"), _product())
 def test_every_discrete_situation(state: PipelineState, in_flight: str, lease: str, stop: bool,
                                   schedule: str, heartbeat: str) -> None:
+    """Each situation asked for in each way (a loop, not more parameters: one decision costs microseconds)."""
     last_triggered, last_ended = SCHEDULE[schedule]
-    f = TriggerFacts(now=NOW, pipeline_state=state, last_epoch=7,
-                     in_flight_epoch=7 if IN_FLIGHT[in_flight] is not None else None,
-                     in_flight_timeout_at=IN_FLIGHT[in_flight], last_triggered_at=last_triggered,
-                     last_ended_at=last_ended, cleanup_lease=LEASE[lease], stop_requested=stop,
-                     heartbeat_at=HEARTBEAT[heartbeat])
-    d = decide_trigger(f, POLICY)
-    if in_flight in ("timed_out", "at_timeout"):
-        expected = TriggerAction.EXPIRE
-    elif in_flight == "live":
-        expected = TriggerAction.WAIT_IN_FLIGHT
-    elif state.terminal:
-        expected = TriggerAction.PIPELINE_ENDED
-    elif state is not PipelineState.RUNNING or stop:
-        expected = TriggerAction.PIPELINE_NOT_RUNNING
-    elif heartbeat == "stale":
-        expected = TriggerAction.PIPELINE_NOT_ALIVE
-    elif lease == "live":
-        expected = TriggerAction.WAIT_CLEANUP
-    elif schedule in ("not_due", "due_but_paused"):
-        expected = TriggerAction.WAIT_SCHEDULE
-    else:
-        expected = TriggerAction.START
-    assert d.action is expected, (d, f)
-    if expected in (TriggerAction.EXPIRE, TriggerAction.WAIT_IN_FLIGHT):
-        assert d.epoch == 7
-    if expected is TriggerAction.START:
-        assert d.epoch == 8
+    for asked, (force, final) in ASKED.items():
+        f = TriggerFacts(now=NOW, pipeline_state=state, last_epoch=7,
+                         in_flight_epoch=7 if IN_FLIGHT[in_flight] is not None else None,
+                         in_flight_timeout_at=IN_FLIGHT[in_flight], last_triggered_at=last_triggered,
+                         last_ended_at=last_ended, cleanup_lease=LEASE[lease], stop_requested=stop,
+                         heartbeat_at=HEARTBEAT[heartbeat], force=force, final_epoch=final)
+        d = decide_trigger(f, POLICY)
+        if in_flight in ("timed_out", "at_timeout"):
+            expected = TriggerAction.EXPIRE
+        elif in_flight == "live":
+            expected = TriggerAction.WAIT_IN_FLIGHT
+        elif state.terminal:
+            expected = TriggerAction.PIPELINE_ENDED
+        elif state is PipelineState.REGISTERED or (state is PipelineState.STOPPING and not force):
+            expected = TriggerAction.PIPELINE_NOT_RUNNING
+        elif stop and not final:
+            expected = TriggerAction.PIPELINE_NOT_RUNNING
+        elif heartbeat == "stale":
+            expected = TriggerAction.PIPELINE_NOT_ALIVE
+        elif lease == "live":
+            expected = TriggerAction.WAIT_CLEANUP
+        elif schedule in ("not_due", "due_but_paused") and not force:
+            expected = TriggerAction.WAIT_SCHEDULE
+        else:
+            expected = TriggerAction.START
+        assert d.action is expected, (asked, d, f)
+        if expected in (TriggerAction.EXPIRE, TriggerAction.WAIT_IN_FLIGHT):
+            assert d.epoch == 7
+        if expected is TriggerAction.START:
+            assert d.epoch == 8
+
+
+def test_a_graceful_stops_final_epoch_starts_while_the_pipeline_is_stopping() -> None:
+    """The driver's final epoch: stopping, the stop requested, the last epoch a second ago."""
+    f = TriggerFacts(now=NOW, pipeline_state=PipelineState.STOPPING, last_epoch=3, stop_requested=True,
+                     last_triggered_at=NOW - timedelta(seconds=1), last_ended_at=NOW, heartbeat_at=NOW)
+    assert decide_trigger(f, POLICY).action is TriggerAction.PIPELINE_NOT_RUNNING
+    forced = TriggerFacts(**{**f.__dict__, "force": True})
+    assert decide_trigger(forced, POLICY).action is TriggerAction.PIPELINE_NOT_RUNNING  # the stop request holds
+    final = TriggerFacts(**{**f.__dict__, "force": True, "final_epoch": True})
+    d = decide_trigger(final, POLICY)
+    assert (d.action, d.epoch) == (TriggerAction.START, 4)
 
 
 # --------------------------------------------------------------------------- consecutive failures

@@ -24,6 +24,7 @@ from psycopg2.extensions import connection as PgConnection
 from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import (
+    EPOCH_TRANSITIONS,
     CheckpointPolicy,
     CleanupLease,
     EpochState,
@@ -33,8 +34,6 @@ from airflow_arroyo.epochs import (
     TriggerFacts,
     consecutive_failures,
     decide_trigger,
-    epoch_states_from,
-    pipeline_states_from,
     validate_pipeline_id,
 )
 from airflow_arroyo.exceptions import (
@@ -52,6 +51,7 @@ from airflow_arroyo.exceptions import (
 from airflow_arroyo.store import _migrate
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
+from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -288,22 +288,24 @@ class EpochStore:
                         "driver is dead"
                     )
                 self._fail_in_flight(cur, pipeline_id, f"run {current['run_id']} superseded by run {run_id}")
-                cur.execute(
-                    "UPDATE arroyo_pipelines SET state = 'failed', failure_cause = %s, updated_at = now()"
-                    " WHERE pipeline_id = %s",
-                    (f"superseded by run {run_id}", pipeline_id),
-                )
-            cur.execute(
-                "UPDATE arroyo_pipelines SET state = 'registered', run_id = %(run_id)s, stages = %(stages)s,"
+                transition(cur, PipelineState.FAILED, where="p.pipeline_id = %(p)s",
+                           also="failure_cause = %(cause)s, updated_at = now()",
+                           params={"p": pipeline_id, "cause": f"superseded by run {run_id}"})
+            rows = transition(
+                cur, PipelineState.REGISTERED, where="p.pipeline_id = %(pipeline_id)s",
+                also="run_id = %(run_id)s, stages = %(stages)s,"
                 " channels = %(channels)s::jsonb, storage_uri = %(storage_uri)s,"
-                " checkpoint_interval_s = COALESCE(%(interval)s, checkpoint_interval_s),"
+                " checkpoint_interval_s = COALESCE(%(interval)s, p.checkpoint_interval_s),"
                 " spark_app_id = %(spark_app_id)s,"
                 " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = NULL, config = %(config)s::jsonb,"
                 " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
-                " updated_at = now() WHERE pipeline_id = %(pipeline_id)s RETURNING *",
-                params,
+                " updated_at = now()",
+                params=params, returning="p.*",
             )
-            return from_row(PipelineRecord, _one(cur))
+            if not rows:  # cannot be: the row is locked and its run ended (or was just failed above)
+                raise IllegalTransitionError("pipeline", current["state"], PipelineState.REGISTERED.value,
+                                             subject=pipeline_id)
+            return from_row(PipelineRecord, rows[0])
 
         return self._tx(tx)
 
@@ -337,11 +339,10 @@ class EpochStore:
                     f"epoch {epoch} of pipeline {pipeline_id!r} is {state or 'unknown'}, no longer completed (did "
                     "retention prune it during the restore?); nothing was changed: restore from a completed epoch"
                 )
-            cur.execute(
-                "UPDATE arroyo_epochs SET state = 'superseded', failure_reason = %s"
-                " WHERE pipeline_id = %s AND epoch > %s AND state = 'completed'",
-                (f"superseded: run {run_id} restored the older epoch {epoch}", pipeline_id, epoch),
-            )
+            transition(cur, EpochState.SUPERSEDED, where="e.pipeline_id = %(p)s AND e.epoch > %(n)s",
+                       also="failure_reason = %(reason)s",
+                       params={"p": pipeline_id, "n": epoch,
+                               "reason": f"superseded: run {run_id} restored the older epoch {epoch}"})
             cur.execute(
                 "UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
                 " WHERE pipeline_id = %s RETURNING *",
@@ -353,13 +354,11 @@ class EpochStore:
 
     @staticmethod
     def _fail_in_flight(cur: PgCursor, pipeline_id: str, reason: str) -> int | None:
-        cur.execute(
-            "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
-            " WHERE pipeline_id = %s AND state = 'triggered' RETURNING epoch",
-            (reason, pipeline_id),
-        )
-        row = cur.fetchone()
-        return int(row["epoch"]) if row else None
+        """Fail the pipeline's in-flight epoch, if any (the only state that may become failed)."""
+        rows = transition(cur, EpochState.FAILED, where="e.pipeline_id = %(p)s",
+                          also="ended_at = clock_timestamp(), failure_reason = %(reason)s",
+                          params={"p": pipeline_id, "reason": reason}, returning="e.epoch")
+        return int(rows[0]["epoch"]) if rows else None
 
     def set_pipeline_state(self, pipeline_id: str, target: PipelineState, *, run_id: str | None = None,
                            failure_cause: str | None = None) -> PipelineRecord:
@@ -372,16 +371,14 @@ class EpochStore:
             if run_id is not None and current["run_id"] != run_id:
                 raise FencedError(pipeline_id, run_id, -1, by_run=current["run_id"],
                                   by_generation=current.get("generation"), what=f"the state change to {target.value}")
-            if current["state"] not in pipeline_states_from(target):
-                raise IllegalTransitionError("pipeline", current["state"], target.value, subject=pipeline_id)
             if target.terminal:
                 self._fail_in_flight(cur, pipeline_id, f"pipeline {target.value}")
-            cur.execute(
-                "UPDATE arroyo_pipelines SET state = %s, failure_cause = COALESCE(%s, failure_cause),"
-                " updated_at = now() WHERE pipeline_id = %s RETURNING *",
-                (target.value, failure_cause, pipeline_id),
-            )
-            return from_row(PipelineRecord, _one(cur))
+            rows = transition(cur, target, where="p.pipeline_id = %(p)s",
+                              also="failure_cause = COALESCE(%(cause)s, p.failure_cause), updated_at = now()",
+                              params={"p": pipeline_id, "cause": failure_cause}, returning="p.*")
+            if not rows:  # refused by the guard: the transaction (and the epoch failed above) rolls back
+                raise IllegalTransitionError("pipeline", current["state"], target.value, subject=pipeline_id)
+            return from_row(PipelineRecord, rows[0])
 
         return self._tx(tx)
 
@@ -529,18 +526,19 @@ class EpochStore:
         decided: dict[int, tuple[TriggerFacts, TriggerDecision]] = {}
         for i, r in todo:
             pipe, f = pipes[r.pipeline_id], facts[r.pipeline_id]
-            state = PipelineState(pipe["state"])
             tf = TriggerFacts(
                 now=f["now"],
-                pipeline_state=PipelineState.RUNNING if r.force and state is PipelineState.STOPPING else state,
+                pipeline_state=PipelineState(pipe["state"]),
                 last_epoch=int(pipe["last_epoch"]),
                 in_flight_epoch=f["in_flight"],
                 in_flight_timeout_at=f["in_flight_timeout_at"],
-                last_triggered_at=None if r.force else f["last_triggered_at"],
-                last_ended_at=None if r.force else f["last_ended_at"],
+                last_triggered_at=f["last_triggered_at"],
+                last_ended_at=f["last_ended_at"],
                 cleanup_lease=CleanupLease(f["holder"], f["expires_at"]) if f["holder"] else None,
-                stop_requested=bool(pipe["stop_requested"]) and not r.is_final,
+                stop_requested=bool(pipe["stop_requested"]),
                 heartbeat_at=pipe["heartbeat_at"],
+                force=r.force,
+                final_epoch=r.is_final,
             )
             decision = decide_trigger(tf, r.policy)
             decided[i] = (tf, decision)
@@ -631,7 +629,7 @@ class EpochStore:
             f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
             "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
             "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained"
+            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL"
             "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
             f"   RETURNING {_EPOCH_COLS}),"
             " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
@@ -650,16 +648,15 @@ class EpochStore:
         """Mark every decided EXPIRE in one guarded UPDATE (only epochs still in flight move)."""
         if not expires:
             return {}
-        cur.execute(
-            "UPDATE arroyo_epochs e SET state = 'expired', ended_at = clock_timestamp(),"  # noqa: S608
-            " failure_reason = x.reason"
-            " FROM unnest(%s::text[], %s::bigint[], %s::text[]) AS x(pipeline_id, epoch, reason)"
-            " WHERE e.pipeline_id = x.pipeline_id AND e.epoch = x.epoch AND e.state = 'triggered'"
-            f" RETURNING {epoch_columns('e')}",
-            ([r.pipeline_id for _, r, _ in expires], [d.epoch for _, _, d in expires],
-             [f"not acknowledged by every stage within {r.policy.effective_timeout:g}s" for _, r, _ in expires]),
+        rows = transition(
+            cur, EpochState.EXPIRED, where="e.pipeline_id = x.pipeline_id AND e.epoch = x.epoch",
+            using="unnest(%(p)s::text[], %(n)s::bigint[], %(why)s::text[]) AS x(pipeline_id, epoch, reason)",
+            also="ended_at = clock_timestamp(), failure_reason = x.reason", returning=epoch_columns("e"),
+            params={"p": [r.pipeline_id for _, r, _ in expires], "n": [d.epoch for _, _, d in expires],
+                    "why": [f"not acknowledged by every stage within {r.policy.effective_timeout:g}s"
+                            for _, r, _ in expires]},
         )
-        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in cur.fetchall())}
+        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in rows)}
 
     # ------------------------------------------------------------------ epochs
 
@@ -764,7 +761,7 @@ class EpochStore:
                  bytes_new, bytes_total, snapshot_uri, json.dumps(dict(details or {}))),
             )
             state = EpochState(row["state"])
-            if state is not EpochState.TRIGGERED:
+            if EpochState.COMPLETED not in EPOCH_TRANSITIONS[state]:
                 return state
             cur.execute(
                 "SELECT count(*) AS n, COALESCE(sum(bytes_new), 0) AS bn, COALESCE(sum(bytes_total), 0) AS bt"
@@ -774,11 +771,9 @@ class EpochStore:
             agg = _one(cur)
             if int(agg["n"]) < len(set(row["stages"])):
                 return state
-            cur.execute(
-                "UPDATE arroyo_epochs SET state = 'completed', ended_at = clock_timestamp(), bytes_new = %s,"
-                " bytes_total = %s WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s)",
-                (agg["bn"], agg["bt"], pipeline_id, epoch, epoch_states_from(EpochState.COMPLETED)),
-            )
+            transition(cur, EpochState.COMPLETED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
+                       also="ended_at = clock_timestamp(), bytes_new = %(bn)s, bytes_total = %(bt)s",
+                       params={"p": pipeline_id, "n": epoch, "bn": agg["bn"], "bt": agg["bt"]})
             return EpochState.COMPLETED
 
         return self._tx(tx)
@@ -789,14 +784,10 @@ class EpochStore:
         def tx(cur: PgCursor) -> EpochState:
             self._lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
             self._check_token(cur, token, f"failing epoch {epoch}")
-            cur.execute(
-                "UPDATE arroyo_epochs SET state = 'failed', ended_at = clock_timestamp(), failure_reason = %s"
-                " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING state",
-                (reason, pipeline_id, epoch, epoch_states_from(EpochState.FAILED)),
-            )
-            row = cur.fetchone()
-            if row is not None:
-                return EpochState(row["state"])
+            if transition(cur, EpochState.FAILED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
+                          also="ended_at = clock_timestamp(), failure_reason = %(reason)s",
+                          params={"p": pipeline_id, "n": epoch, "reason": reason}):
+                return EpochState.FAILED
             cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s",
                         (pipeline_id, epoch))
             row = cur.fetchone()
@@ -1060,12 +1051,11 @@ class EpochStore:
         def tx(cur: PgCursor) -> PrunePlan:
             pipe = self._lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
-            cur.execute(
-                "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = %(p)s AND epoch = ANY(%(e)s)"
-                " AND state = ANY(%(from)s) AND epoch IS DISTINCT FROM (SELECT max(epoch) FROM arroyo_epochs"
-                "   WHERE pipeline_id = %(p)s AND state = 'completed')",
-                {"p": pipeline_id, "e": wanted, "from": epoch_states_from(EpochState.PRUNING)},
-            )
+            transition(cur, EpochState.PRUNING,
+                       where="e.pipeline_id = %(p)s AND e.epoch = ANY(%(e)s) AND e.epoch IS DISTINCT FROM"
+                       " (SELECT max(c.epoch) FROM arroyo_epochs c WHERE c.pipeline_id = %(p)s"
+                       "  AND c.state = %(completed)s)",
+                       params={"p": pipeline_id, "e": wanted, "completed": EpochState.COMPLETED.value})
             cur.execute(
                 "SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = ANY(%s) AND state = 'pruning'"
                 " ORDER BY epoch",
@@ -1108,12 +1098,9 @@ class EpochStore:
             self._check_lease(cur, pipeline_id, cleanup_run)
             done: list[int] = []
             for epoch in epochs:
-                cur.execute(
-                    "UPDATE arroyo_epochs SET state = 'pruned', pruned_at = clock_timestamp(), bytes_freed = %s"
-                    " WHERE pipeline_id = %s AND epoch = %s AND state = ANY(%s) RETURNING epoch",
-                    (int(bytes_freed[epoch]), pipeline_id, epoch, epoch_states_from(EpochState.PRUNED)),
-                )
-                if cur.fetchone() is not None:
+                if transition(cur, EpochState.PRUNED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
+                              also="pruned_at = clock_timestamp(), bytes_freed = %(freed)s",
+                              params={"p": pipeline_id, "n": epoch, "freed": int(bytes_freed[epoch])}):
                     done.append(epoch)
             cur.execute("DELETE FROM arroyo_epoch_objects WHERE pipeline_id = %s AND epoch = ANY(%s)",
                         (pipeline_id, done))

@@ -120,7 +120,7 @@ SQL_EPOCH = (
 #: of the duration and size of every successful checkpoint (pruned ones included: they completed).
 SQL_SUMMARY = (
     "WITH e AS (SELECT state, extract(epoch FROM ended_at - triggered_at)::float8 AS duration_s,"
-    " bytes_total::float8 AS size, ended_at IS NOT NULL AND failure_reason IS NULL AS ok"
+    " bytes_total::float8 AS size, outcome IS NOT DISTINCT FROM 'completed' AS ok"
     " FROM arroyo_epochs WHERE pipeline_id = %(p)s)"
     " SELECT count(*) FILTER (WHERE ok) AS completed,"
     " count(*) FILTER (WHERE state = 'failed') AS failed,"

@@ -34,6 +34,7 @@ R = TypeVar("R")
 EPOCH_COLUMNS = (
     "pipeline_id", "epoch", "state", "run_id", "stages", "is_final", "triggered_by", "triggered_at", "timeout_at",
     "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed", "self_contained",
+    "outcome",
 )
 
 
@@ -117,9 +118,14 @@ class EpochRecord:
     pruned_at: datetime | None = None
     bytes_freed: int | None = None
     self_contained: bool = False  # its snapshot shares no object with another epoch
+    # how it ended (migration 0007): completed, failed, expired or superseded, kept through pruning; None
+    # while in flight. Recorded by the database with the state: read it, never the text of failure_reason.
+    outcome: EpochState | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", EpochState(self.state))
+        if self.outcome is not None:
+            object.__setattr__(self, "outcome", EpochState(self.outcome))
 
     @property
     def duration_s(self) -> float | None:

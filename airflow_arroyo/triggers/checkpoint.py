@@ -119,12 +119,8 @@ class _Summary:
 
 
 def _outcome(rec: EpochRecord) -> str:
-    if rec.state in (EpochState.COMPLETED, EpochState.FAILED, EpochState.EXPIRED):
-        return rec.state.value
-    # pruned since it ended: only failed/expired epochs carry a failure reason
-    if rec.failure_reason is None:
-        return EpochState.COMPLETED.value
-    return EpochState.EXPIRED.value if rec.failure_reason.startswith("not acknowledged") else EpochState.FAILED.value
+    """How an epoch that ended ended, as the store recorded it (pruned since: the outcome it was pruned with)."""
+    return (rec.outcome or rec.state).value
 
 
 class CheckpointTrigger(BaseTrigger):

@@ -20,7 +20,7 @@ import psycopg2
 import pytest
 import structlog
 
-from airflow_arroyo.epochs import EpochState, PipelineState, TriggerAction
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
@@ -263,6 +263,36 @@ async def test_an_epoch_past_its_timeout_expires(running: EpochStore, connection
     assert event["summary"]["expired"] == 1 and event["summary"]["epochs"][0]["state"] == "expired"
     assert sum(clock.sleeps) == pytest.approx(25.0, abs=1.0)
     assert any("epoch 1 expired" in m for m in messages(logs))
+
+
+def test_the_summary_reads_how_a_pruned_epoch_ended_from_the_store_not_from_its_failure_reason(
+        running: EpochStore, migrated_dsn: str) -> None:
+    """Epochs the trigger saw end may be pruned before it reads them; their outcome is the store's record
+    (migration 0007). Epoch 1 failed with a reason that reads like an expiry, epoch 2 expired."""
+    policy = CheckpointPolicy(interval=1, timeout=3600)
+    first = running.trigger_tick(PID, policy, force=True).started
+    assert first is not None
+    running.fail_epoch(PID, first.epoch, "not acknowledged: stage agg lost its executor")
+    second = running.trigger_tick(PID, policy, force=True).started
+    assert second is not None
+    with psycopg2.connect(migrated_dsn) as conn, conn.cursor() as cur:  # epoch 2 passed its timeout
+        cur.execute("UPDATE arroyo_epochs SET triggered_at = triggered_at - interval '2 hours',"
+                    " timeout_at = now() - interval '1 hour' WHERE epoch = %s", (second.epoch,))
+    conn.close()
+    assert running.trigger_tick(PID, policy).expired is not None
+    for _ in range(2):
+        running.trigger_tick(PID, policy, force=True)
+        ack(running)
+    cleanup = running.acquire_cleanup_lock(PID, "test", ttl=60)
+    plan = running.begin_prune(PID, cleanup.id, [first.epoch, second.epoch, second.epoch + 1])
+    running.finish_prune(PID, cleanup.id, dict.fromkeys(plan.epochs, 0))
+    summary = trigger_module._Summary(limit=10)
+    for n in (first.epoch, second.epoch, second.epoch + 1):
+        rec = running.get_epoch(PID, n)
+        assert rec.state is EpochState.PRUNED
+        summary.add(rec)
+    assert [e["state"] for e in summary.entries] == ["failed", "expired", "completed"]
+    assert (summary.counts["completed"], summary.counts["failed"], summary.counts["expired"]) == (1, 1, 1)
 
 
 async def test_an_expired_epoch_within_the_tolerance_does_not_stop_checkpoints(running: EpochStore,

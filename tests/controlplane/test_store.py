@@ -304,11 +304,29 @@ def _op_finish_prune(s: EpochStore, pid: str, epoch: int, run: int) -> None:
     s.finish_prune(pid, run, {epoch: 0})
 
 
+def _op_expire(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    # epoch 2 passed its timeout an hour ago; a tick expires it if it is the one in flight
+    sql(s, "UPDATE arroyo_epochs SET triggered_at = triggered_at - interval '2 hours',"
+           " timeout_at = now() - interval '1 hour' WHERE pipeline_id = %s AND epoch = %s", (pid, epoch))
+    s.trigger_tick(pid, SLOW)
+
+
+def _op_pipeline_fails(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    s.set_pipeline_state(pid, PipelineState.FAILED, failure_cause="test")
+
+
+def _op_restore_older(s: EpochStore, pid: str, epoch: int, run: int) -> None:
+    s.commit_restore(pid, "r", epoch - 1)
+
+
 OPERATIONS: dict[str, tuple[Callable[[EpochStore, str, int, int], None], EpochState]] = {
     "ack every stage": (_op_complete, EpochState.COMPLETED),
     "fail_epoch": (_op_fail, EpochState.FAILED),
     "begin_prune": (_op_begin_prune, EpochState.PRUNING),
     "finish_prune": (_op_finish_prune, EpochState.PRUNED),
+    "trigger tick past the timeout": (_op_expire, EpochState.EXPIRED),
+    "the pipeline fails": (_op_pipeline_fails, EpochState.FAILED),
+    "commit_restore of an older epoch": (_op_restore_older, EpochState.SUPERSEDED),
 }
 
 
@@ -462,6 +480,21 @@ def test_trigger_tick_decisions(store: EpochStore) -> None:
     assert store.trigger_tick("tick", SLOW).consecutive_failures == 2
     store.set_pipeline_state("tick", PipelineState.STOPPED)
     assert store.trigger_tick("tick", SLOW).decision.action is TriggerAction.PIPELINE_ENDED
+
+
+def test_a_graceful_stops_final_epoch_is_the_only_one_that_starts_while_stopping(store: EpochStore) -> None:
+    """The store hands ``force`` and ``is_final`` to ``decide_trigger`` as facts: a stopping pipeline asked
+    to stop gets no epoch from the schedule nor from a manual checkpoint, only the driver's final one."""
+    running(store, "final")
+    complete(store, "final")
+    store.request_stop("final", "graceful")
+    store.set_pipeline_state("final", PipelineState.STOPPING)
+    assert store.trigger_tick("final", FAST).decision.action is TriggerAction.PIPELINE_NOT_RUNNING
+    manual = store.trigger_tick("final", SLOW, force=True, triggered_by="manual")
+    assert manual.decision.action is TriggerAction.PIPELINE_NOT_RUNNING and manual.started is None
+    final = store.trigger_tick("final", SLOW, force=True, is_final=True, triggered_by="final-epoch")
+    assert final.decision.action is TriggerAction.START and final.started is not None
+    assert final.started.is_final and final.pipeline_state is PipelineState.STOPPING
 
 
 def test_no_epoch_starts_while_the_cleanup_lease_is_live(store: EpochStore) -> None:
