@@ -279,11 +279,22 @@ class EmbeddedAirflow:
                 self._token = str(resp.json()["access_token"])
         return self._token
 
-    def api(self, method: str, path: str, **kwargs: Any) -> Any:
-        """Call the REST API v2 (``path`` under ``/api/v2``) as the admin; the decoded JSON."""
-        with self._client() as client:
-            resp = client.request(method, f"/api/v2{path}", headers={"Authorization": f"Bearer {self.token()}"},
-                                  **kwargs)
+    def api(self, method: str, path: str, *, attempts: int = 3, **kwargs: Any) -> Any:
+        """Call the REST API v2 (``path`` under ``/api/v2``) as the admin; the decoded JSON. A read that times
+        out is asked again (up to ``attempts`` times): on a busy 2-core machine the single api-server worker
+        can stall for tens of seconds while a Spark driver and the scheduler start."""
+        import httpx
+
+        for attempt in range(1, attempts + 1):
+            try:
+                with self._client() as client:
+                    resp = client.request(method, f"/api/v2{path}",
+                                          headers={"Authorization": f"Bearer {self.token()}"}, **kwargs)
+                break
+            except httpx.TimeoutException:
+                if method.upper() != "GET" or attempt == attempts:
+                    raise
+                _say(f"GET /api/v2{path} timed out (attempt {attempt} of {attempts}); asking again")
         if resp.status_code >= 400:
             raise RuntimeError(f"{method} /api/v2{path} -> {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
