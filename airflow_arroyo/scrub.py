@@ -168,7 +168,7 @@ def _report(store: EpochStore, pipeline_id: str, epoch: int | None, objects: lis
                for o in objects if o.verify_state not in (None, "ok")]
     hit = {e for d in damaged for e in d.epochs}
     unverified = {e for o in objects if o.verify_state is None for e in o.epochs}
-    completed = sorted(r.epoch for r in store.epoch_facts(pipeline_id) if r.state is EpochState.COMPLETED
+    completed = sorted(r.epoch for r in store.unpruned_epochs(pipeline_id) if r.state is EpochState.COMPLETED
                        and (epoch is None or r.epoch == epoch))
     return ScrubReport(
         pipeline_id=pipeline_id, epoch=epoch, objects_checked=checked, bytes_checked=bytes_checked,

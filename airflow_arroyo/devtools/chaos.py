@@ -404,7 +404,7 @@ def _crashing_cleanup(w: _Worker, store: Any, pid: str, holder: str) -> None:
     w.counts["crashed"] += 1
     if store.in_flight_epoch(pid) is not None:
         return
-    facts = [_facts(r) for r in store.epoch_facts(pid)]
+    facts = [_facts(r) for r in store.unpruned_epochs(pid)]
     selection = select_prunable(facts, w.config.retention_policy, store.db_now())
     if selection.prune:
         plan = store.begin_prune(pid, run.id, selection.prune)
@@ -426,7 +426,7 @@ def _stalling_cleanup(w: _Worker, store: Any, pid: str, holder: str) -> None:
     if w.stop.is_set() and expires is not None and store.db_now() <= expires:
         store.release_cleanup_lock(pid, run.id, state="failed", error="chaos: stopped while stalling")
         return
-    facts = [_facts(r) for r in store.epoch_facts(pid)]
+    facts = [_facts(r) for r in store.unpruned_epochs(pid)]
     selection = select_prunable(facts, w.config.retention_policy, store.db_now())
     try:
         store.begin_prune(pid, run.id, list(selection.prune) or [1])

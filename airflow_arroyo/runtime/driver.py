@@ -622,7 +622,7 @@ class PipelineDriver:
                 for r in self.runners:
                     r.request_epoch(in_flight.epoch)
             for r in self.runners:
-                r.poll()
+                r.cut_if_idle()
             now = time.monotonic()
             if now - last_heartbeat >= self.heartbeat_interval:
                 try:

@@ -247,9 +247,9 @@ class StageRunner:
             if epoch > self._last_cut_epoch:
                 self._pending.add(epoch)
                 self._aligning_since.setdefault(epoch, time.monotonic())
-        self.poll()
+        self.cut_if_idle()
 
-    def poll(self) -> None:
+    def cut_if_idle(self) -> None:
         """Between batches: cut an idle source stage at its last completed batch (never blocks on a
         running batch: that batch's writer makes the cut itself when it ends)."""
         if self.kind is not StageKind.SOURCE or not self._pending:

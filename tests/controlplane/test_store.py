@@ -734,7 +734,7 @@ STORE_CALLS: dict[str, Callable[[EpochStore], object]] = {
     "trigger_tick": lambda s: s.trigger_tick("ghost", SLOW),
     "get_epoch": lambda s: s.get_epoch("ghost", 1),
     "list_epochs": lambda s: s.list_epochs("ghost"),
-    "epoch_facts": lambda s: s.epoch_facts("ghost"),
+    "unpruned_epochs": lambda s: s.unpruned_epochs("ghost"),
     "ack_epoch": lambda s: s.ack_epoch("ghost", 1, "s"),
     "fail_epoch": lambda s: s.fail_epoch("ghost", 1, "x"),
     "acquire_cleanup_lock": lambda s: s.acquire_cleanup_lock("ghost", "h"),
