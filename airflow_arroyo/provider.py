@@ -67,8 +67,8 @@ def get_provider_info() -> dict[str, Any]:
         "sensors": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.sensors.pipeline"]}],
         "extra-links": [
             "airflow_arroyo.operators.checkpoint.ArroyoCheckpointsLink",
-            "airflow_arroyo.links.ArroyoPipelineLink",
-            "airflow_arroyo.links.SparkUILink",
+            "airflow_arroyo.links.pipeline.ArroyoPipelineLink",
+            "airflow_arroyo.links.pipeline.SparkUILink",
         ],
         "connection-types": [
             {

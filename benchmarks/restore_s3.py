@@ -56,7 +56,7 @@ class RequestCounter(logging.Handler):
 def make_checkpoint(spark: Any, path: Path, keys: int, batches: int) -> None:
     from pyspark.sql import functions as F
 
-    from airflow_arroyo.runtime.generator import generator_source
+    from airflow_arroyo.testing import generator_source
 
     per_batch = max(keys // 2, 1)
     df = generator_source(spark, seed=1, keys=keys, total_rows=per_batch * batches, rows_per_batch=per_batch)

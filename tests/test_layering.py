@@ -18,7 +18,14 @@ import airflow_arroyo.runtime
 import airflow_arroyo.store
 
 _AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.exceptions", "airflow_arroyo.fs",
-                     "airflow_arroyo.retention", "airflow_arroyo.cli", "airflow_arroyo.summary"]
+                     "airflow_arroyo.retention", "airflow_arroyo.scrub", "airflow_arroyo.cli", "airflow_arroyo.summary",
+                     "airflow_arroyo.testing"]
+# The Airflow side (docs/architecture.md): one subpackage per extension point, and the modules that talk to Airflow.
+_AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.operators", "airflow_arroyo.sensors",
+                     "airflow_arroyo.triggers", "airflow_arroyo.links", "airflow_arroyo.ui", "airflow_arroyo.assets",
+                     "airflow_arroyo.metrics", "airflow_arroyo.config", "airflow_arroyo.provider"]
+# Neither: development tools (a throwaway PostgreSQL, airflow standalone, a Spark cluster for tests).
+_TOOLS = ["airflow_arroyo.devtools"]
 
 
 def _spark_side_modules() -> list[str]:
@@ -57,6 +64,14 @@ def test_the_blocker_blocks_airflow() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Airflow is not installed here" in proc.stdout
+
+
+def test_every_top_level_module_has_a_side() -> None:
+    """A new module is placed on a side on purpose (and the Airflow-free side is then checked below)."""
+    top = {f"airflow_arroyo.{m.name}" for m in pkgutil.iter_modules(airflow_arroyo.__path__)}
+    sides = {"airflow_arroyo.store", "airflow_arroyo.runtime", "airflow_arroyo.examples",
+             *_AIRFLOW_FREE_TOP, *_AIRFLOW_SIDE_TOP, *_TOOLS}
+    assert top == sides, f"unplaced: {sorted(top - sides)}; gone: {sorted(sides - top)}"
 
 
 def test_spark_side_modules_import_without_airflow() -> None:

@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id = airflow.trigger(EXAMPLE_DAG, conf)
             _say(f"triggered {EXAMPLE_DAG} run {run_id} with {json.dumps(conf)}")
             _say(f"  DAG run:        {airflow.base_url}/dags/{EXAMPLE_DAG}/runs/{run_id}")
-            # inside Airflow's UI (as airflow_arroyo.links.pipeline_page_url builds it; that module imports Airflow)
+            # inside Airflow's UI (as links.pipeline.pipeline_page_url builds it; that module imports Airflow)
             _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{PIPELINE_ID}")
             _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
             _say("Ctrl-C stops everything")

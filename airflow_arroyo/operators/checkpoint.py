@@ -30,7 +30,7 @@ from airflow.sdk.exceptions import AirflowException
 from airflow_arroyo import config
 from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
-from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.summary import summarize
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.settle import settle_deadline

@@ -2,7 +2,8 @@
 
 A pipeline is built from plain functions, the way a bytewax dataflow is::
 
-    from airflow_arroyo.runtime import Pipeline, generator_source
+    from airflow_arroyo.runtime import Pipeline
+    from airflow_arroyo.testing import generator_source
 
     p = Pipeline("orders")
     left = p.source("left", lambda spark: generator_source(spark, seed=1, total_rows=10_000, rows_per_batch=500))
@@ -160,7 +161,7 @@ class Pipeline:
         """A stage that reads a Spark streaming source: ``read(spark)`` returns a streaming DataFrame.
 
         Any Spark streaming source works (files, rate, a Python data source, the replayable
-        :func:`~airflow_arroyo.runtime.generator.generator_source`); the source must be replayable
+        :func:`~airflow_arroyo.testing.generator_source`); the source must be replayable
         from the offsets in its checkpoint for a restore to be exactly-once (the generator, files and
         Kafka are; ``rate`` with wall-clock timestamps is not byte-identical).
         """

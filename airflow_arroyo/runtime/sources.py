@@ -53,6 +53,7 @@ __all__ = [
     "plan_batch_end",
     "read_cap",
     "read_channel",
+    "register_data_source",
     "register_data_sources",
     "write_caps",
 ]
@@ -295,16 +296,18 @@ _registered: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionar
 _registered_lock = threading.Lock()
 
 
-def register_data_sources(spark: SparkSession) -> None:
-    """Register ``arroyo_channel`` and ``arroyo_generator`` with ``spark`` (once per session)."""
-    from airflow_arroyo.runtime.generator import GeneratorDataSource
-
+def register_data_source(spark: SparkSession, source: type[DataSource]) -> None:
+    """Register the Python data source ``source`` with ``spark`` (once per session)."""
     with _registered_lock:
         done = _registered.setdefault(spark, set())
-        for cls in (ChannelDataSource, GeneratorDataSource):
-            if cls.name() not in done:
-                spark.dataSource.register(cls)
-                done.add(cls.name())
+        if source.name() not in done:
+            spark.dataSource.register(source)
+            done.add(source.name())
+
+
+def register_data_sources(spark: SparkSession) -> None:
+    """Register ``arroyo_channel`` with ``spark`` (once per session; the generator registers itself)."""
+    register_data_source(spark, ChannelDataSource)
 
 
 def read_channel(

@@ -34,7 +34,7 @@ from airflow_arroyo import config
 from airflow_arroyo.config import default_deferrable
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError, UnknownPipelineError
-from airflow_arroyo.links import XCOM_PIPELINE_ID, ArroyoPipelineLink
+from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, ArroyoPipelineLink
 from airflow_arroyo.triggers.pipeline import (
     PipelineStateTrigger,
     Verdict,

@@ -30,7 +30,7 @@ from airflow_arroyo.exceptions import (
     PipelineFailedError,
     UnknownPipelineError,
 )
-from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.operators.pipeline import (
     DRIVER_APPLICATION,
     StopPipelineOperator,
@@ -38,8 +38,8 @@ from airflow_arroyo.operators.pipeline import (
     parse_restore_from,
 )
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
-from tests.support import wait_for
 
 FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
 PID = "orders"

@@ -26,6 +26,7 @@ from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 from airflow_arroyo.store import EpochStore, PipelineRecord
+from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers import pipeline as trigger_module
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
@@ -34,7 +35,6 @@ from airflow_arroyo.triggers.pipeline import (
     evaluate_wait,
     normalize_target,
 )
-from tests.support import wait_for
 
 PID = "orders"
 STAGES = ["source", "sink"]

@@ -50,7 +50,8 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
-from tests.support import running, sql, wait_for
+from airflow_arroyo.testing import wait_for
+from tests.support import running, sql
 
 # ----------------------------------------------------------------------------- helpers
 

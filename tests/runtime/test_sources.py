@@ -23,14 +23,6 @@ from airflow_arroyo.runtime.channel import (
     Entry,
     EntryKind,
 )
-from airflow_arroyo.runtime.generator import (
-    ARROW_SCHEMA,
-    GeneratorOptions,
-    GeneratorStreamReader,
-    generate_row,
-    generate_rows,
-    generator_source,
-)
 from airflow_arroyo.runtime.sources import (
     ChannelDataSource,
     ChannelStreamReader,
@@ -40,6 +32,14 @@ from airflow_arroyo.runtime.sources import (
     write_caps,
 )
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
+from airflow_arroyo.testing import (
+    ARROW_SCHEMA,
+    GeneratorOptions,
+    GeneratorStreamReader,
+    generate_row,
+    generate_rows,
+    generator_source,
+)
 
 SCHEMA = pa.schema([("id", pa.int64()), ("key", pa.string())])
 

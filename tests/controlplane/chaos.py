@@ -204,12 +204,9 @@ def _setup_logging(name: str) -> None:
 
 def _quiet_airflow_logging() -> None:
     """Importing Airflow routes logging through structlog, whose levels are kept apart from stdlib's:
-    the triggers' INFO lines (every epoch, every wait, from every process) cost CPU the run needs."""
-    try:
-        from airflow._shared.logging.structlog import PER_LOGGER_LEVELS
-    except ImportError:  # another Airflow release: leave its logging alone
-        return
-    PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING
+    the triggers' INFO lines (every epoch, every wait, from every process) cost CPU the run needs. Airflow
+    reads ``[logging] namespace_levels`` when it is first imported: call this before importing it."""
+    os.environ["AIRFLOW__LOGGING__NAMESPACE_LEVELS"] = "airflow_arroyo=WARNING"
 
 
 def _run_worker(role: str, body: Callable[[_Worker], None], config: ChaosConfig, name: str, index: int,
@@ -270,10 +267,10 @@ def _store_triggers(w: _Worker) -> None:
 def _airflow_triggers(w: _Worker) -> None:
     """The real CheckpointTrigger, one per pipeline, in this process's event loop (as a triggerer
     runs them). Several processes run the same triggers, as triggerer HA does."""
+    _quiet_airflow_logging()
     from airflow_arroyo.store import AsyncEpochStore
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 
-    _quiet_airflow_logging()
     store = AsyncEpochStore(w.store())
 
     class ChaosTrigger(CheckpointTrigger):
