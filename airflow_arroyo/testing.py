@@ -222,7 +222,7 @@ class GeneratorDataSource(DataSource):
         GeneratorOptions.parse(dict(self.options))  # fail at load() on bad options
         return GENERATOR_SCHEMA
 
-    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:  # noqa: ARG002 - Spark's signature
         return GeneratorStreamReader(GeneratorOptions.parse(dict(self.options)))
 
 
@@ -285,7 +285,7 @@ class GeneratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         table = generate_rows(o.seed, partition.start, partition.end, o.keys, o.ms_per_row)
         yield from table.to_batches(max_chunksize=65536)
 
-    def commit(self, end: dict[str, Any]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:  # noqa: ARG002 - Spark's signature; nothing to release
         return None
 
 

@@ -63,11 +63,10 @@ def facts(draw: st.DrawFn) -> TriggerFacts:
 
 
 def _due(f: TriggerFacts, p: CheckpointPolicy) -> bool:
-    if f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval):
-        return False
-    if f.last_ended_at is not None and p.min_pause > 0 and f.now < f.last_ended_at + timedelta(seconds=p.min_pause):
-        return False
-    return True
+    too_soon = f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval)
+    pausing = (f.last_ended_at is not None and p.min_pause > 0
+               and f.now < f.last_ended_at + timedelta(seconds=p.min_pause))
+    return not (too_soon or pausing)
 
 
 def _lease_live(f: TriggerFacts) -> bool:

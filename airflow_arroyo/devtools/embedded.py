@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = EmbeddedSettings(home=args.home, keep_home=args.keep or args.home is not None, port=args.port)
     interrupted = False
 
-    def on_sigterm(signum: int, frame: object) -> None:
+    def on_sigterm(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -154,7 +154,7 @@ def _milestone_processor() -> Any:
         def init(self, handle: StatefulProcessorHandle) -> None:
             self.count = handle.getValueState("count", "n long")
 
-        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # Spark's method name
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # noqa: ARG002 - Spark's signature
             held = self.count.get()
             before = int(held[0]) if held is not None else 0
             after = before + sum(1 for _ in rows)

@@ -88,6 +88,6 @@ class SparkUILink(BaseOperatorLink):
 
     name = "Spark UI"
 
-    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:  # noqa: ARG002 - Airflow's signature
         url = _xcom(ti_key, XCOM_SPARK_UI_URL)
         return url if isinstance(url, str) else ""

@@ -49,7 +49,7 @@ class ArroyoCheckpointsLink(BaseOperatorLink):
 
     name = "Arroyo checkpoints"
 
-    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:  # noqa: ARG002 - Airflow's signature
         pipeline_id = getattr(operator, "pipeline_id", None)
         if not isinstance(pipeline_id, str) or not pipeline_id or _templated(pipeline_id):
             return ""
@@ -181,7 +181,7 @@ class CheckpointOperator(BaseOperator):
         self.defer(trigger=CheckpointTrigger(**kwargs, triggered_by=triggered_by, not_before=settle_deadline()),
                    method_name="execute_complete")
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG002 - Airflow's
         """One summary line (the trigger's log above has a line per epoch); fail on a failure event."""
         pipeline_id = str(event.get("pipeline_id") or self.pipeline_id)
         summary = event.get("summary") or {}

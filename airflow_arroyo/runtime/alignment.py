@@ -116,10 +116,10 @@ def source_cut(pending_epochs: Iterable[int], last_cut_epoch: int) -> tuple[int,
     return tuple(sorted({e for e in pending_epochs if e > last_cut_epoch}))
 
 
-def feedback_returned(epoch: int, barrier_positions: Mapping[str, int | None], ends: Mapping[str, int]) -> bool:
-    """Has barrier ``epoch`` come back on every feedback input of an iteration head?
+def feedback_returned(barrier_positions: Mapping[str, int | None], ends: Mapping[str, int]) -> bool:
+    """Has a barrier come back on every feedback input of an iteration head?
 
-    ``barrier_positions``: feedback channel -> index of barrier ``epoch`` on it (None: not there yet);
+    ``barrier_positions``: feedback channel -> index of the barrier on it (None: not there yet);
     ``ends``: feedback channel -> how far the head has read it. The barrier is back once the head's
     read position passed its entry on every feedback channel.
     """

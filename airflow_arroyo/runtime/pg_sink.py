@@ -423,10 +423,7 @@ class TransactionalPostgresSink:
                 problems.append(f"output column {f.name!r} is not a column of {self.target.table!r}")
                 continue
             spark_type = type(f.dataType).__name__
-            if spark_type == "ArrayType":
-                ok = col.category == "A"
-            else:
-                ok = col.typname in _COMPATIBLE.get(spark_type, set())
+            ok = col.category == "A" if spark_type == "ArrayType" else col.typname in _COMPATIBLE.get(spark_type, set())
             if not ok:
                 problems.append(f"column {f.name!r}: the output is {f.dataType.simpleString()} but the table's column "
                                 f"is {col.typname}")

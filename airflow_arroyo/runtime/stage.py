@@ -440,7 +440,7 @@ class StageRunner:
         still: list[_Pending] = []
         for p in self._deferred:
             positions = {c: self.inputs[c].find_barrier(p.epoch) for c in self.spec.feedback}
-            if feedback_returned(p.epoch, positions, {c: self._feedback_ends.get(c, 0) for c in self.spec.feedback}):
+            if feedback_returned(positions, {c: self._feedback_ends.get(c, 0) for c in self.spec.feedback}):
                 self.executor.submit(self._snapshot_and_ack, p)
             else:
                 still.append(p)

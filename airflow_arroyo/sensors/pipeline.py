@@ -185,7 +185,7 @@ class PipelineSensor(BaseSensorOperator):
             return False
         return PokeReturnValue(True, self.execute_complete(context, self._result(verdict, pipeline, latest)))
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG002 - Airflow's
         status = event.get("status")
         message = event.get("message") or ""
         if status == Verdict.SUCCESS.value:

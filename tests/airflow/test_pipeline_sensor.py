@@ -258,8 +258,9 @@ def test_trigger_times_out_at_its_deadline(store: EpochStore, conn: str, monkeyp
     assert events[0]["status"] == "timeout" and "did not reach state running" in events[0]["message"]
 
 
+@pytest.mark.usefixtures("store")
 def test_trigger_fails_when_spark_submit_exits_before_registering(
-    store: EpochStore, conn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    conn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     log = tmp_path / "submit.log"
     with open(log, "wb") as out:

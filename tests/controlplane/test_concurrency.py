@@ -380,7 +380,8 @@ def test_many_triggers_and_cleanups_never_break_the_protocol(pg_dsn: str, storag
 
 
 @pytest.mark.slow
-def test_everything_resumes_after_postgres_restarts(tmp_path: Path, storage: str) -> None:
+@pytest.mark.usefixtures("tmp_path")
+def test_everything_resumes_after_postgres_restarts(storage: str) -> None:
     pg = ThrowawayPostgres()
     pg.start()
     try:

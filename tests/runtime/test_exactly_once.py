@@ -13,6 +13,7 @@ Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -79,7 +80,7 @@ class Driver:
         env = {**os.environ, **(env or {}), **({SINK_DSN_ENV: sink_dsn} if sink_dsn else {}), "ARROYO_DSN": dsn,
                "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable}
-        self._log = open(self.log_path, "wb")  # closed in wait()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process writes it until wait() closes it
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
 
@@ -87,10 +88,8 @@ class Driver:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.wait(60)
 
     def wait(self, timeout: float) -> int:
