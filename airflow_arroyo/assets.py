@@ -125,7 +125,7 @@ class CommittedDataTrigger(BaseEventTrigger):
 
     def __init__(self, pipeline_id: str, kind: str = KIND_SINK, sink: str | None = None,
                  conn_id: str | None = None, poll_interval: float = 5.0) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
         if kind not in (KIND_SINK, KIND_EPOCHS):
             raise ConfigurationError(f"kind must be {KIND_SINK!r} or {KIND_EPOCHS!r}, got {kind!r}")

@@ -237,4 +237,4 @@ def expected_stateful(rows: int = 3_000, keys: int = 20) -> dict[str, list[tuple
 def _micros(ts: Any) -> int:
     import datetime as dt
 
-    return (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+    return int((ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1))

@@ -54,10 +54,11 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
-from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
+from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
 from airflow_arroyo.store import EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:

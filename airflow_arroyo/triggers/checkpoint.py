@@ -169,7 +169,7 @@ class CheckpointTrigger(BaseTrigger):
         stop_after_epochs: int | None = None,
         not_before: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
         # validate now: a bad configuration fails the task before it defers
         CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause,

@@ -334,7 +334,7 @@ class PipelineStateTrigger(BaseTrigger):
         cluster_poll_interval: float = 30.0,
         not_before: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
         target_state, target_epoch = normalize_target(state, epoch)
         if poll_interval <= 0:
