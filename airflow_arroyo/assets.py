@@ -96,6 +96,7 @@ def epochs_asset(pipeline_id: str, *, conn_id: str | None = None, watch: bool = 
 
 
 def sink_commit_payload(rec: SinkCommitRecord) -> dict[str, Any]:
+    """The Asset event extra of one file-sink commit."""
     return {
         "kind": KIND_SINK, "pipeline_id": rec.pipeline_id, "sink": rec.sink, "uri": asset_uri(rec.uri),
         "epoch": rec.epoch, "batch_id": rec.batch_id, "rows": rec.rows_committed, "bytes": rec.bytes_committed,
@@ -104,6 +105,7 @@ def sink_commit_payload(rec: SinkCommitRecord) -> dict[str, Any]:
 
 
 def epoch_payload(rec: EpochRecord) -> dict[str, Any]:
+    """The Asset event extra of one completed epoch."""
     return {
         "kind": KIND_EPOCHS, "pipeline_id": rec.pipeline_id, "epoch": rec.epoch, "run_id": rec.run_id,
         "bytes_new": rec.bytes_new, "bytes_total": rec.bytes_total, "duration_s": rec.duration_s,
@@ -140,6 +142,7 @@ class CommittedDataTrigger(BaseEventTrigger):
         self.poll_interval = poll_interval
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Airflow: the class path and exactly the constructor arguments."""
         return (f"{type(self).__module__}.{type(self).__qualname__}",
                 {"pipeline_id": self.pipeline_id, "kind": self.kind, "sink": self.sink, "conn_id": self.conn_id,
                  "poll_interval": self.poll_interval})
@@ -163,6 +166,7 @@ class CommittedDataTrigger(BaseEventTrigger):
             await state.aset(CURSOR_KEY, value)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Airflow: yield one event per new sink commit or completed epoch, from the stored cursor on."""
         store = await self._open_store()
         cursor = await self._load_cursor()
         if cursor is None:

@@ -34,6 +34,7 @@ _CONN_FIELDS: dict[str, Any] = {
 
 
 def get_provider_info() -> dict[str, Any]:
+    """The provider metadata Airflow reads through the ``apache_airflow_provider`` entry point."""
     return {
         "package-name": "airflow-arroyo",
         "name": "Arroyo checkpoint epochs for Spark Structured Streaming",

@@ -185,6 +185,7 @@ class PruneReport:
 
     @property
     def skipped(self) -> bool:
+        """True if the run pruned nothing on purpose (``skipped_reason`` says why)."""
         return self.skipped_reason is not None
 
     def to_dict(self) -> dict[str, Any]:

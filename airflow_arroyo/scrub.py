@@ -48,6 +48,7 @@ _RECORD_EVERY = 200  # results written to the store in batches of this many
 
 @dataclass(frozen=True)
 class DamagedObject:
+    """A snapshot object that is missing or does not hash to its name."""
     object_key: str
     state: str  # "missing" or "corrupt"
     detail: str
@@ -72,6 +73,7 @@ class ScrubReport:
 
     @property
     def ok(self) -> bool:
+        """True if nothing is damaged."""
         return not self.damaged
 
     def advice(self) -> str:
@@ -89,6 +91,7 @@ class ScrubReport:
                 "take one (airflow-arroyo checkpoint PIPELINE --self-contained) and verify again")
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (``--json``), with ``ok`` and the advice."""
         out = asdict(self)
         out["ok"] = self.ok
         out["advice"] = self.advice()

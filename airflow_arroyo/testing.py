@@ -169,6 +169,7 @@ def _int_option(options: dict[str, Any], name: str, default: int | None, *, mini
 
 @dataclass(frozen=True)
 class GeneratorOptions:
+    """The generator's options, parsed and checked (see "The generator source" above)."""
     seed: int = 0
     keys: int = 10
     start: int = 0
@@ -180,6 +181,7 @@ class GeneratorOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> GeneratorOptions:
+        """Parse Spark reader options (strings); :class:`ConfigurationError` names a bad one."""
         opts = {str(k).lower(): v for k, v in options.items()}
         parsed = cls(
             seed=_int_option(opts, "seed", 0, minimum=0) or 0,
@@ -200,6 +202,7 @@ class GeneratorOptions:
 
     @property
     def end(self) -> int | None:
+        """The id after the last row (None: unbounded)."""
         return None if self.total_rows is None else self.start + self.total_rows
 
 
@@ -216,13 +219,16 @@ class GeneratorDataSource(DataSource):
 
     @classmethod
     def name(cls) -> str:
+        """Spark: the short name of this data source."""
         return "arroyo_generator"
 
     def schema(self) -> str:
+        """Spark: the generator's schema (checks the options first)."""
         GeneratorOptions.parse(dict(self.options))  # fail at load() on bad options
         return GENERATOR_SCHEMA
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:  # noqa: ARG002 - Spark's signature
+        """Spark: a reader with the parsed options."""
         return GeneratorStreamReader(GeneratorOptions.parse(dict(self.options)))
 
 
@@ -359,6 +365,7 @@ class CheckpointTicker:
         self.stop()
 
     def stop(self) -> None:
+        """Stop ticking and wait for the thread."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(30)
@@ -392,10 +399,12 @@ class DriverThread:
             self.error = exc
 
     def start(self) -> DriverThread:
+        """Start the thread; returns self."""
         self.thread.start()
         return self
 
     def join(self, timeout: float) -> Any:
+        """Wait for the driver; return its result or raise its error."""
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"the driver did not end within {timeout:g}s"
         if self.error is not None:

@@ -481,7 +481,7 @@ def _wait_forever(airflow: EmbeddedAirflow) -> None:
 
 @contextlib.contextmanager
 def embedded(settings: EmbeddedSettings | None = None) -> Iterator[EmbeddedAirflow]:
-    """``with embedded() as airflow: ...`` (the same as ``with EmbeddedAirflow() as airflow``)."""
+    """An embedded Airflow for a ``with`` block (the same as ``with EmbeddedAirflow() as airflow``)."""
     with EmbeddedAirflow(settings) as airflow:
         yield airflow
 

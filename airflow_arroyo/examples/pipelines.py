@@ -1,4 +1,4 @@
-"""The demo pipeline: two replayable generator sources, a keyed two-input stage, a downstream stage.
+r"""The demo pipeline: two replayable generator sources, a keyed two-input stage, a downstream stage.
 
 ::
 
@@ -13,8 +13,8 @@ exactly-once proof compares with :func:`expected_report` (plain Python over the 
 
 Run it with the driver::
 
-    ARROYO_DSN=postgresql://... python -m airflow_arroyo.runtime.driver \\
-        --pipeline airflow_arroyo.examples.pipelines:demo --storage-uri /tmp/arroyo --master 'local[2]' \\
+    ARROYO_DSN=postgresql://... python -m airflow_arroyo.runtime.driver \
+        --pipeline airflow_arroyo.examples.pipelines:demo --storage-uri /tmp/arroyo --master 'local[2]' \
         --arg rows=20000
 """
 
@@ -111,7 +111,7 @@ def expected_totals(rows: int, keys: int = 100) -> dict[str, tuple[int, int]]:
 
 
 def totals_of(report_rows: Iterable[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
-    """key -> (count, sum of total) over report rows ``(id, key, left_value, right_value, total)``: what
+    """Per key, (count, sum of total) over report rows ``(id, key, left_value, right_value, total)``: what
     ``totals_pg`` holds once those rows are committed."""
     out: dict[str, tuple[int, int]] = {}
     for _, k, _, _, total in report_rows:
@@ -175,7 +175,9 @@ def stateful_ops(
     keys: int = 20,
     trigger_interval: float | None = None,
 ) -> Pipeline:
-    """One generator source read by three stateful stages, each writing a channel::
+    """One generator source read by three stateful stages, each writing a channel.
+
+    ::
 
         events ─┬─> distinct_buckets   dropDuplicates over (key, value % 100)       (default state store)
                 ├─> windows            2 s tumbling event-time windows, watermark 0  (default state store)

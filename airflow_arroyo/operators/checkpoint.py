@@ -50,6 +50,7 @@ class ArroyoCheckpointsLink(BaseOperatorLink):
     name = "Arroyo checkpoints"
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:  # noqa: ARG002 - Airflow's signature
+        """Airflow: the checkpoint page of the operator's pipeline ("" when templated or unknown)."""
         pipeline_id = getattr(operator, "pipeline_id", None)
         if not isinstance(pipeline_id, str) or not pipeline_id or _templated(pipeline_id):
             return ""
@@ -168,6 +169,7 @@ class CheckpointOperator(BaseOperator):
         }
 
     def execute(self, context: Context) -> None:
+        """Airflow: defer to the checkpoint trigger (always: it runs in the triggerer)."""
         kwargs = self._trigger_kwargs()
         ti = context["ti"]
         triggered_by = f"airflow:{ti.dag_id}/{ti.task_id}/{ti.run_id}"

@@ -56,6 +56,7 @@ class InputEnd:
 
 
 class AlignmentAction(enum.StrEnum):
+    """What :func:`decide_alignment` tells a stage to do before its next micro-batch."""
     NONE = "none"  # no barrier newer than the last cut: read freely
     ALIGNING = "aligning"  # some inputs delivered barrier n: cap them, keep reading the others
     CUT = "cut"  # every input delivered barrier n: this batch is the cut
@@ -63,6 +64,7 @@ class AlignmentAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class AlignmentDecision:
+    """The answer of :func:`decide_alignment`: the action, its epoch and the caps to write."""
     action: AlignmentAction
     epoch: int | None = None
     caps: Mapping[str, int] = field(default_factory=dict)  # the complete cap set to write: channel -> position

@@ -89,6 +89,7 @@ class ChannelTruncatedError(ChannelError):
 
 
 class EntryKind(StrEnum):
+    """The kinds of log entries."""
     DATA = "data"
     BARRIER = "barrier"
     FENCED = "fenced"  # never stored: how a reader sees an entry a superseded run wrote after the fence
@@ -112,6 +113,7 @@ class Entry:
 
     @property
     def is_barrier(self) -> bool:
+        """True for a barrier entry."""
         return self.kind is EntryKind.BARRIER
 
     def fenced(self) -> Entry:
@@ -142,6 +144,7 @@ class Entry:
 
     @classmethod
     def from_json(cls, index: int, raw: dict[str, Any]) -> Entry:
+        """Parse the stored form of entry ``index``."""
         kind = EntryKind(raw["kind"])
         if kind is EntryKind.FENCED:
             raise ChannelError(f"entry {index} is stored as kind 'fenced', which only readers produce")
@@ -298,6 +301,7 @@ class Channel:
 
     @staticmethod
     def exists(uri: str) -> bool:
+        """True if a channel was created at ``uri``."""
         return FileSystem.from_uri(uri).exists(HEADER_FILE)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -315,10 +319,12 @@ class Channel:
 
     @property
     def uri(self) -> str:
+        """The channel's URI."""
         return self._fs.uri
 
     @property
     def fs(self) -> FileSystem:
+        """The file system rooted at the channel's folder."""
         return self._fs
 
     # ------------------------------------------------------------------ schema
@@ -338,6 +344,7 @@ class Channel:
 
     @property
     def spark_schema(self) -> StructType | None:
+        """The channel's schema as a Spark ``StructType`` (None until the first write fixes it)."""
         s = self.schema_json
         return None if s is None else spark_schema_of(s)
 
@@ -405,6 +412,7 @@ class Channel:
         return hi
 
     def entry(self, index: int) -> Entry:
+        """Entry ``index`` as readers see it (fenced entries included); cached."""
         with self._lock:
             cached = self._cache.entries.get(index)
             if cached is not None:

@@ -208,6 +208,7 @@ class TransactionalPostgresSink:
 
     @property
     def generation(self) -> int:
+        """The fencing generation this sink writes with (0 without a token)."""
         return self.token.generation if self.token is not None else 0
 
     def __repr__(self) -> str:
@@ -220,6 +221,7 @@ class TransactionalPostgresSink:
 
     @property
     def dsn(self) -> str:
+        """The target database's DSN, resolved once."""
         if self._dsn is None:
             self._dsn = self.target.resolve_dsn()
         return self._dsn
@@ -386,6 +388,7 @@ class TransactionalPostgresSink:
         return None if row is None else int(row["committed_batch"])
 
     def has_state(self) -> bool:
+        """True if the target holds staged or committed batches of this sink."""
         def tx(cur: PgCursor) -> bool:
             self._describe(cur)
             committed = self._progress(cur, lock=False)

@@ -162,9 +162,11 @@ class StageRunner:
 
     @property
     def last_cut_epoch(self) -> int:
+        """The newest epoch this stage cut."""
         return self._last_cut_epoch
 
     def caps(self) -> dict[str, int]:
+        """The caps currently written for this stage's inputs."""
         with self._lock:
             return dict(self._caps)
 
@@ -230,6 +232,7 @@ class StageRunner:
         return self.query
 
     def alive(self) -> bool:
+        """True while the stage's query runs."""
         return self.query is not None and self.query.isActive
 
     @property
@@ -264,6 +267,7 @@ class StageRunner:
     # ------------------------------------------------------------------ the writer
 
     def open_gate(self) -> None:
+        """Let the first micro-batch run (the driver opens every stage's gate once all started)."""
         self._gate.set()
 
     def set_backpressure(self, backlog: Callable[[], int], max_entries: int) -> None:
@@ -485,6 +489,7 @@ class StageRunner:
         return next((e for e in self.errors if isinstance(e, FencedError)), None)
 
     def stop(self) -> None:
+        """Stop the stage's query."""
         self._closing = True
         if self.query is not None and self.query.isActive:
             self.query.stop()

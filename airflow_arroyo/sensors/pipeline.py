@@ -157,6 +157,7 @@ class PipelineSensor(BaseSensorOperator):
                 "latest_epoch": latest, "message": verdict.message, "cause": verdict.cause}
 
     def execute(self, context: Context) -> Any:
+        """Airflow: poke once, then defer until the target state or epoch (or fail at once with the cause)."""
         self._target()
         timeout = self._timeout()
         self.timeout = timeout
@@ -179,6 +180,7 @@ class PipelineSensor(BaseSensorOperator):
         )
 
     def poke(self, context: Context) -> Any:
+        """Airflow: True once the pipeline reached the target; fails at once when it cannot anymore."""
         verdict, pipeline, latest = self._look()
         if verdict.verdict is Verdict.WAIT:
             self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
@@ -186,6 +188,7 @@ class PipelineSensor(BaseSensorOperator):
         return PokeReturnValue(True, self.execute_complete(context, self._result(verdict, pipeline, latest)))
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG002 - Airflow's
+        """Airflow: the end of the deferral; returns the verdict, or fails with the cause."""
         status = event.get("status")
         message = event.get("message") or ""
         if status == Verdict.SUCCESS.value:

@@ -43,7 +43,7 @@ def checksum(sql: str) -> str:
 
 
 def _recorded(cur: PgRawCursor, *, with_checksums: bool = True) -> dict[int, tuple[str, str | None]]:
-    """version -> (name, checksum or None) of the migrations applied to this database."""
+    """The migrations applied to this database: version -> (name, checksum or None)."""
     column = "checksum" if with_checksums else "NULL::text"
     cur.execute(f"SELECT version, name, {column} FROM arroyo_schema_migrations")  # noqa: S608 - constant
     return {int(v): (str(n), c) for v, n, c in cur.fetchall()}

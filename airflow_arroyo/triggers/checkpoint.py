@@ -66,6 +66,7 @@ WAKE_ON_NOTIFY = True
 
 
 def format_bytes(n: int | None) -> str:
+    """A byte count for a log line (``1.5 MiB``; ``? B`` when unknown)."""
     if n is None:
         return "? B"
     size = float(n)
@@ -201,6 +202,7 @@ class CheckpointTrigger(BaseTrigger):
         self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Airflow: the class path and exactly the constructor arguments."""
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
@@ -222,11 +224,13 @@ class CheckpointTrigger(BaseTrigger):
 
     @property
     def policy(self) -> CheckpointPolicy:
+        """The policy the constructor arguments describe."""
         return CheckpointPolicy(interval=self.interval, timeout=self.timeout, min_pause=self.min_pause,
                                 tolerable_failures=self.tolerable_failures)
 
     @property
     def effective_poll(self) -> float:
+        """Seconds between ticks when nothing wakes the trigger earlier."""
         return float(self.poll_interval) if self.poll_interval is not None else min(DEFAULT_POLL, self.interval)
 
     def _metrics(self) -> EpochMetrics:
@@ -240,6 +244,7 @@ class CheckpointTrigger(BaseTrigger):
         return await ArroyoHook(self.conn_id).aget_store()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Airflow: fire epochs until the pipeline ends (or a failure limit is reached); one final event."""
         summary = _Summary(limit=self.max_summary_epochs)
         try:
             store = await self._open_store()

@@ -31,6 +31,7 @@ __all__ = ["Finding", "HealthThresholds", "Severity", "assess", "worst"]
 
 
 class Severity(enum.IntEnum):
+    """How bad a finding is."""
     OK = 0
     INFO = 1
     WARNING = 2
@@ -38,11 +39,13 @@ class Severity(enum.IntEnum):
 
     @property
     def label(self) -> str:
+        """The severity's name in lower case (for CSS classes and JSON)."""
         return self.name.lower()
 
 
 @dataclass(frozen=True)
 class Finding:
+    """One warning about a pipeline."""
     kind: str
     severity: Severity
     message: str
@@ -50,6 +53,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class HealthThresholds:
+    """When the rules above warn."""
     overdue_intervals: float = 3.0
     overdue_grace_s: float = 60.0
     heartbeat_intervals: float = 3.0
@@ -160,4 +164,5 @@ _RULES: tuple[Callable[[PipelineOverview, HealthThresholds], Finding | None], ..
 
 
 def worst(findings: list[Finding]) -> Severity:
+    """The most severe of ``findings`` (OK for none)."""
     return max((f.severity for f in findings), default=Severity.OK)
