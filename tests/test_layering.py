@@ -7,6 +7,7 @@ interpreter in which any ``import airflow`` fails, so an Airflow import added an
 
 from __future__ import annotations
 
+import json
 import pkgutil
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def _spark_side_modules() -> list[str]:
     return mods
 
 
-_BLOCKER = textwrap.dedent(
+_BLOCKER_SETUP = textwrap.dedent(
     """
     import importlib.abc, sys
 
@@ -47,6 +48,11 @@ _BLOCKER = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, _NoAirflow())
+    """
+)
+
+_BLOCKER = _BLOCKER_SETUP + textwrap.dedent(
+    """
     import importlib
     for mod in sys.argv[1:]:
         try:
@@ -79,3 +85,63 @@ def test_spark_side_modules_import_without_airflow() -> None:
     assert "airflow_arroyo.runtime.driver" in modules and "airflow_arroyo.store._sync" in modules
     proc = subprocess.run([sys.executable, "-c", _BLOCKER, *modules], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_IMPORTED_DISTRIBUTIONS = textwrap.dedent(
+    """
+    import importlib, importlib.metadata as md, json, sys
+    exec(sys.argv[1])  # the blocker: any Airflow import fails
+    for mod in sys.argv[2:]:
+        importlib.import_module(mod)
+    owners = md.packages_distributions()
+    tops = {m.split(".")[0] for m in list(sys.modules)} - set(sys.stdlib_module_names) - {"airflow_arroyo", "tests"}
+    print(json.dumps(sorted({top: sorted(set(owners.get(top, []))) for top in tops}.items())))
+    """
+)
+
+
+def _requirement_closure(roots: list[str]) -> set[str]:
+    """The distributions ``roots`` (requirement strings) install, with every dependency they pull in (here)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        req = Requirement(todo.pop())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += md.requires(req.name) or []
+        except md.PackageNotFoundError:
+            continue
+    return seen
+
+
+def test_the_spark_extra_is_all_the_driver_imports() -> None:
+    """docs/airflow.md: a driver image without Airflow installs ``--no-deps airflow-arroyo`` plus the ``[spark]``
+    list. Every distribution that the driver, the store, the CLI and the testing helpers import (Airflow blocked)
+    must then be installed: it is in that list or something in it depends on it."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.utils import canonicalize_name
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    spark_extra = pyproject["project"]["optional-dependencies"]["spark"]
+    installed_by_recipe = _requirement_closure(spark_extra)
+    modules = ["airflow_arroyo.runtime.driver", "airflow_arroyo.store", "airflow_arroyo.cli", "airflow_arroyo.testing"]
+    proc = subprocess.run([sys.executable, "-c", _IMPORTED_DISTRIBUTIONS, _BLOCKER_SETUP, *modules],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    imported = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "pyspark" in imported and "psycopg2" in imported  # the check sees what the driver really imports
+    missing = {top: dists for top, dists in imported.items()
+               if dists and not {canonicalize_name(d) for d in dists} & installed_by_recipe}
+    assert not missing, f"imported by the driver side but not installed by the [spark] list: {missing}"
