@@ -420,6 +420,17 @@ def test_templated_arguments_are_checked_once_rendered() -> None:
     assert stop.mode == "{{ params.mode }}"
 
 
+def test_the_links_old_import_path_still_works() -> None:
+    """0.1 code imported ``airflow_arroyo.links``; the names now live in ``links.pipeline``."""
+    import airflow_arroyo.links as old
+    import airflow_arroyo.links.pipeline as new
+
+    assert (old.ArroyoPipelineLink, old.SparkUILink, old.pipeline_page_url) == (
+        new.ArroyoPipelineLink, new.SparkUILink, new.pipeline_page_url)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        old.nope  # noqa: B018
+
+
 def test_the_checkpoint_link_stays_inside_airflows_ui() -> None:
     """Airflow's UI frames the plugin at /plugin/arroyo and follows the path after it."""
     assert pipeline_page_url("orders", base_url="") == "/plugin/arroyo/arroyo/pipelines/orders"

@@ -256,6 +256,15 @@ def test_append_spark_batch(spark: Any, tmp_path: Path) -> None:
     assert ch.end_position() == 1
 
 
+def test_the_generator_is_still_exported_by_the_runtime_package() -> None:
+    """0.1 documented ``from airflow_arroyo.runtime import generator_source``; it moved to ``testing``."""
+    import airflow_arroyo.runtime as runtime
+    import airflow_arroyo.testing as testing
+
+    assert (runtime.generator_source, runtime.generate_rows, runtime.GeneratorDataSource) == (
+        testing.generator_source, testing.generate_rows, testing.GeneratorDataSource)
+
+
 def test_generator_rows_are_a_pure_function() -> None:
     table = generate_rows(seed=42, start=1000, end=1300, keys=7, ms_per_row=3)
     assert table.schema == ARROW_SCHEMA
