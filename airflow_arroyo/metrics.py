@@ -56,6 +56,7 @@ class EpochMetrics:
 
     def epoch_ended(self, rec: EpochRecord, outcome: str, acks: list[AckRecord],
                     heartbeat_at: datetime | None, now: datetime) -> None:
+        """Record an ended epoch: outcome count, duration, sizes and per-stage acknowledgement times."""
         if outcome == "completed":
             self.stats.incr(self._name("epoch.completed"), tags=self.tags)
             if rec.duration_s is not None:
@@ -75,4 +76,5 @@ class EpochMetrics:
                              tags=self.tags)
 
     def pipeline_failed(self) -> None:
+        """Count a failed pipeline run."""
         self.stats.incr(self._name("pipeline.failed"), tags=self.tags)

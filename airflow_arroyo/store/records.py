@@ -45,6 +45,7 @@ def epoch_columns(alias: str = "") -> str:
 
 
 def from_row(cls: type[R], row: Mapping[str, Any]) -> R:
+    """A record of type ``cls`` from a row (columns it does not have are ignored)."""
     names = _field_names(cls)  # type: ignore[arg-type]
     return cls(**{k: v for k, v in row.items() if k in names})
 
@@ -56,6 +57,7 @@ def _field_names(cls: type) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class PipelineRecord:
+    """A row of ``arroyo_pipelines``: the pipeline's current run and state."""
     pipeline_id: str
     state: PipelineState
     run_id: str | None = None
@@ -102,6 +104,7 @@ class FencingToken:
 
 @dataclass(frozen=True)
 class EpochRecord:
+    """A row of ``arroyo_epochs``."""
     pipeline_id: str
     epoch: int
     state: EpochState
@@ -129,6 +132,7 @@ class EpochRecord:
 
     @property
     def duration_s(self) -> float | None:
+        """Seconds from trigger to end (None while in flight)."""
         if self.ended_at is None:
             return None
         return (self.ended_at - self.triggered_at).total_seconds()
@@ -136,6 +140,7 @@ class EpochRecord:
 
 @dataclass(frozen=True)
 class AckRecord:
+    """A stage's acknowledgement of an epoch (``arroyo_epoch_acks``)."""
     pipeline_id: str
     epoch: int
     stage: str
@@ -169,6 +174,7 @@ class SinkCommitRecord:
 
 @dataclass(frozen=True)
 class CleanupLockRecord:
+    """The cleanup lease of a pipeline (``arroyo_cleanup_locks``)."""
     pipeline_id: str
     cleanup_run: int
     holder: str
@@ -178,6 +184,7 @@ class CleanupLockRecord:
 
 @dataclass(frozen=True)
 class CleanupRunRecord:
+    """One cleanup run (``arroyo_cleanup_runs``)."""
     id: int
     pipeline_id: str
     holder: str

@@ -407,7 +407,8 @@ async def test_waits_for_the_pipeline_to_register_then_runs(store: EpochStore, c
     assert sum("pipeline is registered; no checkpoint until it runs" in m for m in text) == 1
 
 
-async def test_never_registered_ends_with_a_failure_event(store: EpochStore, connection: str) -> None:
+@pytest.mark.usefixtures("store")
+async def test_never_registered_ends_with_a_failure_event(connection: str) -> None:
     event = await first_event(make_trigger(registration_timeout=0), VirtualClock(connection))
     assert event["status"] == "failure" and event["reason"] == "not_registered"
     assert "not registered" in event["message"]
@@ -485,8 +486,9 @@ class RecordingStore(AsyncEpochStore):
         return result
 
 
+@pytest.mark.usefixtures("monkeypatch")
 async def test_two_copies_of_the_trigger_on_one_loop_never_have_two_epochs_in_flight(
-        running: EpochStore, connection: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        running: EpochStore, connection: str) -> None:
     """Triggerer HA runs the same trigger twice. Both copies tick at the same instants (lock-step),
     so they race for every start; the database lets exactly one win."""
     rounds = [0]
