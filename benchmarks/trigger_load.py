@@ -160,6 +160,18 @@ NEW = Variant("new", coalesce=True, listen=True)
 PATHS = {"old": OLD, "new": NEW}
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A path run by ``triggerers`` processes (2: triggerer HA, both run the same triggers)."""
+
+    variant: Variant
+    triggerers: int
+
+    @property
+    def name(self) -> str:
+        return self.variant.name if self.triggerers == 1 else f"{self.variant.name} HA{self.triggerers}"
+
+
 def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
     from airflow_arroyo.epochs import PipelineState
     from airflow_arroyo.store import EpochStore
@@ -195,8 +207,8 @@ def instrument_store_calls() -> dict[str, list[float]]:
     return calls
 
 
-def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float, dsn: str,
-                   out: Any, stop: Any, stagger: bool) -> None:
+def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
+                   stagger: bool) -> None:
     """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
     import logging
 
@@ -207,11 +219,67 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: 
         PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING  # one INFO line per epoch is not what we measure
     except ImportError:
         pass
-    asyncio.run(run_triggers(variant, pids, interval, seconds, warmup, dsn, out, stop, stagger))
+    profile = os.environ.get("TRIGGER_LOAD_PROFILE")
+    sampler = Sampler() if profile else None
+    try:
+        asyncio.run(run_triggers(variant, pids, interval, dsn, out, phases, stagger))
+    finally:
+        if sampler is not None and profile:
+            sampler.dump(f"{profile}.{variant.name}.{os.getpid()}.txt")
 
 
-async def run_triggers(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float,
-                       dsn: str, out: Any, stop: Any, stagger: bool) -> None:
+class Sampler:
+    """A cheap sampling profiler over every thread of the process (``TRIGGER_LOAD_PROFILE=prefix``):
+    every 5 ms, each thread's innermost frames are counted; the dump lists self and cumulative counts."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.self_counts: collections.Counter[str] = collections.Counter()
+        self.cum_counts: collections.Counter[str] = collections.Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._me: int | None = None
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        self._me = thread.ident
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            for ident, frame in sys._current_frames().items():
+                if ident == self._me:
+                    continue
+                self.samples += 1
+                seen: set[str] = set()
+                f: Any = frame
+                first = True
+                while f is not None:
+                    code = f.f_code
+                    key = f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_firstlineno} {code.co_name}"
+                    if first:
+                        self.self_counts[key] += 1
+                        first = False
+                    if key not in seen:
+                        self.cum_counts[key] += 1
+                        seen.add(key)
+                    f = f.f_back
+
+    def dump(self, path: str) -> None:
+        self._stop.set()
+        with open(path, "w") as fh:
+            fh.write(f"{self.samples} samples (all threads)\n== self ==\n")
+            for key, n in self.self_counts.most_common(60):
+                fh.write(f"{n:7d} {key}\n")
+            fh.write("== cumulative ==\n")
+            for key, n in self.cum_counts.most_common(120):
+                fh.write(f"{n:7d} {key}\n")
+
+
+async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
+                       stagger: bool) -> None:
+    """The window is the parent's (``phases``: begin, end, stop events), the same for every triggerer
+    process, whenever each of them finished starting."""
+    begin, end, stop = phases
     import functools
 
     from airflow_arroyo.hooks import arroyo as hook_module
@@ -260,21 +328,20 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
     spread = interval / len(pids) if stagger else 0.0
     tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
     prober = asyncio.create_task(probe())
-    await asyncio.sleep(warmup)
-    window_start: datetime = await asyncio.to_thread(admin.db_now)
+    out.put(("ready", os.getpid(), None))
+    await asyncio.to_thread(begin.wait)
     cpu0, wall0 = time.process_time(), time.monotonic()
     b0, t0, _ = figures_of(TickCoalescer)
     n0 = figures_of(EpochListener)[2]
     lag_from = len(loop_lag)
     calls.clear()
-    await asyncio.sleep(seconds)
+    await asyncio.to_thread(end.wait)
     cpu1, wall1 = time.process_time(), time.monotonic()
     b1, t1, _ = figures_of(TickCoalescer)
     n1 = figures_of(EpochListener)[2]
     window_calls = {name: list(v) for name, v in calls.items()}
-    window_end: datetime = await asyncio.to_thread(admin.db_now)
     prober.cancel()
-    out.put(("window", os.getpid(), {"window": (window_start, window_end), "cpu": cpu1 - cpu0, "wall": wall1 - wall0,
+    out.put(("window", os.getpid(), {"cpu": cpu1 - cpu0, "wall": wall1 - wall0,
                                      "loop_lag": loop_lag[lag_from:], "calls": window_calls,
                                      "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0}))
     await asyncio.to_thread(stop.wait)  # the parent stops the pipelines: the triggers end
@@ -302,16 +369,32 @@ def stop_pipelines(dsn: str, pids: list[str]) -> None:
         conn.close()
 
 
-def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
-    """Start the triggerer processes on ``pids``, collect their windows, stop the pipelines, collect events."""
+def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
+    """Start the mode's triggerer processes on ``pids``; once all of them started their triggers, warm up,
+    then measure one window common to all; stop the pipelines and collect the triggers' events."""
+    from airflow_arroyo.store import EpochStore
+
     ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=triggerer_main, args=(variant, pids, args.interval, args.seconds, args.warmup, dsn,
-                                                      out, stop, args.stagger), daemon=True)
-             for _ in range(args.triggerers)]
+    out = ctx.Queue()
+    begin, end, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=triggerer_main, args=(mode.variant, pids, args.interval, dsn, out, (begin, end, stop),
+                                                      args.stagger), daemon=True)
+             for _ in range(mode.triggerers)]
     for proc in procs:
         proc.start()
-    windows = [out.get(timeout=args.warmup + args.seconds + 300)[2] for _ in procs]
+    for _ in procs:
+        out.get(timeout=300)  # ready: its triggers run
+    clock = EpochStore(dsn)
+    try:
+        time.sleep(args.warmup)
+        window_start = clock.db_now()
+        begin.set()
+        time.sleep(args.seconds)
+        end.set()
+        window_end = clock.db_now()
+    finally:
+        clock.close()
+    windows = [out.get(timeout=300)[2] for _ in procs]
     stop_pipelines(dsn, pids)
     stop.set()
     statuses: list[str] = []
@@ -319,9 +402,8 @@ def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: s
         statuses += out.get(timeout=300)[2]
     for proc in procs:
         proc.join(60)
-    start = max(w["window"][0] for w in windows)
-    end = min(w["window"][1] for w in windows)
-    return {"window": (start, end), "cpu": sum(w["cpu"] for w in windows), "wall": max(w["wall"] for w in windows),
+    return {"window": (window_start, window_end), "cpu": sum(w["cpu"] for w in windows),
+            "wall": max(w["wall"] for w in windows),
             "loop_lag": [x for w in windows for x in w["loop_lag"]], "statuses": statuses,
             "calls": {k: [x for w in windows for x in w["calls"].get(k, [])] for w in windows for k in w["calls"]},
             "batches": sum(w["batches"] for w in windows), "batched_ticks": sum(w["batched_ticks"] for w in windows),
@@ -387,8 +469,8 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
         into.setdefault("calls", {}).setdefault(name, []).extend(durations)
 
 
-def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
-    print(f"[{variant.name} path] {args.pipelines} CheckpointTriggers x {args.triggerers} triggerer process(es), "
+def report(mode: Mode, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
+    print(f"[{mode.name}] {args.pipelines} CheckpointTriggers x {mode.triggerers} triggerer process(es), "
           f"interval {args.interval}s, {args.rounds} x {args.seconds:g}s windows after {args.warmup}s warm-up each, "
           f"{os.cpu_count()} CPUs, {args.acker} acker{', staggered starts' if args.stagger else ''}")
     print(f"  epochs fired        {t['fired']}  vs schedule {t['expected']:.0f}  ratio {t['fired'] / t['expected']:.3f}"
@@ -420,6 +502,8 @@ def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dic
         print(f"  notifications       {t['notifications']} received ({t['notifications'] / max(t['fired'], 1):.2f} "
               "per epoch fired)")
     print(f"  final events        {t['ok']}/{t['events']} success")
+    out["violations"] = len(t["violations"])
+    out["success"] = t["ok"] / max(t["events"], 1)
     print(f"  history check       {len(t['violations'])} invariant violations")
     for v in t["violations"][:10]:
         print(f"    {v}")
@@ -430,13 +514,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipelines", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per path and round")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window (imports included)")
-    parser.add_argument("--triggerers", type=int, default=1, help="triggerer processes running the same triggers")
+    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per mode and round")
+    parser.add_argument("--warmup", type=float, default=10.0,
+                        help="seconds between the last triggerer process running its triggers and the window")
+    parser.add_argument("--triggerers", default="1,2",
+                        help="comma-separated triggerer process counts to run each path with (2: HA, both run the "
+                             "same triggers)")
     parser.add_argument("--paths", default="old,new", help="comma-separated: old, new")
     parser.add_argument("--acker", choices=["sql", "store"], default="sql")
     parser.add_argument("--acker-threads", type=int, default=4, help="threads of the 'store' acker")
-    parser.add_argument("--rounds", type=int, default=1, help="windows per path, interleaved across paths")
+    parser.add_argument("--rounds", type=int, default=1, help="windows per mode, interleaved across modes")
     parser.add_argument("--stagger", action="store_true",
                         help="start the triggers spread over one interval (as tasks defer at different times), "
                              "not all at once")
@@ -444,8 +531,8 @@ def main() -> None:
 
     from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 
-    variants = [PATHS[name.strip()] for name in args.paths.split(",")]
-    totals: dict[str, dict[str, Any]] = {v.name: {} for v in variants}
+    modes = [Mode(PATHS[name.strip()], int(n)) for n in args.triggerers.split(",") for name in args.paths.split(",")]
+    totals: dict[str, dict[str, Any]] = {m.name: {} for m in modes}
     with ThrowawayPostgres() as pg:
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
         ctx = mp.get_context("spawn")
@@ -456,15 +543,15 @@ def main() -> None:
         try:
             if not ready.wait(60):
                 raise RuntimeError("the acker process did not start")
-            # rounds interleave the paths (A B A B ...) so that a busy spell of the machine
+            # rounds interleave the modes (old new old new ...) so that a busy spell of the machine
             # does not land on one path only
             for rnd in range(args.rounds):
-                for i, variant in enumerate(variants):
-                    prefix = f"r{rnd}v{i}"
+                for i, mode in enumerate(modes):
+                    prefix = f"r{rnd}m{i}"
                     pids = setup_pipelines(prefix, args.pipelines, pg.dsn)
-                    run = run_path(variant, pids, args, pg.dsn)
+                    run = run_path(mode, pids, args, pg.dsn)
                     window_s = (run["window"][1] - run["window"][0]).total_seconds()
-                    merge(totals[variant.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
+                    merge(totals[mode.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
                           args.pipelines * window_s / args.interval)
         finally:
             stop.set()
@@ -472,21 +559,25 @@ def main() -> None:
             if acker.is_alive():
                 acker.terminate()
 
-    summaries = [(v, report(v, args, totals[v.name])) for v in variants]
-    if len(summaries) > 1:
-        base = summaries[0][1]
-        print(f"side by side (each path / {summaries[0][0].name}; lateness and CPU: lower is better, fired: higher):")
-        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'ctrl p50':>9} {'ctrl p99':>9} "
-              f"{'CPU/epoch':>9}")
-        for variant, s in summaries:
-            def r(key: str, s: dict[str, float] = s) -> str:
-                return f"{s[key] / base[key]:8.2f}x" if base[key] else "      n/a"
-            print(f"  {variant.name:<8} {r('ratio'):>9} {r('schedule_p50'):>9} {r('schedule_p99'):>9} "
-                  f"{r('controller_p50'):>9} {r('controller_p99'):>9} {r('cpu_ms'):>9}")
-        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'CPU/epoch':>9}   (absolute)")
-        for variant, s in summaries:
-            print(f"  {variant.name:<8} {s['ratio']:9.3f} {s['schedule_p50']:7.1f}ms {s['schedule_p99']:7.1f}ms "
-                  f"{s['cpu_ms']:7.2f}ms")
+    summaries = [(m, report(m, args, totals[m.name])) for m in modes]
+    print(f"side by side ({args.pipelines} pipelines, interval {args.interval:g}s, {args.rounds} x {args.seconds:g}s; "
+          "HA: figures of both triggerers together):")
+    print(f"  {'mode':<14} {'fired':>7} {'late p50':>10} {'late p99':>10} {'CPU/epoch':>10} {'violations':>10} "
+          f"{'success':>8}")
+    for mode, m in summaries:
+        print(f"  {mode.name:<14} {100 * m['ratio']:6.1f}% {m['schedule_p50']:8.1f}ms {m['schedule_p99']:8.1f}ms "
+              f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}%")
+    by_name = dict((mode.name, m) for mode, m in summaries)
+    for mode, m in summaries:
+        base = by_name.get(Mode(OLD, mode.triggerers).name)
+        if mode.variant is OLD or base is None:
+            continue
+
+        def r(key: str, m: dict[str, float] = m, base: dict[str, float] = base) -> str:
+            return f"{m[key] / base[key]:8.2f}x" if base[key] else "      n/a"
+
+        print(f"  {mode.name + ' / old':<14} {r('ratio'):>7} {r('schedule_p50'):>10} {r('schedule_p99'):>10} "
+              f"{r('cpu_ms'):>10}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
-from airflow_arroyo.metrics import EpochMetrics
+from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.triggers.settle import hold_until
 
@@ -445,7 +445,7 @@ class _Controller:
         if tick.expired is not None:
             self.watching.discard(tick.expired.epoch)
             self._record(tick.expired)
-            await self._measure(tick.expired, tick.now)
+            await self._measure(tick.expired, tick)
             new_failure = True
         current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
         ended = {rec.epoch: rec for rec in tick.ended}  # the watched epochs that ended, read in the tick
@@ -455,10 +455,11 @@ class _Controller:
                 continue
             self.watching.discard(epoch)
             new_failure |= self._record(rec)
-            await self._measure(rec, tick.now)
+            await self._measure(rec, tick)
         if current is not None and current not in self.watching:
             self.watching.add(current)
-            rec = await self.store.get_epoch(self.pid, current)
+            seen = tick.report.in_flight if tick.report is not None else None
+            rec = seen if seen is not None and seen.epoch == current else await self.store.get_epoch(self.pid, current)
             if rec.is_final:
                 origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
             elif rec.triggered_by == self.t.triggered_by:
@@ -474,16 +475,22 @@ class _Controller:
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
         return new_failure
 
-    async def _measure(self, rec: EpochRecord, now: datetime) -> None:
-        """Stats of an epoch that ended (the metrics module lists them); never fails the controller."""
+    async def _measure(self, rec: EpochRecord, tick: TickResult) -> None:
+        """Stats of an epoch that ended (the metrics module lists them); never fails the controller.
+        Their inputs come with the tick when its batch read them (``tick.report``), else from the store."""
         outcome = _outcome(rec)
-        try:
-            acks = await self.store.acks(self.pid, rec.epoch) if outcome == EpochState.COMPLETED.value else []
-            heartbeat = (await self.store.get_pipeline(self.pid)).heartbeat_at
-        except ArroyoError as exc:
-            self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pid, rec.epoch, exc)
-            acks, heartbeat = [], None
-        self.metrics.epoch_ended(rec, outcome, acks, heartbeat, now)
+        report = tick.report
+        if report is not None:
+            alignment, heartbeat = report.alignment_ms.get(rec.epoch), report.heartbeat_at
+        else:
+            try:
+                acks = await self.store.acks(self.pid, rec.epoch) if outcome == EpochState.COMPLETED.value else []
+                alignment, heartbeat = slowest_alignment(acks), (await self.store.get_pipeline(self.pid)).heartbeat_at
+            except ArroyoError as exc:
+                self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pid, rec.epoch, exc)
+                alignment, heartbeat = None, None
+        self.metrics.epoch_ended(rec, outcome, alignment if outcome == EpochState.COMPLETED.value else None,
+                                 heartbeat, tick.now)
 
     def _record(self, rec: EpochRecord) -> bool:
         entry = self.summary.add(rec)
