@@ -75,7 +75,12 @@ UPDATE arroyo_epochs x SET state = 'completed', ended_at = clock_timestamp(),
 FROM e WHERE x.pipeline_id = e.pipeline_id AND x.epoch = e.epoch AND x.state = 'triggered'
 """
 # The fake drivers heartbeat (every 2 s, all in one statement): a silent pipeline gets no epoch.
-HEARTBEAT_ALL_SQL = "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() WHERE state = 'running'"
+# Rows in id order, skipping those locked now (the next heartbeat, 2 s later, gets them; the bound is
+# 30 s): an unordered UPDATE of every row deadlocked with the batches, which lock in id order.
+HEARTBEAT_ALL_SQL = """
+UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() WHERE pipeline_id IN
+  (SELECT pipeline_id FROM arroyo_pipelines WHERE state = 'running' ORDER BY pipeline_id FOR UPDATE SKIP LOCKED)
+"""
 
 
 def _heartbeat(conn: Any, last: float) -> float:
@@ -89,15 +94,19 @@ def _heartbeat(conn: Any, last: float) -> float:
 def acker_sql_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     """Complete every in-flight epoch of every pipeline in one statement, every 5 ms."""
     import psycopg2
+    import psycopg2.errors
 
-    conn = psycopg2.connect(dsn)
+    conn = psycopg2.connect(dsn, application_name="acker")
     conn.autocommit = True
     ready.set()
     beat = 0.0
     while not stop.is_set():
-        beat = _heartbeat(conn, beat)
-        with conn.cursor() as cur:
-            cur.execute(ACK_ALL_SQL)
+        try:
+            beat = _heartbeat(conn, beat)
+            with conn.cursor() as cur:
+                cur.execute(ACK_ALL_SQL)
+        except psycopg2.errors.DeadlockDetected as exc:  # it must not happen (rows in id order), but says so
+            print(f"acker: {exc}", file=sys.stderr)
         stop.wait(0.005)
     conn.close()
 
@@ -109,8 +118,8 @@ def acker_store_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     from airflow_arroyo.exceptions import ArroyoError
     from airflow_arroyo.store import EpochStore
 
-    store = EpochStore(dsn, max_connections=threads + 1)
-    scan = psycopg2.connect(dsn)
+    store = EpochStore(dsn, max_connections=threads + 1, application_name="acker")
+    scan = psycopg2.connect(dsn, application_name="acker")
     scan.autocommit = True
     pool = ThreadPoolExecutor(threads)
     pending: set[tuple[str, int]] = set()
@@ -186,8 +195,9 @@ def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
     return pids
 
 
-def instrument_store_calls() -> dict[str, list[float]]:
-    """Count and time the triggers' store calls as the event loop awaits them."""
+def instrument_store_calls(ticked: set[str]) -> dict[str, list[float]]:
+    """Count and time the triggers' store calls as the event loop awaits them; ``ticked`` collects the
+    pipelines whose trigger finished a tick."""
     from airflow_arroyo.store import AsyncEpochStore
 
     calls: dict[str, list[float]] = {}
@@ -198,7 +208,10 @@ def instrument_store_calls() -> dict[str, list[float]]:
             async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
                 t0 = time.monotonic()
                 try:
-                    return await original(self, *args, **kwargs)
+                    result = await original(self, *args, **kwargs)
+                    if name == "trigger_tick":
+                        ticked.add(args[0])
+                    return result
                 finally:
                     calls.setdefault(name, []).append(time.monotonic() - t0)
             return call
@@ -293,7 +306,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     hook_module.AsyncEpochStore = functools.partial(  # type: ignore[misc,assignment]
         AsyncEpochStore, coalesce=variant.coalesce, listen=variant.listen)
     trigger_module.WAKE_ON_NOTIFY = variant.listen
-    calls = instrument_store_calls()
+    ticked: set[str] = set()
+    calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use
     loop = asyncio.get_running_loop()
 
@@ -328,6 +342,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     spread = interval / len(pids) if stagger else 0.0
     tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
     prober = asyncio.create_task(probe())
+    while len(ticked) < len(pids):  # started: every trigger has ticked (the warm-up counts from here)
+        await asyncio.sleep(0.1)
     out.put(("ready", os.getpid(), None))
     await asyncio.to_thread(begin.wait)
     cpu0, wall0 = time.process_time(), time.monotonic()
@@ -369,6 +385,45 @@ def stop_pipelines(dsn: str, pids: list[str]) -> None:
         conn.close()
 
 
+def db_cpu(data_dir: Path, dsn: str) -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by each PostgreSQL server process (Linux /proc), with whose work it is:
+    the triggerers' connections (``airflow-arroyo``), the fake pipelines' (``acker``), the server's own
+    (WAL writer, checkpointer, autovacuum...: ``server``) or any other."""
+    import psycopg2
+
+    postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+    conn = psycopg2.connect(dsn, application_name="bench-probe")
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pid, application_name, backend_type FROM pg_stat_activity")
+            names = {pid: (app or "other") if kind == "client backend" else "server"
+                     for pid, app, kind in cur.fetchall()}
+    finally:
+        conn.close()
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        if pid == postmaster or int(fields[1]) == postmaster:  # fields[1]: the parent's pid
+            name = names.get(pid, "server")
+            if name != "bench-probe":
+                out[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def db_cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    used: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        used[name] = used.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    return used
+
+
 def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
     """Start the mode's triggerer processes on ``pids``; once all of them started their triggers, warm up,
     then measure one window common to all; stop the pipelines and collect the triggers' events."""
@@ -388,9 +443,11 @@ def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) ->
     try:
         time.sleep(args.warmup)
         window_start = clock.db_now()
+        db0 = db_cpu(args.pg_data_dir, dsn)
         begin.set()
         time.sleep(args.seconds)
         end.set()
+        db1 = db_cpu(args.pg_data_dir, dsn)
         window_end = clock.db_now()
     finally:
         clock.close()
@@ -403,6 +460,7 @@ def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) ->
     for proc in procs:
         proc.join(60)
     return {"window": (window_start, window_end), "cpu": sum(w["cpu"] for w in windows),
+            "db_cpu": db_cpu_between(db0, db1),
             "wall": max(w["wall"] for w in windows),
             "loop_lag": [x for w in windows for x in w["loop_lag"]], "statuses": statuses,
             "calls": {k: [x for w in windows for x in w["calls"].get(k, [])] for w in windows for k in w["calls"]},
@@ -463,6 +521,8 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
                        ("batches", run["batches"]), ("batched_ticks", run["batched_ticks"]),
                        ("notifications", run["notifications"])):
         into[key] = into.get(key, 0) + value
+    for name, used in run["db_cpu"].items():
+        into.setdefault("db_cpu", {})[name] = into.get("db_cpu", {}).get(name, 0.0) + used
     for state, n in f["states"].items():
         into.setdefault("states", {})[state] = into.get("states", {}).get(state, 0) + n
     for name, durations in run["calls"].items():
@@ -491,6 +551,11 @@ def report(mode: Mode, args: argparse.Namespace, t: dict[str, Any]) -> dict[str,
     out["cpu_ms"] = 1000 * t["cpu"] / max(t["fired"], 1)
     print(f"  triggerer CPU       {t['cpu']:.2f} s in {t['wall']:.1f} s wall "
           f"({100 * t['cpu'] / t['wall']:.0f}% of one core): {out['cpu_ms']:.2f} ms per epoch fired")
+    db = t.get("db_cpu", {})
+    out["db_cpu_ms"] = 1000 * sum(db.values()) / max(t["fired"], 1)
+    print(f"  PostgreSQL CPU      {out['db_cpu_ms']:.2f} ms per epoch fired: "
+          + ", ".join(f"{name} {1000 * v / max(t['fired'], 1):.2f} ms" for name, v in sorted(db.items()))
+          + f"  ({100 * sum(db.values()) / t['wall']:.0f}% of one core)")
     for name, durations in sorted(t.get("calls", {}).items()):
         ms = [d * 1000 for d in durations]
         print(f"  store.{name:<13} {len(ms) / max(t['fired'], 1):5.2f} calls/epoch   awaited p50 {pct(ms, 50):7.1f} ms"
@@ -534,6 +599,7 @@ def main() -> None:
     modes = [Mode(PATHS[name.strip()], int(n)) for n in args.triggerers.split(",") for name in args.paths.split(",")]
     totals: dict[str, dict[str, Any]] = {m.name: {} for m in modes}
     with ThrowawayPostgres() as pg:
+        args.pg_data_dir = pg.data_dir
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
@@ -563,10 +629,10 @@ def main() -> None:
     print(f"side by side ({args.pipelines} pipelines, interval {args.interval:g}s, {args.rounds} x {args.seconds:g}s; "
           "HA: figures of both triggerers together):")
     print(f"  {'mode':<14} {'fired':>7} {'late p50':>10} {'late p99':>10} {'CPU/epoch':>10} {'violations':>10} "
-          f"{'success':>8}")
+          f"{'success':>8} {'DB CPU/epoch':>13}")
     for mode, m in summaries:
         print(f"  {mode.name:<14} {100 * m['ratio']:6.1f}% {m['schedule_p50']:8.1f}ms {m['schedule_p99']:8.1f}ms "
-              f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}%")
+              f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}% {m['db_cpu_ms']:11.2f}ms")
     by_name = dict((mode.name, m) for mode, m in summaries)
     for mode, m in summaries:
         base = by_name.get(Mode(OLD, mode.triggerers).name)

@@ -60,6 +60,13 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
 OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
+# Another copy of this trigger (triggerer HA) started the last epoch it saw: it follows, ticking this
+# share of the interval (at most FOLLOWER_LAG_MAX seconds) after each epoch is due, so that the copy
+# that leads finds the pipeline's row free and this one finds the epoch started, instead of both
+# racing for the same row every interval. A follower that finds the epoch not started starts it
+# (late by the lag, once) and leads from then on.
+FOLLOWER_LAG = 0.2
+FOLLOWER_LAG_MAX = 1.0
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
@@ -287,6 +294,8 @@ class _Controller:
         self.idle_state: str | None = None  # last logged "pipeline not running" state
         self.not_alive = False  # logged that the driver's heartbeat is stale
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
+        self.follower = False  # another copy of this trigger started the last epoch seen (FOLLOWER_LAG)
+        self.ticked = False  # an epoch in flight at the first tick was started before this trigger ran
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
         self.metrics = trigger._metrics()
@@ -457,6 +466,7 @@ class _Controller:
             new_failure |= self._record(rec)
             await self._measure(rec, tick)
         if current is not None and current not in self.watching:
+            self.follower = self.ticked  # started by another copy of this trigger since our last tick
             self.watching.add(current)
             seen = tick.report.in_flight if tick.report is not None else None
             rec = seen if seen is not None and seen.epoch == current else await self.store.get_epoch(self.pid, current)
@@ -467,7 +477,9 @@ class _Controller:
             else:
                 origin = f"started by {rec.triggered_by or 'another controller'}"
             self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pid, current, origin)
+        self.ticked = True
         if tick.started is not None:
+            self.follower = False
             rec = tick.started
             self.metrics.epoch_started(rec, self.policy.interval)
             self.watching.add(rec.epoch)
@@ -551,7 +563,8 @@ class _Controller:
         ``self.wake``), or without a listener in short polls that double (``interval / 50`` at
         first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
         epoch by about as much again at most, not by a whole poll interval. While the pipeline does
-        not run: until it changes. Never past ``poll``.
+        not run: until it changes. A follower (another copy of this trigger started the last epoch
+        it saw) waits ``FOLLOWER_LAG`` of the interval longer for the schedule. Never past ``poll``.
 
         Database instants become local timers through ``tick.observed_at`` (when the database read
         ``now``), so the time the tick took is not slept again.
@@ -579,6 +592,9 @@ class _Controller:
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             self.wake = True
         self.overdue_polls = self.overdue_polls + 1 if overdue else 0
+        if self.follower and decision.action in (TriggerAction.WAIT_SCHEDULE, TriggerAction.WAIT_IN_FLIGHT) \
+                and not self.wake and not overdue:
+            delay = min(delay + min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX), self.poll)
         return max(delay, 0.0)
 
     @staticmethod

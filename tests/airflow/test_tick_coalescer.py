@@ -201,3 +201,60 @@ def test_two_triggerers_coalescers_never_put_two_epochs_in_flight(store: EpochSt
     assert report.counts["triggered"] == sum(starts) > len(pids)
     in_flight = {p: [e.epoch for e in store.list_epochs(p, states=[EpochState.TRIGGERED])] for p in pids}
     assert all(len(v) <= 1 for v in in_flight.values())
+
+
+async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_until_it_starts_one() -> None:
+    """Triggerer HA: the copy that saw another copy start an epoch ticks ``FOLLOWER_LAG`` of the interval
+    after each epoch is due (the leader has started it by then: no race for the row); it leads again as
+    soon as it starts one itself. An epoch already in flight at the first tick (before a restart) does
+    not make a follower. Pure: the ticks are made up, their reports carry the in-flight epochs."""
+    from dataclasses import replace
+    from datetime import UTC, datetime, timedelta
+
+    from airflow_arroyo.epochs import PipelineState, TriggerDecision
+    from airflow_arroyo.store import EpochRecord, TickReport
+    from airflow_arroyo.triggers import checkpoint as trigger_module
+    from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
+
+    class Stats:
+        def timing(self, *args: object, **kwargs: object) -> None: ...
+        def gauge(self, *args: object, **kwargs: object) -> None: ...
+        def incr(self, *args: object, **kwargs: object) -> None: ...
+
+    trigger = CheckpointTrigger("p", interval=10.0, timeout=100.0, poll_interval=20.0)
+    trigger._metrics = lambda: trigger_module.EpochMetrics("p", stats=Stats())  # type: ignore[method-assign]
+    ctl = _Controller(trigger, None, _Summary(limit=10))  # type: ignore[arg-type]  # the store is never asked
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    lag = min(trigger_module.FOLLOWER_LAG * 10.0, trigger_module.FOLLOWER_LAG_MAX)
+
+    def epoch(n: int, at: float) -> EpochRecord:
+        return EpochRecord("p", n, EpochState.TRIGGERED, triggered_at=t0 + timedelta(seconds=at),
+                           timeout_at=t0 + timedelta(seconds=at + 100), triggered_by="copy")
+
+    def done() -> tuple[EpochRecord, ...]:  # the epochs the trigger watches ended before this tick
+        return tuple(replace(epoch(n, 0), state=EpochState.COMPLETED, ended_at=t0) for n in ctl.watching)
+
+    def started(n: int, now: float) -> TickResult:
+        return TickResult(TriggerDecision(TriggerAction.START, n), t0 + timedelta(seconds=now), PipelineState.RUNNING,
+                          started=epoch(n, now), ended=done(), report=TickReport())
+
+    def in_flight(n: int, at: float, now: float) -> TickResult:
+        rec = epoch(n, at)
+        return TickResult(TriggerDecision(TriggerAction.WAIT_IN_FLIGHT, n, recheck_at=rec.timeout_at),
+                          t0 + timedelta(seconds=now), PipelineState.RUNNING, ended=done(),
+                          report=TickReport(in_flight=rec))
+
+    async def delay(tick: TickResult) -> float:
+        await ctl._observe(tick)
+        return ctl._delay(tick)
+
+    assert await delay(in_flight(3, at=0, now=1)) == pytest.approx(9)  # from before a restart: on time
+    assert await delay(started(4, now=10)) == pytest.approx(10)
+    assert not ctl.follower
+    # the other copy started epoch 5 (due at 20) first: follow, a lag after each due instant
+    assert await delay(in_flight(5, at=20, now=20.01)) == pytest.approx(9.99 + lag)
+    assert ctl.follower
+    assert await delay(in_flight(6, at=30, now=30 + lag)) == pytest.approx(10)  # already lagging: due at 40 + lag
+    # the leader is gone: the follower starts epoch 7 (late by the lag, once) and leads again
+    assert await delay(started(7, now=40 + lag)) == pytest.approx(10)
+    assert not ctl.follower
