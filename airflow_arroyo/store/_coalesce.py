@@ -3,7 +3,8 @@
 Every :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger` of a triggerer asks for its tick
 through the loop's :class:`TickCoalescer`. The coalescer gathers the ticks asked for in the same turn
 of the event loop (and those asked for while earlier batches were in the database), and sends them as
-one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction in a worker thread. Under light
+one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction, followed by one read of the
+batch's report (:mod:`airflow_arroyo.store._batch`), in a worker thread of its own. Under light
 load a batch holds one tick and costs what a tick always cost; under heavy load the batches grow and
 the cost per tick falls, where one thread-pool call and one transaction per tick used to queue up.
 
@@ -16,6 +17,8 @@ lock, and the partial unique index still admits one in-flight epoch per pipeline
   (``RETRY_SKIPPED`` seconds; those transactions are short); after ``SKIPS_BEFORE_WAITING`` skips its
   batch waits for the lock. So a busy pipeline delays only itself, and two triggerers' batches do
   not queue behind each other's locks.
+* A trigger cancelled while its tick waits leaves the queue: it is not sent, or (after a skip) not
+  asked for again; a batch already in the database completes, and its result is dropped.
 * A permanent error of a batch is retried pipeline by pipeline, so that it reaches only the trigger
   whose pipeline caused it; a transient one (after the store's retries) reaches every trigger of the
   batch, which handle it as before (retry at their next tick).
