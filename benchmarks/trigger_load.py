@@ -221,7 +221,7 @@ def instrument_store_calls(ticked: set[str]) -> dict[str, list[float]]:
 
 
 def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
-                   stagger: bool) -> None:
+                   stagger: bool, tolerable: int) -> None:
     """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
     import logging
 
@@ -235,7 +235,7 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str,
     profile = os.environ.get("TRIGGER_LOAD_PROFILE")
     sampler = Sampler() if profile else None
     try:
-        asyncio.run(run_triggers(variant, pids, interval, dsn, out, phases, stagger))
+        asyncio.run(run_triggers(variant, pids, interval, dsn, out, phases, stagger, tolerable))
     finally:
         if sampler is not None and profile:
             sampler.dump(f"{profile}.{variant.name}.{os.getpid()}.txt")
@@ -289,7 +289,7 @@ class Sampler:
 
 
 async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
-                       stagger: bool) -> None:
+                       stagger: bool, tolerable: int) -> None:
     """The window is the parent's (``phases``: begin, end, stop events), the same for every triggerer
     process, whenever each of them finished starting."""
     begin, end, stop = phases
@@ -313,7 +313,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
 
     async def drive(pid: str, delay: float) -> dict[str, Any]:
         await asyncio.sleep(delay)
-        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000,
+        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=tolerable,
                                     triggered_by=f"bench-{os.getpid()}")
         gen = cast(AsyncGenerator[Any, None], trigger.run())
         try:
@@ -433,7 +433,7 @@ def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) ->
     out = ctx.Queue()
     begin, end, stop = ctx.Event(), ctx.Event(), ctx.Event()
     procs = [ctx.Process(target=triggerer_main, args=(mode.variant, pids, args.interval, dsn, out, (begin, end, stop),
-                                                      args.stagger), daemon=True)
+                                                      args.stagger, args.tolerable_failures), daemon=True)
              for _ in range(mode.triggerers)]
     for proc in procs:
         proc.start()
@@ -589,6 +589,9 @@ def main() -> None:
     parser.add_argument("--acker", choices=["sql", "store"], default="sql")
     parser.add_argument("--acker-threads", type=int, default=4, help="threads of the 'store' acker")
     parser.add_argument("--rounds", type=int, default=1, help="windows per mode, interleaved across modes")
+    parser.add_argument("--tolerable-failures", type=int, default=3,
+                        help="the triggers' tolerance (each tick reads this many + 2 of the newest epochs; it was "
+                             "1000, which read every pipeline's whole history at every tick)")
     parser.add_argument("--stagger", action="store_true",
                         help="start the triggers spread over one interval (as tasks defer at different times), "
                              "not all at once")
