@@ -60,7 +60,8 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
 OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
-# Another copy of this trigger (triggerer HA) started the last epoch it saw: it follows, ticking this
+# Another copy of this trigger (triggerer HA: the same ``triggered_by``) started the last epoch it saw
+# since its previous tick: it follows, ticking this
 # share of the interval (at most FOLLOWER_LAG_MAX seconds) after each epoch is due, so that the copy
 # that leads finds the pipeline's row free and this one finds the epoch started, instead of both
 # racing for the same row every interval. A follower that finds the epoch not started starts it
@@ -466,10 +467,12 @@ class _Controller:
             new_failure |= self._record(rec)
             await self._measure(rec, tick)
         if current is not None and current not in self.watching:
-            self.follower = self.ticked  # started by another copy of this trigger since our last tick
             self.watching.add(current)
             seen = tick.report.in_flight if tick.report is not None else None
             rec = seen if seen is not None and seen.epoch == current else await self.store.get_epoch(self.pid, current)
+            # started since our last tick by another copy of this trigger (not a restart, a manual
+            # checkpoint or the driver's final epoch): follow it
+            self.follower = self.ticked and not rec.is_final and rec.triggered_by == self.t.triggered_by
             if rec.is_final:
                 origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
             elif rec.triggered_by == self.t.triggered_by:

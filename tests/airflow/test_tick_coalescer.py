@@ -221,15 +221,15 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
         def gauge(self, *args: object, **kwargs: object) -> None: ...
         def incr(self, *args: object, **kwargs: object) -> None: ...
 
-    trigger = CheckpointTrigger("p", interval=10.0, timeout=100.0, poll_interval=20.0)
+    trigger = CheckpointTrigger("p", interval=10.0, timeout=100.0, poll_interval=20.0, triggered_by="copy")
     trigger._metrics = lambda: trigger_module.EpochMetrics("p", stats=Stats())  # type: ignore[method-assign]
     ctl = _Controller(trigger, None, _Summary(limit=10))  # type: ignore[arg-type]  # the store is never asked
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     lag = min(trigger_module.FOLLOWER_LAG * 10.0, trigger_module.FOLLOWER_LAG_MAX)
 
-    def epoch(n: int, at: float) -> EpochRecord:
+    def epoch(n: int, at: float, by: str = "copy") -> EpochRecord:
         return EpochRecord("p", n, EpochState.TRIGGERED, triggered_at=t0 + timedelta(seconds=at),
-                           timeout_at=t0 + timedelta(seconds=at + 100), triggered_by="copy")
+                           timeout_at=t0 + timedelta(seconds=at + 100), triggered_by=by)
 
     def done() -> tuple[EpochRecord, ...]:  # the epochs the trigger watches ended before this tick
         return tuple(replace(epoch(n, 0), state=EpochState.COMPLETED, ended_at=t0) for n in ctl.watching)
@@ -238,8 +238,8 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
         return TickResult(TriggerDecision(TriggerAction.START, n), t0 + timedelta(seconds=now), PipelineState.RUNNING,
                           started=epoch(n, now), ended=done(), report=TickReport())
 
-    def in_flight(n: int, at: float, now: float) -> TickResult:
-        rec = epoch(n, at)
+    def in_flight(n: int, at: float, now: float, by: str = "copy") -> TickResult:
+        rec = epoch(n, at, by)
         return TickResult(TriggerDecision(TriggerAction.WAIT_IN_FLIGHT, n, recheck_at=rec.timeout_at),
                           t0 + timedelta(seconds=now), PipelineState.RUNNING, ended=done(),
                           report=TickReport(in_flight=rec))
@@ -251,10 +251,13 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     assert await delay(in_flight(3, at=0, now=1)) == pytest.approx(9)  # from before a restart: on time
     assert await delay(started(4, now=10)) == pytest.approx(10)
     assert not ctl.follower
-    # the other copy started epoch 5 (due at 20) first: follow, a lag after each due instant
-    assert await delay(in_flight(5, at=20, now=20.01)) == pytest.approx(9.99 + lag)
+    # a manual checkpoint (another triggered_by) at 12 is no other copy: the schedule counts from it, on time
+    assert await delay(in_flight(5, at=12, now=12.5, by="cli")) == pytest.approx(9.5)
+    assert not ctl.follower
+    # the other copy started epoch 6 (due at 22) first: follow, a lag after each due instant
+    assert await delay(in_flight(6, at=22, now=22.01)) == pytest.approx(9.99 + lag)
     assert ctl.follower
-    assert await delay(in_flight(6, at=30, now=30 + lag)) == pytest.approx(10)  # already lagging: due at 40 + lag
-    # the leader is gone: the follower starts epoch 7 (late by the lag, once) and leads again
-    assert await delay(started(7, now=40 + lag)) == pytest.approx(10)
+    assert await delay(in_flight(7, at=32, now=32 + lag)) == pytest.approx(10)  # already lagging: due at 42 + lag
+    # the leader is gone: the follower starts epoch 8 (late by the lag, once) and leads again
+    assert await delay(started(8, now=42 + lag)) == pytest.approx(10)
     assert not ctl.follower
