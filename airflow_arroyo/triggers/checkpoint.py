@@ -475,6 +475,8 @@ class _Controller:
             self.follower = self.ticked and not rec.is_final and rec.triggered_by == self.t.triggered_by
             if rec.is_final:
                 origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
+            elif self.follower:
+                origin = "started by another copy of this controller (triggerer HA); following it"
             elif rec.triggered_by == self.t.triggered_by:
                 origin = "started by this controller before the triggerer restarted"
             else:
