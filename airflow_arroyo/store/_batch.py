@@ -6,7 +6,8 @@ and per ended epoch the metrics (``airflow_arroyo.metrics``: the slowest stage's
 driver's heartbeat age). Read one trigger at a time, those were two or three transactions and
 worker-thread hops per epoch, more than the tick itself, queueing in front of the next batches.
 :func:`tick_batch` reads them for the whole batch in one short read-only transaction right after
-the ticks commit, in the same worker thread, and hands each :class:`TickResult` its
+the ticks commit, in the same worker thread (one statement, two when a tick saw an epoch in flight it
+did not watch; none when no tick saw anything to report), and hands each :class:`TickResult` its
 :class:`TickReport`.
 
 The report is read after the commit, outside the row locks: it never delays a decision, and it is
@@ -36,6 +37,21 @@ log = logging.getLogger(__name__)
 
 Outcome = TickResult | ArroyoError | None
 
+# The pipelines' heartbeats, and per completed epoch (pipeline, epoch) its stages' slowest alignment
+# (as metrics.slowest_alignment computes it from the acknowledgements).
+_HEARTBEATS_AND_ALIGNMENT = (
+    "SELECT p.pipeline_id, p.heartbeat_at, w.epoch,"
+    " (SELECT max(a.alignment_ms) FROM arroyo_acks a WHERE a.pipeline_id = w.pipeline_id AND a.epoch = w.epoch)"
+    "   AS slowest"
+    " FROM arroyo_pipelines p"
+    " LEFT JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) ON w.pipeline_id = p.pipeline_id"
+    " WHERE p.pipeline_id = ANY(%s)"
+)
+_EPOCHS = (
+    f"SELECT {epoch_columns('e')} FROM arroyo_epochs e"  # noqa: S608
+    " JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) USING (pipeline_id, epoch)"
+)
+
 
 def tick_batch(store: EpochStore, requests: Sequence[TickRequest]) -> list[Outcome]:
     """``store.trigger_ticks(requests)``, each result with its :class:`TickReport` (blocking: run it
@@ -50,42 +66,40 @@ def tick_batch(store: EpochStore, requests: Sequence[TickRequest]) -> list[Outco
 
 
 def read_reports(store: EpochStore, requests: Sequence[TickRequest], results: Sequence[Outcome]) -> list[Outcome]:
-    """Attach a :class:`TickReport` to every :class:`TickResult` of ``results`` (one transaction, no retry)."""
+    """Attach a :class:`TickReport` to every :class:`TickResult` of ``results``: at most two statements
+    on a pooled connection in autocommit (no BEGIN/COMMIT round trips; each statement reads committed
+    rows), none when no tick saw an epoch end or an epoch it did not watch. No retry."""
     ticked = [(req, res) for req, res in zip(requests, results, strict=True) if isinstance(res, TickResult)]
-    if not ticked:
-        return list(results)
-    pids = [req.pipeline_id for req, _ in ticked]
-    completed = [(rec.pipeline_id, rec.epoch) for _, res in ticked for rec in res.ended
-                 if rec.state is EpochState.COMPLETED]
+    # the heartbeat age and the alignment are measured when an epoch ends (completed, failed or expired)
+    ended = [(req.pipeline_id, [rec for rec in (*res.ended, res.expired) if rec is not None]) for req, res in ticked]
+    pids = [pid for pid, recs in ended if recs]
+    completed = [(rec.pipeline_id, rec.epoch) for _, recs in ended for rec in recs if rec.state is EpochState.COMPLETED]
     unseen = [(req.pipeline_id, res.decision.epoch) for req, res in ticked
               if res.decision.action is TriggerAction.WAIT_IN_FLIGHT and res.decision.epoch is not None
               and res.decision.epoch not in req.watch]
     heartbeats: dict[str, Any] = {}
     alignment: dict[str, dict[int, float]] = {}
     in_flight: dict[tuple[str, int], EpochRecord] = {}
-    with store._connection() as conn:
-        with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
-            cur.execute("SELECT pipeline_id, heartbeat_at FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (pids,))
-            heartbeats = {row["pipeline_id"]: row["heartbeat_at"] for row in cur.fetchall()}
-            if completed:
-                cur.execute(
-                    "SELECT a.pipeline_id, a.epoch, max(a.alignment_ms) AS slowest FROM arroyo_acks a"
-                    " JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) USING (pipeline_id, epoch)"
-                    " WHERE a.alignment_ms IS NOT NULL GROUP BY a.pipeline_id, a.epoch",
-                    ([p for p, _ in completed], [e for _, e in completed]),
-                )
-                for row in cur.fetchall():
-                    alignment.setdefault(row["pipeline_id"], {})[int(row["epoch"])] = float(row["slowest"])
-            if unseen:
-                cur.execute(
-                    f"SELECT {epoch_columns('e')} FROM arroyo_epochs e"  # noqa: S608
-                    " JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) USING (pipeline_id, epoch)",
-                    ([p for p, _ in unseen], [e for _, e in unseen]),
-                )
-                for row in cur.fetchall():
-                    rec = from_row(EpochRecord, row)
-                    in_flight[(rec.pipeline_id, rec.epoch)] = rec
-        conn.commit()
+    if pids or unseen:
+        with store._connection() as conn:
+            conn.autocommit = True
+            try:
+                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+                    if pids:
+                        cur.execute(_HEARTBEATS_AND_ALIGNMENT,
+                                    ([p for p, _ in completed], [e for _, e in completed], pids))
+                        for row in cur.fetchall():
+                            heartbeats[row["pipeline_id"]] = row["heartbeat_at"]
+                            if row["slowest"] is not None:
+                                alignment.setdefault(row["pipeline_id"], {})[int(row["epoch"])] = float(row["slowest"])
+                    if unseen:
+                        cur.execute(_EPOCHS, ([p for p, _ in unseen], [e for _, e in unseen]))
+                        for row in cur.fetchall():
+                            rec = from_row(EpochRecord, row)
+                            in_flight[(rec.pipeline_id, rec.epoch)] = rec
+            finally:
+                if not conn.closed:
+                    conn.autocommit = False
     out: list[Outcome] = []
     for req, res in zip(requests, results, strict=True):
         if not isinstance(res, TickResult):

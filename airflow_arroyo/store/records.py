@@ -217,7 +217,7 @@ class TickReport:
     """Read right after a batch of ticks committed, for the controller's log lines and metrics, so
     that a trigger needs no transaction of its own per epoch (``airflow_arroyo.store._batch``)."""
 
-    heartbeat_at: datetime | None = None  # the driver's last heartbeat
+    heartbeat_at: datetime | None = None  # the driver's last heartbeat (read when an epoch ended in the tick)
     alignment_ms: Mapping[int, float] = field(default_factory=dict)  # completed ended epoch -> slowest stage's
     in_flight: EpochRecord | None = None  # the epoch in flight, when the tick did not watch it already
 

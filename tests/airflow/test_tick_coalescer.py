@@ -60,16 +60,20 @@ async def test_a_batch_reports_what_the_triggers_would_read_one_by_one(store: Ep
         coalescer.tick(TickRequest("seen", POLICY, watch=(first.started.epoch,))),
         coalescer.tick(TickRequest("unseen", POLICY)),
         coalescer.tick(TickRequest("quiet", POLICY, watch=(7,))))
-    for pid, result in (("seen", seen), ("unseen", unseen), ("quiet", quiet)):
-        assert result.report is not None
-        assert result.report.heartbeat_at == store.get_pipeline(pid).heartbeat_at
+    assert all(r.report is not None for r in (seen, unseen, quiet))
     assert seen.report is not None and [e.epoch for e in seen.ended] == [first.started.epoch]
+    # an epoch ended: the metrics' heartbeat age is measured now
+    assert seen.report.heartbeat_at == store.get_pipeline("seen").heartbeat_at is not None
     assert seen.report.alignment_ms == {first.started.epoch: slowest_alignment(store.acks("seen", first.started.epoch))}
     assert seen.report.alignment_ms == {first.started.epoch: 40.0}
     assert unseen.decision.action is TriggerAction.WAIT_IN_FLIGHT and unseen.report is not None
     assert unseen.report.in_flight == store.get_epoch("unseen", other.started.epoch)
     assert unseen.report.in_flight.triggered_by == "another triggerer"
     assert quiet.report is not None and quiet.report.in_flight is None and quiet.report.alignment_ms == {}
+    assert quiet.report.heartbeat_at is None  # nothing ended: nothing to measure
+    # the report's reads ran in autocommit: the pooled connections are back to transactions (the
+    # ticks' row locks depend on it)
+    assert store._pool.idle > 0 and not any(conn.autocommit for conn in store._pool._idle)
 
 
 async def test_a_trigger_cancelled_before_its_batch_left_is_never_sent(store: EpochStore,
