@@ -345,14 +345,28 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     while len(ticked) < len(pids):  # started: every trigger has ticked (the warm-up counts from here)
         await asyncio.sleep(0.1)
     out.put(("ready", os.getpid(), None))
-    await asyncio.to_thread(begin.wait)
-    cpu0, wall0 = time.process_time(), time.monotonic()
+    # The window's edges are taken by a thread of their own, when the parent sets them: on the old
+    # path the loop's default executor is queued up with ticks, and the loop itself may be late.
+    marks: dict[str, tuple[float, float]] = {}
+
+    def watch_phases() -> None:
+        for name, event in (("begin", begin), ("end", end)):
+            event.wait()
+            marks[name] = (time.process_time(), time.monotonic())
+
+    threading.Thread(target=watch_phases, daemon=True).start()
+
+    async def reached(name: str) -> tuple[float, float]:
+        while name not in marks:
+            await asyncio.sleep(0.01)
+        return marks[name]
+
+    cpu0, wall0 = await reached("begin")
     b0, t0, _ = figures_of(TickCoalescer)
     n0 = figures_of(EpochListener)[2]
     lag_from = len(loop_lag)
     calls.clear()
-    await asyncio.to_thread(end.wait)
-    cpu1, wall1 = time.process_time(), time.monotonic()
+    cpu1, wall1 = await reached("end")
     b1, t1, _ = figures_of(TickCoalescer)
     n1 = figures_of(EpochListener)[2]
     window_calls = {name: list(v) for name, v in calls.items()}
@@ -360,7 +374,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     out.put(("window", os.getpid(), {"cpu": cpu1 - cpu0, "wall": wall1 - wall0,
                                      "loop_lag": loop_lag[lag_from:], "calls": window_calls,
                                      "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0}))
-    await asyncio.to_thread(stop.wait)  # the parent stops the pipelines: the triggers end
+    while not stop.is_set():  # the parent stops the pipelines: the triggers end
+        await asyncio.sleep(0.05)
     events = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
     out.put(("events", os.getpid(), [e["status"] for e in events]))
 
