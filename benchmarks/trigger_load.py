@@ -1,41 +1,48 @@
 """Load benchmark of the checkpoint controller: triggerer processes running N CheckpointTriggers.
 
-    .venv/bin/python benchmarks/trigger_load.py                      # 1000 pipelines, 1 s interval, old vs new
+    .venv/bin/python benchmarks/trigger_load.py                      # 1000 pipelines, 1 s; old, new, both in HA
     .venv/bin/python benchmarks/trigger_load.py --seconds 20         # a shorter window
-    .venv/bin/python benchmarks/trigger_load.py --triggerers 2       # HA: two triggerers run the same triggers
+    .venv/bin/python benchmarks/trigger_load.py --triggerers 1       # without the HA modes
     .venv/bin/python benchmarks/trigger_load.py --paths new          # only one path
     .venv/bin/python benchmarks/trigger_load.py --acker store        # fake pipelines ack via EpochStore
     .venv/bin/python benchmarks/trigger_load.py --stagger            # starts spread over one interval
+    TRIGGER_LOAD_PROFILE=/tmp/p .venv/bin/python benchmarks/trigger_load.py ...  # + a sampling profile
 
 What runs where:
 
 * a throwaway PostgreSQL server (the epoch store);
-* ``--triggerers`` processes (1 by default), each ONE asyncio event loop running the same N
-  ``CheckpointTrigger.run()`` generators, as a triggerer would (store reached through ``ArroyoHook``
-  and ``AIRFLOW_CONN_ARROYO_DEFAULT``); with 2, every pipeline has two triggers racing (triggerer HA);
-* a separate acker process (its CPU does not count): the fake pipelines. ``--acker sql`` (default)
-  completes every in-flight epoch with one batched statement every 5 ms, under the pipelines' row
-  locks and writing the rows ``ack_epoch`` would, cheap enough never to be the bottleneck;
+* per mode, 1 or 2 triggerer processes (``--triggerers 1,2``), each ONE asyncio event loop running the
+  same N ``CheckpointTrigger.run()`` generators, as a triggerer would (store reached through
+  ``ArroyoHook`` and ``AIRFLOW_CONN_ARROYO_DEFAULT``); with 2, every pipeline has two copies of one
+  trigger (triggerer HA);
+* a separate acker process (its CPU does not count in the triggerer's figure): the fake pipelines.
+  ``--acker sql`` (default) completes every in-flight epoch with one batched statement every 5 ms,
+  under the pipelines' row locks and writing the rows ``ack_epoch`` would, and heartbeats every 2 s;
   ``--acker store`` calls ``EpochStore.ack_epoch`` once per stage, as pipeline drivers do.
 
-The two paths, run one after the other on fresh pipelines in one invocation (rounds interleave them):
+The paths, each run with every triggerer count on fresh pipelines in one invocation (rounds
+interleave the modes):
 
 * ``old``: one ``trigger_tick`` transaction per pipeline per tick, each in its own worker thread
-  (``AsyncEpochStore(coalesce=False)``), and polling for an overdue epoch's end (doubling polls);
-* ``new``: the loop's ticks coalesced into shared batch transactions (``trigger_ticks``), and the
-  loop's one LISTEN connection waking a trigger when its epoch ends (``WAKE_ON_NOTIFY``).
+  (``AsyncEpochStore(coalesce=False)``), the trigger's own reads per epoch, and polling for an
+  overdue epoch's end (doubling polls);
+* ``new``: the loop's ticks coalesced into shared batch transactions with their report
+  (``store/_coalesce.py``, ``store/_batch.py``), the loop's one LISTEN connection waking a trigger
+  when its epoch ends (``WAKE_ON_NOTIFY``), HA followers.
 
-What it prints per path, for the epochs started inside the measurement window (after a warm-up):
+The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
+every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
 
 * **schedule lateness**: ``triggered_at(n) - (triggered_at(n-1) + interval)``, from the database;
 * **controller lateness**: counted from when epoch n could start at all
   (``max(triggered_at(n-1) + interval, ended_at(n-1))``): the trigger's part, not the acker's;
 * epochs fired against the schedule's ``N * window / interval`` (a ratio);
 * CPU seconds of the triggerer processes per epoch fired (``time.process_time()``: all threads);
+* PostgreSQL CPU per epoch fired, by client (``/proc`` times of the server's processes);
 * the store calls per epoch and how long each was awaited; the batches' sizes;
-* the history checker's verdict on the path's pipelines (``airflow_arroyo.devtools.history``);
+* the history checker's verdict on the mode's pipelines (``airflow_arroyo.devtools.history``);
 
-then both side by side (new / old).
+then all modes side by side (and each new mode / the old one with as many triggerers).
 """
 
 from __future__ import annotations
