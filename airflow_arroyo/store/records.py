@@ -22,6 +22,7 @@ __all__ = [
     "PrunePlan",
     "SinkCommitRecord",
     "SnapshotEntry",
+    "TickReport",
     "TickRequest",
     "TickResult",
     "epoch_columns",
@@ -220,6 +221,18 @@ class TickResult:
     # this process's ``time.monotonic()`` when the database read ``now`` (the midpoint of that
     # statement's round trip): maps database instants to local timers without another round trip
     observed_at: float | None = None
+    # what the controller reports about the epochs this tick saw, read with the batch (None: not read)
+    report: TickReport | None = None
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """Read right after a batch of ticks committed, for the controller's log lines and metrics, so
+    that a trigger needs no transaction of its own per epoch (``airflow_arroyo.store._batch``)."""
+
+    heartbeat_at: datetime | None = None  # the driver's last heartbeat (read when an epoch ended in the tick)
+    alignment_ms: Mapping[int, float] = field(default_factory=dict)  # completed ended epoch -> slowest stage's
+    in_flight: EpochRecord | None = None  # the epoch in flight, when the tick did not watch it already
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
-from airflow_arroyo.metrics import EpochMetrics
+from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.triggers.settle import hold_until
 
@@ -60,6 +60,14 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
 OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
+# Another copy of this trigger (triggerer HA: the same ``triggered_by``) started the last epoch it saw
+# since its previous tick: it follows, ticking this
+# share of the interval (at most FOLLOWER_LAG_MAX seconds) after each epoch is due, so that the copy
+# that leads finds the pipeline's row free and this one finds the epoch started, instead of both
+# racing for the same row every interval. A follower that finds the epoch not started starts it
+# (late by the lag, once) and leads from then on.
+FOLLOWER_LAG = 0.2
+FOLLOWER_LAG_MAX = 1.0
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
@@ -288,6 +296,8 @@ class _Controller:
         self.idle_state: str | None = None  # last logged "pipeline not running" state
         self.not_alive = False  # logged that the driver's heartbeat is stale
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
+        self.follower = False  # another copy of this trigger started the last epoch seen (FOLLOWER_LAG)
+        self.ticked = False  # an epoch in flight at the first tick was started before this trigger ran
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
         self.metrics = trigger._metrics()
@@ -447,7 +457,7 @@ class _Controller:
         if tick.expired is not None:
             self.watching.discard(tick.expired.epoch)
             self._record(tick.expired)
-            await self._measure(tick.expired, tick.now)
+            await self._measure(tick.expired, tick)
             new_failure = True
         current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
         ended = {rec.epoch: rec for rec in tick.ended}  # the watched epochs that ended, read in the tick
@@ -457,18 +467,29 @@ class _Controller:
                 continue
             self.watching.discard(epoch)
             new_failure |= self._record(rec)
-            await self._measure(rec, tick.now)
+            await self._measure(rec, tick)
         if current is not None and current not in self.watching:
             self.watching.add(current)
-            rec = await self.store.get_epoch(self.pipeline_id, current)
+            seen = tick.report.in_flight if tick.report is not None else None
+            if seen is not None and seen.epoch == current:
+                rec = seen
+            else:
+                rec = await self.store.get_epoch(self.pipeline_id, current)
+            # started since our last tick by another copy of this trigger (not a restart, a manual
+            # checkpoint or the driver's final epoch): follow it
+            self.follower = self.ticked and not rec.is_final and rec.triggered_by == self.t.triggered_by
             if rec.is_final:
                 origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
+            elif self.follower:
+                origin = "started by another copy of this controller (triggerer HA); following it"
             elif rec.triggered_by == self.t.triggered_by:
                 origin = "started by this controller before the triggerer restarted"
             else:
                 origin = f"started by {rec.triggered_by or 'another controller'}"
             self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pipeline_id, current, origin)
+        self.ticked = True
         if tick.started is not None:
+            self.follower = False
             rec = tick.started
             self.metrics.epoch_started(rec, self.policy.interval)
             self.watching.add(rec.epoch)
@@ -476,16 +497,24 @@ class _Controller:
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
         return new_failure
 
-    async def _measure(self, rec: EpochRecord, now: datetime) -> None:
-        """Stats of an epoch that ended (the metrics module lists them); never fails the controller."""
+    async def _measure(self, rec: EpochRecord, tick: TickResult) -> None:
+        """Stats of an epoch that ended (the metrics module lists them); never fails the controller.
+        Their inputs come with the tick when its batch read them (``tick.report``), else from the store."""
         outcome = _outcome(rec)
-        try:
-            acks = await self.store.acks(self.pipeline_id, rec.epoch) if outcome == EpochState.COMPLETED.value else []
-            heartbeat = (await self.store.get_pipeline(self.pipeline_id)).heartbeat_at
-        except ArroyoError as exc:
-            self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pipeline_id, rec.epoch, exc)
-            acks, heartbeat = [], None
-        self.metrics.epoch_ended(rec, outcome, acks, heartbeat, now)
+        report = tick.report
+        if report is not None:
+            alignment, heartbeat = report.alignment_ms.get(rec.epoch), report.heartbeat_at
+        else:
+            try:
+                completed = outcome == EpochState.COMPLETED.value
+                acks = await self.store.acks(self.pipeline_id, rec.epoch) if completed else []
+                alignment = slowest_alignment(acks)
+                heartbeat = (await self.store.get_pipeline(self.pipeline_id)).heartbeat_at
+            except ArroyoError as exc:
+                self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pipeline_id, rec.epoch, exc)
+                alignment, heartbeat = None, None
+        self.metrics.epoch_ended(rec, outcome, alignment if outcome == EpochState.COMPLETED.value else None,
+                                 heartbeat, tick.now)
 
     def _record(self, rec: EpochRecord) -> bool:
         entry = self.summary.add(rec)
@@ -548,7 +577,8 @@ class _Controller:
         ``self.wake``), or without a listener in short polls that double (``interval / 50`` at
         first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
         epoch by about as much again at most, not by a whole poll interval. While the pipeline does
-        not run: until it changes. Never past ``poll``.
+        not run: until it changes. A follower (another copy of this trigger started the last epoch
+        it saw) waits ``FOLLOWER_LAG`` of the interval longer for the schedule. Never past ``poll``.
 
         Database instants become local timers through ``tick.observed_at`` (when the database read
         ``now``), so the time the tick took is not slept again.
@@ -576,6 +606,9 @@ class _Controller:
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             self.wake = True
         self.overdue_polls = self.overdue_polls + 1 if overdue else 0
+        if self.follower and decision.action in (TriggerAction.WAIT_SCHEDULE, TriggerAction.WAIT_IN_FLIGHT) \
+                and not self.wake and not overdue:
+            delay = min(delay + min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX), self.poll)
         return max(delay, 0.0)
 
     @staticmethod

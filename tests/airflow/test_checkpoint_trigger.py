@@ -779,9 +779,12 @@ class RecordingStats:
         return [v for k, s, v, _ in self.calls if k == kind and s == f"arroyo.{PID}.{metric}"]
 
 
-async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, connection: str) -> None:
+@pytest.mark.parametrize("coalesce", [True, False], ids=["read-with-the-batch", "read-by-the-trigger"])
+async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, connection: str,
+                                                          coalesce: bool) -> None:
     """Duration, size, bytes new, alignment, lateness, failures and heartbeat age, per epoch, from the
-    records the trigger read (checked against the database)."""
+    records the trigger read (checked against the database): read with the tick's batch (the coalescer's
+    report), or by the trigger itself (ticks not coalesced)."""
     from airflow_arroyo.metrics import EpochMetrics
 
     def pipeline() -> None:
@@ -799,9 +802,22 @@ async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, c
     stats = RecordingStats()
     trigger = make_trigger(interval=10.0)
     trigger._metrics = lambda: EpochMetrics(PID, stats=stats)  # type: ignore[method-assign]
+    seen: list[bool] = []
+
+    class Store(AsyncEpochStore):
+        async def trigger_tick(self, *args: Any, **kwargs: Any) -> TickResult:
+            tick = await super().trigger_tick(*args, **kwargs)
+            seen.append(tick.report is not None)
+            return tick
+
+    async def open_store() -> AsyncEpochStore:
+        return Store(running, coalesce=coalesce)
+
+    trigger._open_store = open_store  # type: ignore[method-assign]
     event = await first_event(trigger, VirtualClock(connection, pipeline))
 
     assert event["reason"] == "pipeline_failed"
+    assert seen and set(seen) == {coalesce}
     done = sorted(running.list_epochs(PID, states=[EpochState.COMPLETED]), key=lambda e: e.epoch)
     assert [e.epoch for e in done] == [1, 3]
     assert stats.values("incr", "epoch.completed") == [1, 1]
