@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from airflow.sdk import DAG, task
+from airflow.sdk.exceptions import AirflowSkipException
 
 from airflow_arroyo.examples.report import report_asset
 
@@ -39,7 +40,9 @@ with DAG(
 
         payloads = committed_payloads(triggering_asset_events[REPORT] if triggering_asset_events else [])
         if not payloads:
-            raise ValueError("no commit of the report sink among the triggering Asset events")
+            # e.g. the event of the `stop` task of a run that never committed (its driver failed to start):
+            # nothing new is visible, so there is nothing to read
+            raise AirflowSkipException("no commit of the report sink among the triggering Asset events")
         commit = payloads[-1]
         read = read_committed(str(commit["uri"]), int(commit["batch_id"]))
         print(f"epoch {commit['epoch']} (batch {commit['batch_id']}): read {read['rows']} committed rows "

@@ -490,3 +490,18 @@ def test_the_stop_task_log_carries_the_drivers_own_log(conns: EpochStore, tmp_pa
     text = "\n".join(str(e["event"]) for e in logs)
     assert str(log) in text and "driver line 40" in text and "driver line 21" in text
     assert "driver line 20\n" not in text  # the last 20 lines only
+
+
+def test_the_report_dag_skips_an_event_without_a_commit() -> None:
+    """The `stop` task's outlet event of a run that never committed (its driver failed to start) carries no
+    commit: the report DAG has nothing new to read, and skips instead of failing."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags" / "example_committed_report.py"))
+    assert bag.import_errors == {}
+    read = bag.dags["example_committed_report"].task_dict["read_committed_report"]
+    report = next(iter(read.inlets))
+    for events in (None, {report: [{"extra": {}}]}):
+        with pytest.raises(AirflowSkipException, match="no commit of the report sink"):
+            read.python_callable(triggering_asset_events=events)
