@@ -1135,12 +1135,13 @@ class EpochStore:
                 {"p": pipeline_id, "e": marked},
             )
             objects = [(r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
-            # The oldest position any restorable (completed, not pruning) or pinned epoch resumes a channel at.
+            # The oldest position any restorable (completed, not pruning) epoch resumes a channel at; pinned epochs
+            # are completed ones (a superseded one cannot be restored: its channels were cut).
             cur.execute(
                 "SELECT c.key AS channel, min((c.value)::text::bigint) AS pos"
                 " FROM arroyo_acks a JOIN arroyo_epochs e USING (pipeline_id, epoch)"
                 " CROSS JOIN LATERAL jsonb_each(a.cursors) c"
-                " WHERE a.pipeline_id = %s AND (e.state = 'completed' OR e.pin_label IS NOT NULL) GROUP BY c.key",
+                " WHERE a.pipeline_id = %s AND e.state = 'completed' GROUP BY c.key",
                 (pipeline_id,),
             )
             channels: dict[str, str] = pipe["channels"] or {}
