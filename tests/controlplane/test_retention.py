@@ -262,8 +262,6 @@ def test_a_pinned_epoch_survives_keep_last_1_with_its_objects_and_channel_range(
     pinned = store.pin_epoch("orders", e2, "  before the 2.0 upgrade ")
     assert (pinned.pin_label, pinned.state) == ("before the 2.0 upgrade", EpochState.COMPLETED)
     assert pinned.pinned_at is not None
-    for e in epochs:
-        pipe.age(e, hours=48)
 
     report = prune(store, policy=RetentionPolicy(keep_last=1))
 
