@@ -99,10 +99,12 @@ def get(option: str) -> str:
 
 
 def get_int(option: str) -> int:
+    """An option of the ``[arroyo]`` section as an int."""
     return int(get(option))
 
 
 def get_float(option: str) -> float:
+    """An option of the ``[arroyo]`` section as a float."""
     return float(get(option))
 
 

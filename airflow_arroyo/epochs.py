@@ -50,6 +50,7 @@ __all__ = [
 
 
 class EpochState(enum.StrEnum):
+    """The life cycle of an epoch; legal moves are in :data:`EPOCH_TRANSITIONS`."""
     TRIGGERED = "triggered"
     COMPLETED = "completed"
     FAILED = "failed"
@@ -61,14 +62,17 @@ class EpochState(enum.StrEnum):
 
     @property
     def in_flight(self) -> bool:
+        """True while the epoch is triggered and not yet ended."""
         return self is EpochState.TRIGGERED
 
     @property
     def ended_unsuccessfully(self) -> bool:
+        """True for an epoch that failed or expired."""
         return self in (EpochState.FAILED, EpochState.EXPIRED)
 
 
 class PipelineState(enum.StrEnum):
+    """The life cycle of a pipeline run; legal moves are in :data:`PIPELINE_TRANSITIONS`."""
     REGISTERED = "registered"
     RUNNING = "running"
     STOPPING = "stopping"
@@ -77,6 +81,7 @@ class PipelineState(enum.StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """True once the run stopped or failed (no move leaves these but a new registration)."""
         return self in (PipelineState.STOPPED, PipelineState.FAILED)
 
 
@@ -109,11 +114,13 @@ def pipeline_states_from(target: PipelineState) -> list[str]:
 
 
 def check_epoch_transition(current: EpochState, target: EpochState, *, subject: str = "") -> None:
+    """Raise :class:`IllegalTransitionError` unless an epoch may move from ``current`` to ``target``."""
     if target not in EPOCH_TRANSITIONS[current]:
         raise IllegalTransitionError("epoch", current.value, target.value, subject=subject)
 
 
 def check_pipeline_transition(current: PipelineState, target: PipelineState, *, subject: str = "") -> None:
+    """Raise :class:`IllegalTransitionError` unless a pipeline may move from ``current`` to ``target``."""
     if target not in PIPELINE_TRANSITIONS[current]:
         raise IllegalTransitionError("pipeline", current.value, target.value, subject=subject)
 
@@ -198,6 +205,7 @@ def _finite(x: object) -> bool:
 
 @dataclass(frozen=True)
 class CleanupLease:
+    """A live cleanup lease: who holds it and until when (database time)."""
     holder: str
     expires_at: datetime
 
@@ -225,6 +233,7 @@ class TriggerFacts:
 
 
 class TriggerAction(enum.StrEnum):
+    """What :func:`decide_trigger` tells the controller to do."""
     START = "start"  # insert epoch ``epoch`` as triggered
     EXPIRE = "expire"  # mark in-flight ``epoch`` expired
     WAIT_IN_FLIGHT = "wait_in_flight"
@@ -237,6 +246,7 @@ class TriggerAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class TriggerDecision:
+    """The answer of :func:`decide_trigger`: the action, its epoch, and when to ask again."""
     action: TriggerAction
     epoch: int | None = None
     # when the next decision is worth making (None: as soon as convenient)
@@ -352,6 +362,7 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class EpochFacts:
+    """What :func:`select_prunable` needs of one epoch."""
     epoch: int
     state: EpochState
     triggered_at: datetime

@@ -68,6 +68,7 @@ class NotFoundError(ArroyoError, LookupError):
 
 
 class UnknownPipelineError(NotFoundError):
+    """No pipeline of this id is registered in the epoch store."""
     def __init__(self, pipeline_id: str) -> None:
         super().__init__(
             f"no pipeline named {pipeline_id!r} is registered in the epoch store; "
@@ -77,6 +78,7 @@ class UnknownPipelineError(NotFoundError):
 
 
 class UnknownEpochError(NotFoundError):
+    """The pipeline has no such epoch (or not in the state asked for)."""
     def __init__(self, pipeline_id: str, epoch: int, what: str = "") -> None:
         super().__init__(
             f"pipeline {pipeline_id!r} has no epoch {epoch}{' ' + what if what else ''}; "
@@ -87,6 +89,7 @@ class UnknownEpochError(NotFoundError):
 
 
 class IllegalTransitionError(ArroyoError):
+    """A move the transition tables do not allow (a bug, or a race the database refused)."""
     def __init__(self, kind: str, current: str, target: str, *, subject: str = "") -> None:
         where = f" ({subject})" if subject else ""
         super().__init__(f"illegal {kind} transition {current!r} -> {target!r}{where}")
@@ -122,6 +125,7 @@ class FencedError(ConcurrencyConflict):
 
 
 class CleanupLockHeld(ArroyoError):
+    """Another cleanup holds the pipeline's cleanup lease."""
     def __init__(self, pipeline_id: str, holder: str, expires_at: object) -> None:
         super().__init__(
             f"the cleanup lock of pipeline {pipeline_id!r} is held by {holder!r} until {expires_at}; "
@@ -166,6 +170,7 @@ class SchemaMissingError(SchemaError):
 
 
 class SnapshotError(ArroyoError):
+    """A snapshot could not be taken, verified or restored; names the epoch and path when known."""
     def __init__(self, message: str, *, epoch: int | None = None, path: str | None = None) -> None:
         super().__init__(message)
         self.epoch = epoch
@@ -173,6 +178,7 @@ class SnapshotError(ArroyoError):
 
 
 class PipelineFailedError(ArroyoError):
+    """A pipeline run failed; ``cause`` is what the store recorded."""
     def __init__(self, pipeline_id: str, cause: str | None) -> None:
         super().__init__(f"pipeline {pipeline_id!r} failed: {cause or 'no cause reported'}")
         self.pipeline_id = pipeline_id

@@ -76,6 +76,7 @@ class FileEntry:
 
     @property
     def name(self) -> str:
+        """The last part of the path."""
         return posixpath.basename(self.path)
 
 
@@ -177,9 +178,11 @@ class FileSystem:
 
     # ------------------------------------------------------------------ queries
     def exists(self, path: str) -> bool:
+        """True if ``path`` exists (file or folder)."""
         return bool(self._fs.get_file_info(self._abs(path)).type != pafs.FileType.NotFound)
 
     def is_dir(self, path: str) -> bool:
+        """True if ``path`` is a folder."""
         return bool(self._fs.get_file_info(self._abs(path)).type == pafs.FileType.Directory)
 
     def size(self, path: str) -> int:
@@ -230,6 +233,7 @@ class FileSystem:
             raise
 
     def read_json(self, path: str) -> Any:
+        """The JSON document stored at ``path``."""
         return json.loads(self.read_bytes(path))
 
     def open_input(self, path: str) -> IO[bytes]:
@@ -238,6 +242,7 @@ class FileSystem:
 
     # ------------------------------------------------------------------ writes
     def makedirs(self, path: str) -> None:
+        """Create folder ``path`` and its parents (no error if it exists)."""
         self._fs.create_dir(self._abs(path), recursive=True)
 
     def _ensure_parent(self, path: str) -> None:
@@ -275,6 +280,7 @@ class FileSystem:
             stream.write(data)
 
     def write_json_atomic(self, path: str, value: Any) -> None:
+        """Write ``value`` as JSON at ``path``, replacing any earlier content whole."""
         self.write_bytes_atomic(path, json.dumps(value, sort_keys=True).encode())
 
     def create_exclusive(self, path: str, data: bytes) -> bool:

@@ -26,7 +26,12 @@ from typing import Any
 
 from airflow_arroyo.store import AckRecord, EpochRecord
 
-__all__ = ["EpochMetrics"]
+__all__ = ["EpochMetrics", "slowest_alignment"]
+
+
+def slowest_alignment(acks: list[AckRecord]) -> float | None:
+    """The longest barrier alignment among an epoch's acknowledgements (ms), None if none reported one."""
+    return max((a.alignment_ms for a in acks if a.alignment_ms is not None), default=None)
 
 
 def _stats() -> Any:
@@ -54,8 +59,10 @@ class EpochMetrics:
             self.stats.timing(self._name("trigger.lateness"), timedelta(seconds=max(0.0, late)), tags=self.tags)
         self.last_started = rec.triggered_at
 
-    def epoch_ended(self, rec: EpochRecord, outcome: str, acks: list[AckRecord],
+    def epoch_ended(self, rec: EpochRecord, outcome: str, alignment_ms: float | None,
                     heartbeat_at: datetime | None, now: datetime) -> None:
+        """Record an ended epoch: outcome count, duration, sizes and the slowest stage's barrier alignment
+        (``alignment_ms``, :func:`slowest_alignment`)."""
         if outcome == "completed":
             self.stats.incr(self._name("epoch.completed"), tags=self.tags)
             if rec.duration_s is not None:
@@ -64,9 +71,8 @@ class EpochMetrics:
                 self.stats.gauge(self._name("epoch.size"), rec.bytes_total, tags=self.tags)
             if rec.bytes_new is not None:
                 self.stats.gauge(self._name("epoch.bytes_new"), rec.bytes_new, tags=self.tags)
-            alignments = [a.alignment_ms for a in acks if a.alignment_ms is not None]
-            if alignments:
-                self.stats.timing(self._name("epoch.alignment"), timedelta(milliseconds=max(alignments)),
+            if alignment_ms is not None:
+                self.stats.timing(self._name("epoch.alignment"), timedelta(milliseconds=alignment_ms),
                                   tags=self.tags)
         else:
             self.stats.incr(self._name("epoch.failed"), tags={**self.tags, "outcome": outcome})
@@ -75,4 +81,5 @@ class EpochMetrics:
                              tags=self.tags)
 
     def pipeline_failed(self) -> None:
+        """Count a failed pipeline run."""
         self.stats.incr(self._name("pipeline.failed"), tags=self.tags)

@@ -34,6 +34,7 @@ _CONN_FIELDS: dict[str, Any] = {
 
 
 def get_provider_info() -> dict[str, Any]:
+    """The provider metadata Airflow reads through the ``apache_airflow_provider`` entry point."""
     return {
         "package-name": "airflow-arroyo",
         "name": "Arroyo checkpoint epochs for Spark Structured Streaming",
@@ -67,8 +68,8 @@ def get_provider_info() -> dict[str, Any]:
         "sensors": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.sensors.pipeline"]}],
         "extra-links": [
             "airflow_arroyo.operators.checkpoint.ArroyoCheckpointsLink",
-            "airflow_arroyo.links.ArroyoPipelineLink",
-            "airflow_arroyo.links.SparkUILink",
+            "airflow_arroyo.links.pipeline.ArroyoPipelineLink",
+            "airflow_arroyo.links.pipeline.SparkUILink",
         ],
         "connection-types": [
             {

@@ -185,6 +185,7 @@ class PruneReport:
 
     @property
     def skipped(self) -> bool:
+        """True if the run pruned nothing on purpose (``skipped_reason`` says why)."""
         return self.skipped_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,7 +392,7 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
                        fs_for: Callable[[str], ObjectFileSystem],
                        open_channel: Callable[[str], TruncatableChannel | None], report: PruneReport) -> None:
     pipeline_id = lease.pipeline_id
-    records = store.epoch_facts(pipeline_id)
+    records = store.unpruned_epochs(pipeline_id)
     selection = select_prunable(_facts(records), policy, store.db_now())
     report.kept = list(selection.keep)
     if not selection.prune:

@@ -48,6 +48,7 @@ _RECORD_EVERY = 200  # results written to the store in batches of this many
 
 @dataclass(frozen=True)
 class DamagedObject:
+    """A snapshot object that is missing or does not hash to its name."""
     object_key: str
     state: str  # "missing" or "corrupt"
     detail: str
@@ -72,6 +73,7 @@ class ScrubReport:
 
     @property
     def ok(self) -> bool:
+        """True if nothing is damaged."""
         return not self.damaged
 
     def advice(self) -> str:
@@ -89,6 +91,7 @@ class ScrubReport:
                 "take one (airflow-arroyo checkpoint PIPELINE --self-contained) and verify again")
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (``--json``), with ``ok`` and the advice."""
         out = asdict(self)
         out["ok"] = self.ok
         out["advice"] = self.advice()
@@ -168,7 +171,7 @@ def _report(store: EpochStore, pipeline_id: str, epoch: int | None, objects: lis
                for o in objects if o.verify_state not in (None, "ok")]
     hit = {e for d in damaged for e in d.epochs}
     unverified = {e for o in objects if o.verify_state is None for e in o.epochs}
-    completed = sorted(r.epoch for r in store.epoch_facts(pipeline_id) if r.state is EpochState.COMPLETED
+    completed = sorted(r.epoch for r in store.unpruned_epochs(pipeline_id) if r.state is EpochState.COMPLETED
                        and (epoch is None or r.epoch == epoch))
     return ScrubReport(
         pipeline_id=pipeline_id, epoch=epoch, objects_checked=checked, bytes_checked=bytes_checked,

@@ -29,6 +29,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class CheckpointSummary:
+    """Counts and figures over a pipeline's epoch history."""
     completed: int
     failed: int
     expired: int

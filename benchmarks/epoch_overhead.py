@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,72 +161,45 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (default 10)")
-    parser.add_argument("--duration", type=float, default=50.0, help="seconds per measured window (default 50)")
-    parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring (default 20)")
-    parser.add_argument("--rounds", type=int, default=2, help="measured windows (concurrent) or rounds of "
-                        "(no-epochs, epochs) runs (alternate); default 2")
-    parser.add_argument("--mode", choices=("concurrent", "alternate"), default="concurrent")
-    parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
-    parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
-                        help="flow control: entries a channel may hold unread (default: the driver's)")
-    parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
-    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
-    args = parser.parse_args(argv)
-    if args.long:
-        args.rounds, args.duration = 3, 180.0
-    logging.basicConfig(level=logging.WARNING)
-
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+def _concurrent(make: Callable[[bool, str], Running], args: argparse.Namespace) -> tuple[list[RunResult], list[float]]:
+    """Both pipelines at once, measured in the same windows."""
     results: list[RunResult] = []
     ratios: list[float] = []
-    with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
-        store = EpochStore(pg.dsn)
-        store.migrate()
-        print(f"demo pipeline, local[2], epochs every {args.interval:g}s, mode {args.mode}, "
-              f"{args.rounds} x {args.duration:g}s measured", flush=True)
+    runs = [make(False, "off"), make(True, "on")]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.wait_started()
+    windows = measure(runs, warmup=args.warmup, duration=args.duration, windows=args.rounds)
+    for r in runs:
+        r.stop()
+    for window in windows:
+        results.extend(window)
+        off, on = window
+        ratios.append(on.throughput / off.throughput if off.throughput else float("nan"))
+    return results, ratios
 
-        def make(epochs: bool, tag: str) -> Running:
-            return Running(spark, store, Path(tmp) / tag, epochs=epochs, interval=args.interval,
-                           rows_per_batch=args.rows_per_batch, max_backlog=args.max_backlog)
 
-        if args.mode == "concurrent":
-            runs = [make(False, "off"), make(True, "on")]
-            for r in runs:
-                r.start()
-            for r in runs:
-                r.wait_started()
-            windows = measure(runs, warmup=args.warmup, duration=args.duration, windows=args.rounds)
-            for r in runs:
-                r.stop()
-            for window in windows:
-                results.extend(window)
-                off, on = window
-                ratios.append(on.throughput / off.throughput if off.throughput else float("nan"))
-        else:
-            for rnd in range(args.rounds):
-                pair: dict[bool, RunResult] = {}
-                for with_epochs in ([False, True] if rnd % 2 == 0 else [True, False]):
-                    run = make(with_epochs, f"r{rnd}-{int(with_epochs)}")
-                    run.start()
-                    run.wait_started()
-                    (window,) = measure([run], warmup=args.warmup, duration=args.duration, windows=1)
-                    run.stop()
-                    pair[with_epochs] = window[0]
-                    results.append(window[0])
-                ratios.append(pair[True].throughput / pair[False].throughput if pair[False].throughput
-                              else float("nan"))
-        store.close()
-    spark.stop()
+def _alternate(make: Callable[[bool, str], Running], args: argparse.Namespace) -> tuple[list[RunResult], list[float]]:
+    """One pipeline at a time, the order swapped every round."""
+    results: list[RunResult] = []
+    ratios: list[float] = []
+    for rnd in range(args.rounds):
+        pair: dict[bool, RunResult] = {}
+        for with_epochs in ([False, True] if rnd % 2 == 0 else [True, False]):
+            run = make(with_epochs, f"r{rnd}-{int(with_epochs)}")
+            run.start()
+            run.wait_started()
+            (window,) = measure([run], warmup=args.warmup, duration=args.duration, windows=1)
+            run.stop()
+            pair[with_epochs] = window[0]
+            results.append(window[0])
+        ratios.append(pair[True].throughput / pair[False].throughput if pair[False].throughput
+                      else float("nan"))
+    return results, ratios
 
+
+def _report(results: list[RunResult], ratios: list[float], *, json_too: bool) -> None:
     base = [r for r in results if not r.epochs]
     with_e = [r for r in results if r.epochs]
     # overall: all rows over all measured time (robust to the lumpiness of big micro-batches at window edges)
@@ -256,11 +230,54 @@ def main(argv: list[str] | None = None) -> int:
         for stage, rows in sorted(stage_times.items(), key=lambda kv: statistics.median(t[0] for t in kv[1])):
             med = [statistics.median(t[i] for t in rows) for i in range(4)]
             print(f"  {stage:10s}{med[0]:12.2f} s{med[1]:10.0f} ms{med[2]:12.0f} ms{med[3]:8.0f} ms")
-    if args.json:
+    if json_too:
         print(json.dumps({"throughput_without": tp_base, "throughput_with": tp_e, "ratio": ratio,
                           "epoch_p50_s": percentile(durations, 0.5), "epoch_p95_s": percentile(durations, 0.95),
                           "ratios": ratios, "bytes_new": new, "bytes_total": total,
                           "runs": [r.__dict__ for r in results]}, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (default 10)")
+    parser.add_argument("--duration", type=float, default=50.0, help="seconds per measured window (default 50)")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring (default 20)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured windows (concurrent) or rounds of "
+                        "(no-epochs, epochs) runs (alternate); default 2")
+    parser.add_argument("--mode", choices=("concurrent", "alternate"), default="concurrent")
+    parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
+    parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
+                        help="flow control: entries a channel may hold unread (default: the driver's)")
+    parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    args = parser.parse_args(argv)
+    if args.long:
+        args.rounds, args.duration = 3, 180.0
+    logging.basicConfig(level=logging.WARNING)
+
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
+             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "2g").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
+        store = EpochStore(pg.dsn)
+        store.migrate()
+        print(f"demo pipeline, local[2], epochs every {args.interval:g}s, mode {args.mode}, "
+              f"{args.rounds} x {args.duration:g}s measured", flush=True)
+
+        def make(epochs: bool, tag: str) -> Running:
+            return Running(spark, store, Path(tmp) / tag, epochs=epochs, interval=args.interval,
+                           rows_per_batch=args.rows_per_batch, max_backlog=args.max_backlog)
+
+        run = _concurrent if args.mode == "concurrent" else _alternate
+        results, ratios = run(make, args)
+        store.close()
+    spark.stop()
+
+    _report(results, ratios, json_too=args.json)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""What does exactly-once cost when writing PostgreSQL? The same rows, side by side in one run:
+"""What does exactly-once cost when writing PostgreSQL? The same rows, side by side in one run.
 
 * **exactly-once**: :class:`~airflow_arroyo.runtime.pg_sink.TransactionalPostgresSink` in append or upsert
   mode: each micro-batch staged from the executors, committed into the table every ``--batches-per-epoch``

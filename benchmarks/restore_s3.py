@@ -49,19 +49,20 @@ class RequestCounter(logging.Handler):
         super().__init__(logging.INFO)
         self.count = 0
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def emit(self, record: logging.LogRecord) -> None:  # noqa: ARG002 - it only counts
         self.count += 1
 
 
 def make_checkpoint(spark: Any, path: Path, keys: int, batches: int) -> None:
     from pyspark.sql import functions as F
 
-    from airflow_arroyo.runtime.generator import generator_source
+    from airflow_arroyo.testing import generator_source
 
     per_batch = max(keys // 2, 1)
     df = generator_source(spark, seed=1, keys=keys, total_rows=per_batch * batches, rows_per_batch=per_batch)
     agg = df.groupBy("key").agg(F.count("*").alias("n"), F.sum("value").alias("total"))
-    q = (agg.writeStream.outputMode("update").foreachBatch(lambda d, b: d.write.format("noop").mode("overwrite").save())
+    q = (agg.writeStream.outputMode("update")
+         .foreachBatch(lambda d, _b: d.write.format("noop").mode("overwrite").save())
          .option("checkpointLocation", str(path)).trigger(availableNow=True).start())
     q.awaitTermination(600)
     if q.exception() is not None:

@@ -1,41 +1,48 @@
 """Load benchmark of the checkpoint controller: triggerer processes running N CheckpointTriggers.
 
-    .venv/bin/python benchmarks/trigger_load.py                      # 1000 pipelines, 1 s interval, old vs new
+    .venv/bin/python benchmarks/trigger_load.py                      # 1000 pipelines, 1 s; old, new, both in HA
     .venv/bin/python benchmarks/trigger_load.py --seconds 20         # a shorter window
-    .venv/bin/python benchmarks/trigger_load.py --triggerers 2       # HA: two triggerers run the same triggers
+    .venv/bin/python benchmarks/trigger_load.py --triggerers 1       # without the HA modes
     .venv/bin/python benchmarks/trigger_load.py --paths new          # only one path
     .venv/bin/python benchmarks/trigger_load.py --acker store        # fake pipelines ack via EpochStore
     .venv/bin/python benchmarks/trigger_load.py --stagger            # starts spread over one interval
+    TRIGGER_LOAD_PROFILE=/tmp/p .venv/bin/python benchmarks/trigger_load.py ...  # + a sampling profile
 
 What runs where:
 
 * a throwaway PostgreSQL server (the epoch store);
-* ``--triggerers`` processes (1 by default), each ONE asyncio event loop running the same N
-  ``CheckpointTrigger.run()`` generators, as a triggerer would (store reached through ``ArroyoHook``
-  and ``AIRFLOW_CONN_ARROYO_DEFAULT``); with 2, every pipeline has two triggers racing (triggerer HA);
-* a separate acker process (its CPU does not count): the fake pipelines. ``--acker sql`` (default)
-  completes every in-flight epoch with one batched statement every 5 ms, under the pipelines' row
-  locks and writing the rows ``ack_epoch`` would, cheap enough never to be the bottleneck;
+* per mode, 1 or 2 triggerer processes (``--triggerers 1,2``), each ONE asyncio event loop running the
+  same N ``CheckpointTrigger.run()`` generators, as a triggerer would (store reached through
+  ``ArroyoHook`` and ``AIRFLOW_CONN_ARROYO_DEFAULT``); with 2, every pipeline has two copies of one
+  trigger (triggerer HA);
+* a separate acker process (its CPU does not count in the triggerer's figure): the fake pipelines.
+  ``--acker sql`` (default) completes every in-flight epoch with one batched statement every 5 ms,
+  under the pipelines' row locks and writing the rows ``ack_epoch`` would, and heartbeats every 2 s;
   ``--acker store`` calls ``EpochStore.ack_epoch`` once per stage, as pipeline drivers do.
 
-The two paths, run one after the other on fresh pipelines in one invocation (rounds interleave them):
+The paths, each run with every triggerer count on fresh pipelines in one invocation (rounds
+interleave the modes):
 
 * ``old``: one ``trigger_tick`` transaction per pipeline per tick, each in its own worker thread
-  (``AsyncEpochStore(coalesce=False)``), and polling for an overdue epoch's end (doubling polls);
-* ``new``: the loop's ticks coalesced into shared batch transactions (``trigger_ticks``), and the
-  loop's one LISTEN connection waking a trigger when its epoch ends (``WAKE_ON_NOTIFY``).
+  (``AsyncEpochStore(coalesce=False)``), the trigger's own reads per epoch, and polling for an
+  overdue epoch's end (doubling polls);
+* ``new``: the loop's ticks coalesced into shared batch transactions with their report
+  (``store/_coalesce.py``, ``store/_batch.py``), the loop's one LISTEN connection waking a trigger
+  when its epoch ends (``WAKE_ON_NOTIFY``), HA followers.
 
-What it prints per path, for the epochs started inside the measurement window (after a warm-up):
+The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
+every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
 
 * **schedule lateness**: ``triggered_at(n) - (triggered_at(n-1) + interval)``, from the database;
 * **controller lateness**: counted from when epoch n could start at all
   (``max(triggered_at(n-1) + interval, ended_at(n-1))``): the trigger's part, not the acker's;
 * epochs fired against the schedule's ``N * window / interval`` (a ratio);
 * CPU seconds of the triggerer processes per epoch fired (``time.process_time()``: all threads);
+* PostgreSQL CPU per epoch fired, by client (``/proc`` times of the server's processes);
 * the store calls per epoch and how long each was awaited; the batches' sizes;
-* the history checker's verdict on the path's pipelines (``airflow_arroyo.devtools.history``);
+* the history checker's verdict on the mode's pipelines (``airflow_arroyo.devtools.history``);
 
-then both side by side (new / old).
+then all modes side by side (and each new mode / the old one with as many triggerers).
 """
 
 from __future__ import annotations
@@ -75,7 +82,12 @@ UPDATE arroyo_epochs x SET state = 'completed', ended_at = clock_timestamp(),
 FROM e WHERE x.pipeline_id = e.pipeline_id AND x.epoch = e.epoch AND x.state = 'triggered'
 """
 # The fake drivers heartbeat (every 2 s, all in one statement): a silent pipeline gets no epoch.
-HEARTBEAT_ALL_SQL = "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() WHERE state = 'running'"
+# Rows in id order, skipping those locked now (the next heartbeat, 2 s later, gets them; the bound is
+# 30 s): an unordered UPDATE of every row deadlocked with the batches, which lock in id order.
+HEARTBEAT_ALL_SQL = """
+UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp() WHERE pipeline_id IN
+  (SELECT pipeline_id FROM arroyo_pipelines WHERE state = 'running' ORDER BY pipeline_id FOR UPDATE SKIP LOCKED)
+"""
 
 
 def _heartbeat(conn: Any, last: float) -> float:
@@ -86,18 +98,22 @@ def _heartbeat(conn: Any, last: float) -> float:
     return time.monotonic()
 
 
-def acker_sql_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
+def acker_sql_main(dsn: str, stop: Any, ready: Any, _threads: int) -> None:  # the ackers' signature
     """Complete every in-flight epoch of every pipeline in one statement, every 5 ms."""
     import psycopg2
+    import psycopg2.errors
 
-    conn = psycopg2.connect(dsn)
+    conn = psycopg2.connect(dsn, application_name="acker")
     conn.autocommit = True
     ready.set()
     beat = 0.0
     while not stop.is_set():
-        beat = _heartbeat(conn, beat)
-        with conn.cursor() as cur:
-            cur.execute(ACK_ALL_SQL)
+        try:
+            beat = _heartbeat(conn, beat)
+            with conn.cursor() as cur:
+                cur.execute(ACK_ALL_SQL)
+        except psycopg2.errors.DeadlockDetected as exc:  # it must not happen (rows in id order), but says so
+            print(f"acker: {exc}", file=sys.stderr)
         stop.wait(0.005)
     conn.close()
 
@@ -109,8 +125,8 @@ def acker_store_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     from airflow_arroyo.exceptions import ArroyoError
     from airflow_arroyo.store import EpochStore
 
-    store = EpochStore(dsn, max_connections=threads + 1)
-    scan = psycopg2.connect(dsn)
+    store = EpochStore(dsn, max_connections=threads + 1, application_name="acker")
+    scan = psycopg2.connect(dsn, application_name="acker")
     scan.autocommit = True
     pool = ThreadPoolExecutor(threads)
     pending: set[tuple[str, int]] = set()
@@ -160,6 +176,18 @@ NEW = Variant("new", coalesce=True, listen=True)
 PATHS = {"old": OLD, "new": NEW}
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A path run by ``triggerers`` processes (2: triggerer HA, both run the same triggers)."""
+
+    variant: Variant
+    triggerers: int
+
+    @property
+    def name(self) -> str:
+        return self.variant.name if self.triggerers == 1 else f"{self.variant.name} HA{self.triggerers}"
+
+
 def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
     from airflow_arroyo.epochs import PipelineState
     from airflow_arroyo.store import EpochStore
@@ -174,8 +202,9 @@ def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
     return pids
 
 
-def instrument_store_calls() -> dict[str, list[float]]:
-    """Count and time the triggers' store calls as the event loop awaits them."""
+def instrument_store_calls(ticked: set[str]) -> dict[str, list[float]]:
+    """Count and time the triggers' store calls as the event loop awaits them; ``ticked`` collects the
+    pipelines whose trigger finished a tick."""
     from airflow_arroyo.store import AsyncEpochStore
 
     calls: dict[str, list[float]] = {}
@@ -186,7 +215,10 @@ def instrument_store_calls() -> dict[str, list[float]]:
             async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
                 t0 = time.monotonic()
                 try:
-                    return await original(self, *args, **kwargs)
+                    result = await original(self, *args, **kwargs)
+                    if name == "trigger_tick":
+                        ticked.add(args[0])
+                    return result
                 finally:
                     calls.setdefault(name, []).append(time.monotonic() - t0)
             return call
@@ -195,8 +227,8 @@ def instrument_store_calls() -> dict[str, list[float]]:
     return calls
 
 
-def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float, dsn: str,
-                   out: Any, stop: Any, stagger: bool) -> None:
+def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
+                   stagger: bool, tolerable: int) -> None:
     """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
     import logging
 
@@ -207,11 +239,67 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, seconds: 
         PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING  # one INFO line per epoch is not what we measure
     except ImportError:
         pass
-    asyncio.run(run_triggers(variant, pids, interval, seconds, warmup, dsn, out, stop, stagger))
+    profile = os.environ.get("TRIGGER_LOAD_PROFILE")
+    sampler = Sampler() if profile else None
+    try:
+        asyncio.run(run_triggers(variant, pids, interval, dsn, out, phases, stagger, tolerable))
+    finally:
+        if sampler is not None and profile:
+            sampler.dump(f"{profile}.{variant.name}.{os.getpid()}.txt")
 
 
-async def run_triggers(variant: Variant, pids: list[str], interval: float, seconds: float, warmup: float,
-                       dsn: str, out: Any, stop: Any, stagger: bool) -> None:
+class Sampler:
+    """A cheap sampling profiler over every thread of the process (``TRIGGER_LOAD_PROFILE=prefix``):
+    every 5 ms, each thread's innermost frames are counted; the dump lists self and cumulative counts."""
+
+    def __init__(self) -> None:
+        import collections
+
+        self.self_counts: collections.Counter[str] = collections.Counter()
+        self.cum_counts: collections.Counter[str] = collections.Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._me: int | None = None
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        self._me = thread.ident
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            for ident, frame in sys._current_frames().items():
+                if ident == self._me:
+                    continue
+                self.samples += 1
+                seen: set[str] = set()
+                f: Any = frame
+                first = True
+                while f is not None:
+                    code = f.f_code
+                    key = f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_firstlineno} {code.co_name}"
+                    if first:
+                        self.self_counts[key] += 1
+                        first = False
+                    if key not in seen:
+                        self.cum_counts[key] += 1
+                        seen.add(key)
+                    f = f.f_back
+
+    def dump(self, path: str) -> None:
+        self._stop.set()
+        with open(path, "w") as fh:
+            fh.write(f"{self.samples} samples (all threads)\n== self ==\n")
+            for key, n in self.self_counts.most_common(60):
+                fh.write(f"{n:7d} {key}\n")
+            fh.write("== cumulative ==\n")
+            for key, n in self.cum_counts.most_common(120):
+                fh.write(f"{n:7d} {key}\n")
+
+
+async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: str, out: Any, phases: Any,
+                       stagger: bool, tolerable: int) -> None:
+    """The window is the parent's (``phases``: begin, end, stop events), the same for every triggerer
+    process, whenever each of them finished starting."""
+    begin, end, stop = phases
     import functools
 
     from airflow_arroyo.hooks import arroyo as hook_module
@@ -222,17 +310,18 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 
     os.environ["AIRFLOW_CONN_ARROYO_DEFAULT"] = dsn
-    hook_module.AsyncEpochStore = functools.partial(  # type: ignore[misc,assignment]
+    hook_module.AsyncEpochStore = functools.partial(  # type: ignore[attr-defined,assignment]  # the seam
         AsyncEpochStore, coalesce=variant.coalesce, listen=variant.listen)
     trigger_module.WAKE_ON_NOTIFY = variant.listen
-    calls = instrument_store_calls()
+    ticked: set[str] = set()
+    calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use
     loop = asyncio.get_running_loop()
 
     async def drive(pid: str, delay: float) -> dict[str, Any]:
         await asyncio.sleep(delay)
-        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=1000,
-                                    triggered_by=f"bench-{os.getpid()}")
+        trigger = CheckpointTrigger(pid, interval=interval, tolerable_failures=tolerable,
+                                    triggered_by="bench")  # one trigger, as HA runs it twice
         gen = cast(AsyncGenerator[Any, None], trigger.run())
         try:
             event = await anext(gen)
@@ -260,24 +349,40 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, secon
     spread = interval / len(pids) if stagger else 0.0
     tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
     prober = asyncio.create_task(probe())
-    await asyncio.sleep(warmup)
-    window_start: datetime = await asyncio.to_thread(admin.db_now)
-    cpu0, wall0 = time.process_time(), time.monotonic()
+    while len(ticked) < len(pids):  # started: every trigger has ticked (the warm-up counts from here)
+        await asyncio.sleep(0.1)
+    out.put(("ready", os.getpid(), None))
+    # The window's edges are taken by a thread of their own, when the parent sets them: on the old
+    # path the loop's default executor is queued up with ticks, and the loop itself may be late.
+    marks: dict[str, tuple[float, float]] = {}
+
+    def watch_phases() -> None:
+        for name, event in (("begin", begin), ("end", end)):
+            event.wait()
+            marks[name] = (time.process_time(), time.monotonic())
+
+    threading.Thread(target=watch_phases, daemon=True).start()
+
+    async def reached(name: str) -> tuple[float, float]:
+        while name not in marks:
+            await asyncio.sleep(0.01)
+        return marks[name]
+
+    cpu0, wall0 = await reached("begin")
     b0, t0, _ = figures_of(TickCoalescer)
     n0 = figures_of(EpochListener)[2]
     lag_from = len(loop_lag)
     calls.clear()
-    await asyncio.sleep(seconds)
-    cpu1, wall1 = time.process_time(), time.monotonic()
+    cpu1, wall1 = await reached("end")
     b1, t1, _ = figures_of(TickCoalescer)
     n1 = figures_of(EpochListener)[2]
     window_calls = {name: list(v) for name, v in calls.items()}
-    window_end: datetime = await asyncio.to_thread(admin.db_now)
     prober.cancel()
-    out.put(("window", os.getpid(), {"window": (window_start, window_end), "cpu": cpu1 - cpu0, "wall": wall1 - wall0,
+    out.put(("window", os.getpid(), {"cpu": cpu1 - cpu0, "wall": wall1 - wall0,
                                      "loop_lag": loop_lag[lag_from:], "calls": window_calls,
                                      "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0}))
-    await asyncio.to_thread(stop.wait)  # the parent stops the pipelines: the triggers end
+    while not stop.is_set():  # the parent stops the pipelines: the triggers end
+        await asyncio.sleep(0.05)
     events = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
     out.put(("events", os.getpid(), [e["status"] for e in events]))
 
@@ -302,16 +407,73 @@ def stop_pipelines(dsn: str, pids: list[str]) -> None:
         conn.close()
 
 
-def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
-    """Start the triggerer processes on ``pids``, collect their windows, stop the pipelines, collect events."""
+def db_cpu(data_dir: Path, dsn: str) -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by each PostgreSQL server process (Linux /proc), with whose work it is:
+    the triggerers' connections (``airflow-arroyo``), the fake pipelines' (``acker``), the server's own
+    (WAL writer, checkpointer, autovacuum...: ``server``) or any other."""
+    import psycopg2
+
+    postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+    conn = psycopg2.connect(dsn, application_name="bench-probe")
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pid, application_name, backend_type FROM pg_stat_activity")
+            names = {pid: (app or "other") if kind == "client backend" else "server"
+                     for pid, app, kind in cur.fetchall()}
+    finally:
+        conn.close()
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        if pid == postmaster or int(fields[1]) == postmaster:  # fields[1]: the parent's pid
+            name = names.get(pid, "server")
+            if name != "bench-probe":
+                out[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def db_cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    used: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        used[name] = used.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    return used
+
+
+def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) -> dict[str, Any]:
+    """Start the mode's triggerer processes on ``pids``; once all of them started their triggers, warm up,
+    then measure one window common to all; stop the pipelines and collect the triggers' events."""
+    from airflow_arroyo.store import EpochStore
+
     ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=triggerer_main, args=(variant, pids, args.interval, args.seconds, args.warmup, dsn,
-                                                      out, stop, args.stagger), daemon=True)
-             for _ in range(args.triggerers)]
+    out = ctx.Queue()
+    begin, end, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=triggerer_main, args=(mode.variant, pids, args.interval, dsn, out, (begin, end, stop),
+                                                      args.stagger, args.tolerable_failures), daemon=True)
+             for _ in range(mode.triggerers)]
     for proc in procs:
         proc.start()
-    windows = [out.get(timeout=args.warmup + args.seconds + 300)[2] for _ in procs]
+    for _ in procs:
+        out.get(timeout=300)  # ready: its triggers run
+    clock = EpochStore(dsn)
+    try:
+        time.sleep(args.warmup)
+        window_start = clock.db_now()
+        db0 = db_cpu(args.pg_data_dir, dsn)
+        begin.set()
+        time.sleep(args.seconds)
+        end.set()
+        db1 = db_cpu(args.pg_data_dir, dsn)
+        window_end = clock.db_now()
+    finally:
+        clock.close()
+    windows = [out.get(timeout=300)[2] for _ in procs]
     stop_pipelines(dsn, pids)
     stop.set()
     statuses: list[str] = []
@@ -319,9 +481,9 @@ def run_path(variant: Variant, pids: list[str], args: argparse.Namespace, dsn: s
         statuses += out.get(timeout=300)[2]
     for proc in procs:
         proc.join(60)
-    start = max(w["window"][0] for w in windows)
-    end = min(w["window"][1] for w in windows)
-    return {"window": (start, end), "cpu": sum(w["cpu"] for w in windows), "wall": max(w["wall"] for w in windows),
+    return {"window": (window_start, window_end), "cpu": sum(w["cpu"] for w in windows),
+            "db_cpu": db_cpu_between(db0, db1),
+            "wall": max(w["wall"] for w in windows),
             "loop_lag": [x for w in windows for x in w["loop_lag"]], "statuses": statuses,
             "calls": {k: [x for w in windows for x in w["calls"].get(k, [])] for w in windows for k in w["calls"]},
             "batches": sum(w["batches"] for w in windows), "batched_ticks": sum(w["batched_ticks"] for w in windows),
@@ -381,14 +543,16 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
                        ("batches", run["batches"]), ("batched_ticks", run["batched_ticks"]),
                        ("notifications", run["notifications"])):
         into[key] = into.get(key, 0) + value
+    for name, used in run["db_cpu"].items():
+        into.setdefault("db_cpu", {})[name] = into.get("db_cpu", {}).get(name, 0.0) + used
     for state, n in f["states"].items():
         into.setdefault("states", {})[state] = into.get("states", {}).get(state, 0) + n
     for name, durations in run["calls"].items():
         into.setdefault("calls", {}).setdefault(name, []).extend(durations)
 
 
-def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
-    print(f"[{variant.name} path] {args.pipelines} CheckpointTriggers x {args.triggerers} triggerer process(es), "
+def report(mode: Mode, args: argparse.Namespace, t: dict[str, Any]) -> dict[str, float]:
+    print(f"[{mode.name}] {args.pipelines} CheckpointTriggers x {mode.triggerers} triggerer process(es), "
           f"interval {args.interval}s, {args.rounds} x {args.seconds:g}s windows after {args.warmup}s warm-up each, "
           f"{os.cpu_count()} CPUs, {args.acker} acker{', staggered starts' if args.stagger else ''}")
     print(f"  epochs fired        {t['fired']}  vs schedule {t['expected']:.0f}  ratio {t['fired'] / t['expected']:.3f}"
@@ -409,6 +573,11 @@ def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dic
     out["cpu_ms"] = 1000 * t["cpu"] / max(t["fired"], 1)
     print(f"  triggerer CPU       {t['cpu']:.2f} s in {t['wall']:.1f} s wall "
           f"({100 * t['cpu'] / t['wall']:.0f}% of one core): {out['cpu_ms']:.2f} ms per epoch fired")
+    db = t.get("db_cpu", {})
+    out["db_cpu_ms"] = 1000 * sum(db.values()) / max(t["fired"], 1)
+    print(f"  PostgreSQL CPU      {out['db_cpu_ms']:.2f} ms per epoch fired: "
+          + ", ".join(f"{name} {1000 * v / max(t['fired'], 1):.2f} ms" for name, v in sorted(db.items()))
+          + f"  ({100 * sum(db.values()) / t['wall']:.0f}% of one core)")
     for name, durations in sorted(t.get("calls", {}).items()):
         ms = [d * 1000 for d in durations]
         print(f"  store.{name:<13} {len(ms) / max(t['fired'], 1):5.2f} calls/epoch   awaited p50 {pct(ms, 50):7.1f} ms"
@@ -420,6 +589,8 @@ def report(variant: Variant, args: argparse.Namespace, t: dict[str, Any]) -> dic
         print(f"  notifications       {t['notifications']} received ({t['notifications'] / max(t['fired'], 1):.2f} "
               "per epoch fired)")
     print(f"  final events        {t['ok']}/{t['events']} success")
+    out["violations"] = len(t["violations"])
+    out["success"] = t["ok"] / max(t["events"], 1)
     print(f"  history check       {len(t['violations'])} invariant violations")
     for v in t["violations"][:10]:
         print(f"    {v}")
@@ -430,13 +601,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipelines", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per path and round")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the window (imports included)")
-    parser.add_argument("--triggerers", type=int, default=1, help="triggerer processes running the same triggers")
+    parser.add_argument("--seconds", type=float, default=60.0, help="measurement window per mode and round")
+    parser.add_argument("--warmup", type=float, default=10.0,
+                        help="seconds between the last triggerer process running its triggers and the window")
+    parser.add_argument("--triggerers", default="1,2",
+                        help="comma-separated triggerer process counts to run each path with (2: HA, both run the "
+                             "same triggers)")
     parser.add_argument("--paths", default="old,new", help="comma-separated: old, new")
     parser.add_argument("--acker", choices=["sql", "store"], default="sql")
     parser.add_argument("--acker-threads", type=int, default=4, help="threads of the 'store' acker")
-    parser.add_argument("--rounds", type=int, default=1, help="windows per path, interleaved across paths")
+    parser.add_argument("--rounds", type=int, default=1, help="windows per mode, interleaved across modes")
+    parser.add_argument("--tolerable-failures", type=int, default=3,
+                        help="the triggers' tolerance (each tick reads this many + 2 of the newest epochs; it was "
+                             "1000, which read every pipeline's whole history at every tick)")
     parser.add_argument("--stagger", action="store_true",
                         help="start the triggers spread over one interval (as tasks defer at different times), "
                              "not all at once")
@@ -444,9 +621,10 @@ def main() -> None:
 
     from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 
-    variants = [PATHS[name.strip()] for name in args.paths.split(",")]
-    totals: dict[str, dict[str, Any]] = {v.name: {} for v in variants}
+    modes = [Mode(PATHS[name.strip()], int(n)) for n in args.triggerers.split(",") for name in args.paths.split(",")]
+    totals: dict[str, dict[str, Any]] = {m.name: {} for m in modes}
     with ThrowawayPostgres() as pg:
+        args.pg_data_dir = pg.data_dir
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
         ctx = mp.get_context("spawn")
         stop, ready = ctx.Event(), ctx.Event()
@@ -456,15 +634,15 @@ def main() -> None:
         try:
             if not ready.wait(60):
                 raise RuntimeError("the acker process did not start")
-            # rounds interleave the paths (A B A B ...) so that a busy spell of the machine
+            # rounds interleave the modes (old new old new ...) so that a busy spell of the machine
             # does not land on one path only
             for rnd in range(args.rounds):
-                for i, variant in enumerate(variants):
-                    prefix = f"r{rnd}v{i}"
+                for i, mode in enumerate(modes):
+                    prefix = f"r{rnd}m{i}"
                     pids = setup_pipelines(prefix, args.pipelines, pg.dsn)
-                    run = run_path(variant, pids, args, pg.dsn)
+                    run = run_path(mode, pids, args, pg.dsn)
                     window_s = (run["window"][1] - run["window"][0]).total_seconds()
-                    merge(totals[variant.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
+                    merge(totals[mode.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
                           args.pipelines * window_s / args.interval)
         finally:
             stop.set()
@@ -472,21 +650,25 @@ def main() -> None:
             if acker.is_alive():
                 acker.terminate()
 
-    summaries = [(v, report(v, args, totals[v.name])) for v in variants]
-    if len(summaries) > 1:
-        base = summaries[0][1]
-        print(f"side by side (each path / {summaries[0][0].name}; lateness and CPU: lower is better, fired: higher):")
-        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'ctrl p50':>9} {'ctrl p99':>9} "
-              f"{'CPU/epoch':>9}")
-        for variant, s in summaries:
-            def r(key: str, s: dict[str, float] = s) -> str:
-                return f"{s[key] / base[key]:8.2f}x" if base[key] else "      n/a"
-            print(f"  {variant.name:<8} {r('ratio'):>9} {r('schedule_p50'):>9} {r('schedule_p99'):>9} "
-                  f"{r('controller_p50'):>9} {r('controller_p99'):>9} {r('cpu_ms'):>9}")
-        print(f"  {'path':<8} {'fired':>9} {'late p50':>9} {'late p99':>9} {'CPU/epoch':>9}   (absolute)")
-        for variant, s in summaries:
-            print(f"  {variant.name:<8} {s['ratio']:9.3f} {s['schedule_p50']:7.1f}ms {s['schedule_p99']:7.1f}ms "
-                  f"{s['cpu_ms']:7.2f}ms")
+    summaries = [(m, report(m, args, totals[m.name])) for m in modes]
+    print(f"side by side ({args.pipelines} pipelines, interval {args.interval:g}s, {args.rounds} x {args.seconds:g}s; "
+          "HA: figures of both triggerers together):")
+    print(f"  {'mode':<14} {'fired':>7} {'late p50':>10} {'late p99':>10} {'CPU/epoch':>10} {'violations':>10} "
+          f"{'success':>8} {'DB CPU/epoch':>13}")
+    for mode, m in summaries:
+        print(f"  {mode.name:<14} {100 * m['ratio']:6.1f}% {m['schedule_p50']:8.1f}ms {m['schedule_p99']:8.1f}ms "
+              f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}% {m['db_cpu_ms']:11.2f}ms")
+    by_name = dict((mode.name, m) for mode, m in summaries)
+    for mode, m in summaries:
+        base = by_name.get(Mode(OLD, mode.triggerers).name)
+        if mode.variant is OLD or base is None:
+            continue
+
+        def r(key: str, m: dict[str, float] = m, base: dict[str, float] = base) -> str:
+            return f"{m[key] / base[key]:8.2f}x" if base[key] else "      n/a"
+
+        print(f"  {mode.name + ' / old':<14} {r('ratio'):>7} {r('schedule_p50'):>10} {r('schedule_p99'):>10} "
+              f"{r('cpu_ms'):>10}")
 
 
 if __name__ == "__main__":

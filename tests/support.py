@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import psycopg2
-
-T = TypeVar("T")
 
 
 def sql(target: Any, query: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[tuple[Any, ...]]:
@@ -22,20 +19,6 @@ def sql(target: Any, query: str, params: Sequence[Any] | dict[str, Any] = ()) ->
             return cur.fetchall() if cur.description else []
     finally:
         conn.close()
-
-
-def wait_for(condition: Callable[[], T], *, timeout: float = 10.0, what: str = "a condition",
-             interval: float = 0.05) -> T:
-    """Poll ``condition`` until it returns something truthy (returned); fail with ``what`` (an
-    ``AssertionError``) after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 def running(store: Any, *pipeline_ids: str, stages: Sequence[str] = ("src", "sink"), run_id: str = "r1") -> None:

@@ -68,11 +68,10 @@ def facts(draw: st.DrawFn) -> TriggerFacts:
 def _due(f: TriggerFacts, p: CheckpointPolicy) -> bool:
     if f.force:
         return True
-    if f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval):
-        return False
-    if f.last_ended_at is not None and p.min_pause > 0 and f.now < f.last_ended_at + timedelta(seconds=p.min_pause):
-        return False
-    return True
+    too_soon = f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval)
+    pausing = (f.last_ended_at is not None and p.min_pause > 0
+               and f.now < f.last_ended_at + timedelta(seconds=p.min_pause))
+    return not (too_soon or pausing)
 
 
 def _lease_live(f: TriggerFacts) -> bool:
@@ -225,9 +224,7 @@ def test_every_discrete_situation(state: PipelineState, in_flight: str, lease: s
             expected = TriggerAction.WAIT_IN_FLIGHT
         elif state.terminal:
             expected = TriggerAction.PIPELINE_ENDED
-        elif state is PipelineState.REGISTERED or (state is PipelineState.STOPPING and not force):
-            expected = TriggerAction.PIPELINE_NOT_RUNNING
-        elif stop and not final:
+        elif state is PipelineState.REGISTERED or (state is PipelineState.STOPPING and not force) or stop and not final:
             expected = TriggerAction.PIPELINE_NOT_RUNNING
         elif heartbeat == "stale":
             expected = TriggerAction.PIPELINE_NOT_ALIVE

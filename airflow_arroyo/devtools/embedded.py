@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = EmbeddedSettings(home=args.home, keep_home=args.keep or args.home is not None, port=args.port)
     interrupted = False
 
-    def on_sigterm(signum: int, frame: object) -> None:
+    def on_sigterm(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id = airflow.trigger(EXAMPLE_DAG, conf)
             _say(f"triggered {EXAMPLE_DAG} run {run_id} with {json.dumps(conf)}")
             _say(f"  DAG run:        {airflow.base_url}/dags/{EXAMPLE_DAG}/runs/{run_id}")
-            # inside Airflow's UI (as airflow_arroyo.links.pipeline_page_url builds it; that module imports Airflow)
+            # inside Airflow's UI (as links.pipeline.pipeline_page_url builds it; that module imports Airflow)
             _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{PIPELINE_ID}")
             _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
             _say("Ctrl-C stops everything")
@@ -492,7 +492,7 @@ def _wait_forever(airflow: EmbeddedAirflow) -> None:
 
 @contextlib.contextmanager
 def embedded(settings: EmbeddedSettings | None = None) -> Iterator[EmbeddedAirflow]:
-    """``with embedded() as airflow: ...`` (the same as ``with EmbeddedAirflow() as airflow``)."""
+    """An embedded Airflow for a ``with`` block (the same as ``with EmbeddedAirflow() as airflow``)."""
     with EmbeddedAirflow(settings) as airflow:
         yield airflow
 

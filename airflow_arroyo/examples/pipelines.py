@@ -1,4 +1,4 @@
-"""The demo pipeline: two replayable generator sources, a keyed two-input stage, a downstream stage.
+r"""The demo pipeline: two replayable generator sources, a keyed two-input stage, a downstream stage.
 
 ::
 
@@ -13,8 +13,8 @@ exactly-once proof compares with :func:`expected_report` (plain Python over the 
 
 Run it with the driver::
 
-    ARROYO_DSN=postgresql://... python -m airflow_arroyo.runtime.driver \\
-        --pipeline airflow_arroyo.examples.pipelines:demo --storage-uri /tmp/arroyo --master 'local[2]' \\
+    ARROYO_DSN=postgresql://... python -m airflow_arroyo.runtime.driver \
+        --pipeline airflow_arroyo.examples.pipelines:demo --storage-uri /tmp/arroyo --master 'local[2]' \
         --arg rows=20000
 """
 
@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
-from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.pg_sink import PostgresTarget
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.testing import generate_rows, generator_source
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -111,7 +111,7 @@ def expected_totals(rows: int, keys: int = 100) -> dict[str, tuple[int, int]]:
 
 
 def totals_of(report_rows: Iterable[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
-    """key -> (count, sum of total) over report rows ``(id, key, left_value, right_value, total)``: what
+    """Per key, (count, sum of total) over report rows ``(id, key, left_value, right_value, total)``: what
     ``totals_pg`` holds once those rows are committed."""
     out: dict[str, tuple[int, int]] = {}
     for _, k, _, _, total in report_rows:
@@ -154,7 +154,7 @@ def _milestone_processor() -> Any:
         def init(self, handle: StatefulProcessorHandle) -> None:
             self.count = handle.getValueState("count", "n long")
 
-        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # Spark's method name
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:  # noqa: ARG002 - Spark's signature
             held = self.count.get()
             before = int(held[0]) if held is not None else 0
             after = before + sum(1 for _ in rows)
@@ -175,7 +175,9 @@ def stateful_ops(
     keys: int = 20,
     trigger_interval: float | None = None,
 ) -> Pipeline:
-    """One generator source read by three stateful stages, each writing a channel::
+    """One generator source read by three stateful stages, each writing a channel.
+
+    ::
 
         events ─┬─> distinct_buckets   dropDuplicates over (key, value % 100)       (default state store)
                 ├─> windows            2 s tumbling event-time windows, watermark 0  (default state store)
@@ -237,4 +239,4 @@ def expected_stateful(rows: int = 3_000, keys: int = 20) -> dict[str, list[tuple
 def _micros(ts: Any) -> int:
     import datetime as dt
 
-    return (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+    return int((ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1))

@@ -18,6 +18,7 @@ __all__ = ["pipeline_id", "read_committed", "report_asset", "report_uri", "stora
 
 
 def pipeline_id() -> str:
+    """The demo pipeline's id (``[arroyo] example_pipeline_id``)."""
     return config.get("example_pipeline_id")
 
 
@@ -33,6 +34,7 @@ def report_uri() -> str:
 
 
 def report_asset() -> Asset:
+    """The Asset of the demo's Parquet sink (its commits are this asset's events)."""
     from airflow_arroyo.assets import sink_asset
 
     return sink_asset(pipeline_id(), SINK_STAGE, report_uri(), poll_interval=2.0)

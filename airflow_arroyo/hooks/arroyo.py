@@ -190,6 +190,7 @@ class ArroyoHook(BaseHook):
     # ------------------------------------------------------------------ sync
 
     def get_dsn(self) -> str:
+        """The epoch store's DSN from the connection."""
         return dsn_from_connection(self.get_connection(self.arroyo_conn_id))
 
     def get_store(self) -> EpochStore:
@@ -201,6 +202,7 @@ class ArroyoHook(BaseHook):
         return store
 
     def get_conn(self) -> EpochStore:
+        """Airflow: the hook's client, the epoch store."""
         return self.get_store()
 
     def test_connection(self) -> tuple[bool, str]:
@@ -220,6 +222,7 @@ class ArroyoHook(BaseHook):
     # ------------------------------------------------------------------ async (triggers)
 
     async def aget_dsn(self) -> str:
+        """The epoch store's DSN from the connection, without blocking the event loop."""
         conn = await self.aget_connection(self.arroyo_conn_id)
         return dsn_from_connection(conn)
 

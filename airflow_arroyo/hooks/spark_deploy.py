@@ -58,6 +58,7 @@ _PYTHON_ENV = ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
 
 
 class ClusterManager(enum.StrEnum):
+    """Where a Spark application runs, from the master URL."""
     LOCAL = "local"
     STANDALONE = "standalone"
     YARN = "yarn"
@@ -75,6 +76,7 @@ class DeployTarget:
 
     @classmethod
     def of(cls, master: str, deploy_mode: str | None, namespace: str | None = None) -> DeployTarget:
+        """The target of ``master`` and ``deploy_mode`` (``namespace`` for Kubernetes)."""
         if master.startswith("local"):
             manager = ClusterManager.LOCAL
         elif master.startswith("spark://"):
@@ -89,6 +91,7 @@ class DeployTarget:
 
     @classmethod
     def from_hook(cls, hook: SparkSubmitHook) -> DeployTarget:
+        """The target of the Spark connection of ``hook``."""
         conn = hook._connection
         return cls.of(conn["master"], conn["deploy_mode"], conn.get("namespace"))
 
@@ -214,12 +217,15 @@ class ClusterApplication:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ClusterApplication | None:
+        """Rebuild from :meth:`to_dict` (None for an empty value)."""
         return cls(**dict(data)) if data else None
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (for XCom and trigger arguments)."""
         return asdict(self)
 
     def describe(self) -> str:
+        """How a log line names the application."""
         if self.manager == ClusterManager.YARN:
             return f"YARN application {self.application_id}"
         return f"driver pod {self.namespace}/{self.driver_pod}"

@@ -30,7 +30,7 @@ from airflow.sdk.exceptions import AirflowException
 from airflow_arroyo import config
 from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
-from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.summary import summarize
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.settle import settle_deadline
@@ -49,7 +49,8 @@ class ArroyoCheckpointsLink(BaseOperatorLink):
 
     name = "Arroyo checkpoints"
 
-    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:  # noqa: ARG002 - Airflow's signature
+        """Airflow: the checkpoint page of the operator's pipeline ("" when templated or unknown)."""
         pipeline_id = getattr(operator, "pipeline_id", None)
         if not isinstance(pipeline_id, str) or not pipeline_id or _templated(pipeline_id):
             return ""
@@ -168,6 +169,7 @@ class CheckpointOperator(BaseOperator):
         }
 
     def execute(self, context: Context) -> None:
+        """Airflow: defer to the checkpoint trigger (always: it runs in the triggerer)."""
         kwargs = self._trigger_kwargs()
         ti = context["ti"]
         triggered_by = f"airflow:{ti.dag_id}/{ti.task_id}/{ti.run_id}"
@@ -181,7 +183,7 @@ class CheckpointOperator(BaseOperator):
         self.defer(trigger=CheckpointTrigger(**kwargs, triggered_by=triggered_by, not_before=settle_deadline()),
                    method_name="execute_complete")
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG002 - Airflow's
         """One summary line (the trigger's log above has a line per epoch); fail on a failure event."""
         pipeline_id = str(event.get("pipeline_id") or self.pipeline_id)
         summary = event.get("summary") or {}

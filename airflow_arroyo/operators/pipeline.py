@@ -62,7 +62,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
-from airflow_arroyo.links import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
 from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
@@ -464,6 +464,7 @@ class SubmitPipelineOperator(BaseOperator):
     # ------------------------------------------------------------------ execute
 
     def execute(self, context: Context) -> Any:
+        """Airflow: submit the driver (or adopt the run an earlier try started), then wait for it as configured."""
         restore = self._validate()
         run_id = str(self.run_id) if self.run_id else _default_run_id(context)
         store = _store(self.conn_id)
@@ -571,6 +572,7 @@ class SubmitPipelineOperator(BaseOperator):
         return app
 
     def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
+        """Airflow: the end of the wait; returns the run id, or fails with the driver's cause and log tail."""
         ti = context["ti"]
         # Airflow passes the defer kwargs back; dag.test() does not, hence the XCom fallback.
         submit = submit or ti.xcom_pull(task_ids=self.task_id, key="submit_process") or {}
@@ -603,6 +605,7 @@ class SubmitPipelineOperator(BaseOperator):
         return run_id
 
     def on_kill(self) -> None:
+        """Airflow: the task was killed: stop the run this task submitted."""
         if self._submitted_run is None:
             return
         stop_run(_store(self.conn_id), self.pipeline_id, self._submitted_run, self._process, log=self.log,
@@ -670,6 +673,7 @@ class StopPipelineOperator(BaseOperator):
         _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
 
     def execute(self, context: Context) -> dict[str, Any]:
+        """Airflow: ask the pipeline to stop, then wait for its run to end as configured."""
         validate_pipeline_id(self.pipeline_id)
         mode = _parse_stop_mode(self.mode)
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
@@ -717,6 +721,7 @@ class StopPipelineOperator(BaseOperator):
             time.sleep(min(float(self.poll_interval), max(0.0, deadline - time.monotonic())))
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        """Airflow: the end of the wait; returns the final state, or fails with the cause."""
         _log_driver_tail(self.log, self.pipeline_id, event.get("run_id"), self.submit_log_dir)
         status = event.get("status")
         if status == "success":

@@ -100,11 +100,13 @@ class PruneEpochsOperator(BaseOperator):
 
     @cached_property
     def hook(self) -> ArroyoHook:
+        """The hook of ``conn_id``."""
         from airflow_arroyo.hooks.arroyo import ArroyoHook
 
         return ArroyoHook(self.conn_id)
 
     def execute(self, context: Context) -> dict[str, Any]:
+        """Airflow: prune the pipeline under its cleanup lease, then scrub within the budget."""
         try:
             validate_pipeline_id(self.pipeline_id)
             policy = policy_from(self.keep_last, self.keep_newer_than)

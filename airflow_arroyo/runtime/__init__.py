@@ -17,14 +17,15 @@ _EXPORTS: dict[str, str] = {
     "ChannelTruncatedError": "airflow_arroyo.runtime.channel",
     "Entry": "airflow_arroyo.runtime.channel",
     "EntryKind": "airflow_arroyo.runtime.channel",
-    # Spark sources (airflow_arroyo.runtime.sources, airflow_arroyo.runtime.generator)
+    # Spark sources (airflow_arroyo.runtime.sources; the generator moved to airflow_arroyo.testing in 0.2 and
+    # is still exported here because 0.1 documented ``from airflow_arroyo.runtime import generator_source``)
     "ChannelDataSource": "airflow_arroyo.runtime.sources",
     "read_channel": "airflow_arroyo.runtime.sources",
     "register_data_sources": "airflow_arroyo.runtime.sources",
     "write_caps": "airflow_arroyo.runtime.sources",
-    "GeneratorDataSource": "airflow_arroyo.runtime.generator",
-    "generate_rows": "airflow_arroyo.runtime.generator",
-    "generator_source": "airflow_arroyo.runtime.generator",
+    "GeneratorDataSource": "airflow_arroyo.testing",
+    "generate_rows": "airflow_arroyo.testing",
+    "generator_source": "airflow_arroyo.testing",
     # pipeline runtime (airflow_arroyo.runtime.pipeline, .driver, .stage, .snapshot, .alignment)
     "Pipeline": "airflow_arroyo.runtime.pipeline",
     "PipelineGraph": "airflow_arroyo.runtime.pipeline",

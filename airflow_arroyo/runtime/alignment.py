@@ -56,6 +56,7 @@ class InputEnd:
 
 
 class AlignmentAction(enum.StrEnum):
+    """What :func:`decide_alignment` tells a stage to do before its next micro-batch."""
     NONE = "none"  # no barrier newer than the last cut: read freely
     ALIGNING = "aligning"  # some inputs delivered barrier n: cap them, keep reading the others
     CUT = "cut"  # every input delivered barrier n: this batch is the cut
@@ -63,6 +64,7 @@ class AlignmentAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class AlignmentDecision:
+    """The answer of :func:`decide_alignment`: the action, its epoch and the caps to write."""
     action: AlignmentAction
     epoch: int | None = None
     caps: Mapping[str, int] = field(default_factory=dict)  # the complete cap set to write: channel -> position
@@ -116,10 +118,10 @@ def source_cut(pending_epochs: Iterable[int], last_cut_epoch: int) -> tuple[int,
     return tuple(sorted({e for e in pending_epochs if e > last_cut_epoch}))
 
 
-def feedback_returned(epoch: int, barrier_positions: Mapping[str, int | None], ends: Mapping[str, int]) -> bool:
-    """Has barrier ``epoch`` come back on every feedback input of an iteration head?
+def feedback_returned(barrier_positions: Mapping[str, int | None], ends: Mapping[str, int]) -> bool:
+    """Has a barrier come back on every feedback input of an iteration head?
 
-    ``barrier_positions``: feedback channel -> index of barrier ``epoch`` on it (None: not there yet);
+    ``barrier_positions``: feedback channel -> index of the barrier on it (None: not there yet);
     ``ends``: feedback channel -> how far the head has read it. The barrier is back once the head's
     read position passed its entry on every feedback channel.
     """

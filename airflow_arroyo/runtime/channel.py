@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,7 @@ LOG_DIR = "log"
 DATA_DIR = "data"
 _INDEX_WIDTH = 20
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.=-]+")
+_UNPLACED = -1  # the index of an entry not yet appended (Channel._append_entry places it)
 _CACHE_LIMIT = 8192  # parsed entries kept per handle (a long-running reader or writer must not grow forever)
 
 
@@ -88,6 +89,7 @@ class ChannelTruncatedError(ChannelError):
 
 
 class EntryKind(StrEnum):
+    """The kinds of log entries."""
     DATA = "data"
     BARRIER = "barrier"
     FENCED = "fenced"  # never stored: how a reader sees an entry a superseded run wrote after the fence
@@ -111,6 +113,7 @@ class Entry:
 
     @property
     def is_barrier(self) -> bool:
+        """True for a barrier entry."""
         return self.kind is EntryKind.BARRIER
 
     def fenced(self) -> Entry:
@@ -120,6 +123,7 @@ class Entry:
                      generation=self.generation)
 
     def to_json(self) -> dict[str, Any]:
+        """The stored form of this entry (the inverse of :meth:`from_json`; the index is the file name)."""
         if self.kind is EntryKind.BARRIER:
             out: dict[str, Any] = {"kind": "barrier", "epoch": self.epoch, "writer": self.writer}
         else:
@@ -140,6 +144,7 @@ class Entry:
 
     @classmethod
     def from_json(cls, index: int, raw: dict[str, Any]) -> Entry:
+        """Parse the stored form of entry ``index``."""
         kind = EntryKind(raw["kind"])
         if kind is EntryKind.FENCED:
             raise ChannelError(f"entry {index} is stored as kind 'fenced', which only readers produce")
@@ -265,7 +270,7 @@ class Channel:
         self._fs = fs
         self._header = header
         self._lock = threading.RLock()
-        self._c = _Caches()
+        self._cache = _Caches()
         # the writer's fencing token: stamped on its entries; appends are refused once a newer one fenced
         self.token: FencingToken | None = None
 
@@ -296,6 +301,7 @@ class Channel:
 
     @staticmethod
     def exists(uri: str) -> bool:
+        """True if a channel was created at ``uri``."""
         return FileSystem.from_uri(uri).exists(HEADER_FILE)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -305,7 +311,7 @@ class Channel:
         self._fs = state["fs"]
         self._header = state["header"]
         self._lock = threading.RLock()
-        self._c = _Caches()
+        self._cache = _Caches()
         self.token = None
 
     def __repr__(self) -> str:
@@ -313,10 +319,12 @@ class Channel:
 
     @property
     def uri(self) -> str:
+        """The channel's URI."""
         return self._fs.uri
 
     @property
     def fs(self) -> FileSystem:
+        """The file system rooted at the channel's folder."""
         return self._fs
 
     # ------------------------------------------------------------------ schema
@@ -336,6 +344,7 @@ class Channel:
 
     @property
     def spark_schema(self) -> StructType | None:
+        """The channel's schema as a Spark ``StructType`` (None until the first write fixes it)."""
         s = self.schema_json
         return None if s is None else spark_schema_of(s)
 
@@ -372,19 +381,16 @@ class Channel:
         with self._lock:
             return self._refresh()
 
-    def _entry_exists(self, index: int) -> bool:
-        return index in self._c.entries or self._fs.exists(log_path(index))
-
     def _refresh(self) -> int:
-        end = self._c.end
+        end = self._cache.end
         if end is None or (end > 0 and not self._fs.exists(log_path(end - 1)) and end > self.start_position()):
             if end is not None:
                 log.info("channel %s was truncated by another process; reloading its log", self.uri)
-            self._c = _Caches()
+            self._cache = _Caches()
             end = self._discover_end()
         while self._fs.exists(log_path(end)):
             end += 1
-        self._c.end = end
+        self._cache.end = end
         return end
 
     def _discover_end(self) -> int:
@@ -406,8 +412,9 @@ class Channel:
         return hi
 
     def entry(self, index: int) -> Entry:
+        """Entry ``index`` as readers see it (fenced entries included); cached."""
         with self._lock:
-            cached = self._c.entries.get(index)
+            cached = self._cache.entries.get(index)
             if cached is not None:
                 return cached
             try:
@@ -434,7 +441,7 @@ class Channel:
             return parsed
 
     def _remember(self, e: Entry) -> None:
-        entries = self._c.entries
+        entries = self._cache.entries
         entries[e.index] = e
         if len(entries) > _CACHE_LIMIT:
             for i in sorted(entries)[: _CACHE_LIMIT // 2]:
@@ -443,8 +450,8 @@ class Channel:
     def forget_before(self, pos: int) -> None:
         """Drop cached entries below ``pos`` (a reader that committed ``pos`` never reads them again)."""
         with self._lock:
-            for i in [i for i in self._c.entries if i < pos]:
-                del self._c.entries[i]
+            for i in [i for i in self._cache.entries if i < pos]:
+                del self._cache.entries[i]
 
     def entries(self, start: int, end: int | None = None) -> list[Entry]:
         """Entries ``[start, end)`` in order (``end`` defaults to the end of the channel)."""
@@ -507,15 +514,15 @@ class Channel:
                                '{"fences": [{"generation": G, "from": P}, ...]}') from exc
 
     def _fences(self) -> list[tuple[int, int]]:
-        if self._c.fences is None:
-            self._c.fences = self._read_fences()
-        return self._c.fences
+        if self._cache.fences is None:
+            self._cache.fences = self._read_fences()
+        return self._cache.fences
 
     def fences(self) -> list[tuple[int, int]]:
         """The channel's fences as ``(generation, from position)``, re-read from storage."""
         with self._lock:
-            self._c.fences = self._read_fences()
-            return list(self._c.fences)
+            self._cache.fences = self._read_fences()
+            return list(self._cache.fences)
 
     def fence(self, generation: int, position: int) -> None:
         """Generation ``generation`` (a run's fencing token) writes from ``position`` on: from now on,
@@ -539,7 +546,7 @@ class Channel:
             kept = sorted((g, p) for g, p in current if p < position and g != generation)
             kept.append((generation, position))
             self._fs.write_json_atomic(FENCE_FILE, {"fences": [{"generation": g, "from": p} for g, p in kept]})
-            self._c = _Caches()  # entries parsed before the fence are parsed again under it
+            self._cache = _Caches()  # entries parsed before the fence are parsed again under it
             log.info("channel %s: fenced: generation %s writes from position %s", self.uri, generation, position)
 
     def _check_fenced(self) -> None:
@@ -547,8 +554,8 @@ class Channel:
         token = self.token
         if token is None:
             return
-        self._c.fences = self._read_fences()
-        newer = [g for g, _ in self._c.fences if g > token.generation]
+        self._cache.fences = self._read_fences()
+        newer = [g for g, _ in self._cache.fences if g > token.generation]
         if newer:
             raise FencedError(token.pipeline_id, token.run_id, token.generation, by_generation=max(newer),
                               what=f"an append to channel {self.uri}")
@@ -557,7 +564,7 @@ class Channel:
     def _writer_memo(self, writer: str) -> _WriterMemo:
         """Latest data batch id and latest barrier of ``writer``, scanning only what is not yet known."""
         end = self._refresh()
-        memo = self._c.writers.get(writer)
+        memo = self._cache.writers.get(writer)
         if memo is None:
             memo = _WriterMemo(upto=end)
             low = self.start_position()
@@ -575,7 +582,7 @@ class Channel:
                 gone = self._truncation().get("writers", {}).get(writer, {})
                 if not memo.data_found and gone.get("batch_id") is not None:
                     memo.latest_batch_id = int(gone["batch_id"])
-            self._c.writers[writer] = memo
+            self._cache.writers[writer] = memo
         for i in range(memo.upto, end):
             e = self.entry(i)
             if e.writer == writer:
@@ -592,28 +599,28 @@ class Channel:
             return self._writer_memo(writer).latest_batch_id
 
     # ------------------------------------------------------------------ appends
-    def _append_entry(self, entry_json: dict[str, Any]) -> int:
+    def _append_entry(self, entry: Entry) -> int:
+        """Commit ``entry`` at the end of the log (its ``index`` is ignored: the slot it lands in), stamped
+        with the time and this writer's generation; returns its index."""
         self._check_fenced()
         end = self._refresh()
-        entry_json = {**entry_json, "time": time.time()}
-        if self.token is not None:
-            entry_json["generation"] = self.token.generation
-        data = json.dumps(entry_json, sort_keys=True).encode()
+        entry = replace(entry, time=time.time(), generation=self.token.generation if self.token is not None else 0)
+        data = json.dumps(entry.to_json(), sort_keys=True).encode()
         while not self._fs.create_exclusive(log_path(end), data):
             # The slot is taken: by a superseded run that appended after the fence (its entry is
             # ignored by readers: skip it), or by a second writer (a conflict).
-            self._c.entries.pop(end, None)
-            self._c.fences = None
+            self._cache.entries.pop(end, None)
+            self._cache.fences = None
             if self.entry(end).kind is not EntryKind.FENCED:
-                self._c.end = None
+                self._cache.end = None
                 raise ConcurrencyConflict(
                     f"another writer committed entry {end} of channel {self.uri} first; a channel has exactly "
                     "one writer: check that no two stages (or two copies of one pipeline) write it"
                 )
             log.warning("channel %s: entry %s was written by a fenced run; appending after it", self.uri, end)
             end += 1
-        self._c.end = end + 1
-        self._remember(Entry.from_json(end, entry_json))
+        self._cache.end = end + 1
+        self._remember(replace(entry, index=end))
         return end
 
     def append_barrier(self, epoch: int, writer: str) -> int:
@@ -636,7 +643,7 @@ class Channel:
                         f"(entry {latest.index}); barrier {epoch} would go backwards: barriers must be "
                         "appended in epoch order"
                     )
-            index = self._append_entry({"kind": "barrier", "epoch": epoch, "writer": writer})
+            index = self._append_entry(Entry(_UNPLACED, EntryKind.BARRIER, writer, epoch=epoch))
             log.info("channel %s: barrier epoch=%s writer=%s at %s", self.uri, epoch, writer, index)
             return index
 
@@ -667,17 +674,8 @@ class Channel:
             self._fs.delete_tree(data_dir)
             return None
         try:
-            index = self._append_entry(
-                {
-                    "kind": "data",
-                    "files": files,
-                    "dir": data_dir,
-                    "rows": rows,
-                    "bytes": size,
-                    "writer": writer,
-                    "batch_id": batch_id,
-                }
-            )
+            index = self._append_entry(Entry(_UNPLACED, EntryKind.DATA, writer, files=tuple(files), rows=rows,
+                                             bytes=size, batch_id=batch_id, dir=data_dir))
         except ConcurrencyConflict:
             self._fs.delete_tree(data_dir)
             raise
@@ -782,7 +780,7 @@ class Channel:
         :meth:`remove_orphans`).
         """
         with self._lock:
-            self._c = _Caches()
+            self._cache = _Caches()
             end = self._refresh()
             low = self.start_position()
             if pos < low:
@@ -800,7 +798,7 @@ class Channel:
                 self._fs.delete(log_path(e.index))
             for e in doomed:
                 _delete_entry_data(self._fs, e)
-            self._c = _Caches(end=pos)
+            self._cache = _Caches(end=pos)
             if doomed:
                 log.info("channel %s: truncated from %s (%s entries removed)", self.uri, pos, len(doomed))
 
@@ -844,7 +842,7 @@ class Channel:
                 except FileNotFoundError:
                     continue
                 self._fs.delete(log_path(e.index))
-                self._c.entries.pop(e.index, None)
+                self._cache.entries.pop(e.index, None)
             if doomed:
                 log.info(
                     "channel %s: truncated before %s (%s entries, %s bytes freed)",
@@ -872,7 +870,7 @@ class Channel:
             self._fs.delete(TRUNCATED_FILE)
             self._fs.delete(FENCE_FILE)  # positions start again: the new run fences from 0 (Channel.fence)
             self._fs.delete_tree(DATA_DIR)
-            self._c = _Caches(end=0)
+            self._cache = _Caches(end=0)
             log.info("channel %s: reset (%s entries removed)", self.uri, len(listed))
 
     def remove_orphans(self) -> int:

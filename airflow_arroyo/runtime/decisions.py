@@ -81,6 +81,8 @@ class RestoreFacts:
 
 
 class RestoreAction(enum.StrEnum):
+    """What a run does before it starts its queries."""
+
     FRESH = "fresh"  # nothing to restore and nothing there: start from the beginning
     START_OVER = "start_over"  # 'latest' without a completed epoch: empty checkpoints and channels, then start
     RESTORE = "restore"  # restore ``epoch``
@@ -88,6 +90,8 @@ class RestoreAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class RestorePlan:
+    """The answer of :func:`plan_restore`: the action, and the epoch to restore for ``RESTORE``."""
+
     action: RestoreAction
     epoch: int | None = None
     reason: str = ""
@@ -137,6 +141,8 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
 
 
 class StopMode(enum.StrEnum):
+    """How a stop was asked for: with a final epoch (``graceful``) or at once (``immediate``)."""
+
     GRACEFUL = "graceful"
     IMMEDIATE = "immediate"
 
@@ -161,6 +167,8 @@ class StopFacts:
 
 
 class StopAction(enum.StrEnum):
+    """The next step of the driver about a stop."""
+
     RUN = "run"  # no stop requested: keep running
     STOP = "stop"  # stop the queries and end the run now (with ``epoch`` as the final epoch, if any)
     START_FINAL = "start_final"  # try to start the final epoch (a force tick marked final)
@@ -172,6 +180,8 @@ class StopAction(enum.StrEnum):
 
 @dataclass(frozen=True)
 class StopDecision:
+    """The answer of :func:`decide_stop`: the action, and the final epoch it concerns, if any."""
+
     action: StopAction
     epoch: int | None = None
     mark_stopping: bool = False  # first: set the pipeline's state to `stopping`
@@ -244,6 +254,8 @@ def sink_cuts(pipeline_id: str, epoch: int, sinks: Iterable[str],
 
 @dataclass(frozen=True)
 class SinkCommit:
+    """One commit to make: ``sink`` commits its micro-batches through ``batch``."""
+
     sink: str
     batch: int  # through this micro-batch
 

@@ -1,4 +1,4 @@
-"""The pipeline driver: one Spark application runs a whole pipeline and takes part in its epochs.
+r"""The pipeline driver: one Spark application runs a whole pipeline and takes part in its epochs.
 
 The driver validates the graph (before Spark starts), registers the run in the epoch store, restores
 the stages' checkpoints and truncates the channels when asked to, starts one streaming query per stage
@@ -72,10 +72,11 @@ from airflow_arroyo.runtime.decisions import (
     sink_cuts,
     sinks_to_commit,
 )
+from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
-from airflow_arroyo.runtime.stage import StageRunner, StorageLayout, check_channels_have_barrier
+from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
@@ -211,7 +212,6 @@ class PipelineDriver:
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
-        result = DriverResult(self.pipeline_id, self.run_id, PipelineState.REGISTERED)
         try:
             self._step("registered")
             self._clean_leftovers()
@@ -230,8 +230,7 @@ class PipelineDriver:
             self.started.set()
             log.info("pipeline=%s run=%s: running %d stages (restored from epoch %s)", self.pipeline_id,
                      self.run_id, len(self.runners), self.restored_from_epoch)
-            result = self._loop()
-            return result
+            return self._loop()
         except ConcurrencyConflict:
             self._stop_queries()
             raise
@@ -382,8 +381,10 @@ class PipelineDriver:
             self.on_step(name)
 
     def _restore(self, epoch: int) -> None:
-        """Restore ``epoch``: rebuild every stage's checkpoint, cut every channel right after barrier ``epoch``,
-        roll every exactly-once sink back to its cut. Three phases, in this order:
+        """Restore ``epoch``.
+
+        Rebuild every stage's checkpoint, cut every channel right after barrier ``epoch``, roll every
+        exactly-once sink back to its cut. Three phases, in this order:
 
         1. *verify and prepare* (additive only): every channel holds barrier ``epoch``, every sink's cut is
            known, every stage's checkpoint is rebuilt in a new folder with each object's size and SHA-256
@@ -637,7 +638,7 @@ class PipelineDriver:
             self._check_queries()
             self._follow_epochs(turn, changed)
             for r in self.runners:
-                r.poll()
+                r.cut_if_idle()
             self._heartbeat_if_due(turn)
             decision = decide_stop(self._stop_facts(turn))
             if decision.action is not StopAction.RUN:
@@ -814,7 +815,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def _user_error_first(text: str) -> str:
-    """``text`` (a Spark error message) led by the Python error it carries, if any: that error's line, then
+    r"""``text`` (a Spark error message) led by the Python error it carries, if any: that error's line, then
     the frame that raised it, then the whole message without Java stack frames (``\tat ...``)."""
     main, sep, query = text.partition("=== Streaming Query ===")
     lines = [ln for ln in main.rstrip().splitlines() if not ln.startswith(("\tat ", "\t... "))]
@@ -959,6 +960,7 @@ def dsn_from_environment() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The driver's command line; the process's exit code (0 stopped, 1 failed, 2 bad configuration)."""
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s")
@@ -1004,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
                             poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
                             own_spark=True, warmup_timeout=args.warmup_timeout)
 
-    def on_signal(signum: int, frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)
         driver.request_stop("immediate")
 

@@ -122,6 +122,7 @@ class TransactionalFileSink:
 
     @property
     def generation(self) -> int:
+        """The fencing generation this sink writes with (0 without a token)."""
         return self.token.generation if self.token is not None else 0
 
     def __repr__(self) -> str:
@@ -130,6 +131,7 @@ class TransactionalFileSink:
     # ------------------------------------------------------------------ ownership
 
     def owner(self) -> dict[str, str] | None:
+        """Who claimed the sink folder (pipeline, stage), or None if nobody did."""
         try:
             value = self.fs.read_json(f"{_META}/owner.json")
         except FileNotFoundError:
@@ -185,6 +187,7 @@ class TransactionalFileSink:
         self.fs.write_json_atomic(_commit_point_path(self.generation), value)
 
     def has_state(self) -> bool:
+        """True if the folder holds pending or committed batches of its owner."""
         return self.owner() is not None and (bool(self.pending_batches()) or bool(self.committed_batches()))
 
     # ------------------------------------------------------------------ phases
@@ -304,6 +307,7 @@ class TransactionalFileSink:
         return out
 
     def committed_batches(self) -> list[int]:
+        """The batch ids whose files are committed, ascending."""
         return sorted({b for b, _ in self._committed_files()})
 
     def _committed_files(self) -> list[tuple[int, str]]:

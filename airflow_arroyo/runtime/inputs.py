@@ -33,23 +33,29 @@ class StageInputDataSource(ChannelDataSource):
 
     @classmethod
     def name(cls) -> str:
+        """Spark: the short name of this data source."""
         return "arroyo_stage_input"
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """Spark: a reader whose offsets carry the input's cap key."""
         return KeyedChannelReader(self._uri(), dict(self.options), schema)
 
 
 class KeyedChannelReader(ChannelStreamReader):
+    """A channel reader whose offsets name the input it reads (a stage reading two inputs tells them apart)."""
     def _keyed(self, offset: Mapping[str, Any]) -> dict[str, Any]:
         return {"pos": int(offset["pos"]), "key": self.cap_key}
 
     def initialOffset(self) -> dict[str, Any]:
+        """Spark: the channel's start position, with the key."""
         return self._keyed(super().initialOffset())
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        """Spark: where the next micro-batch ends, with the key."""
         return self._keyed(super().latestOffset(start, limit))
 
     def reportLatestOffset(self) -> dict[str, Any]:
+        """Spark: the channel's end, with the key."""
         return self._keyed(super().reportLatestOffset())
 
 

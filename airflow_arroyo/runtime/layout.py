@@ -110,6 +110,7 @@ class StorageLayout:
 
     @classmethod
     def at(cls, storage_uri: str, pipeline_id: str, checkpoint_uri: str | None = None) -> StorageLayout:
+        """The layout of ``pipeline_id`` under ``storage_uri`` (checkpoints under ``checkpoint_uri`` if given)."""
         fs = FileSystem.from_uri(storage_uri)
         checkpoints = FileSystem.from_uri(checkpoint_uri) if checkpoint_uri else fs
         return cls(fs, pipeline_id, checkpoints)
@@ -117,9 +118,11 @@ class StorageLayout:
     # ------------------------------------------------------------------ storage URI
 
     def channel(self, name: str) -> str:
+        """The path of channel ``name``, relative to the storage root."""
         return f"{self.pipeline_id}/{CHANNELS_DIR}/{name}"
 
     def channel_uri(self, name: str) -> str:
+        """The URI of channel ``name``."""
         return self.fs.uri_of(self.channel(name))
 
     def stage_dir(self, stage: str) -> str:
@@ -135,17 +138,21 @@ class StorageLayout:
         return f"{self.stage_dir(stage)}/{stem}-g{generation}.{ext}"
 
     def caps_uri(self, stage: str, generation: int = 0) -> str:
+        """The URI of a stage's caps file for run generation ``generation``."""
         return self.fs.uri_of(self.caps(stage, generation))
 
     def object_path(self, key: str) -> str:
+        """The path of snapshot object ``key``, relative to the storage root."""
         return object_path(self.pipeline_id, key)
 
     @property
     def snapshots_dir(self) -> str:
+        """The pipeline's snapshot folder, relative to the storage root."""
         return f"{self.pipeline_id}/{SNAPSHOTS_DIR}"
 
     @property
     def snapshot_tmp_dir(self) -> str:
+        """Where copies in progress wait (removed at start-up), relative to the storage root."""
         return f"{self.pipeline_id}/{SNAPSHOT_TMP_DIR}"
 
     def snapshot_tmp(self) -> str:
@@ -155,6 +162,7 @@ class StorageLayout:
     # ------------------------------------------------------------------ checkpoint URI
 
     def checkpoint_pointer(self, stage: str) -> str:
+        """The path of a stage's checkpoint pointer, relative to the checkpoint root."""
         return f"{self.stage_dir(stage)}/{CHECKPOINT_POINTER}"
 
     def _pointer(self, stage: str) -> dict[str, str]:

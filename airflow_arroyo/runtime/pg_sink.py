@@ -208,6 +208,7 @@ class TransactionalPostgresSink:
 
     @property
     def generation(self) -> int:
+        """The fencing generation this sink writes with (0 without a token)."""
         return self.token.generation if self.token is not None else 0
 
     def __repr__(self) -> str:
@@ -220,6 +221,7 @@ class TransactionalPostgresSink:
 
     @property
     def dsn(self) -> str:
+        """The target database's DSN, resolved once."""
         if self._dsn is None:
             self._dsn = self.target.resolve_dsn()
         return self._dsn
@@ -386,6 +388,7 @@ class TransactionalPostgresSink:
         return None if row is None else int(row["committed_batch"])
 
     def has_state(self) -> bool:
+        """True if the target holds staged or committed batches of this sink."""
         def tx(cur: PgCursor) -> bool:
             self._describe(cur)
             committed = self._progress(cur, lock=False)
@@ -423,10 +426,7 @@ class TransactionalPostgresSink:
                 problems.append(f"output column {f.name!r} is not a column of {self.target.table!r}")
                 continue
             spark_type = type(f.dataType).__name__
-            if spark_type == "ArrayType":
-                ok = col.category == "A"
-            else:
-                ok = col.typname in _COMPATIBLE.get(spark_type, set())
+            ok = col.category == "A" if spark_type == "ArrayType" else col.typname in _COMPATIBLE.get(spark_type, set())
             if not ok:
                 problems.append(f"column {f.name!r}: the output is {f.dataType.simpleString()} but the table's column "
                                 f"is {col.typname}")

@@ -2,7 +2,8 @@
 
 A pipeline is built from plain functions, the way a bytewax dataflow is::
 
-    from airflow_arroyo.runtime import Pipeline, generator_source
+    from airflow_arroyo.runtime import Pipeline
+    from airflow_arroyo.testing import generator_source
 
     p = Pipeline("orders")
     left = p.source("left", lambda spark: generator_source(spark, seed=1, total_rows=10_000, rows_per_batch=500))
@@ -70,6 +71,7 @@ ForeachBatchFn = Callable[["DataFrame", int], None]
 
 
 class StageKind(enum.StrEnum):
+    """What a stage reads and writes."""
     SOURCE = "source"  # reads a Spark streaming source, writes a channel
     STAGE = "stage"  # reads channels, writes a channel
     SINK = "sink"  # reads channels, writes a Spark sink
@@ -107,6 +109,7 @@ class StageSpec:
 
     @property
     def is_iteration_head(self) -> bool:
+        """True for a stage that reads feedback channels (the head of a loop)."""
         return bool(self.feedback)
 
     @property
@@ -147,6 +150,7 @@ class Pipeline:
 
     @property
     def stages(self) -> list[StageSpec]:
+        """The stages defined so far, in definition order."""
         return list(self._stages)
 
     def _add(self, spec: StageSpec) -> Stream | None:
@@ -160,7 +164,7 @@ class Pipeline:
         """A stage that reads a Spark streaming source: ``read(spark)`` returns a streaming DataFrame.
 
         Any Spark streaming source works (files, rate, a Python data source, the replayable
-        :func:`~airflow_arroyo.runtime.generator.generator_source`); the source must be replayable
+        :func:`~airflow_arroyo.testing.generator_source`); the source must be replayable
         from the offsets in its checkpoint for a restore to be exactly-once (the generator, files and
         Kafka are; ``rate`` with wall-clock timestamps is not byte-identical).
         """
@@ -237,92 +241,36 @@ class PipelineGraph:
 
     @property
     def stage_names(self) -> list[str]:
+        """Stage names in topological order."""
         return [s.name for s in self.stages]
 
     @property
     def channels(self) -> list[str]:
+        """Every channel, in the order of the stages that write them."""
         return [s.output for s in self.stages if s.output is not None]
 
     def stage(self, name: str) -> StageSpec:
+        """The stage called ``name`` (``KeyError`` if none)."""
         for s in self.stages:
             if s.name == name:
                 return s
         raise KeyError(name)
 
     def readers(self, channel: str) -> list[str]:
+        """The stages that read ``channel``."""
         return [s.name for s in self.stages if channel in s.all_inputs]
 
     @classmethod
     def build(cls, pipeline_id: str, specs: Sequence[StageSpec]) -> PipelineGraph:
+        """Validate ``specs`` and order them; :class:`PipelineGraphError` names the stage and the fix."""
         if not specs:
             raise PipelineGraphError(
                 f"pipeline {pipeline_id!r} has no stages; add at least one with Pipeline.source(...)"
             )
-        names: dict[str, StageSpec] = {}
-        for s in specs:
-            _check_spec(s)
-            if s.name in names:
-                raise PipelineGraphError(
-                    f"stage {s.name!r} is defined twice in pipeline {pipeline_id!r}; give each stage a unique name"
-                )
-            names[s.name] = s
-        writers: dict[str, str] = {}
-        for s in specs:
-            if s.output is None:
-                continue
-            other = writers.get(s.output)
-            if other is not None:
-                raise PipelineGraphError(
-                    f"two writers on channel {s.output!r}: stages {other!r} and {s.name!r}; a channel has exactly "
-                    f"one writer: give stage {s.name!r} its own output (output='{s.name}')"
-                )
-            writers[s.output] = s.name
-        sinks = {s.name for s in specs if s.kind is StageKind.SINK}
-        paths: dict[str, str] = {}
-        for s in specs:
-            if s.sink_format in FILE_SINK_FORMATS:
-                path = s.sink_options["path"].rstrip("/")
-                if path in paths:
-                    raise PipelineGraphError(
-                        f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a sink folder has one writer: "
-                        "give each sink its own path"
-                    )
-                paths[path] = s.name
-            elif s.postgres is not None and isinstance(s.postgres, PostgresTarget):
-                where = f"{s.postgres.dsn or s.postgres.dsn_env or s.postgres.conn_id}#{s.postgres.table}"
-                if where in paths:
-                    raise PipelineGraphError(
-                        f"sinks {paths[where]!r} and {s.name!r} both write table {s.postgres.table!r}; a table has one "
-                        "exactly-once writer: give each sink its own table"
-                    )
-                paths[where] = s.name
-        for s in specs:
-            for channel in s.all_inputs:
-                if channel in writers:
-                    continue
-                if channel in sinks:
-                    raise PipelineGraphError(
-                        f"stage {s.name!r} reads {channel!r}, which is a sink: sinks write to Spark sinks, not "
-                        f"channels; make {channel!r} a Pipeline.stage(...) to read its output"
-                    )
-                hint = difflib.get_close_matches(channel, list(writers), n=1)
-                did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
-                raise PipelineGraphError(
-                    f"stage {s.name!r} reads channel {channel!r}, which no stage writes{did_you_mean}; "
-                    f"channels are named after the stage that writes them: known channels are "
-                    f"{', '.join(sorted(writers)) or 'none'}"
-                )
-            if len(set(s.all_inputs)) != len(s.all_inputs):
-                dup = sorted({c for c in s.all_inputs if s.all_inputs.count(c) > 1})
-                raise PipelineGraphError(
-                    f"stage {s.name!r} lists channel(s) {', '.join(dup)} twice in its inputs/feedback; read a channel "
-                    "once and reuse the DataFrame inside the transform"
-                )
-            if s.output is not None and s.output in s.all_inputs:
-                raise PipelineGraphError(
-                    f"stage {s.name!r} reads its own output channel {s.output!r}; a loop needs at least one stage "
-                    "between the iteration head and its feedback"
-                )
+        _check_names(pipeline_id, specs)
+        writers = _writers(specs)
+        _check_sink_targets(specs)
+        _check_inputs(specs, writers)
         order = _topological_order(pipeline_id, specs, writers)
         _check_feedback(specs, writers)
         return cls(pipeline_id=pipeline_id, stages=tuple(order), writers=dict(writers))
@@ -359,32 +307,7 @@ def _check_spec(s: StageSpec) -> None:
                 f"stage {s.name!r} needs transform=<function(*input DataFrames) returning a DataFrame>, got {s.fn!r}"
             )
         if s.kind is StageKind.SINK:
-            if s.fn is not None and not callable(s.fn):
-                raise PipelineGraphError(f"sink {s.name!r}: transform must be callable, got {s.fn!r}")
-            if [s.foreach_batch, s.sink_format, s.postgres].count(None) != 2:
-                raise PipelineGraphError(
-                    f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)>, "
-                    "format='<batch writer format>' (with options={'path': ...}) or postgres=PostgresTarget(...)"
-                )
-            if s.postgres is not None:
-                if not isinstance(s.postgres, PostgresTarget):
-                    raise PipelineGraphError(f"sink {s.name!r}: postgres= takes a PostgresTarget(table=..., ...), "
-                                             f"got {s.postgres!r}")
-                problem = s.postgres.problem()
-                if problem:
-                    raise PipelineGraphError(f"sink {s.name!r}: {problem}")
-            if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
-                raise PipelineGraphError(
-                    f"sink {s.name!r}: format {s.sink_format!r} writes files: "
-                    "give options={'path': '<folder or URI>'}"
-                )
-            if s.foreach_batch is not None and not callable(s.foreach_batch):
-                raise PipelineGraphError(f"sink {s.name!r}: foreach_batch must be callable, got {s.foreach_batch!r}")
-            if s.fn is None and len(s.all_inputs) != 1:
-                raise PipelineGraphError(
-                    f"sink {s.name!r} reads {len(s.all_inputs)} channels; give transform=<function(*inputs)> "
-                    "that combines them into one DataFrame"
-                )
+            _check_sink(s)
     if s.feedback and s.kind is not StageKind.STAGE:
         raise PipelineGraphError(
             f"{s.kind.value} {s.name!r} has feedback inputs; only a Pipeline.stage(...) can be an iteration head"
@@ -405,6 +328,118 @@ def _check_spec(s: StageSpec) -> None:
         raise PipelineGraphError(
             f"stage {s.name!r}: trigger_interval must be a number of seconds >= 0, got {s.trigger_interval!r}"
         )
+
+
+def _check_sink(s: StageSpec) -> None:
+    """A sink has exactly one usable target, and one input unless a transform combines them."""
+    if s.fn is not None and not callable(s.fn):
+        raise PipelineGraphError(f"sink {s.name!r}: transform must be callable, got {s.fn!r}")
+    if [s.foreach_batch, s.sink_format, s.postgres].count(None) != 2:
+        raise PipelineGraphError(
+            f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)>, "
+            "format='<batch writer format>' (with options={'path': ...}) or postgres=PostgresTarget(...)"
+        )
+    if s.postgres is not None:
+        if not isinstance(s.postgres, PostgresTarget):
+            raise PipelineGraphError(f"sink {s.name!r}: postgres= takes a PostgresTarget(table=..., ...), "
+                                     f"got {s.postgres!r}")
+        problem = s.postgres.problem()
+        if problem:
+            raise PipelineGraphError(f"sink {s.name!r}: {problem}")
+    if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
+        raise PipelineGraphError(
+            f"sink {s.name!r}: format {s.sink_format!r} writes files: "
+            "give options={'path': '<folder or URI>'}"
+        )
+    if s.foreach_batch is not None and not callable(s.foreach_batch):
+        raise PipelineGraphError(f"sink {s.name!r}: foreach_batch must be callable, got {s.foreach_batch!r}")
+    if s.fn is None and len(s.all_inputs) != 1:
+        raise PipelineGraphError(
+            f"sink {s.name!r} reads {len(s.all_inputs)} channels; give transform=<function(*inputs)> "
+            "that combines them into one DataFrame"
+        )
+
+
+def _check_names(pipeline_id: str, specs: Sequence[StageSpec]) -> None:
+    """Each stage is well formed and has a name of its own."""
+    names: dict[str, StageSpec] = {}
+    for s in specs:
+        _check_spec(s)
+        if s.name in names:
+            raise PipelineGraphError(
+                f"stage {s.name!r} is defined twice in pipeline {pipeline_id!r}; give each stage a unique name"
+            )
+        names[s.name] = s
+
+
+def _writers(specs: Sequence[StageSpec]) -> dict[str, str]:
+    """Channel -> the one stage that writes it."""
+    writers: dict[str, str] = {}
+    for s in specs:
+        if s.output is None:
+            continue
+        other = writers.get(s.output)
+        if other is not None:
+            raise PipelineGraphError(
+                f"two writers on channel {s.output!r}: stages {other!r} and {s.name!r}; a channel has exactly "
+                f"one writer: give stage {s.name!r} its own output (output='{s.name}')"
+            )
+        writers[s.output] = s.name
+    return writers
+
+
+def _check_sink_targets(specs: Sequence[StageSpec]) -> None:
+    """A sink folder or table has one exactly-once writer."""
+    paths: dict[str, str] = {}
+    for s in specs:
+        if s.sink_format in FILE_SINK_FORMATS:
+            path = s.sink_options["path"].rstrip("/")
+            if path in paths:
+                raise PipelineGraphError(
+                    f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a sink folder has one writer: "
+                    "give each sink its own path"
+                )
+            paths[path] = s.name
+        elif s.postgres is not None and isinstance(s.postgres, PostgresTarget):
+            where = f"{s.postgres.dsn or s.postgres.dsn_env or s.postgres.conn_id}#{s.postgres.table}"
+            if where in paths:
+                raise PipelineGraphError(
+                    f"sinks {paths[where]!r} and {s.name!r} both write table {s.postgres.table!r}; a table has one "
+                    "exactly-once writer: give each sink its own table"
+                )
+            paths[where] = s.name
+
+
+def _check_inputs(specs: Sequence[StageSpec], writers: dict[str, str]) -> None:
+    """Every input is a channel some stage writes, read once, and not the stage's own output."""
+    sinks = {s.name for s in specs if s.kind is StageKind.SINK}
+    for s in specs:
+        for channel in s.all_inputs:
+            if channel in writers:
+                continue
+            if channel in sinks:
+                raise PipelineGraphError(
+                    f"stage {s.name!r} reads {channel!r}, which is a sink: sinks write to Spark sinks, not "
+                    f"channels; make {channel!r} a Pipeline.stage(...) to read its output"
+                )
+            hint = difflib.get_close_matches(channel, list(writers), n=1)
+            did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise PipelineGraphError(
+                f"stage {s.name!r} reads channel {channel!r}, which no stage writes{did_you_mean}; "
+                f"channels are named after the stage that writes them: known channels are "
+                f"{', '.join(sorted(writers)) or 'none'}"
+            )
+        if len(set(s.all_inputs)) != len(s.all_inputs):
+            dup = sorted({c for c in s.all_inputs if s.all_inputs.count(c) > 1})
+            raise PipelineGraphError(
+                f"stage {s.name!r} lists channel(s) {', '.join(dup)} twice in its inputs/feedback; read a channel "
+                "once and reuse the DataFrame inside the transform"
+            )
+        if s.output is not None and s.output in s.all_inputs:
+            raise PipelineGraphError(
+                f"stage {s.name!r} reads its own output channel {s.output!r}; a loop needs at least one stage "
+                "between the iteration head and its feedback"
+            )
 
 
 def _topological_order(pipeline_id: str, specs: Sequence[StageSpec], writers: Mapping[str, str]) -> list[StageSpec]:

@@ -70,6 +70,7 @@ _SPOOL_IN_MEMORY = 8 << 20  # objects up to this size are hashed in memory befor
 
 @dataclass(frozen=True)
 class CaptureResult:
+    """What one snapshot of a stage recorded: its entries and the bytes copied and referenced."""
     entries: tuple[SnapshotEntry, ...]
     bytes_new: int
     bytes_total: int
@@ -80,6 +81,7 @@ class CaptureResult:
 
 @dataclass(frozen=True)
 class PreparedRestore:
+    """A stage's checkpoint rebuilt from an epoch's snapshot, verified, not yet switched to."""
     stage: str
     epoch: int
     folder: str  # rel to the checkpoint root: the rebuilt checkpoint, not yet live
@@ -297,6 +299,7 @@ class SnapshotStore:
         return self.layout.switch_checkpoint(prepared.stage, prepared.folder)
 
     def discard(self, prepared: Sequence[PreparedRestore]) -> None:
+        """Delete rebuilt checkpoints that will not be switched to."""
         for p in prepared:
             self.checkpoint_fs.delete_tree(p.folder)
 

@@ -53,6 +53,7 @@ __all__ = [
     "plan_batch_end",
     "read_cap",
     "read_channel",
+    "register_data_source",
     "register_data_sources",
     "write_caps",
 ]
@@ -174,6 +175,7 @@ class ChannelDataSource(DataSource):
 
     @classmethod
     def name(cls) -> str:
+        """Spark: the short name of this data source."""
         return "arroyo_channel"
 
     def _uri(self) -> str:
@@ -185,6 +187,7 @@ class ChannelDataSource(DataSource):
         return str(uri)
 
     def schema(self) -> StructType:
+        """Spark: the channel's schema (a channel nobody wrote yet has none: an error naming the fix)."""
         uri = self._uri()
         channel = Channel.open(uri)
         schema = channel.spark_schema
@@ -197,10 +200,12 @@ class ChannelDataSource(DataSource):
         return schema
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """Spark: a reader of the channel."""
         return ChannelStreamReader(self._uri(), dict(self.options), schema)
 
 
 class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Spark's streaming reader over a channel: offsets are positions, batches end at barriers and caps."""
     def __init__(self, uri: str, options: dict[str, Any], schema: StructType) -> None:
         self.uri = uri
         self.cap_path: str | None = options.get("cap_path") or None
@@ -222,14 +227,17 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     @property
     def channel(self) -> Channel:
+        """The channel, opened on first use (in the process Spark runs the reader in)."""
         if self._channel is None:
             self._channel = Channel.open(self.uri)
         return self._channel
 
     def initialOffset(self) -> dict[str, int]:
+        """Spark: the channel's start position."""
         return {"pos": self.channel.start_position()}
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        """Spark: the per-batch limit from the options (rows, files, or all available)."""
         if self.max_rows is not None:
             return ReadMaxRows(self.max_rows)
         if self.max_files is not None:
@@ -237,9 +245,11 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
+        """Spark: read up to the current end and stop there."""
         self._target = self.channel.end_position()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, int]:
+        """Spark: where the next micro-batch ends (:func:`plan_batch_end`)."""
         begin = int(start["pos"])
         available = self.channel.end_position()
         if begin > available:
@@ -260,9 +270,11 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {"pos": end}
 
     def reportLatestOffset(self) -> dict[str, int]:
+        """Spark: the channel's end position."""
         return {"pos": self.channel.end_position()}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        """Spark: one partition per data file of the entries in ``[start, end)``."""
         begin, stop = int(start["pos"]), int(end["pos"])
         if stop <= begin:
             return []
@@ -270,6 +282,7 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [ChannelPartition(channel_uri, f) for e in self.channel.data_entries(begin, stop) for f in e.files]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Spark (executors): the rows of one data entry as Arrow batches."""
         from pyspark.sql.pandas.types import to_arrow_schema
 
         assert isinstance(partition, ChannelPartition)
@@ -285,6 +298,7 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ) from exc
 
     def commit(self, end: dict[str, Any]) -> None:
+        """Spark: positions below ``end`` are done; forget their cached entries."""
         # Spark will not ask for positions below ``end`` again: drop their cached entries.
         if self._channel is not None:
             self._channel.forget_before(int(end["pos"]))
@@ -295,16 +309,18 @@ _registered: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionar
 _registered_lock = threading.Lock()
 
 
-def register_data_sources(spark: SparkSession) -> None:
-    """Register ``arroyo_channel`` and ``arroyo_generator`` with ``spark`` (once per session)."""
-    from airflow_arroyo.runtime.generator import GeneratorDataSource
-
+def register_data_source(spark: SparkSession, source: type[DataSource]) -> None:
+    """Register the Python data source ``source`` with ``spark`` (once per session)."""
     with _registered_lock:
         done = _registered.setdefault(spark, set())
-        for cls in (ChannelDataSource, GeneratorDataSource):
-            if cls.name() not in done:
-                spark.dataSource.register(cls)
-                done.add(cls.name())
+        if source.name() not in done:
+            spark.dataSource.register(source)
+            done.add(source.name())
+
+
+def register_data_sources(spark: SparkSession) -> None:
+    """Register ``arroyo_channel`` with ``spark`` (once per session; the generator registers itself)."""
+    register_data_source(spark, ChannelDataSource)
 
 
 def read_channel(

@@ -149,29 +149,33 @@ def select_checkpoint_files(
             continue
         keep.append(rel)  # metadata and anything unknown
     for folder, files in partitions.items():
-        eligible = [f for f in files if f[0] <= version]
-        bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
-        base = max(bases) if bases else 0
-        chosen = [f for f in eligible if (f[1] in _BASE_KINDS and f[0] == base) or
-                  (f[1] not in _BASE_KINDS and base < f[0] <= version)]
-        keep.extend(rel for _, _, rel in chosen)
-        zips = [rel for _, kind, rel in chosen if kind == "zip"]
-        available = set(side_files.get(folder, []))
-        wanted: set[str] = set()
-        for z in zips:
-            refs = zip_references(z)
-            if refs is None:
-                wanted |= available
-            else:
-                wanted |= set(refs)
-        missing = wanted - available
-        if missing:
-            raise SnapshotError(
-                f"RocksDB checkpoint {zips} references {sorted(missing)[:3]} which are not in {folder}; "
-                "the checkpoint folder is incomplete (did something delete state files?)"
-            )
-        keep.extend(f"{folder}/{s}" for s in sorted(wanted))
+        keep += _state_as_of(folder, files, side_files.get(folder, []), version, zip_references)
     return sorted(set(keep))
+
+
+def _state_as_of(folder: str, files: list[tuple[int, str, str]], side_files: list[str], version: int,
+                 zip_references: Callable[[str], Iterable[str] | None]) -> list[str]:
+    """The files of one state-store partition ``folder`` that make up ``version``: the newest base
+    (snapshot or zip) at or below it, the deltas after that base, and the ``SSTs``/``logs`` files its
+    RocksDB zips reference (``side_files``: those present, relative to the folder)."""
+    eligible = [f for f in files if f[0] <= version]
+    bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
+    base = max(bases) if bases else 0
+    chosen = [f for f in eligible if (f[1] in _BASE_KINDS and f[0] == base) or
+              (f[1] not in _BASE_KINDS and base < f[0] <= version)]
+    zips = [rel for _, kind, rel in chosen if kind == "zip"]
+    available = set(side_files)
+    wanted: set[str] = set()
+    for z in zips:
+        refs = zip_references(z)
+        wanted |= available if refs is None else set(refs)
+    missing = wanted - available
+    if missing:
+        raise SnapshotError(
+            f"RocksDB checkpoint {zips} references {sorted(missing)[:3]} which are not in {folder}; "
+            "the checkpoint folder is incomplete (did something delete state files?)"
+        )
+    return [rel for _, _, rel in chosen] + [f"{folder}/{s}" for s in sorted(wanted)]
 
 
 def _leading_int(name: str) -> int | None:

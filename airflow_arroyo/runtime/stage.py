@@ -162,9 +162,11 @@ class StageRunner:
 
     @property
     def last_cut_epoch(self) -> int:
+        """The newest epoch this stage cut."""
         return self._last_cut_epoch
 
     def caps(self) -> dict[str, int]:
+        """The caps currently written for this stage's inputs."""
         with self._lock:
             return dict(self._caps)
 
@@ -230,6 +232,7 @@ class StageRunner:
         return self.query
 
     def alive(self) -> bool:
+        """True while the stage's query runs."""
         return self.query is not None and self.query.isActive
 
     @property
@@ -247,9 +250,9 @@ class StageRunner:
             if epoch > self._last_cut_epoch:
                 self._pending.add(epoch)
                 self._aligning_since.setdefault(epoch, time.monotonic())
-        self.poll()
+        self.cut_if_idle()
 
-    def poll(self) -> None:
+    def cut_if_idle(self) -> None:
         """Between batches: cut an idle source stage at its last completed batch (never blocks on a
         running batch: that batch's writer makes the cut itself when it ends)."""
         if self.kind is not StageKind.SOURCE or not self._pending:
@@ -264,6 +267,7 @@ class StageRunner:
     # ------------------------------------------------------------------ the writer
 
     def open_gate(self) -> None:
+        """Let the first micro-batch run (the driver opens every stage's gate once all started)."""
         self._gate.set()
 
     def set_backpressure(self, backlog: Callable[[], int], max_entries: int) -> None:
@@ -440,7 +444,7 @@ class StageRunner:
         still: list[_Pending] = []
         for p in self._deferred:
             positions = {c: self.inputs[c].find_barrier(p.epoch) for c in self.spec.feedback}
-            if feedback_returned(p.epoch, positions, {c: self._feedback_ends.get(c, 0) for c in self.spec.feedback}):
+            if feedback_returned(positions, {c: self._feedback_ends.get(c, 0) for c in self.spec.feedback}):
                 self.executor.submit(self._snapshot_and_ack, p)
             else:
                 still.append(p)
@@ -485,6 +489,7 @@ class StageRunner:
         return next((e for e in self.errors if isinstance(e, FencedError)), None)
 
     def stop(self) -> None:
+        """Stop the stage's query."""
         self._closing = True
         if self.query is not None and self.query.isActive:
             self.query.stop()

@@ -34,7 +34,7 @@ from airflow_arroyo import config
 from airflow_arroyo.config import default_deferrable
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError, UnknownPipelineError
-from airflow_arroyo.links import XCOM_PIPELINE_ID, ArroyoPipelineLink
+from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, ArroyoPipelineLink
 from airflow_arroyo.triggers.pipeline import (
     PipelineStateTrigger,
     Verdict,
@@ -157,6 +157,7 @@ class PipelineSensor(BaseSensorOperator):
                 "latest_epoch": latest, "message": verdict.message, "cause": verdict.cause}
 
     def execute(self, context: Context) -> Any:
+        """Airflow: poke once, then defer until the target state or epoch (or fail at once with the cause)."""
         self._target()
         timeout = self._timeout()
         self.timeout = timeout
@@ -179,13 +180,15 @@ class PipelineSensor(BaseSensorOperator):
         )
 
     def poke(self, context: Context) -> Any:
+        """Airflow: True once the pipeline reached the target; fails at once when it cannot anymore."""
         verdict, pipeline, latest = self._look()
         if verdict.verdict is Verdict.WAIT:
             self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
             return False
         return PokeReturnValue(True, self.execute_complete(context, self._result(verdict, pipeline, latest)))
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG002 - Airflow's
+        """Airflow: the end of the deferral; returns the verdict, or fails with the cause."""
         status = event.get("status")
         message = event.get("message") or ""
         if status == Verdict.SUCCESS.value:

@@ -18,6 +18,7 @@ from airflow_arroyo.store.records import (
     PrunePlan,
     SinkCommitRecord,
     SnapshotEntry,
+    TickReport,
     TickRequest,
     TickResult,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "SnapshotEntry",
     "StoreReader",
     "Subscription",
+    "TickReport",
     "TickRequest",
     "TickResult",
     "available_migrations",

@@ -27,8 +27,11 @@ from airflow_arroyo.store.records import (
 
 
 class AsyncEpochStore:
-    """:param coalesce: send the loop's ticks in shared batches (False: one transaction per tick,
-        each in its own worker thread). :param listen: let :meth:`subscribe` listen for epoch ends."""
+    """The async twin of :class:`EpochStore`: its calls run in threads, so a trigger never blocks its loop.
+
+    :param coalesce: send the loop's ticks in shared batches (False: one transaction per tick, each in its own
+        worker thread). :param listen: let :meth:`subscribe` listen for epoch ends.
+    """
 
     def __init__(self, store: EpochStore, *, coalesce: bool = True, listen: bool = True) -> None:
         self.sync = store

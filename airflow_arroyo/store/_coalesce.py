@@ -3,7 +3,8 @@
 Every :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger` of a triggerer asks for its tick
 through the loop's :class:`TickCoalescer`. The coalescer gathers the ticks asked for in the same turn
 of the event loop (and those asked for while earlier batches were in the database), and sends them as
-one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction in a worker thread. Under light
+one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction, followed by one read of the
+batch's report (:mod:`airflow_arroyo.store._batch`), in a worker thread of its own. Under light
 load a batch holds one tick and costs what a tick always cost; under heavy load the batches grow and
 the cost per tick falls, where one thread-pool call and one transaction per tick used to queue up.
 
@@ -16,6 +17,8 @@ lock, and the partial unique index still admits one in-flight epoch per pipeline
   (``RETRY_SKIPPED`` seconds; those transactions are short); after ``SKIPS_BEFORE_WAITING`` skips its
   batch waits for the lock. So a busy pipeline delays only itself, and two triggerers' batches do
   not queue behind each other's locks.
+* A trigger cancelled while its tick waits leaves the queue: it is not sent, or (after a skip) not
+  asked for again; a batch already in the database completes, and its result is dropped.
 * A permanent error of a batch is retried pipeline by pipeline, so that it reaches only the trigger
   whose pipeline caused it; a transient one (after the store's retries) reaches every trigger of the
   batch, which handle it as before (retry at their next tick).
@@ -26,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from airflow_arroyo.exceptions import ArroyoError, StoreError, TransientStoreError
+from airflow_arroyo.store._batch import tick_batch
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import TickRequest, TickResult
 
@@ -65,6 +70,8 @@ class TickCoalescer:
         self._running = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        # the batches' own threads: they never queue behind the loop's other blocking calls
+        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="arroyo-tick-batch")
         self.batches = 0  # figures for benchmarks and tests
         self.ticks = 0
 
@@ -74,8 +81,14 @@ class TickCoalescer:
         loop = asyncio.get_running_loop()
         return store.loop_helper(loop, "tick-coalescer", lambda: cls(store, loop))
 
+    @property
+    def running(self) -> int:
+        """Batches in the database now."""
+        return self._running
+
     def close(self) -> None:
-        """Nothing to release: pending batches end with their loop."""
+        """Let the worker threads end once their batches are done (pending batches end with their loop)."""
+        self._executor.shutdown(wait=False)
 
     async def tick(self, request: TickRequest) -> TickResult:
         """The result of ``request``'s tick, decided in the next batch."""
@@ -157,20 +170,20 @@ class TickCoalescer:
 
     async def _send(self, requests: list[TickRequest]) -> list[TickResult | ArroyoError | None]:
         try:
-            return await asyncio.to_thread(self.store.trigger_ticks, requests)
+            return await self.loop.run_in_executor(self._executor, tick_batch, self.store, requests)
         except TransientStoreError as exc:
             return [exc] * len(requests)
         except StoreError as exc:
             if len(requests) == 1:
                 return [exc]
             log.warning("epoch store: a batch of %s ticks failed (%s); ticking them one by one", len(requests), exc)
-            return await asyncio.to_thread(self._one_by_one, requests)
+            return await self.loop.run_in_executor(self._executor, self._one_by_one, requests)
 
     def _one_by_one(self, requests: list[TickRequest]) -> list[TickResult | ArroyoError | None]:
         out: list[TickResult | ArroyoError | None] = []
         for request in requests:
             try:
-                out.extend(self.store.trigger_ticks([request]))
+                out.extend(tick_batch(self.store, [request]))
             except ArroyoError as exc:
                 out.append(exc)
         return out

@@ -33,6 +33,7 @@ import psycopg2
 from psycopg2 import sql
 from psycopg2.extensions import connection as PgConnection
 
+from airflow_arroyo.store._pool import close_quietly
 from airflow_arroyo.store._sync import EpochStore
 
 __all__ = ["EpochListener", "EpochWatch", "Subscription", "channel_of"]
@@ -47,14 +48,6 @@ def channel_of(pipeline_id: str, *, starts: bool = False) -> str:
     ``arroyo_channel()`` names it; with ``starts``, its channel of epoch starts."""
     name = "arroyo_" + hashlib.md5(pipeline_id.encode(), usedforsecurity=False).hexdigest()
     return name + "_start" if starts else name
-
-
-def _close(conn: PgConnection | None) -> None:
-    if conn is not None:
-        try:
-            conn.close()
-        except psycopg2.Error:
-            pass
 
 
 def _listen_sql(verb: str, channels: set[str]) -> sql.Composed:
@@ -126,7 +119,7 @@ class EpochListener:
                     self._broken(exc)
                     return
                 if self._closed:
-                    _close(conn)
+                    close_quietly(conn)
                     return
                 self._conn, self._fd, self._listening = conn, conn.fileno(), set()
                 self.loop.add_reader(self._fd, self._on_readable)
@@ -175,7 +168,7 @@ class EpochListener:
         conn, self._conn, self._listening = self._conn, None, set()
         if conn is not None:
             self.loop.remove_reader(self._fd)
-            _close(conn)
+            close_quietly(conn)
         self._wake_all()
         if self._closed:
             return
@@ -207,7 +200,7 @@ class EpochListener:
         if conn is not None:
             if remove_reader and not self.loop.is_closed():
                 self.loop.remove_reader(self._fd)
-            _close(conn)
+            close_quietly(conn)
         self._wake_all()  # waiting triggers poll from now on
 
     # ------------------------------------------------------------------ notifications
@@ -358,4 +351,4 @@ class EpochWatch:
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
-        _close(conn)
+        close_quietly(conn)

@@ -43,7 +43,7 @@ def checksum(sql: str) -> str:
 
 
 def _recorded(cur: PgRawCursor, *, with_checksums: bool = True) -> dict[int, tuple[str, str | None]]:
-    """version -> (name, checksum or None) of the migrations applied to this database."""
+    """The migrations applied to this database: version -> (name, checksum or None)."""
     column = "checksum" if with_checksums else "NULL::text"
     cur.execute(f"SELECT version, name, {column} FROM arroyo_schema_migrations")  # noqa: S608 - constant
     return {int(v): (str(n), c) for v, n, c in cur.fetchall()}
@@ -76,28 +76,27 @@ def apply_migrations(conn: PgConnection) -> list[int]:
     Raises :class:`SchemaError` (writing nothing) when the database's schema is not one this code
     wrote (see the module docstring)."""
     applied_now: list[int] = []
-    with conn:
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-            cur.execute(
-                "CREATE TABLE IF NOT EXISTS arroyo_schema_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            cur.execute("ALTER TABLE arroyo_schema_migrations ADD COLUMN IF NOT EXISTS checksum text")
-            recorded = _recorded(cur)
-            _verify(recorded)
-            for version, name, sql in available_migrations():
-                if version in recorded:
-                    if recorded[version][1] is None:  # applied before checksums were recorded
-                        cur.execute("UPDATE arroyo_schema_migrations SET checksum = %s WHERE version = %s",
-                                    (checksum(sql), version))
-                    continue
-                log.info("epoch store: applying migration %s", name)
-                cur.execute(sql)
-                cur.execute("INSERT INTO arroyo_schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
-                            (version, name, checksum(sql)))
-                applied_now.append(version)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
+        cur.execute(
+            "CREATE TABLE IF NOT EXISTS arroyo_schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        cur.execute("ALTER TABLE arroyo_schema_migrations ADD COLUMN IF NOT EXISTS checksum text")
+        recorded = _recorded(cur)
+        _verify(recorded)
+        for version, name, sql in available_migrations():
+            if version in recorded:
+                if recorded[version][1] is None:  # applied before checksums were recorded
+                    cur.execute("UPDATE arroyo_schema_migrations SET checksum = %s WHERE version = %s",
+                                (checksum(sql), version))
+                continue
+            log.info("epoch store: applying migration %s", name)
+            cur.execute(sql)
+            cur.execute("INSERT INTO arroyo_schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                        (version, name, checksum(sql)))
+            applied_now.append(version)
     return applied_now
 
 
@@ -109,19 +108,18 @@ def check_schema(conn: PgConnection, *, complete: bool = True, where: str = "") 
     and with ``complete`` :class:`SchemaMissingError` for no schema or missing migrations (run
     ``airflow-arroyo migrate``). ``where`` (a redacted DSN) goes into the message."""
     want = max((v for v, _, _ in available_migrations()), default=0)
-    with conn:
-        with conn.cursor() as cur:
-            cur.execute("SELECT to_regclass('arroyo_schema_migrations') IS NOT NULL")
-            row = cur.fetchone()
-            if not row or not row[0]:
-                if not complete:
-                    return 0
-                raise SchemaMissingError(0, want, where)
-            cur.execute("SELECT column_name FROM information_schema.columns"
-                        " WHERE table_name = 'arroyo_schema_migrations' AND column_name = 'checksum'"
-                        " AND table_schema = current_schema()")
-            # a table written before checksums were recorded has versions only
-            recorded = _recorded(cur, with_checksums=cur.fetchone() is not None)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('arroyo_schema_migrations') IS NOT NULL")
+        row = cur.fetchone()
+        if not row or not row[0]:
+            if not complete:
+                return 0
+            raise SchemaMissingError(0, want, where)
+        cur.execute("SELECT column_name FROM information_schema.columns"
+                    " WHERE table_name = 'arroyo_schema_migrations' AND column_name = 'checksum'"
+                    " AND table_schema = current_schema()")
+        # a table written before checksums were recorded has versions only
+        recorded = _recorded(cur, with_checksums=cur.fetchone() is not None)
     _verify(recorded)
     missing = [name for v, name, _ in available_migrations() if v not in recorded]
     if missing and complete:
@@ -130,12 +128,11 @@ def check_schema(conn: PgConnection, *, complete: bool = True, where: str = "") 
 
 
 def current_version(conn: PgConnection) -> int:
-    with conn:
-        with conn.cursor() as cur:
-            cur.execute("SELECT to_regclass('arroyo_schema_migrations') IS NOT NULL")
-            row = cur.fetchone()
-            if not row or not row[0]:
-                return 0
-            cur.execute("SELECT COALESCE(max(version), 0) FROM arroyo_schema_migrations")
-            r = cur.fetchone()
-            return int(r[0]) if r else 0
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT to_regclass('arroyo_schema_migrations') IS NOT NULL")
+        row = cur.fetchone()
+        if not row or not row[0]:
+            return 0
+        cur.execute("SELECT COALESCE(max(version), 0) FROM arroyo_schema_migrations")
+        r = cur.fetchone()
+        return int(r[0]) if r else 0

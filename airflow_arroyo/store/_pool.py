@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import psycopg2
 from psycopg2.extensions import TRANSACTION_STATUS_IDLE
@@ -74,7 +74,7 @@ class ConnectionPool:
             except psycopg2.Error:
                 broken = True
         if broken or conn.closed:
-            _close(conn)
+            close_quietly(conn)
             # the server most likely restarted: the idle connections are dead as well
             self.discard_idle()
             return
@@ -82,13 +82,13 @@ class ConnectionPool:
             if not self._closed and len(self._idle) < self._size:
                 self._idle.append(conn)
                 return
-        _close(conn)
+        close_quietly(conn)
 
     def discard_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
-            _close(conn)
+            close_quietly(conn)
 
     def close(self) -> None:
         """Close the idle connections now and the ones in use when they come back."""
@@ -97,8 +97,8 @@ class ConnectionPool:
         self.discard_idle()
 
 
-def _close(conn: PgConnection) -> None:
-    try:
-        conn.close()
-    except psycopg2.Error:
-        pass
+def close_quietly(conn: PgConnection | None) -> None:
+    """Close ``conn`` (if any), ignoring a connection that is already broken."""
+    if conn is not None:
+        with suppress(psycopg2.Error):
+            conn.close()

@@ -1182,7 +1182,7 @@ class EpochStore:
 
         return self._tx(tx)
 
-    def epoch_facts(self, pipeline_id: str) -> list[EpochRecord]:
+    def unpruned_epochs(self, pipeline_id: str) -> list[EpochRecord]:
         """Every epoch of a pipeline not yet pruned, oldest first (input of the retention policy)."""
 
         def tx(cur: PgCursor) -> list[EpochRecord]:

@@ -167,14 +167,17 @@ class PipelineOverview:
 
     @property
     def last_failure(self) -> EpochRecord | None:
+        """The newest epoch among the recent ones that failed or expired."""
         return next((r for r in self.recent if r.state.ended_unsuccessfully), None)
 
     @property
     def latest(self) -> EpochRecord | None:
+        """The newest epoch."""
         return self.recent[0] if self.recent else None
 
     @property
     def last_completed_age_s(self) -> float | None:
+        """Seconds since the last completed epoch ended (None if none did)."""
         if self.last_completed is None or self.last_completed.ended_at is None:
             return None
         return (self.now - self.last_completed.ended_at).total_seconds()
@@ -182,6 +185,7 @@ class PipelineOverview:
 
 @dataclass(frozen=True)
 class PipelinesPage:
+    """One page of the pipelines list."""
     items: list[PipelineOverview]
     now: datetime
     next_after: str | None  # pass as ``after`` for the next page; None on the last page
@@ -189,6 +193,7 @@ class PipelinesPage:
 
 @dataclass(frozen=True)
 class EpochsPage:
+    """One page of a pipeline's epochs, newest first."""
     epochs: list[EpochRecord]  # newest first
     older_before: int | None  # pass as ``before`` for older epochs; None when there are none
     newer_after: int | None  # pass as ``after`` for newer epochs; None when there are none
@@ -196,6 +201,7 @@ class EpochsPage:
 
 @dataclass(frozen=True)
 class PipelinePage:
+    """A pipeline's page: its overview, a page of epochs and the history's summary."""
     overview: PipelineOverview
     epochs: EpochsPage
     summary: CheckpointSummary | None = None  # of the whole history, not just this page
@@ -203,6 +209,7 @@ class PipelinePage:
 
 @dataclass(frozen=True)
 class EpochDetail:
+    """One epoch with its acknowledgements and the stages still pending."""
     pipeline: PipelineRecord
     epoch: EpochRecord
     acks: list[AckRecord]  # in acknowledgement order
@@ -218,6 +225,7 @@ class EpochDetail:
 
 @dataclass(frozen=True)
 class RetentionPage:
+    """A pipeline's cleanup lock and a page of its cleanup runs."""
     pipeline: PipelineRecord
     now: datetime
     lock: CleanupLockRecord | None  # the lock row, live or expired
@@ -263,12 +271,14 @@ class StoreReader:
         return f"StoreReader({redact_dsn(self.dsn)!r})"
 
     def close(self) -> None:
+        """Close the reader's connections."""
         if not self._closed:
             self._closed = True
             self._pool.close()
 
     @property
     def closed(self) -> bool:
+        """True once closed."""
         return self._closed
 
     # ------------------------------------------------------------------ plumbing
@@ -351,6 +361,7 @@ class StoreReader:
         return self._read(read)
 
     def overview(self, pipeline_id: str) -> PipelineOverview:
+        """One pipeline's overview (:class:`~airflow_arroyo.exceptions.UnknownPipelineError` if none)."""
         validate_pipeline_id(pipeline_id)
 
         def read(cur: PgCursor) -> PipelineOverview:

@@ -22,6 +22,7 @@ __all__ = [
     "PrunePlan",
     "SinkCommitRecord",
     "SnapshotEntry",
+    "TickReport",
     "TickRequest",
     "TickResult",
     "epoch_columns",
@@ -45,6 +46,7 @@ def epoch_columns(alias: str = "") -> str:
 
 
 def from_row(cls: type[R], row: Mapping[str, Any]) -> R:
+    """A record of type ``cls`` from a row (columns it does not have are ignored)."""
     names = _field_names(cls)  # type: ignore[arg-type]
     return cls(**{k: v for k, v in row.items() if k in names})
 
@@ -56,6 +58,7 @@ def _field_names(cls: type) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class PipelineRecord:
+    """A row of ``arroyo_pipelines``: the pipeline's current run and state."""
     pipeline_id: str
     state: PipelineState
     run_id: str | None = None
@@ -102,6 +105,7 @@ class FencingToken:
 
 @dataclass(frozen=True)
 class EpochRecord:
+    """A row of ``arroyo_epochs``."""
     pipeline_id: str
     epoch: int
     state: EpochState
@@ -132,6 +136,7 @@ class EpochRecord:
 
     @property
     def duration_s(self) -> float | None:
+        """Seconds from trigger to end (None while in flight)."""
         if self.ended_at is None:
             return None
         return (self.ended_at - self.triggered_at).total_seconds()
@@ -139,6 +144,7 @@ class EpochRecord:
 
 @dataclass(frozen=True)
 class AckRecord:
+    """A stage's acknowledgement of an epoch (``arroyo_epoch_acks``)."""
     pipeline_id: str
     epoch: int
     stage: str
@@ -172,6 +178,7 @@ class SinkCommitRecord:
 
 @dataclass(frozen=True)
 class CleanupLockRecord:
+    """The cleanup lease of a pipeline (``arroyo_cleanup_locks``)."""
     pipeline_id: str
     cleanup_run: int
     holder: str
@@ -181,6 +188,7 @@ class CleanupLockRecord:
 
 @dataclass(frozen=True)
 class CleanupRunRecord:
+    """One cleanup run (``arroyo_cleanup_runs``)."""
     id: int
     pipeline_id: str
     holder: str
@@ -216,6 +224,18 @@ class TickResult:
     # this process's ``time.monotonic()`` when the database read ``now`` (the midpoint of that
     # statement's round trip): maps database instants to local timers without another round trip
     observed_at: float | None = None
+    # what the controller reports about the epochs this tick saw, read with the batch (None: not read)
+    report: TickReport | None = None
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """Read right after a batch of ticks committed, for the controller's log lines and metrics, so
+    that a trigger needs no transaction of its own per epoch (``airflow_arroyo.store._batch``)."""
+
+    heartbeat_at: datetime | None = None  # the driver's last heartbeat (read when an epoch ended in the tick)
+    alignment_ms: Mapping[int, float] = field(default_factory=dict)  # completed ended epoch -> slowest stage's
+    in_flight: EpochRecord | None = None  # the epoch in flight, when the tick did not watch it already
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
-from airflow_arroyo.metrics import EpochMetrics
+from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.triggers.settle import hold_until
 
@@ -60,12 +60,21 @@ __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 DEFAULT_CONN_ID = "arroyo_default"
 DEFAULT_POLL = 5.0
 OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue behind an in-flight one
+# Another copy of this trigger (triggerer HA: the same ``triggered_by``) started the last epoch it saw
+# since its previous tick: it follows, ticking this
+# share of the interval (at most FOLLOWER_LAG_MAX seconds) after each epoch is due, so that the copy
+# that leads finds the pipeline's row free and this one finds the epoch started, instead of both
+# racing for the same row every interval. A follower that finds the epoch not started starts it
+# (late by the lag, once) and leads from then on.
+FOLLOWER_LAG = 0.2
+FOLLOWER_LAG_MAX = 1.0
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
 
 
 def format_bytes(n: int | None) -> str:
+    """A byte count for a log line (``1.5 MiB``; ``? B`` when unknown)."""
     if n is None:
         return "? B"
     size = float(n)
@@ -165,7 +174,7 @@ class CheckpointTrigger(BaseTrigger):
         stop_after_epochs: int | None = None,
         not_before: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
         # validate now: a bad configuration fails the task before it defers
         CheckpointPolicy(interval=interval, timeout=timeout, min_pause=min_pause,
@@ -197,6 +206,7 @@ class CheckpointTrigger(BaseTrigger):
         self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Airflow: the class path and exactly the constructor arguments."""
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
@@ -218,11 +228,13 @@ class CheckpointTrigger(BaseTrigger):
 
     @property
     def policy(self) -> CheckpointPolicy:
+        """The policy the constructor arguments describe."""
         return CheckpointPolicy(interval=self.interval, timeout=self.timeout, min_pause=self.min_pause,
                                 tolerable_failures=self.tolerable_failures)
 
     @property
     def effective_poll(self) -> float:
+        """Seconds between ticks when nothing wakes the trigger earlier."""
         return float(self.poll_interval) if self.poll_interval is not None else min(DEFAULT_POLL, self.interval)
 
     def _metrics(self) -> EpochMetrics:
@@ -236,6 +248,7 @@ class CheckpointTrigger(BaseTrigger):
         return await ArroyoHook(self.conn_id).aget_store()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Airflow: fire epochs until the pipeline ends (or a failure limit is reached); one final event."""
         summary = _Summary(limit=self.max_summary_epochs)
         try:
             store = await self._open_store()
@@ -274,7 +287,7 @@ class _Controller:
         self.policy = trigger.policy
         self.poll = trigger.effective_poll
         self.log = trigger.log
-        self.pid = trigger.pipeline_id
+        self.pipeline_id = trigger.pipeline_id
         self.watching: set[int] = set()  # epochs seen in flight, not yet seen ended
         self.run_confirmed = trigger.pipeline_run_id is None
         self.registration_deadline: datetime | None = None
@@ -283,6 +296,8 @@ class _Controller:
         self.idle_state: str | None = None  # last logged "pipeline not running" state
         self.not_alive = False  # logged that the driver's heartbeat is stale
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
+        self.follower = False  # another copy of this trigger started the last epoch seen (FOLLOWER_LAG)
+        self.ticked = False  # an epoch in flight at the first tick was started before this trigger ran
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
         self.metrics = trigger._metrics()
@@ -294,11 +309,11 @@ class _Controller:
         self.log.info(
             "checkpoint controller for pipeline %s: interval %ss, timeout %ss, min pause %ss, "
             "tolerating %s consecutive failures (poll %ss)",
-            self.pid, self.policy.interval, self.policy.effective_timeout, self.policy.min_pause,
+            self.pipeline_id, self.policy.interval, self.policy.effective_timeout, self.policy.min_pause,
             self.policy.tolerable_failures, self.poll,
         )
         if WAKE_ON_NOTIFY:
-            self.sub = await self.store.subscribe(self.pid)
+            self.sub = await self.store.subscribe(self.pipeline_id)
         try:
             return await self._loop()
         finally:
@@ -314,7 +329,7 @@ class _Controller:
                 event, delay = self._outage(exc), self.poll
             except ArroyoError as exc:
                 return self.t._event("failure", self.summary, reason="store_error",
-                                     message=f"epoch store error for pipeline {self.pid}: {exc}")
+                                     message=f"epoch store error for pipeline {self.pipeline_id}: {exc}")
             if event is not None:
                 return event
             if self.wake and self.listening:
@@ -334,9 +349,9 @@ class _Controller:
         if down > self.policy.effective_timeout:
             return self.t._event(
                 "failure", self.summary, reason="store_error",
-                message=f"epoch store of pipeline {self.pid} unreachable for {down:.0f}s, longer than the "
+                message=f"epoch store of pipeline {self.pipeline_id} unreachable for {down:.0f}s, longer than the "
                         f"checkpoint timeout ({self.policy.effective_timeout:g}s): {exc}")
-        self.log.warning("pipeline %s: epoch store unreachable for %.0fs, will retry: %s", self.pid, down, exc)
+        self.log.warning("pipeline %s: epoch store unreachable for %.0fs, will retry: %s", self.pipeline_id, down, exc)
         return None
 
     async def _step(self) -> tuple[TriggerEvent | None, float]:
@@ -351,17 +366,17 @@ class _Controller:
             try:
                 await self._record_interval()
             except UnknownPipelineError:
-                return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+                return await self._not_registered(f"pipeline {self.pipeline_id} is not registered yet")
         if self.t.stop_after_epochs == 1 and not self.stop_requested:  # before the first tick starts one
             try:
-                await self._stop_after_epochs((await self.store.get_pipeline(self.pid)).state)
+                await self._stop_after_epochs((await self.store.get_pipeline(self.pipeline_id)).state)
             except UnknownPipelineError:
-                return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+                return await self._not_registered(f"pipeline {self.pipeline_id} is not registered yet")
         try:
-            tick = await self.store.trigger_tick(self.pid, self.policy, triggered_by=self.t.triggered_by,
+            tick = await self.store.trigger_tick(self.pipeline_id, self.policy, triggered_by=self.t.triggered_by,
                                                  watch=sorted(self.watching))
         except UnknownPipelineError:
-            return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+            return await self._not_registered(f"pipeline {self.pipeline_id} is not registered yet")
         self.outage_since = None
         self.registration_deadline = None
         new_failure = await self._observe(tick)
@@ -369,7 +384,7 @@ class _Controller:
         await self._stop_after_epochs(tick.pipeline_state)
 
         if decision.action is TriggerAction.PIPELINE_ENDED:
-            pipe = await self.store.get_pipeline(self.pid)
+            pipe = await self.store.get_pipeline(self.pipeline_id)
             if self.t.pipeline_run_id is not None and pipe.run_id != self.t.pipeline_run_id:
                 self.run_confirmed = False  # a new run registered meanwhile and ended? wait for ours
                 return None, self.poll
@@ -378,7 +393,8 @@ class _Controller:
         if new_failure and tick.consecutive_failures > self.policy.tolerable_failures:
             return self.t._event(
                 "failure", self.summary, reason="too_many_failures",
-                message=f"pipeline {self.pid}: {tick.consecutive_failures} consecutive epochs failed or expired, "
+                message=f"pipeline {self.pipeline_id}: {tick.consecutive_failures} consecutive epochs failed or "
+                        "expired, "
                         f"more than the {self.policy.tolerable_failures} tolerated; see the failure reasons "
                         "in the summary and the pipeline's driver log"), 0.0
 
@@ -387,11 +403,11 @@ class _Controller:
 
     async def _record_interval(self) -> None:
         """Write the interval this controller fires at on the run it controls (UI, overdue warning)."""
-        pipe = await self.store.get_pipeline(self.pid)
+        pipe = await self.store.get_pipeline(self.pipeline_id)
         if pipe.state.terminal:
             return  # an ended run: the next one (or the end event) decides
         if pipe.run_id is not None:
-            await self.store.record_checkpoint_interval(self.pid, pipe.run_id, float(self.policy.interval))
+            await self.store.record_checkpoint_interval(self.pipeline_id, pipe.run_id, float(self.policy.interval))
         self.interval_recorded = True
 
     async def _stop_after_epochs(self, state: PipelineState) -> None:
@@ -403,23 +419,23 @@ class _Controller:
         counted = self.summary.counts["completed"] + len(self.watching)
         if counted >= limit - 1:
             self.stop_requested = True
-            if (await self.store.get_pipeline(self.pid)).stop_requested:
+            if (await self.store.get_pipeline(self.pipeline_id)).stop_requested:
                 return  # someone asked already: never turn an immediate stop into a graceful one
-            await self.store.request_stop(self.pid, "graceful")
+            await self.store.request_stop(self.pipeline_id, "graceful")
             self.log.info("pipeline %s: %s epochs completed or in flight; requested a graceful stop, whose final "
-                          "epoch makes %s (stop_after_epochs)", self.pid, counted, limit)
+                          "epoch makes %s (stop_after_epochs)", self.pipeline_id, counted, limit)
 
     async def _wait_for_run(self) -> tuple[TriggerEvent | None, float] | None:
         try:
-            pipe = await self.store.get_pipeline(self.pid)
+            pipe = await self.store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
-            return await self._not_registered(f"pipeline {self.pid} is not registered yet")
+            return await self._not_registered(f"pipeline {self.pipeline_id} is not registered yet")
         if pipe.run_id == self.t.pipeline_run_id:
             self.run_confirmed = True
             self.registration_deadline = None
             return None
         return await self._not_registered(
-            f"pipeline {self.pid} run {self.t.pipeline_run_id} has not registered yet "
+            f"pipeline {self.pipeline_id} run {self.t.pipeline_run_id} has not registered yet "
             f"(the current run is {pipe.run_id}, {pipe.state})")
 
     async def _not_registered(self, what: str) -> tuple[TriggerEvent | None, float]:
@@ -441,52 +457,71 @@ class _Controller:
         if tick.expired is not None:
             self.watching.discard(tick.expired.epoch)
             self._record(tick.expired)
-            await self._measure(tick.expired, tick.now)
+            await self._measure(tick.expired, tick)
             new_failure = True
         current = decision.epoch if decision.action is TriggerAction.WAIT_IN_FLIGHT else None
         ended = {rec.epoch: rec for rec in tick.ended}  # the watched epochs that ended, read in the tick
         for epoch in sorted(n for n in self.watching if n != current):
-            rec = ended.get(epoch) or await self.store.get_epoch(self.pid, epoch)
+            rec = ended.get(epoch) or await self.store.get_epoch(self.pipeline_id, epoch)
             if rec.state is EpochState.TRIGGERED:  # cannot be: another epoch is in flight or none is
                 continue
             self.watching.discard(epoch)
             new_failure |= self._record(rec)
-            await self._measure(rec, tick.now)
+            await self._measure(rec, tick)
         if current is not None and current not in self.watching:
             self.watching.add(current)
-            rec = await self.store.get_epoch(self.pid, current)
+            seen = tick.report.in_flight if tick.report is not None else None
+            if seen is not None and seen.epoch == current:
+                rec = seen
+            else:
+                rec = await self.store.get_epoch(self.pipeline_id, current)
+            # started since our last tick by another copy of this trigger (not a restart, a manual
+            # checkpoint or the driver's final epoch): follow it
+            self.follower = self.ticked and not rec.is_final and rec.triggered_by == self.t.triggered_by
             if rec.is_final:
                 origin = "the final epoch of a graceful stop, taken by the pipeline's driver"
+            elif self.follower:
+                origin = "started by another copy of this controller (triggerer HA); following it"
             elif rec.triggered_by == self.t.triggered_by:
                 origin = "started by this controller before the triggerer restarted"
             else:
                 origin = f"started by {rec.triggered_by or 'another controller'}"
-            self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pid, current, origin)
+            self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pipeline_id, current, origin)
+        self.ticked = True
         if tick.started is not None:
+            self.follower = False
             rec = tick.started
             self.metrics.epoch_started(rec, self.policy.interval)
             self.watching.add(rec.epoch)
-            self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pid, rec.epoch,
+            self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pipeline_id, rec.epoch,
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
         return new_failure
 
-    async def _measure(self, rec: EpochRecord, now: datetime) -> None:
-        """Stats of an epoch that ended (the metrics module lists them); never fails the controller."""
+    async def _measure(self, rec: EpochRecord, tick: TickResult) -> None:
+        """Stats of an epoch that ended (the metrics module lists them); never fails the controller.
+        Their inputs come with the tick when its batch read them (``tick.report``), else from the store."""
         outcome = _outcome(rec)
-        try:
-            acks = await self.store.acks(self.pid, rec.epoch) if outcome == EpochState.COMPLETED.value else []
-            heartbeat = (await self.store.get_pipeline(self.pid)).heartbeat_at
-        except ArroyoError as exc:
-            self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pid, rec.epoch, exc)
-            acks, heartbeat = [], None
-        self.metrics.epoch_ended(rec, outcome, acks, heartbeat, now)
+        report = tick.report
+        if report is not None:
+            alignment, heartbeat = report.alignment_ms.get(rec.epoch), report.heartbeat_at
+        else:
+            try:
+                completed = outcome == EpochState.COMPLETED.value
+                acks = await self.store.acks(self.pipeline_id, rec.epoch) if completed else []
+                alignment = slowest_alignment(acks)
+                heartbeat = (await self.store.get_pipeline(self.pipeline_id)).heartbeat_at
+            except ArroyoError as exc:
+                self.log.debug("pipeline %s: no metrics for epoch %s: %s", self.pipeline_id, rec.epoch, exc)
+                alignment, heartbeat = None, None
+        self.metrics.epoch_ended(rec, outcome, alignment if outcome == EpochState.COMPLETED.value else None,
+                                 heartbeat, tick.now)
 
     def _record(self, rec: EpochRecord) -> bool:
         entry = self.summary.add(rec)
         if entry["state"] == EpochState.COMPLETED.value:
-            self.log.info("%s", format_epoch_line(self.pid, entry))
+            self.log.info("%s", format_epoch_line(self.pipeline_id, entry))
             return False
-        self.log.warning("%s", format_epoch_line(self.pid, entry))
+        self.log.warning("%s", format_epoch_line(self.pipeline_id, entry))
         return True
 
     def _ended(self, pipe: PipelineRecord) -> TriggerEvent:
@@ -494,39 +529,41 @@ class _Controller:
         figures = f"{s['completed']} epochs completed, {s['failed']} failed, {s['expired']} expired"
         if pipe.state is PipelineState.FAILED:
             self.metrics.pipeline_failed()
-            self.log.error("pipeline %s failed: %s (%s)", self.pid, pipe.failure_cause, figures)
+            self.log.error("pipeline %s failed: %s (%s)", self.pipeline_id, pipe.failure_cause, figures)
             return self.t._event("failure", self.summary, reason="pipeline_failed", pipeline=pipe,
                                  cause=pipe.failure_cause,
-                                 message=f"pipeline {self.pid} failed: {pipe.failure_cause or 'no cause reported'}")
+                                 message=f"pipeline {self.pipeline_id} failed: "
+                                         f"{pipe.failure_cause or 'no cause reported'}")
         return self.t._event("success", self.summary, reason="pipeline_stopped", pipeline=pipe,
-                             message=f"pipeline {self.pid} stopped; {figures}")
+                             message=f"pipeline {self.pipeline_id} stopped; {figures}")
 
     async def _log_waits(self, tick: TickResult) -> None:
         """Say once per wait why no epoch starts (cleanup lock held, pipeline not running or not alive)."""
         decision = tick.decision
         if decision.action is TriggerAction.PIPELINE_NOT_ALIVE:
             if not self.not_alive:
-                self.log.warning("pipeline %s: %s", self.pid, decision.reason)
+                self.log.warning("pipeline %s: %s", self.pipeline_id, decision.reason)
                 self.not_alive = True
         elif self.not_alive:
-            self.log.info("pipeline %s: the driver heartbeats again; checkpoints resume", self.pid)
+            self.log.info("pipeline %s: the driver heartbeats again; checkpoints resume", self.pipeline_id)
             self.not_alive = False
         if decision.action is TriggerAction.WAIT_CLEANUP:
             if decision.reason != self.cleanup_wait:  # a new wait (or another holder took over)
                 self.cleanup_wait = decision.reason
-                lock = await self.store.cleanup_lock(self.pid)
+                lock = await self.store.cleanup_lock(self.pipeline_id)
                 if lock is not None:
                     self.log.info("pipeline %s: waiting for cleanup run %s held by %s (lease until %s)",
-                                  self.pid, lock.cleanup_run, lock.holder, lock.expires_at.isoformat())
+                                  self.pipeline_id, lock.cleanup_run, lock.holder, lock.expires_at.isoformat())
         elif self.cleanup_wait is not None:
-            self.log.info("pipeline %s: cleanup lock released; checkpoints resume", self.pid)
+            self.log.info("pipeline %s: cleanup lock released; checkpoints resume", self.pipeline_id)
             self.cleanup_wait = None
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             if decision.reason != self.idle_state:
                 if tick.pipeline_state is PipelineState.RUNNING:  # running, but asked to stop
-                    self.log.info("pipeline %s: a stop was requested; no new checkpoint while it stops", self.pid)
+                    self.log.info("pipeline %s: a stop was requested; no new checkpoint while it stops",
+                                  self.pipeline_id)
                 else:
-                    self.log.info("pipeline %s: %s; no checkpoint until it runs", self.pid, decision.reason)
+                    self.log.info("pipeline %s: %s; no checkpoint until it runs", self.pipeline_id, decision.reason)
                 self.idle_state = decision.reason
         else:
             self.idle_state = None
@@ -540,7 +577,8 @@ class _Controller:
         ``self.wake``), or without a listener in short polls that double (``interval / 50`` at
         first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
         epoch by about as much again at most, not by a whole poll interval. While the pipeline does
-        not run: until it changes. Never past ``poll``.
+        not run: until it changes. A follower (another copy of this trigger started the last epoch
+        it saw) waits ``FOLLOWER_LAG`` of the interval longer for the schedule. Never past ``poll``.
 
         Database instants become local timers through ``tick.observed_at`` (when the database read
         ``now``), so the time the tick took is not slept again.
@@ -568,6 +606,9 @@ class _Controller:
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             self.wake = True
         self.overdue_polls = self.overdue_polls + 1 if overdue else 0
+        if self.follower and decision.action in (TriggerAction.WAIT_SCHEDULE, TriggerAction.WAIT_IN_FLIGHT) \
+                and not self.wake and not overdue:
+            delay = min(delay + min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX), self.poll)
         return max(delay, 0.0)
 
     @staticmethod

@@ -70,6 +70,7 @@ WAITABLE_STATES = (PipelineState.RUNNING, PipelineState.STOPPED, PipelineState.F
 
 
 class Verdict(enum.StrEnum):
+    """The outcome of one look at a pipeline."""
     WAIT = "wait"
     SUCCESS = "success"
     FAILED = "failed"  # the pipeline failed: fail at once with its cause
@@ -78,6 +79,7 @@ class Verdict(enum.StrEnum):
 
 @dataclass(frozen=True)
 class WaitVerdict:
+    """A verdict with its message (and the failure cause)."""
     verdict: Verdict
     message: str = ""
     cause: str | None = None
@@ -183,10 +185,12 @@ class LocalProcess:
 
     @classmethod
     def of(cls, pid: int) -> LocalProcess:
+        """The process ``pid`` on this host."""
         return cls(pid=pid, host=socket.gethostname(), start_ticks=_start_ticks(pid))
 
     @property
     def on_this_host(self) -> bool:
+        """True if the process ran on this machine (only there can it be checked)."""
         return self.host == socket.gethostname()
 
     def alive(self) -> bool | None:
@@ -334,7 +338,7 @@ class PipelineStateTrigger(BaseTrigger):
         cluster_poll_interval: float = 30.0,
         not_before: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
         target_state, target_epoch = normalize_target(state, epoch)
         if poll_interval <= 0:
@@ -359,6 +363,7 @@ class PipelineStateTrigger(BaseTrigger):
         self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Airflow: the class path and exactly the constructor arguments."""
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
@@ -384,10 +389,12 @@ class PipelineStateTrigger(BaseTrigger):
 
     @property
     def target_description(self) -> str:
+        """What the trigger waits for, for messages."""
         return f"epoch {self.epoch} completed" if self.epoch is not None else f"state {self.state}"
 
     @property
     def cluster_app(self) -> ClusterApplication | None:
+        """The cluster application the operator submitted, if any."""
         return ClusterApplication.from_dict(self.cluster_application)
 
     async def _cluster_app_ended(self) -> str | None:
@@ -404,6 +411,7 @@ class PipelineStateTrigger(BaseTrigger):
 
     @property
     def process(self) -> LocalProcess | None:
+        """The local spark-submit process the operator started, if any."""
         if self.submit_pid is None or self.submit_host is None:
             return None
         return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
@@ -445,6 +453,7 @@ class PipelineStateTrigger(BaseTrigger):
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Airflow: wait for the target, then yield one event."""
         event = await self._wait()
         await hold_until(self.not_before, self.log, self.pipeline_id)
         yield event

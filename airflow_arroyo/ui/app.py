@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime
 from importlib import resources
 from typing import Any
@@ -134,6 +134,53 @@ def _overview_json(o: PipelineOverview, findings: list[Finding]) -> dict[str, An
     }
 
 
+def _base(request: Request) -> str:
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def _wants_json(request: Request) -> bool:
+    path = request.url.path
+    return f"{_base(request)}/api/" in path or path.startswith("/api/")
+
+
+def _pipeline_id_ok(pipeline_id: str) -> str:
+    try:
+        return validate_pipeline_id(pipeline_id)
+    except ConfigurationError as exc:
+        raise UnknownPipelineError(pipeline_id) from exc
+
+
+def _page_url(request: Request, path: str, **params: Any) -> str:
+    kept = {k: v for k, v in params.items() if v is not None}
+    return f"{_base(request)}{path}" + (f"?{urlencode(kept)}" if kept else "")
+
+
+@dataclass(frozen=True)
+class _Ui:
+    """What the routes share: the read-only queries, the templates, the health thresholds."""
+
+    src: StoreSource
+    templates: Environment
+    thresholds: HealthThresholds
+
+    def render(self, request: Request, name: str, http_status: int = 200, **context: Any) -> HTMLResponse:
+        context.setdefault("now", None)
+        html = self.templates.get_template(name).render(base=_base(request), request=request, **context)
+        return HTMLResponse(html, status_code=http_status)
+
+    def queries(self) -> StoreReader:
+        try:
+            return self.src.get()
+        except ConfigurationError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    def error(self, request: Request, status_code: int, message: str) -> Response:
+        if _wants_json(request):
+            return JSONResponse({"detail": message}, status_code=status_code)
+        return self.render(request, "error.html", http_status=status_code, title=f"Error {status_code}",
+                           status_code=status_code, message=message)
+
+
 def create_app(source: StoreSource | None = None, *,
                thresholds: HealthThresholds = HealthThresholds()) -> FastAPI:
     """Build the app. ``source`` gives the read-only queries (default: the ``arroyo_default`` connection)."""
@@ -141,7 +188,7 @@ def create_app(source: StoreSource | None = None, *,
     from airflow.api_fastapi.core_api.security import requires_access_view
 
     src = source if source is not None else StoreSource()
-    templates = _templates()
+    ui = _Ui(src, _templates(), thresholds)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -167,47 +214,16 @@ def create_app(source: StoreSource | None = None, *,
         response.headers.setdefault("Cache-Control", "no-store")
         return response
 
-    # ------------------------------------------------------------------ helpers
+    _add_error_handlers(app, ui)
+    _add_pages(app, ui)
+    _add_api(app, ui)
+    return app
 
-    def base(request: Request) -> str:
-        return str(request.scope.get("root_path", "")).rstrip("/")
 
-    def wants_json(request: Request) -> bool:
-        path = request.url.path
-        return f"{base(request)}/api/" in path or path.startswith("/api/")
-
-    def render(request: Request, name: str, http_status: int = 200, **context: Any) -> HTMLResponse:
-        context.setdefault("now", None)
-        html = templates.get_template(name).render(base=base(request), request=request, **context)
-        return HTMLResponse(html, status_code=http_status)
-
-    def queries() -> StoreReader:
-        try:
-            return src.get()
-        except ConfigurationError as exc:
-            raise StoreUnavailable(str(exc)) from exc
-
-    def pipeline_id_ok(pipeline_id: str) -> str:
-        try:
-            return validate_pipeline_id(pipeline_id)
-        except ConfigurationError as exc:
-            raise UnknownPipelineError(pipeline_id) from exc
-
-    def page_url(request: Request, path: str, **params: Any) -> str:
-        kept = {k: v for k, v in params.items() if v is not None}
-        return f"{base(request)}{path}" + (f"?{urlencode(kept)}" if kept else "")
-
-    # ------------------------------------------------------------------ errors
-
-    def error(request: Request, status_code: int, message: str) -> Response:
-        if wants_json(request):
-            return JSONResponse({"detail": message}, status_code=status_code)
-        return render(request, "error.html", http_status=status_code, title=f"Error {status_code}",
-                      status_code=status_code, message=message)
-
+def _add_error_handlers(app: FastAPI, ui: _Ui) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 401 and not wants_json(request):
+        if exc.status_code == 401 and not _wants_json(request):
             login_url = None
             try:
                 from airflow.api_fastapi.app import get_auth_manager
@@ -215,74 +231,72 @@ def create_app(source: StoreSource | None = None, *,
                 login_url = get_auth_manager().get_url_login(next_url=str(request.url))
             except RuntimeError:
                 login_url = None
-            return render(request, "signin.html", http_status=401, title="Sign in", login_url=login_url,
+            return ui.render(request, "signin.html", http_status=401, title="Sign in", login_url=login_url,
                           detail=str(exc.detail))
-        if wants_json(request):
+        if _wants_json(request):
             return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-        return render(request, "error.html", http_status=exc.status_code, title=f"Error {exc.status_code}",
+        return ui.render(request, "error.html", http_status=exc.status_code, title=f"Error {exc.status_code}",
                       status_code=exc.status_code, message=str(exc.detail))
 
     @app.exception_handler(UnknownPipelineError)
     async def unknown_pipeline(request: Request, exc: UnknownPipelineError) -> Response:
-        return error(request, 404, f"no pipeline named {exc.pipeline_id!r} in the epoch store")
+        return ui.error(request, 404, f"no pipeline named {exc.pipeline_id!r} in the epoch store")
 
     @app.exception_handler(UnknownEpochError)
     async def unknown_epoch(request: Request, exc: UnknownEpochError) -> Response:
-        return error(request, 404, str(exc))
+        return ui.error(request, 404, str(exc))
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
-        return error(request, 503, str(exc))
+        return ui.error(request, 503, str(exc))
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, exc: StoreError) -> Response:
         log.warning("Arroyo UI: epoch store error: %s", exc)
-        return error(request, 503, f"the epoch store could not be read: {exc}")
+        return ui.error(request, 503, f"the epoch store could not be read: {exc}")
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> Response:
         details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
-        return error(request, 422, f"invalid request: {details}")
+        return ui.error(request, 422, f"invalid request: {details}")
 
-    # ------------------------------------------------------------------ static
 
+def _add_pages(app: FastAPI, ui: _Ui) -> None:
     @app.get("/static/arroyo.css", include_in_schema=False)
     def stylesheet() -> Response:
         css = resources.files("airflow_arroyo.ui").joinpath("static/arroyo.css").read_text(encoding="utf-8")
         return Response(css, media_type="text/css", headers={"Cache-Control": "private, max-age=300"})
 
-    # ------------------------------------------------------------------ pages
-
     @app.get("/", response_class=HTMLResponse, name="pipelines_page")
     def pipelines_page(request: Request, after: str | None = Query(None, max_length=200),
                        limit: int = Query(50, ge=1, le=200)) -> HTMLResponse:
-        page = queries().pipelines(after=after, limit=limit)
-        rows = [(o, assess(o, thresholds)) for o in page.items]
+        page = ui.queries().pipelines(after=after, limit=limit)
+        rows = [(o, assess(o, ui.thresholds)) for o in page.items]
         live = any(o.in_flight is not None for o in page.items)
-        return render(request, "pipelines.html", title="Pipelines", page=page, rows=rows, now=page.now,
+        return ui.render(request, "pipelines.html", title="Pipelines", page=page, rows=rows, now=page.now,
                       refresh_s=REFRESH_S if live else None,
                       worst=worst, safe_url=_safe_http_url,
-                      next_url=page_url(request, "/", after=page.next_after, limit=limit) if page.next_after
+                      next_url=_page_url(request, "/", after=page.next_after, limit=limit) if page.next_after
                       else None,
-                      first_url=page_url(request, "/", limit=limit) if after else None)
+                      first_url=_page_url(request, "/", limit=limit) if after else None)
 
     @app.get("/pipelines/{pipeline_id}", response_class=HTMLResponse, name="pipeline_page")
     def pipeline_page(request: Request, pipeline_id: str, before: int | None = Query(None, ge=1),
                       after: int | None = Query(None, ge=0), limit: int = Query(100, ge=1, le=500)) -> HTMLResponse:
-        pid = pipeline_id_ok(pipeline_id)
-        page = queries().pipeline_page(pid, before=before, after=after, limit=limit)
+        pid = _pipeline_id_ok(pipeline_id)
+        page = ui.queries().pipeline_page(pid, before=before, after=after, limit=limit)
         o = page.overview
-        findings = assess(o, thresholds)
+        findings = assess(o, ui.thresholds)
         path = f"/pipelines/{quote(pid, safe='')}"
-        return render(
+        return ui.render(
             request, "pipeline.html", title=pid, o=o, p=o.pipeline, findings=findings, health=worst(findings),
             epochs=page.epochs, now=o.now, spark_url=_safe_http_url(o.pipeline.spark_ui_url),
             chart=charts.history_chart(page.epochs.epochs, o.now), duration=_duration_s,
-            older_url=page_url(request, path, before=page.epochs.older_before, limit=limit)
+            older_url=_page_url(request, path, before=page.epochs.older_before, limit=limit)
             if page.epochs.older_before else None,
-            newer_url=page_url(request, path, after=page.epochs.newer_after, limit=limit)
+            newer_url=_page_url(request, path, after=page.epochs.newer_after, limit=limit)
             if page.epochs.newer_after is not None else None,
-            newest_url=page_url(request, path, limit=limit) if (before or after is not None) else None,
+            newest_url=_page_url(request, path, limit=limit) if (before or after is not None) else None,
             in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes, summary=page.summary,
             # the newest page follows an epoch in flight; a page of older history stays still
             refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
@@ -290,59 +304,60 @@ def create_app(source: StoreSource | None = None, *,
 
     @app.get("/pipelines/{pipeline_id}/epochs/{epoch}", response_class=HTMLResponse, name="epoch_page")
     def epoch_page(request: Request, pipeline_id: str, epoch: int) -> HTMLResponse:
-        pid = pipeline_id_ok(pipeline_id)
-        detail = queries().epoch_detail(pid, epoch)
-        return render(request, "epoch.html", title=f"{pid} · epoch {epoch}", **_epoch_context(detail))
+        pid = _pipeline_id_ok(pipeline_id)
+        detail = ui.queries().epoch_detail(pid, epoch)
+        return ui.render(request, "epoch.html", title=f"{pid} · epoch {epoch}", **_epoch_context(detail))
 
     @app.get("/pipelines/{pipeline_id}/retention", response_class=HTMLResponse, name="retention_page")
     def retention_page(request: Request, pipeline_id: str, before_id: int | None = Query(None, ge=1),
                        limit: int = Query(50, ge=1, le=200)) -> HTMLResponse:
-        pid = pipeline_id_ok(pipeline_id)
-        page = queries().retention(pid, before_id=before_id, limit=limit)
+        pid = _pipeline_id_ok(pipeline_id)
+        page = ui.queries().retention(pid, before_id=before_id, limit=limit)
         path = f"/pipelines/{quote(pid, safe='')}/retention"
-        return render(request, "retention.html", title=f"{pid} · retention", page=page, p=page.pipeline,
+        return ui.render(request, "retention.html", title=f"{pid} · retention", page=page, p=page.pipeline,
                       now=page.now, duration=_duration_s,
-                      older_url=page_url(request, path, before_id=page.next_before_id, limit=limit)
+                      older_url=_page_url(request, path, before_id=page.next_before_id, limit=limit)
                       if page.next_before_id else None,
-                      newest_url=page_url(request, path, limit=limit) if before_id else None)
+                      newest_url=_page_url(request, path, limit=limit) if before_id else None)
 
-    def _epoch_context(detail: EpochDetail) -> dict[str, Any]:
-        e = detail.epoch
-        timings = stage_timings(detail)
-        end_s = _duration_s(e.triggered_at, e.ended_at)
-        return {
-            "d": detail, "e": e, "p": detail.pipeline, "now": detail.now, "timings": timings,
-            "duration_s": end_s if end_s is not None else (
-                (detail.now - e.triggered_at).total_seconds() if e.state is EpochState.TRIGGERED else None),
-            "chart": charts.timeline_chart(timings, epoch_end_s=end_s,
-                                           epoch_end_label=f"{e.state.value} after {format.duration_human(end_s)}"
-                                           if end_s is not None else ""),
-            "in_flight": e.state is EpochState.TRIGGERED,
-            "refresh_s": REFRESH_S if e.state is EpochState.TRIGGERED else None,
-            "restorable": e.state is EpochState.COMPLETED,
-            "not_restorable": _not_restorable(e),
-            "prev_epoch": e.epoch - 1 if e.epoch > 1 else None,
-            "next_epoch": e.epoch + 1 if e.epoch < detail.pipeline.last_epoch else None,
-        }
 
-    # ------------------------------------------------------------------ JSON API
+def _epoch_context(detail: EpochDetail) -> dict[str, Any]:
+    e = detail.epoch
+    timings = stage_timings(detail)
+    end_s = _duration_s(e.triggered_at, e.ended_at)
+    return {
+        "d": detail, "e": e, "p": detail.pipeline, "now": detail.now, "timings": timings,
+        "duration_s": end_s if end_s is not None else (
+            (detail.now - e.triggered_at).total_seconds() if e.state is EpochState.TRIGGERED else None),
+        "chart": charts.timeline_chart(timings, epoch_end_s=end_s,
+                                       epoch_end_label=f"{e.state.value} after {format.duration_human(end_s)}"
+                                       if end_s is not None else ""),
+        "in_flight": e.state is EpochState.TRIGGERED,
+        "refresh_s": REFRESH_S if e.state is EpochState.TRIGGERED else None,
+        "restorable": e.state is EpochState.COMPLETED,
+        "not_restorable": _not_restorable(e),
+        "prev_epoch": e.epoch - 1 if e.epoch > 1 else None,
+        "next_epoch": e.epoch + 1 if e.epoch < detail.pipeline.last_epoch else None,
+    }
 
+
+def _add_api(app: FastAPI, ui: _Ui) -> None:
     @app.get("/api/pipelines")
     def api_pipelines(after: str | None = Query(None, max_length=200),
                       limit: int = Query(50, ge=1, le=200)) -> dict[str, Any]:
-        page = queries().pipelines(after=after, limit=limit)
+        page = ui.queries().pipelines(after=after, limit=limit)
         return {"now": page.now, "next_after": page.next_after,
-                "pipelines": [_overview_json(o, assess(o, thresholds)) for o in page.items]}
+                "pipelines": [_overview_json(o, assess(o, ui.thresholds)) for o in page.items]}
 
     @app.get("/api/pipelines/{pipeline_id}")
     def api_pipeline(pipeline_id: str) -> dict[str, Any]:
-        o = queries().overview(pipeline_id_ok(pipeline_id))
-        return _overview_json(o, assess(o, thresholds))
+        o = ui.queries().overview(_pipeline_id_ok(pipeline_id))
+        return _overview_json(o, assess(o, ui.thresholds))
 
     @app.get("/api/pipelines/{pipeline_id}/epochs")
     def api_epochs(pipeline_id: str, before: int | None = Query(None, ge=1), after: int | None = Query(None, ge=0),
                    limit: int = Query(100, ge=1, le=500)) -> dict[str, Any]:
-        page = queries().epochs(pipeline_id_ok(pipeline_id), before=before, after=after, limit=limit)
+        page = ui.queries().epochs(_pipeline_id_ok(pipeline_id), before=before, after=after, limit=limit)
         return {
             "epochs": [{**_json(e), "duration_s": e.duration_s} for e in page.epochs],
             "older_before": page.older_before,
@@ -351,7 +366,7 @@ def create_app(source: StoreSource | None = None, *,
 
     @app.get("/api/pipelines/{pipeline_id}/epochs/{epoch}")
     def api_epoch(pipeline_id: str, epoch: int) -> dict[str, Any]:
-        detail = queries().epoch_detail(pipeline_id_ok(pipeline_id), epoch)
+        detail = ui.queries().epoch_detail(_pipeline_id_ok(pipeline_id), epoch)
         return {
             "now": detail.now,
             "epoch": {**_json(detail.epoch), "duration_s": detail.epoch.duration_s},
@@ -366,12 +381,10 @@ def create_app(source: StoreSource | None = None, *,
     @app.get("/api/pipelines/{pipeline_id}/retention")
     def api_retention(pipeline_id: str, before_id: int | None = Query(None, ge=1),
                       limit: int = Query(50, ge=1, le=200)) -> dict[str, Any]:
-        page = queries().retention(pipeline_id_ok(pipeline_id), before_id=before_id, limit=limit)
+        page = ui.queries().retention(_pipeline_id_ok(pipeline_id), before_id=before_id, limit=limit)
         return {
             "now": page.now,
             "cleanup_lock": {**_json(page.lock), "live": page.lock_live} if page.lock else None,
             "cleanup_runs": [_json(r) for r in page.runs],
             "next_before_id": page.next_before_id,
         }
-
-    return app

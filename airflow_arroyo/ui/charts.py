@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from markupsafe import Markup, escape
@@ -139,6 +140,21 @@ def _duration_scale(ordered: Sequence[EpochRecord], durations: Sequence[float | 
     return duration_ticks(max(basis or [1.0]))
 
 
+@dataclass(frozen=True)
+class _Bands:
+    """The x axis of the history chart: one band per epoch, a bar centred in each."""
+
+    left: float
+    band: float
+    bar_w: float
+
+    def bar_x(self, i: int) -> float:
+        return self.left + i * self.band + (self.band - self.bar_w) / 2
+
+    def centre(self, i: int) -> float:
+        return self.left + i * self.band + self.band / 2
+
+
 def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 960) -> Markup:
     """Three panels over ``epochs`` (any order; drawn oldest to newest): duration per epoch (bars by
     state), total checkpoint size (line), bytes new per epoch (bars)."""
@@ -155,19 +171,31 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
         return Markup("".join(parts))
 
     n = len(ordered)
-    band = plot_w / n
-    bar_w = max(1.0, band * 0.7)
+    bands = _Bands(left, plot_w / n, max(1.0, plot_w / n * 0.7))
+    y = top_pad
+    parts += _duration_panel(ordered, now, bands, plot_w, y, panels[0])
+    y += panels[0] + gap
+    parts += _total_panel(ordered, bands, plot_w, y, panels[1])
+    y += panels[1] + gap
+    parts += _new_panel(ordered, bands, plot_w, y, panels[2])
 
-    def bar_x(i: int) -> float:
-        return left + i * band + (band - bar_w) / 2
+    label_every = max(1, math.ceil(n / 10))
+    for i, e in enumerate(ordered):
+        if i % label_every == 0 or i == n - 1:
+            parts.append(_text(bands.centre(i), height - 8, str(e.epoch), anchor="middle"))
+    parts.append("</svg>")
+    return Markup("".join(parts))
 
-    # -- duration
+
+def _duration_panel(ordered: Sequence[EpochRecord], now: datetime, bands: _Bands, plot_w: float, y: float,
+                    h_panel: float) -> list[str]:
+    """Duration per epoch, bars coloured by state; bars above the scale are clipped and marked."""
+    left = bands.left
     durations = [_duration_s(e, now) for e in ordered]
     d_ticks = _duration_scale(ordered, durations)
     d_top = d_ticks[-1] or 1.0
-    y, h_panel = top_pad, panels[0]
     present = sorted({e.state for e in ordered}, key=list(EpochState).index)
-    parts.append(_text(left, y - 8, "duration", extra=' font-weight="600"'))
+    parts = [_text(left, y - 8, "duration", extra=' font-weight="600"')]
     parts += _legend([(STATE_COLOURS[s], s.value) for s in present], left + 70, y - 8)
     parts += _y_axis(left, left + plot_w, y, h_panel, d_ticks, _axis_duration)
     clipped = 0
@@ -182,23 +210,26 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
             tip += " so far"
         if e.failure_reason:
             tip += f" · {e.failure_reason}"
-        parts.append(f'<rect x="{_num(bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bar_w)}" '
+        parts.append(f'<rect x="{_num(bands.bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bands.bar_w)}" '
                      f'height="{_num(h)}" fill="{STATE_COLOURS[e.state]}"><title>{escape(tip)}</title></rect>')
         if over:
-            cx = bar_x(i) + bar_w / 2
+            cx = bands.bar_x(i) + bands.bar_w / 2
             parts.append(f'<polygon points="{_num(cx - 4)},{_num(y - 1)} {_num(cx + 4)},{_num(y - 1)} '
                          f'{_num(cx)},{_num(y - 7)}" fill="#111827"><title>{escape(tip)} (off the scale)</title>'
                          "</polygon>")
     if clipped:
         parts.append(_text(left + plot_w, y - 8, f"▲ {clipped} off the scale", anchor="end"))
+    return parts
 
-    # -- total size
-    y += h_panel + gap
-    h_panel = panels[1]
+
+def _total_panel(ordered: Sequence[EpochRecord], bands: _Bands, plot_w: float, y: float,
+                 h_panel: float) -> list[str]:
+    """Total checkpoint size per epoch: a line, broken where an epoch reported none."""
+    left = bands.left
     totals = [float(e.bytes_total) for e in ordered if e.bytes_total is not None]
     t_ticks = _bytes_ticks(max(totals or [1.0]))
     t_top = t_ticks[-1] or 1.0
-    parts.append(_text(left, y - 8, "checkpoint size (total)", extra=' font-weight="600"'))
+    parts = [_text(left, y - 8, "checkpoint size (total)", extra=' font-weight="600"')]
     parts += _y_axis(left, left + plot_w, y, h_panel, t_ticks, _axis_bytes)
     if not totals:
         parts.append(_text(left + plot_w / 2, y + h_panel / 2, "no size reported yet", anchor="middle",
@@ -208,24 +239,25 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
         if e.bytes_total is None:
             segments.append([])
             continue
-        cx = left + i * band + band / 2
+        cx = bands.centre(i)
         cy = y + h_panel - h_panel * e.bytes_total / t_top
         segments[-1].append(f"{_num(cx)},{_num(cy)}")
         tip = f"epoch {e.epoch} · total {bytes_human(e.bytes_total)}"
-        parts.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{2.5 if n <= 120 else 1.5}" '
+        parts.append(f'<circle cx="{_num(cx)}" cy="{_num(cy)}" r="{2.5 if len(ordered) <= 120 else 1.5}" '
                      f'fill="{_TOTAL_COLOUR}"><title>{escape(tip)}</title></circle>')
-    for seg in segments:
-        if len(seg) > 1:
-            parts.append(f'<polyline points="{" ".join(seg)}" fill="none" stroke="{_TOTAL_COLOUR}" '
-                         'stroke-width="1.5"/>')
+    parts += [f'<polyline points="{" ".join(seg)}" fill="none" stroke="{_TOTAL_COLOUR}" stroke-width="1.5"/>'
+              for seg in segments if len(seg) > 1]
+    return parts
 
-    # -- bytes new
-    y += h_panel + gap
-    h_panel = panels[2]
+
+def _new_panel(ordered: Sequence[EpochRecord], bands: _Bands, plot_w: float, y: float,
+               h_panel: float) -> list[str]:
+    """Bytes new per epoch (what the incremental snapshot copied): bars."""
+    left = bands.left
     news = [float(e.bytes_new) for e in ordered if e.bytes_new is not None]
     n_ticks = _bytes_ticks(max(news or [1.0]), 2)
     n_top = n_ticks[-1] or 1.0
-    parts.append(_text(left, y - 8, "bytes new (incremental)", extra=' font-weight="600"'))
+    parts = [_text(left, y - 8, "bytes new (incremental)", extra=' font-weight="600"')]
     parts += _y_axis(left, left + plot_w, y, h_panel, n_ticks, _axis_bytes)
     if not news:
         parts.append(_text(left + plot_w / 2, y + h_panel / 2, "no size reported yet", anchor="middle",
@@ -235,16 +267,9 @@ def history_chart(epochs: Sequence[EpochRecord], now: datetime, *, width: int = 
             continue
         h = max(h_panel * e.bytes_new / n_top, 0.5)
         tip = f"epoch {e.epoch} · new {bytes_human(e.bytes_new)}"
-        parts.append(f'<rect x="{_num(bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bar_w)}" '
+        parts.append(f'<rect x="{_num(bands.bar_x(i))}" y="{_num(y + h_panel - h)}" width="{_num(bands.bar_w)}" '
                      f'height="{_num(h)}" fill="{_NEW_COLOUR}"><title>{escape(tip)}</title></rect>')
-
-    label_every = max(1, math.ceil(n / 10))
-    for i, e in enumerate(ordered):
-        if i % label_every == 0 or i == n - 1:
-            cx = left + i * band + band / 2
-            parts.append(_text(cx, height - 8, str(e.epoch), anchor="middle"))
-    parts.append("</svg>")
-    return Markup("".join(parts))
+    return parts
 
 
 def timeline_chart(timings: Sequence[StageTiming], *, epoch_end_s: float | None = None,

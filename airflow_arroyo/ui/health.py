@@ -20,6 +20,7 @@ The rules, each one :class:`Finding` kind:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from airflow_arroyo.epochs import PipelineState
@@ -30,6 +31,7 @@ __all__ = ["Finding", "HealthThresholds", "Severity", "assess", "worst"]
 
 
 class Severity(enum.IntEnum):
+    """How bad a finding is."""
     OK = 0
     INFO = 1
     WARNING = 2
@@ -37,11 +39,13 @@ class Severity(enum.IntEnum):
 
     @property
     def label(self) -> str:
+        """The severity's name in lower case (for CSS classes and JSON)."""
         return self.name.lower()
 
 
 @dataclass(frozen=True)
 class Finding:
+    """One warning about a pipeline."""
     kind: str
     severity: Severity
     message: str
@@ -49,6 +53,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class HealthThresholds:
+    """When the rules above warn."""
     overdue_intervals: float = 3.0
     overdue_grace_s: float = 60.0
     heartbeat_intervals: float = 3.0
@@ -59,83 +64,105 @@ class HealthThresholds:
 _LIVE = (PipelineState.REGISTERED, PipelineState.RUNNING, PipelineState.STOPPING)
 
 
-def assess(o: PipelineOverview, t: HealthThresholds = HealthThresholds()) -> list[Finding]:
-    """The findings for one pipeline, most severe first."""
-    p = o.pipeline
-    now = o.now
-    found: list[Finding] = []
-
-    if p.state is PipelineState.FAILED:
-        cause = f": {p.failure_cause}" if p.failure_cause else ""
-        found.append(Finding("failed", Severity.CRITICAL, f"the pipeline run failed{cause}"))
-
-    n = o.consecutive_failures
-    if n:
-        last = o.last_failure
-        count = f"at least {n}" if o.failure_streak_capped else str(n)
-        noun = "checkpoint" if n == 1 else "checkpoints"
-        detail = ""
-        if last is not None:
-            detail = f"; epoch {last.epoch} {last.state.value}"
-            if last.failure_reason:
-                detail += f": {last.failure_reason}"
-        severity = Severity.CRITICAL if n >= t.critical_failures else Severity.WARNING
-        found.append(Finding("failing", severity, f"the last {count} {noun} failed{detail}"))
-
-    interval = p.checkpoint_interval_s
-    if p.state is PipelineState.RUNNING and interval:
-        since_candidates = [d for d in (p.updated_at,) if d is not None]
-        if o.last_completed is not None and o.last_completed.ended_at is not None:
-            since_candidates.append(o.last_completed.ended_at)
-        if since_candidates:
-            since = max(since_candidates)
-            waited = (now - since).total_seconds()
-            limit = t.overdue_intervals * interval + t.overdue_grace_s
-            if waited > limit:
-                what = ("no checkpoint has completed in this run" if o.last_completed is None
-                        or (p.updated_at is not None and o.last_completed.ended_at is not None
-                            and o.last_completed.ended_at < p.updated_at)
-                        else "no checkpoint has completed")
-                found.append(Finding(
-                    "overdue", Severity.WARNING,
-                    f"checkpoints are overdue: {what} for {duration_human(waited)} "
-                    f"(interval {duration_human(interval)})",
-                ))
-
-    if o.in_flight is not None and now >= o.in_flight.timeout_at:
-        found.append(Finding(
-            "timed_out", Severity.WARNING,
-            f"epoch {o.in_flight.epoch} is past its timeout ({timestamp(o.in_flight.timeout_at)}) and still "
-            "in flight; the checkpoint trigger expires it at its next tick: is the triggerer running?",
-        ))
-
-    if p.state in _LIVE:
-        stale_after = max(t.heartbeat_min_s, t.heartbeat_intervals * (interval or 0.0))
-        if p.heartbeat_at is None:
-            found.append(Finding("heartbeat", Severity.WARNING, "the pipeline driver never sent a heartbeat"))
-        else:
-            silent = (now - p.heartbeat_at).total_seconds()
-            if silent > stale_after:
-                found.append(Finding(
-                    "heartbeat", Severity.WARNING,
-                    f"no heartbeat from the pipeline driver for {duration_human(silent)}: "
-                    "is the Spark application still alive?",
-                ))
-
-    if o.cleanup_lock is not None:
-        lock = o.cleanup_lock
-        found.append(Finding(
-            "cleanup", Severity.INFO,
-            f"cleanup run {lock.cleanup_run} ({lock.holder}) holds the cleanup lock until "
-            f"{timestamp(lock.expires_at)}; no checkpoint starts until it ends",
-        ))
-
-    if p.stop_requested and p.state in _LIVE:
-        found.append(Finding("stopping", Severity.INFO, f"a {p.stop_requested} stop was requested"))
-
+def assess(overview: PipelineOverview, thresholds: HealthThresholds = HealthThresholds()) -> list[Finding]:
+    """The findings for one pipeline, most severe first (one rule per ``_rule`` below, in the module's order)."""
+    found = [f for rule in _RULES if (f := rule(overview, thresholds)) is not None]
     found.sort(key=lambda f: -f.severity)
     return found
 
 
+def _failed(overview: PipelineOverview, _: HealthThresholds) -> Finding | None:
+    p = overview.pipeline
+    if p.state is not PipelineState.FAILED:
+        return None
+    cause = f": {p.failure_cause}" if p.failure_cause else ""
+    return Finding("failed", Severity.CRITICAL, f"the pipeline run failed{cause}")
+
+
+def _failing(overview: PipelineOverview, thresholds: HealthThresholds) -> Finding | None:
+    n = overview.consecutive_failures
+    if not n:
+        return None
+    last = overview.last_failure
+    count = f"at least {n}" if overview.failure_streak_capped else str(n)
+    noun = "checkpoint" if n == 1 else "checkpoints"
+    detail = ""
+    if last is not None:
+        detail = f"; epoch {last.epoch} {last.state.value}"
+        if last.failure_reason:
+            detail += f": {last.failure_reason}"
+    severity = Severity.CRITICAL if n >= thresholds.critical_failures else Severity.WARNING
+    return Finding("failing", severity, f"the last {count} {noun} failed{detail}")
+
+
+def _overdue(overview: PipelineOverview, thresholds: HealthThresholds) -> Finding | None:
+    p = overview.pipeline
+    interval = p.checkpoint_interval_s
+    if p.state is not PipelineState.RUNNING or not interval:
+        return None
+    last = overview.last_completed
+    since_candidates = [d for d in (p.updated_at,) if d is not None]
+    if last is not None and last.ended_at is not None:
+        since_candidates.append(last.ended_at)
+    if not since_candidates:
+        return None
+    waited = (overview.now - max(since_candidates)).total_seconds()
+    if waited <= thresholds.overdue_intervals * interval + thresholds.overdue_grace_s:
+        return None
+    this_run = last is None or (p.updated_at is not None and last.ended_at is not None
+                                and last.ended_at < p.updated_at)
+    what = "no checkpoint has completed in this run" if this_run else "no checkpoint has completed"
+    return Finding("overdue", Severity.WARNING,
+                   f"checkpoints are overdue: {what} for {duration_human(waited)} "
+                   f"(interval {duration_human(interval)})")
+
+
+def _timed_out(overview: PipelineOverview, _: HealthThresholds) -> Finding | None:
+    in_flight = overview.in_flight
+    if in_flight is None or overview.now < in_flight.timeout_at:
+        return None
+    return Finding(
+        "timed_out", Severity.WARNING,
+        f"epoch {in_flight.epoch} is past its timeout ({timestamp(in_flight.timeout_at)}) and still "
+        "in flight; the checkpoint trigger expires it at its next tick: is the triggerer running?",
+    )
+
+
+def _heartbeat(overview: PipelineOverview, thresholds: HealthThresholds) -> Finding | None:
+    p = overview.pipeline
+    if p.state not in _LIVE:
+        return None
+    if p.heartbeat_at is None:
+        return Finding("heartbeat", Severity.WARNING, "the pipeline driver never sent a heartbeat")
+    stale_after = max(thresholds.heartbeat_min_s, thresholds.heartbeat_intervals * (p.checkpoint_interval_s or 0.0))
+    silent = (overview.now - p.heartbeat_at).total_seconds()
+    if silent <= stale_after:
+        return None
+    return Finding("heartbeat", Severity.WARNING,
+                   f"no heartbeat from the pipeline driver for {duration_human(silent)}: "
+                   "is the Spark application still alive?")
+
+
+def _cleanup(overview: PipelineOverview, _: HealthThresholds) -> Finding | None:
+    lock = overview.cleanup_lock
+    if lock is None:
+        return None
+    return Finding("cleanup", Severity.INFO,
+                   f"cleanup run {lock.cleanup_run} ({lock.holder}) holds the cleanup lock until "
+                   f"{timestamp(lock.expires_at)}; no checkpoint starts until it ends")
+
+
+def _stopping(overview: PipelineOverview, _: HealthThresholds) -> Finding | None:
+    p = overview.pipeline
+    if not p.stop_requested or p.state not in _LIVE:
+        return None
+    return Finding("stopping", Severity.INFO, f"a {p.stop_requested} stop was requested")
+
+
+_RULES: tuple[Callable[[PipelineOverview, HealthThresholds], Finding | None], ...] = (
+    _failed, _failing, _overdue, _timed_out, _heartbeat, _cleanup, _stopping)
+
+
 def worst(findings: list[Finding]) -> Severity:
+    """The most severe of ``findings`` (OK for none)."""
     return max((f.severity for f in findings), default=Severity.OK)

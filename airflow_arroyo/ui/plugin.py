@@ -13,11 +13,11 @@ from urllib.parse import urlsplit
 
 from airflow.plugins_manager import AirflowPlugin
 
-from airflow_arroyo.links import UI_ROUTE
+from airflow_arroyo.links.pipeline import UI_ROUTE
 
 __all__ = ["URL_PREFIX", "ArroyoPlugin"]
 
-#: Where Airflow's api-server mounts the app (``airflow_arroyo.links`` builds the operators' extra
+#: Where Airflow's api-server mounts the app (``links.pipeline`` builds the operators' extra
 #: links to ``{URL_PREFIX}/pipelines/{pipeline_id}``).
 URL_PREFIX = "/arroyo"
 

@@ -85,5 +85,6 @@ class StoreSource:
             self._resolved_at = None
 
     def close(self) -> None:
+        """Close the reader, if one was opened."""
         self.reset()
 

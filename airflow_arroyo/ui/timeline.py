@@ -24,6 +24,7 @@ __all__ = ["StageStatus", "StageTiming", "stage_timings"]
 
 
 class StageStatus(enum.StrEnum):
+    """Where a stage is in an epoch."""
     ACKNOWLEDGED = "acknowledged"
     WAITING = "waiting"  # the epoch is in flight and this stage has not acknowledged yet
     MISSING = "missing"  # the epoch ended without this stage's acknowledgement
@@ -31,6 +32,7 @@ class StageStatus(enum.StrEnum):
 
 @dataclass(frozen=True)
 class StageTiming:
+    """When a stage acknowledged an epoch and where its time went."""
     stage: str
     status: StageStatus
     end_to_end_s: float | None = None  # for a waiting stage: time since the trigger so far

@@ -215,8 +215,9 @@ class FakePipeline(threading.Thread):
 @pytest.mark.airflow
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("airflow_db")
 def test_dag_test_runs_the_deferred_controller_until_the_pipeline_stops(
-        checkpoint_dag: Any, airflow_db: str, store: EpochStore, migrated_dsn: str,
+        checkpoint_dag: Any, store: EpochStore, migrated_dsn: str,
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session

@@ -407,7 +407,8 @@ async def test_waits_for_the_pipeline_to_register_then_runs(store: EpochStore, c
     assert sum("pipeline is registered; no checkpoint until it runs" in m for m in text) == 1
 
 
-async def test_never_registered_ends_with_a_failure_event(store: EpochStore, connection: str) -> None:
+@pytest.mark.usefixtures("store")
+async def test_never_registered_ends_with_a_failure_event(connection: str) -> None:
     event = await first_event(make_trigger(registration_timeout=0), VirtualClock(connection))
     assert event["status"] == "failure" and event["reason"] == "not_registered"
     assert "not registered" in event["message"]
@@ -485,8 +486,9 @@ class RecordingStore(AsyncEpochStore):
         return result
 
 
+@pytest.mark.usefixtures("monkeypatch")
 async def test_two_copies_of_the_trigger_on_one_loop_never_have_two_epochs_in_flight(
-        running: EpochStore, connection: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        running: EpochStore, connection: str) -> None:
     """Triggerer HA runs the same trigger twice. Both copies tick at the same instants (lock-step),
     so they race for every start; the database lets exactly one win."""
     rounds = [0]
@@ -777,9 +779,12 @@ class RecordingStats:
         return [v for k, s, v, _ in self.calls if k == kind and s == f"arroyo.{PID}.{metric}"]
 
 
-async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, connection: str) -> None:
+@pytest.mark.parametrize("coalesce", [True, False], ids=["read-with-the-batch", "read-by-the-trigger"])
+async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, connection: str,
+                                                          coalesce: bool) -> None:
     """Duration, size, bytes new, alignment, lateness, failures and heartbeat age, per epoch, from the
-    records the trigger read (checked against the database)."""
+    records the trigger read (checked against the database): read with the tick's batch (the coalescer's
+    report), or by the trigger itself (ticks not coalesced)."""
     from airflow_arroyo.metrics import EpochMetrics
 
     def pipeline() -> None:
@@ -797,9 +802,22 @@ async def test_metrics_of_epochs_go_through_airflow_stats(running: EpochStore, c
     stats = RecordingStats()
     trigger = make_trigger(interval=10.0)
     trigger._metrics = lambda: EpochMetrics(PID, stats=stats)  # type: ignore[method-assign]
+    seen: list[bool] = []
+
+    class Store(AsyncEpochStore):
+        async def trigger_tick(self, *args: Any, **kwargs: Any) -> TickResult:
+            tick = await super().trigger_tick(*args, **kwargs)
+            seen.append(tick.report is not None)
+            return tick
+
+    async def open_store() -> AsyncEpochStore:
+        return Store(running, coalesce=coalesce)
+
+    trigger._open_store = open_store  # type: ignore[method-assign]
     event = await first_event(trigger, VirtualClock(connection, pipeline))
 
     assert event["reason"] == "pipeline_failed"
+    assert seen and set(seen) == {coalesce}
     done = sorted(running.list_epochs(PID, states=[EpochState.COMPLETED]), key=lambda e: e.epoch)
     assert [e.epoch for e in done] == [1, 3]
     assert stats.values("incr", "epoch.completed") == [1, 1]

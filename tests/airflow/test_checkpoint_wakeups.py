@@ -108,7 +108,8 @@ async def test_a_subscription_wakes_on_its_pipelines_epoch_end_only(store: Epoch
         mine.close()
 
 
-async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore, migrated_dsn: str,
+@pytest.mark.usefixtures("migrated_dsn")
+async def test_an_overdue_epoch_wakes_the_trigger_when_it_ends(store: EpochStore,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Epochs overrun their interval (0.1 s) by 0.4 s: the trigger learns each end from the database's
     announcement, about one tick at the due time and one at the end, and starts the next epoch at once."""

@@ -96,7 +96,8 @@ def test_a_slow_stop_defers_with_the_settle_time(running: EpochStore) -> None:
     assert running.get_pipeline(PID).stop_requested == "graceful"
 
 
-def test_the_sensor_defers_with_the_settle_time(running: EpochStore) -> None:
+@pytest.mark.usefixtures("running")
+def test_the_sensor_defers_with_the_settle_time() -> None:
     sensor = PipelineSensor(task_id="wait", pipeline_id=PID, conn_id=CONN, epoch=3)
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({"ti": _TI()})  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from airflow_arroyo.exceptions import (
     PipelineFailedError,
     UnknownPipelineError,
 )
-from airflow_arroyo.links import pipeline_page_url
+from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.operators.pipeline import (
     DRIVER_APPLICATION,
     StopPipelineOperator,
@@ -38,8 +38,8 @@ from airflow_arroyo.operators.pipeline import (
     parse_restore_from,
 )
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
-from tests.support import wait_for
 
 FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
 PID = "orders"
@@ -191,9 +191,9 @@ def test_submit_defers_returns_once_running_and_on_kill_stops_it(conns: EpochSto
 
 
 @pytest.mark.spark
+@pytest.mark.usefixtures("conns", "started")
 def test_submit_fails_with_the_log_when_spark_submit_dies_before_registering(
-    conns: EpochStore, tmp_path: Path, started: list[LocalProcess]
-) -> None:
+    tmp_path: Path) -> None:
     op = submit_op(tmp_path, env_vars={"FAKE_EXIT_BEFORE_REGISTER": "cannot import orders_pipeline"})
     ti = _TI()
     with pytest.raises(TaskDeferred) as deferred:
@@ -211,7 +211,8 @@ def test_submit_refuses_while_another_run_is_live(conns: EpochStore, tmp_path: P
     assert not (tmp_path / PID).exists()  # nothing was started
 
 
-def test_submit_refuses_bad_input_before_starting_anything(conns: EpochStore, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("conns")
+def test_submit_refuses_bad_input_before_starting_anything(tmp_path: Path) -> None:
     for bad in ({"pipeline": "no_colon"}, {"pipeline_id": "has space"}, {"restore_from": 0}):
         with pytest.raises(ConfigurationError):
             submit_op(tmp_path, **bad).execute({"ti": _TI()})  # type: ignore[arg-type]
@@ -221,7 +222,8 @@ def test_submit_refuses_bad_input_before_starting_anything(conns: EpochStore, tm
 # --------------------------------------------------------------------------- stop
 
 
-def test_stop_of_an_unknown_pipeline_has_nothing_to_do(conns: EpochStore) -> None:
+@pytest.mark.usefixtures("conns")
+def test_stop_of_an_unknown_pipeline_has_nothing_to_do() -> None:
     result = StopPipelineOperator(task_id="stop", pipeline_id="never-ran", conn_id=CONN).execute({"ti": _TI()})  # type: ignore[arg-type]
     assert result["state"] is None
 
@@ -315,7 +317,8 @@ def _json_or_text(value: Any) -> Any:
 
 
 @pytest.mark.spark
-def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any, airflow_db: str,
+@pytest.mark.usefixtures("airflow_db")
+def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any,
                                          started: list[LocalProcess], tmp_path: Path) -> None:
     """dag.test(): submit (real spark-submit) -> wait for epoch 3 (deferred) -> graceful stop; the
     extra links resolve to the pipeline page and the Spark UI the driver reported."""
@@ -415,6 +418,17 @@ def test_templated_arguments_are_checked_once_rendered() -> None:
         submit._validate()
     stop = StopPipelineOperator(task_id="t", pipeline_id=PID, mode="{{ params.mode }}")
     assert stop.mode == "{{ params.mode }}"
+
+
+def test_the_links_old_import_path_still_works() -> None:
+    """0.1 code imported ``airflow_arroyo.links``; the names now live in ``links.pipeline``."""
+    import airflow_arroyo.links as old
+    import airflow_arroyo.links.pipeline as new
+
+    assert (old.ArroyoPipelineLink, old.SparkUILink, old.pipeline_page_url) == (
+        new.ArroyoPipelineLink, new.SparkUILink, new.pipeline_page_url)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        old.nope  # noqa: B018
 
 
 def test_the_checkpoint_link_stays_inside_airflows_ui() -> None:

@@ -26,6 +26,7 @@ from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 from airflow_arroyo.store import EpochStore, PipelineRecord
+from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers import pipeline as trigger_module
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
@@ -34,7 +35,6 @@ from airflow_arroyo.triggers.pipeline import (
     evaluate_wait,
     normalize_target,
 )
-from tests.support import wait_for
 
 PID = "orders"
 STAGES = ["source", "sink"]
@@ -258,8 +258,9 @@ def test_trigger_times_out_at_its_deadline(store: EpochStore, conn: str, monkeyp
     assert events[0]["status"] == "timeout" and "did not reach state running" in events[0]["message"]
 
 
+@pytest.mark.usefixtures("store")
 def test_trigger_fails_when_spark_submit_exits_before_registering(
-    store: EpochStore, conn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    conn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     log = tmp_path / "submit.log"
     with open(log, "wb") as out:

@@ -48,8 +48,9 @@ def test_dag_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dag.get_task("prune_epochs").upstream_task_ids == {"registered_pipelines"}
 
 
+@pytest.mark.usefixtures("airflow_db")
 def test_retention_dag_prunes_every_registered_pipeline(
-    airflow_db: str, store: EpochStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: EpochStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", store.dsn)
     monkeypatch.setenv("AIRFLOW_VAR_ARROYO_RETENTION_KEEP_LAST", "1")

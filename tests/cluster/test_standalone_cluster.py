@@ -32,10 +32,9 @@ from airflow_arroyo.operators.pipeline import SubmitPipelineOperator
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess
 from tests.airflow.test_pipeline_operators import _TI, run_trigger
-from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of
-from tests.support import wait_for
 
 # two driver starts on a 2-core machine: minutes (10-13 min measured while five test runs shared it)
 pytestmark = [pytest.mark.spark, pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -89,7 +88,7 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
     expected = expected_report(ROWS)
     drivers: list[LocalProcess] = []
     try:
-        with Controller(store, PID, interval=1.0, timeout=60.0, tick=0.2):
+        with CheckpointTicker(store, PID, interval=1.0, timeout=60.0, tick=0.2):
             # 1. submit on the cluster; an epoch completes; executors on both workers
             _, ti, driver = submit(tmp_path, "run-1")
             drivers.append(driver)
@@ -128,7 +127,7 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
             _, ti2, driver2 = submit(tmp_path, "run-2", restore_from="latest", takeover=True)  # on the worker left
             drivers.append(driver2)
             assert store.get_pipeline(PID).restored_from_epoch == restore_point.epoch
-            wait_for(lambda: row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected), timeout=300,
+            wait_for(lambda: channel_row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected), timeout=300,
                      interval=0.5, what=f"the restored run to reach the end of the input\n{tail(ti2)}")
         store.request_stop(PID, "graceful")
         wait_for(lambda: store.get_pipeline(PID).state in (PipelineState.STOPPED, PipelineState.FAILED),
@@ -145,5 +144,5 @@ def test_demo_on_a_standalone_cluster_survives_worker_and_driver_kills(
     for channel in ("left", "right", "joined"):
         ids = Channel.open(layout.channel_uri(channel)).read_table().column("id").to_pylist()
         assert sorted(ids) == list(range(ROWS)), f"{channel}: {len(ids)} ids, {len(set(ids))} distinct"
-    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == expected
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == expected
     assert Counter(committed_rows(tmp_path / "report_files")) == Counter(expected)

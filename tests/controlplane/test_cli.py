@@ -64,7 +64,8 @@ def test_unmigrated_store_is_bad_input(pg_dsn: str, capsys: pytest.CaptureFixtur
     assert "has no airflow-arroyo schema: run `airflow-arroyo migrate`" in err
 
 
-def test_pipelines_table_and_json(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_pipelines_table_and_json(store: EpochStore,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--dsn", store.dsn, "pipelines")
     assert code == 0
@@ -179,7 +180,8 @@ def test_prune_reports_a_skip(store: EpochStore, two_pipelines: tuple[Pipeline, 
     assert two_pipelines[0].states()[1] is EpochState.COMPLETED
 
 
-def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "orders")
     assert code == 0 and "asked pipeline orders (run run-1) to stop (graceful); pass --wait" in out
@@ -213,7 +215,8 @@ def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore, tw
     assert code == 2 and "no pipeline named 'nope'" in err
 
 
-def test_lock_shows_the_holder(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_lock_shows_the_holder(store: EpochStore,
                                capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--dsn", store.dsn, "lock", "orders")
     assert (code, out) == (0, "pipeline orders: no cleanup lock held\n")
@@ -229,7 +232,8 @@ def test_lock_shows_the_holder(store: EpochStore, two_pipelines: tuple[Pipeline,
     assert data["last_run"]["state"] == "running"
 
 
-def test_dsn_from_the_environment(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_dsn_from_the_environment(store: EpochStore,
                                   capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARROYO_DSN", store.dsn)
     code, out, _ = run(capsys, "pipelines", "--json")
@@ -262,7 +266,8 @@ def test_dsn_from_the_environment(store: EpochStore, two_pipelines: tuple[Pipeli
         (["--dsn", "{dsn}"], "required"),
     ],
 )
-def test_bad_input_exits_2_before_anything_is_written(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_bad_input_exits_2_before_anything_is_written(store: EpochStore,
                                                       capsys: pytest.CaptureFixture[str], argv: list[str],
                                                       needle: str) -> None:
     code, out, err = run(capsys, *[a.replace("{dsn}", store.dsn) for a in argv])
@@ -282,7 +287,8 @@ def test_store_errors_exit_1_and_never_print_the_password(pg_dsn: str, capsys: p
     assert "no_such_database" in err and secret not in err
 
 
-def test_conn_id_resolves_an_airflow_connection(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+@pytest.mark.usefixtures("two_pipelines")
+def test_conn_id_resolves_an_airflow_connection(store: EpochStore,
                                                 capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from airflow_arroyo.hooks import arroyo as hook_module
@@ -297,7 +303,8 @@ def test_conn_id_resolves_an_airflow_connection(store: EpochStore, two_pipelines
         hook_module._reset_shared_stores()
 
 
-def test_console_script_without_airflow(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline]) -> None:
+@pytest.mark.usefixtures("two_pipelines")
+def test_console_script_without_airflow(store: EpochStore) -> None:
     """The --dsn path never imports Airflow (ops hosts and Spark nodes may not have it)."""
     probe = (
         "import sys\n"
@@ -316,8 +323,8 @@ def test_console_script_without_airflow(store: EpochStore, two_pipelines: tuple[
     assert script.returncode == 0 and "prune" in script.stdout
 
 
-def test_conn_id_from_an_environment_uri_does_not_import_airflow(store: EpochStore,
-                                                                two_pipelines: tuple[Pipeline, Pipeline]) -> None:
+@pytest.mark.usefixtures("two_pipelines")
+def test_conn_id_from_an_environment_uri_does_not_import_airflow(store: EpochStore) -> None:
     """``--conn-id`` took ~15 s: it imported Airflow to read a connection the environment already
     holds as a URI. Now that case is read directly (other sources still go through Airflow)."""
     probe = (

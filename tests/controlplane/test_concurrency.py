@@ -4,7 +4,7 @@
   written straight into ``arroyo_history`` of a scratch database, each with one kind of breach, must
   be reported as exactly that breach (and the unbroken history as clean); real breaches made with raw
   SQL behind the store's back, recorded by the database's own triggers, must be reported too.
-* Then many processes (:mod:`airflow_arroyo.devtools.chaos`) trigger, clean up and acknowledge the
+* Then many processes (`tests/controlplane/chaos.py`) trigger, clean up and acknowledge the
   same pipelines for 20 seconds, and the history must hold no breach at all; and again while
   PostgreSQL restarts twice, after which epochs must keep being triggered and completed.
 """
@@ -24,13 +24,14 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
-from airflow_arroyo.devtools.chaos import ChaosConfig, ChaosResult, missing_objects, prepare_pipelines, run_chaos
 from airflow_arroyo.devtools.history import HistoryReport, ViolationKind, check_history
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
 from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore
-from tests.support import sql, wait_for
+from airflow_arroyo.testing import wait_for
+from tests.controlplane.chaos import ChaosConfig, ChaosResult, missing_objects, prepare_pipelines, run_chaos
+from tests.support import sql
 
 V = ViolationKind
 
@@ -379,7 +380,8 @@ def test_many_triggers_and_cleanups_never_break_the_protocol(pg_dsn: str, storag
 
 
 @pytest.mark.slow
-def test_everything_resumes_after_postgres_restarts(tmp_path: Path, storage: str) -> None:
+@pytest.mark.usefixtures("tmp_path")
+def test_everything_resumes_after_postgres_restarts(storage: str) -> None:
     pg = ThrowawayPostgres()
     pg.start()
     try:

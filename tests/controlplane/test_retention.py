@@ -498,7 +498,8 @@ def test_unknown_pipeline_is_refused_before_anything_is_written(store: EpochStor
         ({"holder": ""}, "holder"),
     ],
 )
-def test_bad_run_settings_are_refused_before_anything_is_written(store: EpochStore, pipe: Pipeline,
+@pytest.mark.usefixtures("pipe")
+def test_bad_run_settings_are_refused_before_anything_is_written(store: EpochStore,
                                                                  kwargs: dict[str, Any], match: str) -> None:
     args: dict[str, Any] = {"holder": "test", **kwargs}
     with pytest.raises(ConfigurationError, match=match):

@@ -50,7 +50,8 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
-from tests.support import running, sql, wait_for
+from airflow_arroyo.testing import wait_for
+from tests.support import running, sql
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -767,7 +768,7 @@ STORE_CALLS: dict[str, Callable[[EpochStore], object]] = {
     "trigger_tick": lambda s: s.trigger_tick("ghost", SLOW),
     "get_epoch": lambda s: s.get_epoch("ghost", 1),
     "list_epochs": lambda s: s.list_epochs("ghost"),
-    "epoch_facts": lambda s: s.epoch_facts("ghost"),
+    "unpruned_epochs": lambda s: s.unpruned_epochs("ghost"),
     "ack_epoch": lambda s: s.ack_epoch("ghost", 1, "s"),
     "fail_epoch": lambda s: s.fail_epoch("ghost", 1, "x"),
     "acquire_cleanup_lock": lambda s: s.acquire_cleanup_lock("ghost", "h"),

@@ -66,10 +66,10 @@ def test_source_cut_injects_pending_epochs_in_order() -> None:
 
 
 def test_feedback_returned_needs_every_feedback_input_past_its_barrier() -> None:
-    assert not feedback_returned(3, {"loop": None}, {"loop": 10})
-    assert not feedback_returned(3, {"loop": 10}, {"loop": 10})
-    assert feedback_returned(3, {"loop": 10}, {"loop": 11})
-    assert not feedback_returned(3, {"x": 4, "y": None}, {"x": 9, "y": 9})
+    assert not feedback_returned({"loop": None}, {"loop": 10})
+    assert not feedback_returned({"loop": 10}, {"loop": 10})
+    assert feedback_returned({"loop": 10}, {"loop": 11})
+    assert not feedback_returned({"x": 4, "y": None}, {"x": 9, "y": 9})
 
 
 # ----------------------------------------------------------------------------- simulation

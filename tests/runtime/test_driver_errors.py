@@ -18,9 +18,9 @@ import pytest
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict, SchemaMissingError, StageBuildError
 from airflow_arroyo.runtime.driver import PipelineDriver, _user_error_first, check_registrable
-from airflow_arroyo.runtime.generator import generator_source
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import generator_source
 from tests.support import sql
 
 # What Spark 4.2 reports (StreamingQueryException's message, Java stack frames cut) when the foreachBatch

@@ -13,6 +13,7 @@ Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -42,14 +43,9 @@ from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import (
-    Controller,
-    check_barriers_follow_cuts,
-    committed_rows,
-    row_count,
-    rows_of,
-)
-from tests.support import sql, wait_for
+from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
+from tests.runtime.pipeline_support import check_barriers_follow_cuts
+from tests.support import sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -84,7 +80,7 @@ class Driver:
         env = {**os.environ, **(env or {}), **({SINK_DSN_ENV: sink_dsn} if sink_dsn else {}), "ARROYO_DSN": dsn,
                "PYSPARK_PYTHON": sys.executable,
                "PYSPARK_DRIVER_PYTHON": sys.executable}
-        self._log = open(self.log_path, "wb")  # closed in wait()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process writes it until wait() closes it
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
 
@@ -92,10 +88,8 @@ class Driver:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.wait(60)
 
     def wait(self, timeout: float) -> int:
@@ -138,10 +132,8 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
 
     def snapshot() -> bool:  # after an epoch of this run completed, so that there is one to restore from
         e = store.in_flight_epoch(pid)
-        if e is None or e.run_id != run_id:
-            return False
         latest = store.latest_completed_epoch(pid)
-        if latest is None or latest.epoch <= completed_before:
+        if e is None or e.run_id != run_id or latest is None or latest.epoch <= completed_before:
             return False
         acked = {a.stage for a in store.acks(pid, e.epoch)}
         return "left" not in acked and Channel.open(left).find_barrier(e.epoch) is not None
@@ -241,7 +233,7 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
     start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink, rows=rows,
                               checkpoints=checkpoints, env=env, sink_dsn=sink_dsn)
     kills: list[dict[str, Any]] = []
-    with Controller(store, pid, interval=1.5, timeout=60.0, tick=0.2):
+    with CheckpointTicker(store, pid, interval=1.5, timeout=60.0, tick=0.2):
         for k, moment in enumerate(plan):
             run_id = f"run-{k}-{moment}"
             latest = store.latest_completed_epoch(pid) if current(store, pid) else None
@@ -260,7 +252,8 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
             visible = committed_rows(sink)
             kills.append({"run": run_id, "moment": moment, "restored_from": rec.restored_from_epoch,
                           "completed_before": completed_before,
-                          "report_rows": row_count(layout.channel_uri(OUTPUT_CHANNEL)), "sink_rows": len(visible)})
+                          "report_rows": channel_row_count(layout.channel_uri(OUTPUT_CHANNEL)),
+                          "sink_rows": len(visible)})
             # read-committed: what the sink shows after a kill holds no duplicate and nothing unexpected
             assert not Counter(visible) - Counter(expected), f"sink after killing {run_id}: rows twice or unexpected"
             if sink_dsn:
@@ -279,8 +272,9 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
                 (rec := current(store, pid)) is not None and rec.run_id == "run-final"
                 and rec.state is PipelineState.RUNNING), timeout=300, what="the final run to start")
             wait_for(lambda: not final.alive() or (
-                row_count(layout.channel_uri("left")) >= rows and row_count(layout.channel_uri("right")) >= rows
-                and row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected)), timeout=600, interval=0.5,
+                channel_row_count(layout.channel_uri("left")) >= rows
+                and channel_row_count(layout.channel_uri("right")) >= rows
+                and channel_row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected)), timeout=600, interval=0.5,
                 what="the final run to reach the end of the input")
         except AssertionError:
             final.kill()
@@ -312,7 +306,7 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
         dup = [i for i, n in Counter(ids).items() if n > 1]
         assert not dup, f"{channel}: ids written twice: {dup[:10]}"
         assert sorted(ids) == list(range(rows)), f"{channel}: {len(ids)} ids, expected {rows}"
-    got = rows_of(layout.channel_uri(OUTPUT_CHANNEL))
+    got = channel_rows(layout.channel_uri(OUTPUT_CHANNEL))
     assert Counter(got) == Counter(expected)
     assert got == expected
     # the Parquet sink too: its committed files hold each row exactly once

@@ -24,9 +24,9 @@ from airflow_arroyo.runtime.channel import Channel, EntryKind
 from airflow_arroyo.runtime.file_sink import committed_files
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import Controller, committed_rows, row_count, rows_of
+from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
 from tests.runtime.test_exactly_once import Driver, current
-from tests.support import sql, wait_for
+from tests.support import sql
 
 pytestmark = [pytest.mark.spark]
 
@@ -65,7 +65,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
     old = Driver(dsn=store.dsn, storage=storage, pipeline_id=pid, run_id="run-old", logs=logs, sink=sink, rows=ROWS,
                  env={"ARROYO_HEARTBEAT_INTERVAL": "600"})
     new: Driver | None = None
-    controller = Controller(store, pid, interval=1.0)
+    controller = CheckpointTicker(store, pid, interval=1.0)
     try:
         controller.__enter__()
         wait_for(lambda: not old.alive() or (current(store, pid) is not None and any(
@@ -73,7 +73,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
             timeout=480, interval=0.2, what="the old run to complete an epoch")
         assert old.alive(), old.tail()
         stall(store, old, pid)
-        stalled_at = row_count(layout.channel_uri("left"))
+        stalled_at = channel_row_count(layout.channel_uri("left"))
         assert stalled_at < ROWS, "the old run had read its whole input before the takeover"
         new = Driver(dsn=store.dsn, storage=storage, pipeline_id=pid, run_id="run-new", logs=logs, sink=sink,
                      rows=ROWS)
@@ -85,7 +85,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
         assert restored is not None
         os.killpg(old.proc.pid, signal.SIGCONT)  # the old run wakes up with its work in flight
         assert old.wait(120) == 1, old.tail()
-        wait_for(lambda: not new.alive() or row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
+        wait_for(lambda: not new.alive() or channel_row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
                  timeout=300, interval=0.5, what="the new run to reach the end of the input")
         assert new.alive(), new.tail()
     finally:
@@ -118,6 +118,6 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
     for channel in ("left", "right", "joined"):
         ids = Channel.open(layout.channel_uri(channel)).read_table().column("id").to_pylist()
         assert sorted(ids) == list(range(ROWS)), f"{channel}: {len(ids)} ids ({len(set(ids))} distinct)"
-    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == expected
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == expected
     assert Counter(committed_rows(sink)) == Counter(expected)  # a plain reader of the folder
     assert len(committed_files(str(sink))) == len(list(sink.glob("*.parquet")))  # no stray file of the old run

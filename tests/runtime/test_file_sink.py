@@ -92,7 +92,8 @@ def test_start_over_removes_everything_it_wrote(spark: Any, sink: TransactionalF
     assert visible_ids(tmp_path / "out") == [] and sink.pending_batches() == [] and not sink.has_state()
 
 
-def test_a_folder_has_one_writer(tmp_path: Path, sink: TransactionalFileSink) -> None:
+@pytest.mark.usefixtures("sink")
+def test_a_folder_has_one_writer(tmp_path: Path) -> None:
     other = TransactionalFileSink("p2", "out", "parquet", {"path": str(tmp_path / "out")})
     with pytest.raises(ConfigurationError, match="written by stage 'out' of pipeline 'p1'.*choose another path"):
         other.claim()

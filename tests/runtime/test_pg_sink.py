@@ -27,8 +27,8 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.runtime.pipeline import Pipeline
-from tests.runtime.pipeline_support import DriverThread, row_count, run_until
-from tests.support import sql, wait_for
+from airflow_arroyo.testing import DriverThread, channel_row_count, run_until, wait_for
+from tests.support import sql
 
 pytestmark = [pytest.mark.spark]
 
@@ -237,8 +237,9 @@ def test_restore_from_an_older_epoch_rolls_the_tables_back_then_recommits(
         cut = report_cut(restored, middle)
         assert report() == cut, "the append table was not rolled back to the restored epoch's cut"
         assert totals() == totals_of(cut.elements()), "the upsert table was not rolled back to the restored epoch's cut"
-        wait_for(lambda: thread.error or row_count(restored.layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected),
-                 timeout=600, what="the restored run to reach the end")
+        out = restored.layout.channel_uri(OUTPUT_CHANNEL)
+        wait_for(lambda: thread.error or channel_row_count(out) >= len(expected), timeout=600,
+                 what="the restored run to reach the end")
     finally:
         module_store.request_stop(pid, "graceful")
     thread.join(300)

@@ -22,7 +22,7 @@ from airflow_arroyo.runtime.pipeline import StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
 from airflow_arroyo.runtime.stage import StageRunner
-from tests.support import wait_for
+from airflow_arroyo.testing import wait_for
 
 pytestmark = [pytest.mark.spark]
 

@@ -22,10 +22,9 @@ import pytest
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
-from tests.runtime.pipeline_support import barriers, row_count, run_until
+from airflow_arroyo.testing import channel_barriers, channel_row_count, generate_rows, generator_source, run_until
 
 pytestmark = [pytest.mark.spark]
 
@@ -54,8 +53,8 @@ def run(spark: Any, store: Any, pid: str, storage: Path, *, restore_from: Any = 
                             restore_from=restore_from)
     layout = driver.layout
     total = sum(expected_loop().values())
-    return run_until(driver, store, lambda: row_count(layout.channel_uri("done")) >= ROWS
-                     and row_count(layout.channel_uri("loop")) >= total,
+    return run_until(driver, store, lambda: channel_row_count(layout.channel_uri("done")) >= ROWS
+                     and channel_row_count(layout.channel_uri("loop")) >= total,
                      what="every record to leave the loop", epochs=epochs)
 
 
@@ -74,7 +73,7 @@ def test_loop_epochs_complete_and_restore_replays_the_feedback(spark: Any, store
     check_outputs(layout)
     completed = sorted(e.epoch for e in store.list_epochs(pid) if e.state is EpochState.COMPLETED)
     assert len(completed) >= 2 and first.final_epoch == completed[-1]
-    feedback_positions = dict((e, i) for i, e in barriers(layout.channel_uri("step")))
+    feedback_positions = dict((e, i) for i, e in channel_barriers(layout.channel_uri("step")))
     step = Channel.open(layout.channel_uri("step"))
     for n in completed:
         acks = {a.stage: a for a in store.acks(pid, n)}

@@ -31,17 +31,13 @@ from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.file_sink import committed_files, committed_through
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import channel_barriers, channel_row_count, channel_rows, committed_rows, run_until
 from tests.runtime.pipeline_support import (
-    barriers,
     check_barriers_follow_cuts,
-    committed_rows,
     fail_at,
     file_tree,
     interrupted_restore,
     restore_steps,
-    row_count,
-    rows_of,
-    run_until,
     sigkill_restore_at,
     store_view,
 )
@@ -100,7 +96,7 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
                         on_step=on_step)
     expected = len(expected_report(ROWS))
-    return run_until(driver, store, lambda: row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
+    return run_until(driver, store, lambda: channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
                      what=f"{expected} rows in the report channel", epochs=epochs, stop=stop,
                      self_contained_every=self_contained_every)
 
@@ -114,7 +110,7 @@ def ran(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathF
 
 
 def test_output_equals_plain_python(ran: Ran) -> None:
-    got = rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
+    got = channel_rows(ran.layout.channel_uri(OUTPUT_CHANNEL))
     assert len(got) == len(ran.expected)
     assert got == ran.expected
     # the Parquet sink committed every batch with the final epoch; nothing is left pending
@@ -168,7 +164,7 @@ def test_epochs_completed_while_running_with_every_stage_acknowledged(ran: Ran, 
     completed = sorted(e.epoch for e in epochs if e.state is EpochState.COMPLETED)
     assert len(completed) >= 3, [(e.epoch, e.state, e.failure_reason) for e in epochs]
     layout = ran.layout
-    positions = {c: dict((e, i) for i, e in barriers(layout.channel_uri(c))) for c in CHANNELS}
+    positions = {c: dict((e, i) for i, e in channel_barriers(layout.channel_uri(c))) for c in CHANNELS}
     for n in completed:
         acks = {a.stage: a for a in module_store.acks(ran.pipeline_id, n)}
         assert sorted(acks) == sorted(STAGES)
@@ -183,7 +179,7 @@ def test_epochs_completed_while_running_with_every_stage_acknowledged(ran: Ran, 
         epoch = module_store.get_epoch(ran.pipeline_id, n)
         assert epoch.bytes_total == sum(a.bytes_total for a in acks.values())
     for c in CHANNELS:
-        seen = [e for _, e in barriers(layout.channel_uri(c))]
+        seen = [e for _, e in channel_barriers(layout.channel_uri(c))]
         assert seen == sorted(seen), f"barriers out of order in {c}: {seen}"
         assert set(completed) <= set(seen)
 
@@ -211,14 +207,14 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     result = run_to_end(spark, module_store, pid, tmp_path, epochs=False, stop="immediate")
     assert result.final_epoch is None and module_store.list_epochs(pid) == []
     layout = StorageLayout.at(str(tmp_path), pid)
-    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == rows_of(ran.layout.channel_uri(OUTPUT_CHANNEL))
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == channel_rows(ran.layout.channel_uri(OUTPUT_CHANNEL))
     for c in CHANNELS:
-        assert barriers(layout.channel_uri(c)) == []
+        assert channel_barriers(layout.channel_uri(c)) == []
     assert sink_rows(tmp_path) == []  # no epoch, no commit: the sink's batches stay pending
     # no completed epoch to restore from: 'latest' starts over (checkpoints set aside, channels reset)
     again = run_to_end(spark, module_store, pid, tmp_path, restore_from="latest", epochs=False, stop="immediate")
     assert again.restored_from_epoch is None
-    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
     # the start over switched the stage's checkpoint pointer to a new folder; the old one stays as 'previous'
     pointer = json.loads((tmp_path / pid / "stages" / "joined" / "checkpoint.json").read_text())
     assert pointer["current"] != "checkpoint" and pointer.get("previous") == "checkpoint", pointer
@@ -367,11 +363,11 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
     assert through == cut and visible == sorted(listed), (through, cut, visible[:3], listed[:3])
     assert all(int(f.split("-", 1)[0]) <= cut for f in visible)  # later batches' files are gone
     # and from there: the plain-Python output
-    assert rows_of(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
     assert sink_rows(storage) == ran.expected  # the sink was rolled back to `middle`, then re-committed
     # the channels were cut right after barrier `middle`: no later barrier of the first run survived
     for c in CHANNELS:
-        seen_barriers = [e for _, e in barriers(layout.channel_uri(c))]
+        seen_barriers = [e for _, e in channel_barriers(layout.channel_uri(c))]
         later = [e for e in seen_barriers if middle < e < result.final_epoch]
         assert later == [], (c, seen_barriers)
     check_history(module_store.dsn, [pid]).assert_clean()
@@ -417,8 +413,8 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
     from pyspark.sql import functions as F
     from pyspark.sql.types import LongType
 
-    from airflow_arroyo.runtime.generator import generator_source
     from airflow_arroyo.runtime.pipeline import Pipeline
+    from airflow_arroyo.testing import generator_source
 
     def explode_at_500(i: int) -> int:
         if i == 500:
@@ -457,7 +453,7 @@ def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_s
     run_until(driver, module_store,
               lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 2,
               what="two completed epochs", stop="immediate")
-    assert row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
+    assert channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
     report = prune_pipeline(module_store, pid, RetentionPolicy(keep_last=1), holder="test")
     assert len(report.epochs_pruned) >= 1 and report.channel_bytes_freed > 0
     latest = module_store.latest_completed_epoch(pid)

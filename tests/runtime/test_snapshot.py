@@ -21,12 +21,12 @@ from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.generator import generate_rows, generator_source
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
 from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files
+from airflow_arroyo.testing import generate_rows, generator_source
 
 # ----------------------------------------------------------------------------- which files (pure)
 

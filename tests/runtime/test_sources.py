@@ -23,14 +23,6 @@ from airflow_arroyo.runtime.channel import (
     Entry,
     EntryKind,
 )
-from airflow_arroyo.runtime.generator import (
-    ARROW_SCHEMA,
-    GeneratorOptions,
-    GeneratorStreamReader,
-    generate_row,
-    generate_rows,
-    generator_source,
-)
 from airflow_arroyo.runtime.sources import (
     ChannelDataSource,
     ChannelStreamReader,
@@ -40,6 +32,14 @@ from airflow_arroyo.runtime.sources import (
     write_caps,
 )
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
+from airflow_arroyo.testing import (
+    ARROW_SCHEMA,
+    GeneratorOptions,
+    GeneratorStreamReader,
+    generate_row,
+    generate_rows,
+    generator_source,
+)
 
 SCHEMA = pa.schema([("id", pa.int64()), ("key", pa.string())])
 
@@ -254,6 +254,15 @@ def test_append_spark_batch(spark: Any, tmp_path: Path) -> None:
     with pytest.raises(ChannelSchemaError):
         ch.append_spark_batch(df.selectExpr("cast(id as string) as id", "key"), 2, "stage")
     assert ch.end_position() == 1
+
+
+def test_the_generator_is_still_exported_by_the_runtime_package() -> None:
+    """0.1 documented ``from airflow_arroyo.runtime import generator_source``; it moved to ``testing``."""
+    import airflow_arroyo.runtime as runtime
+    import airflow_arroyo.testing as testing
+
+    assert (runtime.generator_source, runtime.generate_rows, runtime.GeneratorDataSource) == (
+        testing.generator_source, testing.generate_rows, testing.GeneratorDataSource)
 
 
 def test_generator_rows_are_a_pure_function() -> None:

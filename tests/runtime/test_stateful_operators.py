@@ -17,7 +17,7 @@ from airflow_arroyo.examples import STATEFUL_OUTPUTS, expected_stateful, statefu
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
-from tests.runtime.pipeline_support import barriers, row_count, rows_of, run_until
+from airflow_arroyo.testing import channel_barriers, channel_row_count, channel_rows, run_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ EXPECTED = expected_stateful(ROWS)
 
 
 def outputs(layout: StorageLayout) -> dict[str, list[tuple[Any, ...]]]:
-    return {c: rows_of(layout.channel_uri(c)) for c in STATEFUL_OUTPUTS}
+    return {c: channel_rows(layout.channel_uri(c)) for c in STATEFUL_OUTPUTS}
 
 
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
@@ -47,7 +47,7 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
                             storage_uri=str(storage), run_id=run_id, restore_from=restore_from, spark=spark)
 
     def done() -> bool:
-        return all(row_count(driver.layout.channel_uri(c)) >= len(EXPECTED[c]) for c in STATEFUL_OUTPUTS)
+        return all(channel_row_count(driver.layout.channel_uri(c)) >= len(EXPECTED[c]) for c in STATEFUL_OUTPUTS)
 
     return run_until(driver, store, done, what="every expected row in the output channels", epochs=epochs)
 
@@ -99,7 +99,7 @@ def test_restore_from_a_middle_epoch_gives_the_same_outputs(ran: Ran, module_sto
     assert result.restored_from_epoch == middle
     assert outputs(layout) == EXPECTED
     for c in STAGES:
-        later = [e for _, e in barriers(layout.channel_uri(c)) if middle < e < result.final_epoch]
+        later = [e for _, e in channel_barriers(layout.channel_uri(c)) if middle < e < result.final_epoch]
         assert later == [], (c, later)
 
 

@@ -253,7 +253,7 @@ def test_what_a_newcomer_met_reads_right(api_server: ApiServer, browser: Any, da
     _element_shot(d, "figure.chart-box", "12-empty-chart")
 
     # The checkpoint link of a task opens the page inside Airflow's UI (its navigation around it).
-    from airflow_arroyo.links import pipeline_page_url
+    from airflow_arroyo.links.pipeline import pipeline_page_url
 
     d.get(pipeline_page_url("orders", base_url=api_server.url))
     frame = _wait_for(d, "iframe", timeout=60)

@@ -356,7 +356,8 @@ def test_security_headers(client: TestClient) -> None:
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
 
 
-def test_links_follow_a_deployment_path_prefix(airflow_api: Any, dataset: Dataset) -> None:
+@pytest.mark.usefixtures("airflow_api")
+def test_links_follow_a_deployment_path_prefix(dataset: Dataset) -> None:
     """Airflow behind ``[api] base_url = https://host/airflow``: every link keeps the prefix."""
     from fastapi import FastAPI
 

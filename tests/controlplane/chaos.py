@@ -27,6 +27,7 @@ anything unexpected is recorded in their result and the run goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -50,6 +51,8 @@ from airflow_arroyo.exceptions import (
     LockLostError,
     TransientStoreError,
 )
+
+_NAMESPACE_LEVELS = "AIRFLOW__LOGGING__NAMESPACE_LEVELS"
 
 __all__ = [
     "ChaosConfig",
@@ -202,16 +205,6 @@ def _setup_logging(name: str) -> None:
     logging.getLogger("airflow_arroyo").setLevel(logging.WARNING)
 
 
-def _quiet_airflow_logging() -> None:
-    """Importing Airflow routes logging through structlog, whose levels are kept apart from stdlib's:
-    the triggers' INFO lines (every epoch, every wait, from every process) cost CPU the run needs."""
-    try:
-        from airflow._shared.logging.structlog import PER_LOGGER_LEVELS
-    except ImportError:  # another Airflow release: leave its logging alone
-        return
-    PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING
-
-
 def _run_worker(role: str, body: Callable[[_Worker], None], config: ChaosConfig, name: str, index: int,
                 stop: Any, out: Any) -> None:
     _setup_logging(name)
@@ -273,7 +266,6 @@ def _airflow_triggers(w: _Worker) -> None:
     from airflow_arroyo.store import AsyncEpochStore
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 
-    _quiet_airflow_logging()
     store = AsyncEpochStore(w.store())
 
     class ChaosTrigger(CheckpointTrigger):
@@ -404,7 +396,7 @@ def _crashing_cleanup(w: _Worker, store: Any, pid: str, holder: str) -> None:
     w.counts["crashed"] += 1
     if store.in_flight_epoch(pid) is not None:
         return
-    facts = [_facts(r) for r in store.epoch_facts(pid)]
+    facts = [_facts(r) for r in store.unpruned_epochs(pid)]
     selection = select_prunable(facts, w.config.retention_policy, store.db_now())
     if selection.prune:
         plan = store.begin_prune(pid, run.id, selection.prune)
@@ -426,7 +418,7 @@ def _stalling_cleanup(w: _Worker, store: Any, pid: str, holder: str) -> None:
     if w.stop.is_set() and expires is not None and store.db_now() <= expires:
         store.release_cleanup_lock(pid, run.id, state="failed", error="chaos: stopped while stalling")
         return
-    facts = [_facts(r) for r in store.epoch_facts(pid)]
+    facts = [_facts(r) for r in store.unpruned_epochs(pid)]
     selection = select_prunable(facts, w.config.retention_policy, store.db_now())
     try:
         store.begin_prune(pid, run.id, list(selection.prune) or [1])
@@ -658,46 +650,22 @@ def run_chaos(
     ``(offset seconds, name, function)`` run in this process meanwhile (e.g. a PostgreSQL restart)."""
     ctx: Any = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        preload = ["airflow_arroyo.devtools.chaos", "airflow_arroyo.retention", "airflow_arroyo.store"]
+        preload = ["tests.controlplane.chaos", "airflow_arroyo.retention", "airflow_arroyo.store"]
         if config.trigger_mode == "airflow":
             preload.append("airflow_arroyo.triggers.checkpoint")
         ctx.set_forkserver_preload(preload)
     stop = ctx.Event()
-    out = ctx.Queue()
     targets: list[tuple[str, Callable[..., None], int]] = (
         [(f"trigger-{i}", trigger_worker, i) for i in range(triggers)]
         + [(f"cleanup-{i}", cleanup_worker, i) for i in range(cleaners)]
         + [(f"acker-{i}", acker_worker, i) for i in range(config.ackers)]
     )
-    procs = {name: ctx.Process(target=fn, args=(config, name, i, stop, out), name=name, daemon=True)
-             for name, fn, i in targets}
-    results: dict[str, dict[str, Any]] = {}
-    ready: set[str] = set()
-    killed: list[str] = []
+    crew = _Crew(ctx, config, targets, stop)
     marks: dict[str, tuple[datetime, datetime]] = {}
     t0 = time.monotonic()
-    for p in procs.values():
-        p.start()
-
-    def drain(timeout: float) -> None:
-        kind, name, payload = out.get(timeout=timeout)
-        if kind == "ready":
-            ready.add(name)
-        else:
-            ready.add(name)
-            results[name] = payload
-
+    crew.start()
     try:
-        deadline = time.monotonic() + ready_timeout
-        while len(ready) < len(procs):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"chaos workers not ready after {ready_timeout}s: {sorted(set(procs) - ready)}")
-            try:
-                drain(0.2)
-            except queue.Empty:
-                dead = [n for n, p in procs.items() if n not in ready and not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"chaos workers died before they were ready: {dead}") from None
+        crew.wait_ready(ready_timeout)
         ready_seconds = time.monotonic() - t0
         started_at = datetime.now(UTC)
         start = time.monotonic()
@@ -714,30 +682,80 @@ def run_chaos(
     finally:
         stop.set()
         stopped_at = datetime.now(UTC)
-        deadline = time.monotonic() + join_timeout
-        while len(results) < len(procs) and time.monotonic() < deadline:
-            try:
-                drain(0.2)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs.values()):
-                    try:
-                        while True:
-                            drain(0.5)
-                    except queue.Empty:
-                        break
-        for name, p in procs.items():
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                killed.append(name)
-                p.kill()
-                p.join(5)
-        out.close()
+        killed = crew.collect(join_timeout)
     return ChaosResult(
-        workers=[results[n] for n in procs if n in results],
-        missing=[n for n in procs if n not in results],
+        workers=[crew.results[n] for n in crew.procs if n in crew.results],
+        missing=[n for n in crew.procs if n not in crew.results],
         killed=killed,
         started_at=started_at,
         stopped_at=stopped_at,
         marks=marks,
         ready_seconds=ready_seconds,
     )
+
+
+class _Crew:
+    """The worker processes of one chaos run and what they reported."""
+
+    def __init__(self, ctx: Any, config: ChaosConfig, targets: list[tuple[str, Callable[..., None], int]],
+                 stop: Any) -> None:
+        self.out = ctx.Queue()
+        self.procs = {name: ctx.Process(target=fn, args=(config, name, i, stop, self.out), name=name, daemon=True)
+                      for name, fn, i in targets}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.ready: set[str] = set()
+
+    def start(self) -> None:
+        """Start every worker. Airflow reads ``[logging] namespace_levels`` when a process first imports it
+        (a forkserver preloading the trigger, or each spawned worker): the triggers' INFO lines (every epoch,
+        every wait, from every process) would cost CPU the run needs. Set for the starts only."""
+        before = os.environ.get(_NAMESPACE_LEVELS)
+        os.environ[_NAMESPACE_LEVELS] = "airflow_arroyo=WARNING"
+        try:
+            for p in self.procs.values():
+                p.start()
+        finally:
+            if before is None:
+                del os.environ[_NAMESPACE_LEVELS]
+            else:
+                os.environ[_NAMESPACE_LEVELS] = before
+
+    def drain(self, timeout: float) -> None:
+        kind, name, payload = self.out.get(timeout=timeout)
+        self.ready.add(name)
+        if kind != "ready":
+            self.results[name] = payload
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ready) < len(self.procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"chaos workers not ready after {timeout}s: {sorted(set(self.procs) - self.ready)}")
+            try:
+                self.drain(0.2)
+            except queue.Empty:
+                dead = [n for n, p in self.procs.items() if n not in self.ready and not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"chaos workers died before they were ready: {dead}") from None
+
+    def collect(self, timeout: float) -> list[str]:
+        """Collect every result (within ``timeout``), join the workers and kill stragglers; returns those."""
+        deadline = time.monotonic() + timeout
+        while len(self.results) < len(self.procs) and time.monotonic() < deadline:
+            try:
+                self.drain(0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in self.procs.values()):
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            self.drain(0.5)
+                    break
+        killed: list[str] = []
+        for name, p in self.procs.items():
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                killed.append(name)
+                p.kill()
+                p.join(5)
+        self.out.close()
+        return killed

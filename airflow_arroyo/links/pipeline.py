@@ -77,6 +77,7 @@ class ArroyoPipelineLink(BaseOperatorLink):
     name = "Arroyo checkpoints"
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        """Airflow: the pipeline's checkpoint page in the Airflow UI ("" when the id is unknown)."""
         pipeline_id = _xcom(ti_key, XCOM_PIPELINE_ID) or getattr(operator, "pipeline_id", None)
         if not pipeline_id or not isinstance(pipeline_id, str) or "{{" in pipeline_id:
             return ""
@@ -88,6 +89,7 @@ class SparkUILink(BaseOperatorLink):
 
     name = "Spark UI"
 
-    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:  # noqa: ARG002 - Airflow's signature
+        """Airflow: the Spark UI the operator recorded ("" when none)."""
         url = _xcom(ti_key, XCOM_SPARK_UI_URL)
         return url if isinstance(url, str) else ""

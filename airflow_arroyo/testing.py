@@ -1,6 +1,28 @@
-"""A replayable, deterministic generator source: ``spark.readStream.format("arroyo_generator")``.
+"""Testing a pipeline: a replayable source, the checkpoint trigger played by a thread, what sinks hold.
 
-Row ``id`` is a pure function of ``(seed, id)``::
+The model is bytewax's ``testing`` module: an abort-and-resume scenario is a few lines. ::
+
+    from airflow_arroyo.runtime import Pipeline, PipelineDriver
+    from airflow_arroyo.testing import channel_row_count, channel_rows, generate_rows, generator_source, run_until
+
+    p = Pipeline("orders")
+    p.source("src", lambda spark: generator_source(spark, seed=1, total_rows=2_000, rows_per_batch=100))
+    p.stage("big", lambda df: df.where("value >= 500"), inputs=["src"])
+    driver = PipelineDriver(p, store, storage_uri=root, spark=spark)
+    out = driver.layout.channel_uri("big")
+    # with epochs, until some rows went through; then a graceful stop (its final epoch completes)
+    run_until(driver, store, lambda: channel_row_count(out) > 0, what="the first rows")
+    # restore the latest epoch and run to the end: the output equals plain Python, row for row
+    driver = PipelineDriver(p, store, storage_uri=root, spark=spark, restore_from="latest")
+    expected = [r for r in generate_rows(1, 0, 2_000, keys=10).to_pylist() if r["value"] >= 500]
+    run_until(driver, store, lambda: channel_row_count(out) >= len(expected), what="every row")
+    assert channel_rows(out) == sorted(tuple(r.values()) for r in expected)
+
+Everything here runs without Airflow (the same side as the runtime: ``tests/test_layering.py``).
+
+The generator source
+--------------------
+:func:`generator_source` (``format("arroyo_generator")``). Row ``id`` is a pure function of ``(seed, id)``::
 
     id    BIGINT      the row number (offsets are {"id": next id})
     key   STRING      "k<h mod keys>"
@@ -15,17 +37,29 @@ Options: ``seed`` (0), ``keys`` (10), ``start`` (0), ``total_rows`` (unbounded),
 (a per-micro-batch cap, applied as Spark's default read limit), ``rows_per_second`` (rows become
 available at this rate since the reader started), ``partitions`` (2), ``ms_per_row`` (10). An unbounded
 generator needs ``rows_per_batch`` or ``rows_per_second``.
+
+Helpers
+-------
+* :func:`wait_for`: poll a condition with a deadline (no bare sleeps in tests).
+* :class:`CheckpointTicker`: plays the checkpoint trigger (one ``trigger_tick`` per tick) in a thread.
+* :class:`DriverThread` and :func:`run_until`: run a driver in a thread until a condition holds, then
+  stop it (gracefully or immediately) and return its result or raise its error.
+* :func:`channel_rows`, :func:`channel_row_count`, :func:`channel_barriers`: what a channel holds;
+  :func:`committed_rows`: what a reader of a file sink's folder sees.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as ds
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -34,19 +68,32 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.epochs import CheckpointPolicy
+from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.sources import register_data_source
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
     "GENERATOR_SCHEMA",
+    "CheckpointTicker",
+    "DriverThread",
     "GeneratorDataSource",
     "GeneratorOptions",
+    "channel_barriers",
+    "channel_row_count",
+    "channel_rows",
+    "committed_rows",
     "generate_row",
     "generate_rows",
     "generator_source",
+    "run_until",
+    "wait_for",
 ]
+
+T = TypeVar("T")
 
 GENERATOR_SCHEMA = "id BIGINT, key STRING, value BIGINT, ts TIMESTAMP"
 ARROW_SCHEMA = pa.schema(
@@ -122,6 +169,7 @@ def _int_option(options: dict[str, Any], name: str, default: int | None, *, mini
 
 @dataclass(frozen=True)
 class GeneratorOptions:
+    """The generator's options, parsed and checked (see "The generator source" above)."""
     seed: int = 0
     keys: int = 10
     start: int = 0
@@ -133,6 +181,7 @@ class GeneratorOptions:
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> GeneratorOptions:
+        """Parse Spark reader options (strings); :class:`ConfigurationError` names a bad one."""
         opts = {str(k).lower(): v for k, v in options.items()}
         parsed = cls(
             seed=_int_option(opts, "seed", 0, minimum=0) or 0,
@@ -153,6 +202,7 @@ class GeneratorOptions:
 
     @property
     def end(self) -> int | None:
+        """The id after the last row (None: unbounded)."""
         return None if self.total_rows is None else self.start + self.total_rows
 
 
@@ -165,17 +215,20 @@ class GeneratorPartition(InputPartition):
 
 
 class GeneratorDataSource(DataSource):
-    """``arroyo_generator``: deterministic rows (see the module docstring)."""
+    """``arroyo_generator``: deterministic rows (see "The generator source" in the module docstring)."""
 
     @classmethod
     def name(cls) -> str:
+        """Spark: the short name of this data source."""
         return "arroyo_generator"
 
     def schema(self) -> str:
+        """Spark: the generator's schema (checks the options first)."""
         GeneratorOptions.parse(dict(self.options))  # fail at load() on bad options
         return GENERATOR_SCHEMA
 
-    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:  # noqa: ARG002 - Spark's signature
+        """Spark: a reader with the parsed options."""
         return GeneratorStreamReader(GeneratorOptions.parse(dict(self.options)))
 
 
@@ -238,7 +291,7 @@ class GeneratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         table = generate_rows(o.seed, partition.start, partition.end, o.keys, o.ms_per_row)
         yield from table.to_batches(max_chunksize=65536)
 
-    def commit(self, end: dict[str, Any]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:  # noqa: ARG002 - Spark's signature; nothing to release
         return None
 
 
@@ -255,8 +308,6 @@ def generator_source(
     ms_per_row: int = 10,
 ) -> DataFrame:
     """A streaming DataFrame of generator rows (registers the data source with ``spark`` once)."""
-    from airflow_arroyo.runtime.sources import register_data_sources
-
     options: dict[str, Any] = {
         "seed": seed,
         "keys": keys,
@@ -268,9 +319,142 @@ def generator_source(
         "ms_per_row": ms_per_row,
     }
     GeneratorOptions.parse(options)  # ConfigurationError before Spark is touched
-    register_data_sources(spark)
+    register_data_source(spark, GeneratorDataSource)
     reader = spark.readStream.format(GeneratorDataSource.name())
     for name, value in options.items():
         if value is not None:
             reader = reader.option(name, str(value))
     return reader.load()
+
+
+# ---------------------------------------------------------------------- helpers
+def wait_for(condition: Callable[[], T], *, timeout: float = 10.0, what: str = "a condition",
+             interval: float = 0.05) -> T:
+    """Poll ``condition`` until it returns something truthy (returned); fail with ``what`` (an
+    ``AssertionError``) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+class CheckpointTicker:
+    """Plays the checkpoint trigger: one ``trigger_tick`` every ``tick`` seconds (what the Airflow trigger does)."""
+
+    def __init__(self, store: Any, pipeline_id: str, *, interval: float = 1.5, timeout: float = 120.0,
+                 tick: float = 0.25, self_contained_every: int = 0) -> None:
+        self.store = store
+        self.self_contained_every = self_contained_every  # every k-th epoch (the 2nd, k+2nd...) self-contained
+        self.pipeline_id = pipeline_id
+        self.policy = CheckpointPolicy(interval=interval, timeout=timeout)
+        self.tick = tick
+        self.started: list[int] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"controller-{pipeline_id}", daemon=True)
+
+    def __enter__(self) -> CheckpointTicker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop ticking and wait for the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                k = self.self_contained_every
+                result = self.store.trigger_tick(self.pipeline_id, self.policy, triggered_by="test-controller",
+                                                 self_contained=bool(k) and len(self.started) % k == 1 % k)
+            except ArroyoError as exc:  # e.g. the pipeline is not registered yet
+                self.errors.append(exc)
+                continue
+            if result.started is not None:
+                self.started.append(result.started.epoch)
+
+
+class DriverThread:
+    """Runs ``driver.run()`` in a thread and keeps its result or exception."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="driver", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = self.driver.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test, which re-raises it in join()
+            self.error = exc
+
+    def start(self) -> DriverThread:
+        """Start the thread; returns self."""
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> Any:
+        """Wait for the driver; return its result or raise its error."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the driver did not end within {timeout:g}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def channel_rows(uri: str) -> list[tuple[Any, ...]]:
+    """Every row committed to the channel at ``uri``, sorted (what its readers see)."""
+    table = Channel.open(uri).read_table()
+    return sorted(tuple(r.values()) for r in table.to_pylist())
+
+
+def channel_row_count(uri: str) -> int:
+    """Rows committed to a channel (from its entries; no data file is read)."""
+    if not Channel.exists(uri):
+        return 0
+    ch = Channel.open(uri)
+    return sum(e.rows for e in ch.data_entries(ch.start_position(), ch.end_position()))
+
+
+def channel_barriers(uri: str) -> list[tuple[int, int]]:
+    """(index, epoch) of every barrier entry, in log order."""
+    ch = Channel.open(uri)
+    return [(e.index, int(e.epoch)) for e in ch.entries(ch.start_position()) if e.is_barrier and e.epoch is not None]
+
+
+def run_until(driver: Any, store: Any, done: Callable[[], bool], *, what: str, epochs: bool = True,
+              stop: str = "graceful", interval: float = 1.5, self_contained_every: int = 0) -> Any:
+    """Run ``driver`` in a thread (with a checkpoint controller if ``epochs``) until ``done()``, then
+    request ``stop`` and return the driver's result. ``done`` is first called once the driver started
+    (a restore truncates channels, so they are read only after it)."""
+    pipeline_id = driver.pipeline.pipeline_id
+    thread = DriverThread(driver).start()
+    controller = CheckpointTicker(store, pipeline_id, interval=interval, self_contained_every=self_contained_every)
+    if epochs:
+        controller.__enter__()
+    try:
+        wait_for(lambda: driver.started.is_set() or thread.error, timeout=300, what="the queries to start")
+        wait_for(lambda: thread.error or done(), timeout=600, what=what)
+    finally:
+        controller.stop()
+    store.request_stop(pipeline_id, stop)
+    return thread.join(300)
+
+
+def committed_rows(path: Any) -> list[tuple[Any, ...]]:
+    """What a reader of a file sink's Parquet folder sees, sorted (pyarrow skips '_arroyo_sink', where
+    pending batches wait)."""
+    if not os.path.exists(path):
+        return []
+    table = ds.dataset(str(path), format="parquet").to_table()
+    return sorted(tuple(r.values()) for r in table.to_pylist())
