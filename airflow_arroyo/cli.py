@@ -255,12 +255,41 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
         out.write(f"pipeline {args.pipeline} has no epochs yet\n")
         return EXIT_OK
     _table(
-        ["EPOCH", "STATE", "TRIGGERED", "DURATION", "SIZE", "FREED", "REASON"],
+        ["EPOCH", "STATE", "TRIGGERED", "DURATION", "SIZE", "FREED", "PIN", "REASON"],
         [[e.epoch, e.state.value, _when(e.triggered_at),
           "-" if e.duration_s is None else f"{e.duration_s:.1f}s",
-          _human_bytes(e.bytes_total), _human_bytes(e.bytes_freed), e.failure_reason] for e in epochs],
+          _human_bytes(e.bytes_total), _human_bytes(e.bytes_freed), e.pin_label, e.failure_reason] for e in epochs],
         out,
     )
+    return EXIT_OK
+
+
+def _cmd_pin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Pin a completed epoch: retention keeps it (and what a restore of it reads) until it is unpinned."""
+    _require_schema(store)
+    record = store.pin_epoch(args.pipeline, args.epoch, args.label)
+    if args.json:
+        json.dump(_jsonable(record), out)
+        out.write("\n")
+    else:
+        out.write(f"pinned epoch {record.epoch} of pipeline {record.pipeline_id} ({record.pin_label}); retention "
+                  f"keeps it until `airflow-arroyo unpin {record.pipeline_id} {record.epoch}`\n")
+    return EXIT_OK
+
+
+def _cmd_unpin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Unpin an epoch (a no-op when it is not pinned); retention's policy applies to it again."""
+    _require_schema(store)
+    before = store.get_epoch(args.pipeline, args.epoch)
+    record = store.unpin_epoch(args.pipeline, args.epoch)
+    if args.json:
+        json.dump(_jsonable(record), out)
+        out.write("\n")
+    elif before.pin_label is None:
+        out.write(f"epoch {record.epoch} of pipeline {record.pipeline_id} was not pinned; nothing changed\n")
+    else:
+        out.write(f"unpinned epoch {record.epoch} of pipeline {record.pipeline_id} (was: {before.pin_label}); "
+                  "the retention policy applies to it again\n")
     return EXIT_OK
 
 
@@ -525,6 +554,14 @@ def _build_parser() -> _Parser:
                        help="retry this long while another cleanup holds the lock (default 0: skip)")
     prune.add_argument("--wait-for-in-flight", default="5m", metavar="DURATION",
                        help="wait this long for an in-flight epoch to end (default 5m)")
+    pin = sub.add_parser("pin", parents=[common],
+                         help="pin a completed epoch: retention never prunes it or what a restore of it reads")
+    pin.add_argument("pipeline")
+    pin.add_argument("epoch", type=int)
+    pin.add_argument("--label", required=True, metavar="TEXT", help="why it is kept, e.g. 'before the 2.0 upgrade'")
+    unpin = sub.add_parser("unpin", parents=[common], help="unpin an epoch; the retention policy applies again")
+    unpin.add_argument("pipeline")
+    unpin.add_argument("epoch", type=int)
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
     stop = sub.add_parser("stop", parents=[common],
@@ -575,6 +612,8 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "epochs": _cmd_epochs,
     "prune": _cmd_prune,
     "lock": _cmd_lock,
+    "pin": _cmd_pin,
+    "unpin": _cmd_unpin,
     "stop": _cmd_stop,
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,

@@ -331,8 +331,8 @@ def consecutive_failures(states_newest_first: Iterable[EpochState]) -> int:
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Which epochs to keep: the last ``keep_last`` completed ones and/or those newer than
-    ``keep_newer_than``. An epoch is kept when either rule keeps it. The latest completed epoch and
-    any in-flight epoch are never pruned; failed and expired epochs are always pruned."""
+    ``keep_newer_than``. An epoch is kept when either rule keeps it. The latest completed epoch, pinned
+    epochs and any in-flight epoch are never pruned; failed and expired epochs are always pruned."""
 
     keep_last: int | None = None
     keep_newer_than: timedelta | None = None
@@ -367,6 +367,7 @@ class EpochFacts:
     state: EpochState
     triggered_at: datetime
     ended_at: datetime | None = None
+    pin_label: str | None = None  # pinned: kept whatever the policy says
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,8 @@ def select_prunable(epochs: Sequence[EpochFacts], policy: RetentionPolicy, now: 
     """Which epochs may be pruned under ``policy`` at ``now``. Pure and total.
 
     Epochs already ``pruning`` (a crashed cleanup's leftovers) are selected again so that a later
-    run finishes them; ``pruned`` ones are neither kept nor selected.
+    run finishes them; ``pruned`` ones are neither kept nor selected. A pinned epoch (``pin_label``)
+    is kept whatever the policy says (the store pins completed epochs only).
     """
     completed = sorted((e for e in epochs if e.state is EpochState.COMPLETED), key=lambda e: e.epoch)
     latest_completed = completed[-1].epoch if completed else None
@@ -399,6 +401,9 @@ def select_prunable(epochs: Sequence[EpochFacts], policy: RetentionPolicy, now: 
         elif e.state is EpochState.PRUNING:
             prune.append(e.epoch)
             reasons[e.epoch] = "unfinished pruning"
+        elif e.pin_label is not None:
+            keep.append(e.epoch)
+            reasons[e.epoch] = f"pinned: {e.pin_label}"
         elif e.state.ended_unsuccessfully:
             prune.append(e.epoch)
             reasons[e.epoch] = f"{e.state.value}: partial data only"

@@ -385,7 +385,7 @@ def _wait_no_in_flight(store: EpochStore, lease: _Lease, wait: timedelta, poll_i
 
 
 def _facts(records: Iterable[EpochRecord]) -> list[EpochFacts]:
-    return [EpochFacts(r.epoch, r.state, r.triggered_at, r.ended_at) for r in records]
+    return [EpochFacts(r.epoch, r.state, r.triggered_at, r.ended_at, r.pin_label) for r in records]
 
 
 def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy,

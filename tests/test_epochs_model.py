@@ -104,7 +104,11 @@ def epoch_histories(draw: st.DrawFn) -> list[EpochFacts]:
     for i in range(1, n + 1):
         t += timedelta(seconds=draw(st.integers(min_value=1, max_value=3600)))
         state = draw(end_states)
-        facts.append(EpochFacts(epoch=i, state=state, triggered_at=t, ended_at=t + timedelta(seconds=1)))
+        # the store pins completed epochs only; a restore of an older epoch may supersede one later
+        pin = draw(st.sampled_from([None, None, "keep", f"release {i}"])) if state in (
+            EpochState.COMPLETED, EpochState.SUPERSEDED) else None
+        facts.append(EpochFacts(epoch=i, state=state, triggered_at=t, ended_at=t + timedelta(seconds=1),
+                                pin_label=pin))
     if n and draw(st.booleans()):  # the newest may be in flight
         last = facts[-1]
         facts[-1] = EpochFacts(epoch=last.epoch, state=EpochState.TRIGGERED, triggered_at=last.triggered_at)
@@ -145,9 +149,15 @@ def test_select_prunable_never_prunes_what_must_stay(history: list[EpochFacts], 
             assert ended is not None
             if NOW - ended < policy.keep_newer_than:
                 assert e not in pruned
-    # failed/expired partial data, abandoned (superseded) epochs and unfinished pruning always go
+    # pinned epochs stay whatever the policy says, and say so
     for e in history:
-        if e.state in (EpochState.FAILED, EpochState.EXPIRED, EpochState.PRUNING, EpochState.SUPERSEDED):
+        if e.pin_label is not None:
+            assert e.epoch not in pruned
+            assert sel.reasons[e.epoch] == f"pinned: {e.pin_label}"
+    # failed/expired partial data, abandoned (superseded) epochs and unfinished pruning always go (unpinned)
+    for e in history:
+        if e.pin_label is None and e.state in (EpochState.FAILED, EpochState.EXPIRED, EpochState.PRUNING,
+                                               EpochState.SUPERSEDED):
             assert e.epoch in pruned
     # and nothing else goes: a completed epoch is pruned only when no rule keeps it
     for e in pruned:
@@ -171,3 +181,22 @@ def test_select_prunable_example() -> None:
     assert sel.keep == (3, 4, 6)
     assert sel.reasons[6] == "in flight"
     assert sel.reasons[4] == "latest completed"
+
+
+def test_select_prunable_keeps_pinned_epochs_outside_the_policy() -> None:
+    t = NOW - timedelta(days=30)
+    history = [
+        EpochFacts(1, EpochState.COMPLETED, t, t, pin_label="before the 2.0 upgrade"),
+        EpochFacts(2, EpochState.COMPLETED, t, t),
+        EpochFacts(3, EpochState.SUPERSEDED, t, t, pin_label="audit"),
+        EpochFacts(4, EpochState.COMPLETED, t, t),
+        EpochFacts(5, EpochState.COMPLETED, NOW, NOW, pin_label="newest"),
+    ]
+    sel = select_prunable(history, RetentionPolicy(keep_last=1, keep_newer_than=timedelta(hours=1)), NOW)
+    assert sel.prune == (2, 4)
+    assert sel.keep == (1, 3, 5)
+    assert sel.reasons[1] == "pinned: before the 2.0 upgrade"
+    assert sel.reasons[3] == "pinned: audit"
+    # unpinned, the same history loses them to the policy
+    unpinned = [EpochFacts(e.epoch, e.state, e.triggered_at, e.ended_at) for e in history]
+    assert select_prunable(unpinned, RetentionPolicy(keep_last=1), NOW).prune == (1, 2, 3, 4)

@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _EPOCH_COLS = epoch_columns()
+#: The longest pin label (migration 0008 checks the same bound).
+PIN_LABEL_MAX = 200
 _LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
 
 
@@ -629,7 +631,7 @@ class EpochStore:
             f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
             "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
             "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL"
+            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL, NULL, NULL"
             "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
             f"   RETURNING {_EPOCH_COLS}),"
             " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
@@ -699,6 +701,65 @@ class EpochStore:
     def latest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
         rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.COMPLETED])
         return rows[0] if rows else None
+
+    def pin_epoch(self, pipeline_id: str, epoch: int, label: str) -> EpochRecord:
+        """Pin a completed epoch with ``label``: retention keeps it, its snapshot objects and the channel
+        ranges a restore of it reads, until :meth:`unpin_epoch`. Pinning a pinned epoch again replaces
+        its label (``pinned_at`` stays the first pin's).
+
+        Raises :class:`ConfigurationError` for an empty or over-long label or an epoch that is not
+        completed (nothing restorable to keep), :class:`UnknownEpochError` for an unknown one.
+        """
+        text = label.strip() if isinstance(label, str) else ""
+        if not text or len(text) > PIN_LABEL_MAX:
+            raise ConfigurationError(
+                f"pin label must be 1 to {PIN_LABEL_MAX} characters of text, got {label!r}: say why the epoch "
+                "is kept, e.g. --label 'before the 2.0 upgrade'"
+            )
+
+        def tx(cur: PgCursor) -> EpochRecord:
+            self._lock_pipeline(cur, pipeline_id)  # retention's begin_prune holds the same lock
+            # the row lock keeps the state we check until the pin is written
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
+                        (pipeline_id, epoch))
+            found = cur.fetchone()
+            if found is None:
+                raise UnknownEpochError(pipeline_id, epoch, "to pin")
+            if found["state"] != EpochState.COMPLETED.value:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {pipeline_id!r} is {found['state']}, not completed: only a completed "
+                    "epoch can be restored, so only one can be pinned; pick a completed epoch (airflow-arroyo "
+                    f"epochs {pipeline_id})" + (" or wait for this one to end" if found["state"] == "triggered" else "")
+                )
+            cur.execute(
+                f"UPDATE arroyo_epochs SET pin_label = %s, pinned_at = COALESCE(pinned_at, clock_timestamp())"  # noqa: S608
+                f" WHERE pipeline_id = %s AND epoch = %s RETURNING {_EPOCH_COLS}",
+                (text, pipeline_id, epoch),
+            )
+            row = cur.fetchone()
+            if row is None:  # cannot happen under the row lock; say what it would mean
+                raise UnknownEpochError(pipeline_id, epoch, "to pin")
+            return from_row(EpochRecord, row)
+
+        return self._tx(tx)
+
+    def unpin_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+        """Unpin ``epoch`` (idempotent: an epoch that is not pinned is returned as it is); retention may
+        prune it again from its next run."""
+
+        def tx(cur: PgCursor) -> EpochRecord:
+            self._lock_pipeline(cur, pipeline_id)
+            cur.execute(
+                f"UPDATE arroyo_epochs SET pin_label = NULL, pinned_at = NULL"  # noqa: S608
+                f" WHERE pipeline_id = %s AND epoch = %s RETURNING {_EPOCH_COLS}",
+                (pipeline_id, epoch),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise UnknownEpochError(pipeline_id, epoch, "to unpin")
+            return from_row(EpochRecord, row)
+
+        return self._tx(tx)
 
     def oldest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
         """The oldest epoch a restore can still pick (completed, not pruned or superseded)."""
@@ -1052,7 +1113,8 @@ class EpochStore:
             pipe = self._lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             transition(cur, EpochState.PRUNING,
-                       where="e.pipeline_id = %(p)s AND e.epoch = ANY(%(e)s) AND e.epoch IS DISTINCT FROM"
+                       where="e.pipeline_id = %(p)s AND e.epoch = ANY(%(e)s) AND e.pin_label IS NULL"
+                       " AND e.epoch IS DISTINCT FROM"
                        " (SELECT max(c.epoch) FROM arroyo_epochs c WHERE c.pipeline_id = %(p)s"
                        "  AND c.state = %(completed)s)",
                        params={"p": pipeline_id, "e": wanted, "completed": EpochState.COMPLETED.value})
@@ -1073,7 +1135,8 @@ class EpochStore:
                 {"p": pipeline_id, "e": marked},
             )
             objects = [(r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
-            # The oldest position any restorable (completed, not pruning) epoch resumes a channel at.
+            # The oldest position any restorable (completed, not pruning) epoch resumes a channel at; pinned epochs
+            # are completed ones (a superseded one cannot be restored: its channels were cut).
             cur.execute(
                 "SELECT c.key AS channel, min((c.value)::text::bigint) AS pos"
                 " FROM arroyo_acks a JOIN arroyo_epochs e USING (pipeline_id, epoch)"

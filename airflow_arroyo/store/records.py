@@ -35,7 +35,7 @@ R = TypeVar("R")
 EPOCH_COLUMNS = (
     "pipeline_id", "epoch", "state", "run_id", "stages", "is_final", "triggered_by", "triggered_at", "timeout_at",
     "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed", "self_contained",
-    "outcome",
+    "outcome", "pin_label", "pinned_at",
 )
 
 
@@ -125,6 +125,9 @@ class EpochRecord:
     # how it ended (migration 0007): completed, failed, expired or superseded, kept through pruning; None
     # while in flight. Recorded by the database with the state: read it, never the text of failure_reason.
     outcome: EpochState | None = None
+    # pinned (migration 0008): retention keeps it and what a restore of it needs; None when not pinned
+    pin_label: str | None = None
+    pinned_at: datetime | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", EpochState(self.state))

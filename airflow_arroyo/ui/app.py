@@ -92,6 +92,8 @@ def _duration_s(start: datetime | None, end: datetime | None) -> float | None:
 
 def _epoch_notes(e: EpochRecord) -> list[str]:
     notes = []
+    if e.pin_label is not None:
+        notes.append(f"pinned: {e.pin_label}")
     if e.is_final:
         notes.append("final epoch")
     if e.failure_reason:

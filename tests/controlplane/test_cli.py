@@ -94,6 +94,54 @@ def test_epochs_newest_first_with_limit(store: EpochStore, two_pipelines: tuple[
                                                                    (2, "completed"), (1, "completed")]
 
 
+def test_pin_shows_in_epochs_survives_prune_and_unpins(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    orders, _ = two_pipelines
+    code, out, err = run(capsys, "--dsn", store.dsn, "pin", "orders", "1", "--label", "before upgrade")
+    assert (code, err) == (0, "")
+    assert out == "pinned epoch 1 of pipeline orders (before upgrade); retention keeps it until " \
+                  "`airflow-arroyo unpin orders 1`\n"
+    code, out, _ = run(capsys, "--dsn", store.dsn, "epochs", "orders")
+    rows = lines(out)
+    assert rows[0] == ["EPOCH", "STATE", "TRIGGERED", "DURATION", "SIZE", "FREED", "PIN", "REASON"]
+    assert "before upgrade" in out.splitlines()[3] and "before upgrade" not in out.splitlines()[2]
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "epochs", "orders")
+    assert [(e["epoch"], e["pin_label"], e["pinned_at"] is not None) for e in json.loads(out)] == [
+        (3, None, False), (2, None, False), (1, "before upgrade", True)]
+
+    code, out, _ = run(capsys, "--dsn", store.dsn, "prune", "orders", "--keep-last", "1")
+    assert code == 0
+    assert orders.states() == {1: EpochState.COMPLETED, 2: EpochState.PRUNED, 3: EpochState.COMPLETED}
+
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "unpin", "orders", "1")
+    assert code == 0 and json.loads(out)["pin_label"] is None
+    code, out, _ = run(capsys, "--dsn", store.dsn, "unpin", "orders", "1")
+    assert (code, out) == (0, "epoch 1 of pipeline orders was not pinned; nothing changed\n")
+    run(capsys, "--dsn", store.dsn, "prune", "orders", "--keep-last", "1")
+    assert orders.states()[1] is EpochState.PRUNED
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["pin", "orders", "2"], "--label"),
+        (["pin", "orders", "2", "--label", " "], "pin label must be 1 to 200 characters"),
+        (["pin", "orders", "9", "--label", "x"], "pipeline 'orders' has no epoch 9 to pin"),
+        (["pin", "orders", "4", "--label", "x"], "epoch 4 of pipeline 'orders' is failed, not completed"),
+        (["unpin", "nope", "1"], "nope"),
+    ],
+)
+def test_pin_bad_input_exits_2_and_pins_nothing(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                needle: str) -> None:
+    orders, _ = two_pipelines
+    orders.epoch({"src": {"d": 1}}, end="fail")
+    code, out, err = run(capsys, "--dsn", store.dsn, *argv)
+    assert (code, out) == (2, "")
+    assert needle in err
+    assert sql(store, "SELECT count(*) FROM arroyo_epochs WHERE pin_label IS NOT NULL") == [(0,)]
+
+
 def test_prune_one_pipeline(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
                             capsys: pytest.CaptureFixture[str]) -> None:
     orders, clicks = two_pipelines

@@ -13,10 +13,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import ConfigurationError, LockLostError, UnknownPipelineError
+from airflow_arroyo.exceptions import ConfigurationError, LockLostError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.retention import PruneReport, parse_duration, policy_from, prune_pipeline
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import EpochStore, SnapshotEntry
@@ -234,6 +235,84 @@ def test_keep_newer_than_keeps_recent_epochs_beyond_keep_last(store: EpochStore,
     assert report.epochs_pruned == [old1, old2]
     assert report.kept == [recent, latest]
     assert [pipe.path(k).exists() for k in ("o1", "o2", "r", "l")] == [False, False, True, True]
+
+
+# --------------------------------------------------------------------------- pins
+
+
+def test_a_pinned_epoch_survives_keep_last_1_with_its_objects_and_channel_range(store: EpochStore,
+                                                                               tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from airflow_arroyo.runtime.channel import Channel
+
+    uri = str(tmp_path / "channels" / "events")
+    channel = Channel.create(uri)
+    pipe = Pipeline(store, tmp_path, stages=("agg",), channels={"events": uri})
+    epochs = []
+    for i in range(4):
+        channel.append_table(pa.table({"x": list(range(i * 10, i * 10 + 10))}), batch_id=i, writer="src")
+        n = pipe.start()
+        channel.append_barrier(n, writer="src")
+        # incremental: each epoch shares "base" and adds its own object
+        pipe.snapshot(n, "agg", {"base": 100, f"state-{n}": 10})
+        store.ack_epoch("orders", n, "agg", cursors={"events": channel.end_position()})
+        epochs.append(n)
+    e1, e2, e3, e4 = epochs
+    pinned = store.pin_epoch("orders", e2, "  before the 2.0 upgrade ")
+    assert (pinned.pin_label, pinned.state) == ("before the 2.0 upgrade", EpochState.COMPLETED)
+    assert pinned.pinned_at is not None
+
+    report = prune(store, policy=RetentionPolicy(keep_last=1))
+
+    assert report.epochs_pruned == [e1, e3]
+    assert report.kept == [e2, e4]
+    assert pipe.states() == {e1: EpochState.PRUNED, e2: EpochState.COMPLETED, e3: EpochState.PRUNED,
+                             e4: EpochState.COMPLETED}
+    # every object the pinned epoch references is still recorded and on disk, at its size
+    entries = store.snapshot_entries("orders", e2, "agg")
+    assert {x.object_key for x in entries} == {"base", f"state-{e2}"}
+    for entry in entries:
+        assert pipe.path(entry.object_key).stat().st_size == entry.bytes
+    assert not pipe.path(f"state-{e1}").exists() and not pipe.path(f"state-{e3}").exists()
+    # the channel range a restore from e2 reads (right after its barrier) is intact
+    reopened = Channel.open(uri)
+    assert reopened.find_barrier(e2) == reopened.start_position()
+    assert reopened.read_table(reopened.start_position() + 1).column("x").to_pylist() == list(range(20, 40))
+
+    # unpinned (twice: idempotent), the next run prunes it like any other epoch
+    assert store.unpin_epoch("orders", e2).pin_label is None
+    assert store.unpin_epoch("orders", e2).pinned_at is None
+    assert prune(store, policy=RetentionPolicy(keep_last=1)).epochs_pruned == [e2]
+    assert not pipe.path(f"state-{e2}").exists() and pipe.path("base").exists()
+
+
+def test_pinning_refuses_what_cannot_be_restored_and_bad_labels(store: EpochStore, pipe: Pipeline) -> None:
+    done = pipe.epoch({"src": {"a": 1}})
+    failed = pipe.epoch({"src": {"p": 1}}, end="fail")
+    flying = pipe.epoch({"src": {"q": 1}}, end="in_flight")
+    with pytest.raises(ConfigurationError, match=rf"epoch {failed} of pipeline 'orders' is failed, not completed"
+                       r".*airflow-arroyo epochs orders"):
+        store.pin_epoch("orders", failed, "keep")
+    with pytest.raises(ConfigurationError, match="is triggered, not completed.*wait for this one to end"):
+        store.pin_epoch("orders", flying, "keep")
+    with pytest.raises(UnknownEpochError, match="has no epoch 99 to pin"):
+        store.pin_epoch("orders", 99, "keep")
+    with pytest.raises(UnknownEpochError, match="has no epoch 99 to unpin"):
+        store.unpin_epoch("orders", 99)
+    with pytest.raises(UnknownPipelineError):
+        store.pin_epoch("nope", done, "keep")
+    for label in ("", "   ", "x" * 201):
+        with pytest.raises(ConfigurationError, match="pin label must be 1 to 200 characters"):
+            store.pin_epoch("orders", done, label)
+    assert sql(store, "SELECT count(*) FROM arroyo_epochs WHERE pin_label IS NOT NULL") == [(0,)]
+    # re-pinning relabels and keeps the first pin's time; the database refuses to prune a pinned epoch
+    first = store.pin_epoch("orders", done, "one")
+    again = store.pin_epoch("orders", done, "two")
+    assert (again.pin_label, again.pinned_at) == ("two", first.pinned_at)
+    with pytest.raises(psycopg2.errors.CheckViolation, match="arroyo_epochs_pinned_kept"):
+        sql(store, "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = 'orders' AND epoch = %s",
+            (done,))
 
 
 def test_objects_on_an_fsspec_uri_are_deleted(store: EpochStore) -> None:

@@ -434,6 +434,24 @@ def test_a_completed_epoch_says_how_to_restore_from_it(client: TestClient, store
     assert page(client, "/arroyo/pipelines/orders/epochs/241").find_all(id="restore") == []  # in flight
 
 
+def test_a_pinned_epoch_shows_its_label_in_the_history_and_on_its_page(client: TestClient,
+                                                                        store: EpochStore) -> None:
+    label = "before <the> 2.0 upgrade"  # escaped like any other text
+    store.pin_epoch("orders", 240, label)
+    try:
+        history = page(client, "/arroyo/pipelines/orders")
+        row = row_of(history, **{"data-epoch": "240"})
+        assert row.attrs["data-pin"] == label and f"pinned: {label}" in row.text()
+        assert [r.attrs["data-epoch"] for r in history.find("table", id="epochs").find_all("tr")
+                if "data-pin" in r.attrs] == ["240"]
+        pin = page(client, "/arroyo/pipelines/orders/epochs/240").find(id="pin").text()
+        assert pin.startswith(label + " (since ") and "airflow-arroyo unpin orders 240" in pin
+        assert client.get("/arroyo/api/pipelines/orders/epochs/240").json()["epoch"]["pin_label"] == label
+    finally:
+        store.unpin_epoch("orders", 240)
+    assert page(client, "/arroyo/pipelines/orders/epochs/240").find_all(id="pin") == []
+
+
 def test_the_retention_policy_reads_as_words(client: TestClient) -> None:
     doc = page(client, "/arroyo/pipelines/orders/retention")
     policies = [td.text() for td in doc.find("table", id="cleanup-runs").find_all("td") if "policy" in
