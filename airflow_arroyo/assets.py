@@ -29,6 +29,7 @@ ways), and :func:`committed_files` lists the files of a sink that a given commit
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import posixpath
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -60,6 +61,7 @@ __all__ = [
 
 KIND_SINK = "sink"
 KIND_EPOCHS = "epochs"
+SETTLE_AFTER = 10.0  # seconds without a new commit after which the last one is announced once more
 CURSOR_KEY = "arroyo_cursor"  # in the Asset's state store (Airflow >= 3.3): where the watcher resumes
 
 
@@ -123,6 +125,14 @@ class CommittedDataTrigger(BaseEventTrigger):
     least once (an event yielded just before a stop may come again; reading a commit's files is
     idempotent). Without a state store it resumes from the store's present (commits made while no
     triggerer ran are not announced; they are in the folder all the same).
+
+    When no new commit came for :data:`SETTLE_AFTER` seconds (the pipeline stopped or idles), the last
+    one is announced once more (``"repeat": True`` in the payload). Airflow (3.3) can leave the last
+    events of a burst without a DAG run: an Asset event that arrives while the DAG's queue row for the
+    Asset exists (``AssetDagRunQueue``, inserted with ``ON CONFLICT DO NOTHING``) does not move that
+    row's time, the run is created with its event window ending at that time, and the row is deleted,
+    so a later event in the burst (typically the final commit of a stopped pipeline) is consumed by no
+    run until another event comes. The repeat is that other event.
     """
 
     def __init__(self, pipeline_id: str, kind: str = KIND_SINK, sink: str | None = None,
@@ -169,6 +179,9 @@ class CommittedDataTrigger(BaseEventTrigger):
         """Airflow: yield one event per new sink commit or completed epoch, from the stored cursor on."""
         store: AsyncEpochStore | None = None
         cursor = await self._load_cursor()
+        last: dict[str, Any] | None = None  # the last payload announced, until it was repeated once
+        quiet = 0  # looks without a new commit since it was announced
+        settle = max(1, math.ceil(SETTLE_AFTER / self.poll_interval))
         while True:
             # A watcher lives as long as a DAG is scheduled on its Asset, and the triggerer does not
             # restart one that raised: whatever fails here (the store unreachable, a connection lost
@@ -192,12 +205,20 @@ class CommittedDataTrigger(BaseEventTrigger):
                               payload.get("sink") or "checkpoint", payload["epoch"], payload.get("rows"),
                               payload.get("bytes", payload.get("bytes_new")))
                 yield TriggerEvent(payload)
+                last, quiet = payload, 0
                 cursor = position
                 try:
                     await self._save_cursor(cursor)
                 except Exception as exc:  # a lost cursor costs a repeated event, not the watcher
                     self.log.warning("pipeline %s: could not save the watcher's position %s: %s", self.pipeline_id,
                                      cursor, exc, exc_info=True)
+            if not payloads and last is not None:
+                quiet += 1
+                if quiet >= settle:
+                    self.log.info("pipeline %s: nothing new for %gs; announcing epoch %s once more", self.pipeline_id,
+                                  SETTLE_AFTER, last["epoch"])
+                    yield TriggerEvent({**last, "repeat": True})
+                    last = None
             await asyncio.sleep(self.poll_interval)
 
     async def _present(self, store: AsyncEpochStore) -> int:

@@ -27,7 +27,6 @@ with DAG(
     schedule=[REPORT],
     start_date=datetime(2024, 1, 1),
     catchup=False,
-    max_active_runs=1,
     tags=["arroyo", "example"],
     doc_md=__doc__,
 ) as dag:

@@ -163,6 +163,17 @@ async def test_the_watcher_survives_failures_of_the_store_and_of_its_state_store
     assert failures == {"open": 0, "read": 0, "save": 0}
 
 
+async def test_after_a_quiet_while_the_last_commit_is_announced_once_more(pipeline: EpochStore) -> None:
+    """Airflow can leave the last events of a burst without a DAG run (see CommittedDataTrigger): once no
+    commit came for SETTLE_AFTER seconds (here two looks 5 s apart), the last one comes once more, once."""
+    trigger = CommittedDataTrigger(PID, sink="out", conn_id="x")
+    noop = lambda: None  # noqa: E731
+    events = await collect(trigger, pipeline, [lambda: commit(pipeline, 1), noop, noop, noop, noop,
+                                               lambda: commit(pipeline, 2)], 3)
+    assert [(e["epoch"], e.get("repeat", False)) for e in events] == [(1, False), (1, True), (2, False)]
+    assert events[1]["seq"] == events[0]["seq"]
+
+
 async def test_the_epochs_watcher_announces_completed_epochs(pipeline: EpochStore) -> None:
     complete_epoch(pipeline)
     trigger = CommittedDataTrigger(PID, kind="epochs", conn_id="x")
