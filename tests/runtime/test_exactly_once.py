@@ -287,7 +287,8 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
     # every run after the first restored from the latest epoch completed before it started, unless it was
     # killed while starting before its restore's commit point: then it changed no epoch (restored_from unset),
     # and the next run restored from the same latest epoch
-    for k, after in zip(kills[1:], [*kills[2:], None], strict=True):
+    for i, k in enumerate(kills[1:], start=1):
+        after = kills[i + 1] if i + 1 < len(kills) else None
         if k["restored_from"] is None:
             assert k["moment"] == "starting", kills
             assert after is None or after["completed_before"] == k["completed_before"], kills
