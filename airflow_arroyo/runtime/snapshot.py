@@ -53,7 +53,12 @@ import pyarrow.fs as pafs
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.layout import StorageLayout, epoch_object_key, object_digest, object_key, object_path
-from airflow_arroyo.runtime.spark_checkpoint import commit_path, rocksdb_zip_references, select_checkpoint_files
+from airflow_arroyo.runtime.spark_checkpoint import (
+    commit_path,
+    rocksdb_zip_references,
+    select_checkpoint_files,
+    snapshot_files,
+)
 from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
 
 __all__ = [
@@ -94,7 +99,7 @@ class SnapshotStore:
     below ``checkpoints`` (``storage`` unless given), laid out by :class:`StorageLayout`."""
 
     def __init__(self, storage: FileSystem, pipeline_id: str, store: EpochStore, *,
-                 checkpoints: FileSystem | None = None) -> None:
+                 checkpoints: FileSystem | None = None, max_delta_chain: int | None = None) -> None:
         self.fs = storage
         self.layout = StorageLayout(storage, pipeline_id, checkpoints or storage)
         self.checkpoint_fs = self.layout.checkpoint_fs
@@ -105,6 +110,11 @@ class SnapshotStore:
         self.token: FencingToken | None = None
         self._hash_cache: dict[tuple[str, int, int], str] = {}
         self._lock = threading.Lock()
+        # at most this many deltas after a held snapshot before a newer snapshot is copied (restore reads the
+        # chain); None: as far back as Spark keeps deltas (spark.sql.streaming.minBatchesToRetain)
+        if max_delta_chain is not None and max_delta_chain < 0:
+            raise ValueError(f"max_delta_chain must be >= 0 or None, got {max_delta_chain!r}")
+        self.max_delta_chain = max_delta_chain
 
     # ------------------------------------------------------------------ capture
 
@@ -166,9 +176,11 @@ class SnapshotStore:
                             self.pipeline_id, epoch, stage, rel, exc)
                 return None
 
-        selected = select_checkpoint_files(infos, batch_id, zip_refs)
         entries: list[SnapshotEntry] = []
         try:
+            held = None if self_contained else self._held_snapshots(infos, batch_id)
+            selected = select_checkpoint_files(infos, batch_id, zip_refs, held_bases=held,
+                                               max_chain=self.max_delta_chain)
             for rel in selected:
                 info = infos[rel]
                 key = self._hash(info)
@@ -205,6 +217,19 @@ class SnapshotStore:
         log.info("pipeline=%s epoch=%s stage=%s: snapshot of batch %s: %s files, %s new (%s bytes of %s)",
                  self.pipeline_id, epoch, stage, batch_id, len(entries), copied, bytes_new, result.bytes_total)
         return result
+
+    def _held_snapshots(self, infos: dict[str, pafs.FileInfo], batch_id: int) -> Callable[[str], bool]:
+        """Which of the checkpoint's ``V.snapshot`` files the pipeline already holds (a retained epoch references
+        the object and its file is there). Hashes each snapshot file once (cached); copies nothing."""
+        keys: dict[str, SnapshotEntry] = {}
+        for rel in snapshot_files(infos, batch_id):
+            try:
+                keys[rel] = SnapshotEntry(rel, self._hash(infos[rel]), int(infos[rel].size or 0))
+            except FileNotFoundError:
+                continue  # Spark's cleanup deleted it meanwhile: not a base any more
+        known = self.store.known_objects(self.pipeline_id, {e.object_key for e in keys.values()})
+        held = {rel for rel, e in keys.items() if e.object_key in known and self._object_present(e)}
+        return held.__contains__
 
     def _object_present(self, entry: SnapshotEntry) -> bool:
         """A known object is referenced only if its file is really there: retention may have deleted an

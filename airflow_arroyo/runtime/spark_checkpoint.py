@@ -36,6 +36,7 @@ __all__ = [
     "offsets_path",
     "rocksdb_zip_references",
     "select_checkpoint_files",
+    "snapshot_files",
 ]
 
 _VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
@@ -98,10 +99,27 @@ def _hidden(name: str) -> bool:
     return name.startswith(".") or name.startswith("_temporary") or name.endswith((".crc", ".tmp"))
 
 
+def snapshot_files(rel_paths: Iterable[str], batch_id: int) -> list[str]:
+    """The default provider's ``V.snapshot`` files at or below the state version of batch ``batch_id``
+    (sorted): the bases :func:`select_checkpoint_files` may start a delta chain from if they are held."""
+    version = batch_id + 1
+    out = []
+    for rel in rel_paths:
+        parts = rel.split("/")
+        if parts[0] != "state" or len(parts) < 4 or any(_hidden(p) for p in parts):
+            continue
+        m = _VERSIONED.match(parts[-1])
+        if m is not None and m.group(2) == "snapshot" and int(m.group(1)) <= version:
+            out.append(rel)
+    return sorted(out)
+
+
 def select_checkpoint_files(
     rel_paths: Iterable[str],
     batch_id: int,
     zip_references: Callable[[str], Iterable[str] | None],
+    held_bases: Callable[[str], bool] | None = None,
+    max_chain: int | None = None,
 ) -> list[str]:
     """The files of a Spark checkpoint that make up its state as of batch ``batch_id`` (sorted).
 
@@ -109,6 +127,15 @@ def select_checkpoint_files(
     ``zip_references(rel_path_of_zip)``: the ``SSTs/...`` and ``logs/...`` files (relative to the
     zip's folder) a RocksDB ``V.zip`` references, or None if it cannot be read (then every such file
     in the folder is kept). ``batch_id`` -1 means no batch ran yet (only ``metadata`` is kept).
+
+    ``held_bases`` (incremental snapshots; None: always the newest base): whether the pipeline already
+    holds a ``V.snapshot`` (from :func:`snapshot_files`). A default-provider partition is then made of
+    the newest *held* snapshot (or none: version 0, the empty state) and every ``.delta`` after it, as
+    long as those deltas are all present and there are at most ``max_chain`` of them (None: no bound
+    but Spark's own cleanup); a newer snapshot Spark wrote is not taken, because the deltas it
+    summarises are what earlier epochs already hold. Otherwise the newest snapshot and the deltas
+    after it, as without ``held_bases``. Spark loads version V from whatever snapshot is present at
+    or below V and the deltas after it (an absent snapshot is not an error), so both load the same state.
     """
     version = batch_id + 1  # batch b commits state store version b + 1
     keep: list[str] = []
@@ -149,18 +176,40 @@ def select_checkpoint_files(
             continue
         keep.append(rel)  # metadata and anything unknown
     for folder, files in partitions.items():
-        keep += _state_as_of(folder, files, side_files.get(folder, []), version, zip_references)
+        keep += _state_as_of(folder, files, side_files.get(folder, []), version, zip_references,
+                             _held_chain_base(files, version, held_bases, max_chain))
     return sorted(set(keep))
 
 
+def _held_chain_base(files: list[tuple[int, str, str]], version: int, held_bases: Callable[[str], bool] | None,
+                     max_chain: int | None) -> int | None:
+    """The base version of the delta chain that loads ``version`` without a snapshot the pipeline does not
+    hold: the newest held ``V.snapshot`` (or 0) with every delta after it up to ``version`` present, within
+    ``max_chain`` deltas. None: no such chain (or not the default provider), take the newest base."""
+    if held_bases is None or any(kind not in ("delta", "snapshot") for _, kind, _ in files):
+        return None
+    deltas = {v for v, kind, _ in files if kind == "delta"}
+    low = version  # deltas low+1 .. version are all present
+    while low > 0 and low in deltas:
+        low -= 1
+    if max_chain is not None:
+        low = max(low, version - max_chain)
+    snapshots = sorted(((v, rel) for v, kind, rel in files if kind == "snapshot" and low <= v <= version), reverse=True)
+    for v, rel in snapshots:
+        if held_bases(rel):
+            return v
+    return 0 if low == 0 else None
+
+
 def _state_as_of(folder: str, files: list[tuple[int, str, str]], side_files: list[str], version: int,
-                 zip_references: Callable[[str], Iterable[str] | None]) -> list[str]:
-    """The files of one state-store partition ``folder`` that make up ``version``: the newest base
-    (snapshot or zip) at or below it, the deltas after that base, and the ``SSTs``/``logs`` files its
-    RocksDB zips reference (``side_files``: those present, relative to the folder)."""
+                 zip_references: Callable[[str], Iterable[str] | None], base: int | None = None) -> list[str]:
+    """The files of one state-store partition ``folder`` that make up ``version``: the base (snapshot or zip;
+    the newest at or below it unless ``base`` names one, 0: none), the deltas after that base, and the
+    ``SSTs``/``logs`` files its RocksDB zips reference (``side_files``: those present, relative to the folder)."""
     eligible = [f for f in files if f[0] <= version]
-    bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
-    base = max(bases) if bases else 0
+    if base is None:
+        bases = [f[0] for f in eligible if f[1] in _BASE_KINDS]
+        base = max(bases) if bases else 0
     chosen = [f for f in eligible if (f[1] in _BASE_KINDS and f[0] == base) or
               (f[1] not in _BASE_KINDS and base < f[0] <= version)]
     zips = [rel for _, kind, rel in chosen if kind == "zip"]

@@ -25,7 +25,7 @@ from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
-from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files
+from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files, snapshot_files
 from airflow_arroyo.testing import generate_rows, generator_source
 
 # ----------------------------------------------------------------------------- which files (pure)
@@ -89,6 +89,35 @@ def test_selection_changelog_checkpointing() -> None:
     files = [f"state/0/0/{v}.changelog" for v in range(1, 8)] + ["state/0/0/3.zip", "state/0/0/6.zip"]
     assert select_checkpoint_files(files, 4, lambda rel: []) == [
         "state/0/0/3.zip", "state/0/0/4.changelog", "state/0/0/5.changelog"]
+
+
+def test_selection_chains_deltas_from_a_held_snapshot_instead_of_a_new_one() -> None:
+    """Incremental: a snapshot Spark wrote is not taken while the deltas it summarises are there to chain."""
+    part = [*[f"state/0/0/{v}.delta" for v in range(1, 13)], "state/0/0/4.snapshot", "state/0/0/8.snapshot"]
+    files = ["metadata", *part]
+    deltas = [f"state/0/0/{v}.delta" for v in range(1, 11)]
+    held_4 = {"state/0/0/4.snapshot"}.__contains__
+    assert snapshot_files(files, 9) == ["state/0/0/4.snapshot", "state/0/0/8.snapshot"]
+    # nothing held: every delta from version 1 (no snapshot) rather than the new 8.snapshot
+    assert select_checkpoint_files(files, 9, no_zips, held_bases=lambda rel: False) == ["metadata", *sorted(deltas)]
+    # 4.snapshot held (an earlier epoch copied it): it and deltas 5..10, not 8.snapshot
+    assert select_checkpoint_files(files, 9, no_zips, held_bases=held_4) == sorted(
+        ["metadata", "state/0/0/4.snapshot", *deltas[4:]])
+    # the chain is bounded: 10 - 4 > 5 deltas, so the newest snapshot is taken (copied)
+    assert select_checkpoint_files(files, 9, no_zips, held_bases=held_4, max_chain=5) == sorted(
+        ["metadata", "state/0/0/8.snapshot", "state/0/0/9.delta", "state/0/0/10.delta"])
+    # Spark's cleanup deleted deltas 1..7: no chain from 0 or from 4 -> the newest snapshot
+    cleaned = ["metadata", "state/0/0/8.snapshot", *[f"state/0/0/{v}.delta" for v in range(8, 13)]]
+    assert select_checkpoint_files(cleaned, 9, no_zips, held_bases=lambda rel: False) == sorted(
+        ["metadata", "state/0/0/8.snapshot", "state/0/0/9.delta", "state/0/0/10.delta"])
+    # a held snapshot at the version itself needs no delta; without held_bases: the newest base as before
+    assert select_checkpoint_files(files, 7, no_zips, held_bases={"state/0/0/8.snapshot"}.__contains__) == [
+        "metadata", "state/0/0/8.snapshot"]
+    assert select_checkpoint_files(files, 9, no_zips) == select_checkpoint_files(
+        files, 9, no_zips, held_bases=held_4, max_chain=0)
+    # RocksDB folders never chain
+    rocks = [f"state/0/0/{v}.changelog" for v in range(1, 8)] + ["state/0/0/6.zip"]
+    assert select_checkpoint_files(rocks, 5, lambda rel: [], held_bases=lambda rel: False) == ["state/0/0/6.zip"]
 
 
 # ----------------------------------------------------------------------------- Spark helpers
