@@ -45,6 +45,7 @@ from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, demo
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.spark_checkpoint import state_file_version
 from airflow_arroyo.store import EpochStore
 
 
@@ -58,12 +59,31 @@ class RunResult:
     epoch_durations: list[float] = field(default_factory=list)
     bytes_new: list[int] = field(default_factory=list)
     bytes_total: list[int] = field(default_factory=list)
+    # per epoch: bytes of state Spark wrote for it (the .delta/.changelog files of the state versions after the
+    # previous completed epoch's cut, summed over stages) and whether Spark also wrote a full .snapshot/.zip then
+    state_written: list[int] = field(default_factory=list)
+    full_snapshot: list[bool] = field(default_factory=list)
     # per stage, per completed epoch: seconds from trigger to ack, alignment ms, commit wait ms, copy ms
     stage_times: dict[str, list[tuple[float, float, float, float]]] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
         return self.rows / self.seconds if self.seconds else 0.0
+
+
+def state_written(checkpoint: Path, after: int, upto: int) -> tuple[int, bool]:
+    """Bytes of the incremental state files (``.delta``, ``.changelog``) of versions ``after < v <= upto`` in a
+    stage's checkpoint, and whether a full snapshot (``.snapshot``, ``.zip``) of such a version is there too."""
+    written, full = 0, False
+    for p in (checkpoint / "state").rglob("*"):
+        parsed = state_file_version(p.name)
+        if parsed is None or not after < parsed[0] <= upto:
+            continue
+        if parsed[1] in ("delta", "changelog"):
+            written += p.stat().st_size
+        else:
+            full = True
+    return written, full
 
 
 def channel_rows(ch: Channel) -> int:
@@ -76,6 +96,7 @@ class Running:
     def __init__(self, spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float,
                  rows_per_batch: int, max_backlog: int) -> None:
         self.name = "epochs" if epochs else "no-epochs"
+        self.storage = storage
         self.epochs = epochs
         self.store = store
         self.pid = f"bench-{self.name}-{uuid.uuid4().hex[:6]}"
@@ -121,12 +142,26 @@ class Running:
             raise SystemExit(f"{self.name}: the pipeline failed: {self.failure[0]}")
 
     def epochs_since(self, first_epoch: int, result: RunResult) -> None:
+        cut: dict[str, int] = {}  # stage -> state version of the previous completed epoch
         for e in sorted(self.store.list_epochs(self.pid, limit=10_000), key=lambda e: e.epoch):
-            if e.epoch > first_epoch and e.state is EpochState.COMPLETED and e.duration_s is not None:
+            if e.state is not EpochState.COMPLETED:
+                continue
+            acks = self.store.acks(self.pid, e.epoch)
+            written, full = 0, False
+            for a in acks:
+                version = int(a.details.get("batch_id", -1)) + 1
+                if e.epoch > first_epoch:
+                    w, f = state_written(self.storage / self.driver.layout.checkpoint(a.stage), cut.get(a.stage, 0),
+                                         version)
+                    written, full = written + w, full or f
+                cut[a.stage] = version
+            if e.epoch > first_epoch and e.duration_s is not None:
                 result.epoch_durations.append(e.duration_s)
                 result.bytes_new.append(int(e.bytes_new or 0))
                 result.bytes_total.append(int(e.bytes_total or 0))
-                for a in self.store.acks(self.pid, e.epoch):
+                result.state_written.append(written)
+                result.full_snapshot.append(full)
+                for a in acks:
                     result.stage_times.setdefault(a.stage, []).append((
                         (a.acked_at - e.triggered_at).total_seconds(), a.alignment_ms or 0.0,
                         float(a.details.get("commit_wait_ms", 0.0)), float(a.details.get("copy_ms", 0.0))))
@@ -220,6 +255,15 @@ def _report(results: list[RunResult], ratios: list[float], *, json_too: bool) ->
         fractions = [n / t for n, t in zip(new, total, strict=True) if t]
         print(f"bytes new / total per epoch median {statistics.median(new):,.0f} / {statistics.median(total):,.0f} "
               f"(new = {100 * statistics.median(fractions):.1f}% of total; last epoch {new[-1]:,} / {total[-1]:,})")
+    per_epoch = [(n / w, full) for r in with_e for n, w, full in zip(r.bytes_new, r.state_written, r.full_snapshot,
+                                                                      strict=True) if w]
+    if per_epoch:
+        worst = max(per_epoch)
+        with_full = [x for x, full in per_epoch if full]
+        print(f"bytes new / state Spark wrote, per epoch: median {statistics.median(x for x, _ in per_epoch):.2f}x, "
+              f"max {worst[0]:.2f}x{' (an epoch with a full snapshot)' if worst[1] else ''}   (target <= 1.2x in "
+              f"every epoch); {len(with_full)} of {len(per_epoch)} epochs had a full snapshot by Spark"
+              + (f", max there {max(with_full):.2f}x" if with_full else ""))
     stage_times: dict[str, list[tuple[float, float, float, float]]] = {}
     for res in with_e:
         for stage, rows in res.stage_times.items():
@@ -234,6 +278,7 @@ def _report(results: list[RunResult], ratios: list[float], *, json_too: bool) ->
         print(json.dumps({"throughput_without": tp_base, "throughput_with": tp_e, "ratio": ratio,
                           "epoch_p50_s": percentile(durations, 0.5), "epoch_p95_s": percentile(durations, 0.95),
                           "ratios": ratios, "bytes_new": new, "bytes_total": total,
+                          "bytes_new_per_state_written": [x for x, _ in per_epoch],
                           "runs": [r.__dict__ for r in results]}, default=str))
 
 
@@ -248,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
     parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
                         help="flow control: entries a channel may hold unread (default: the driver's)")
+    parser.add_argument("--maintenance-interval", default=None, help="Spark's state store maintenance interval, "
+                        "when it writes full .snapshot files (e.g. 5s; default Spark's, 60s)")
     parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
@@ -257,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
+    builder = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
+               .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", "2g"))
+    if args.maintenance_interval:
+        builder = builder.config("spark.sql.streaming.stateStore.maintenanceInterval", args.maintenance_interval)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
         store = EpochStore(pg.dsn)

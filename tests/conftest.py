@@ -144,6 +144,9 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         .config("spark.sql.warehouse.dir", str(warehouse))
         .config("spark.driver.memory", "2g")
         .config("spark.sql.streaming.stopTimeout", "30s")
+        # Spark's state store maintenance (full .snapshot files, cleanup) every 200 ms instead of 60 s, so that
+        # tests see the files a long-running query has (test_snapshot.py's full-snapshot test relies on it)
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", "200ms")
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("WARN")

@@ -4,7 +4,10 @@ A stage's snapshot for epoch *n* is its Spark checkpoint **as of the cut batch b
 ``offsets/<= b``, ``commits/<= b``, source logs up to b and the state store files needed to load
 state version ``b + 1`` (the version batch b committed), for both state store providers:
 
-* default (HDFS-backed): the newest ``V.snapshot`` at or below b+1 and the ``V.delta`` files after it;
+* default (HDFS-backed): a ``V.snapshot`` at or below b+1 and the ``V.delta`` files after it: the newest
+  snapshot the pipeline already holds (or none), so that a full snapshot Spark's maintenance wrote is not
+  copied while the deltas it summarises are still there to chain (``max_delta_chain`` bounds the chain);
+  the newest snapshot when Spark deleted part of the chain, and for self-contained epochs;
 * RocksDB: the newest ``V.zip`` at or below b+1 (plus ``V.changelog`` files after it when changelog
   checkpointing is on) and the ``SSTs/`` / ``logs/`` files that zip references.
 

@@ -37,6 +37,7 @@ __all__ = [
     "rocksdb_zip_references",
     "select_checkpoint_files",
     "snapshot_files",
+    "state_file_version",
 ]
 
 _VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
@@ -97,6 +98,13 @@ def checkpoint_offsets(checkpoint_uri: str, batch_id: int) -> list[dict[str, Any
 
 def _hidden(name: str) -> bool:
     return name.startswith(".") or name.startswith("_temporary") or name.endswith((".crc", ".tmp"))
+
+
+def state_file_version(name: str) -> tuple[int, str] | None:
+    """``(version, kind)`` of a state store file name (``12.delta`` -> ``(12, "delta")``; kinds ``delta``,
+    ``snapshot``, ``zip``, ``changelog``), None for any other name."""
+    m = _VERSIONED.match(name)
+    return (int(m.group(1)), m.group(2)) if m is not None else None
 
 
 def snapshot_files(rel_paths: Iterable[str], batch_id: int) -> list[str]:

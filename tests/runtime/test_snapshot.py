@@ -17,15 +17,17 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
 from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files, snapshot_files
+from airflow_arroyo.scrub import verify_pipeline
 from airflow_arroyo.testing import generate_rows, generator_source
 
 # ----------------------------------------------------------------------------- which files (pure)
@@ -125,8 +127,8 @@ def test_selection_chains_deltas_from_a_held_snapshot_instead_of_a_new_one() -> 
 KEYS = 40
 
 
-def expected_totals(seed: int, total: int) -> dict[str, tuple[int, int]]:
-    t = generate_rows(seed, 0, total, KEYS).to_pydict()
+def expected_totals(seed: int, total: int, keys: int = KEYS) -> dict[str, tuple[int, int]]:
+    t = generate_rows(seed, 0, total, keys).to_pydict()
     out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for k, v in zip(t["key"], t["value"], strict=True):
         out[k][0] += 1
@@ -277,6 +279,71 @@ def test_incremental_snapshot_of_large_mostly_unchanged_state(spark: Any, store:
     assert sum(p.stat().st_size for p in stored if p.is_file()) == r1.bytes_new + r2.bytes_new
     rec = store.get_epoch(pipeline, e2)
     assert (rec.bytes_new, rec.bytes_total) == (r2.bytes_new, r2.bytes_total)
+
+
+@pytest.mark.spark
+def test_full_snapshot_spark_wrote_is_not_copied_and_restore_after_retention_is_exact(
+        spark: Any, store: Any, tmp_path: Path) -> None:
+    """Spark's maintenance writes full ``.snapshot`` files (minDeltasForSnapshot 2, maintenance every 200 ms in
+    the session): every epoch still copies at most 1.2x the state (``.delta`` bytes) Spark wrote since the
+    previous epoch, and the newest epoch, whose delta chain is its own, restores exactly and verifies after
+    retention pruned the older ones."""
+    pid = f"snapinc-{uuid.uuid4().hex[:8]}"
+    store.register_pipeline(pid, stages=["agg"], run_id="r1", storage_uri=str(tmp_path))
+    store.set_pipeline_state(pid, PipelineState.RUNNING)
+    snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pid, store)
+    ckpt = snaps.layout.checkpoint("agg")
+    keys, total, per_batch = 8000, 7000, 1000  # 7 batches, each updating ~940 keys
+    conf = "spark.sql.streaming.stateStore.minDeltasForSnapshot"
+    before = spark.conf.get(conf)
+    spark.conf.set(conf, "2")
+    try:
+        straight = run_aggregation(spark, tmp_path / ckpt, "hdfs", df=generator_source(
+            spark, seed=3, keys=keys, total_rows=total, rows_per_batch=per_batch))
+    finally:
+        spark.conf.set(conf, before)
+    expected = expected_totals(3, total, keys)
+    assert straight.totals() == expected
+    root = tmp_path / ckpt
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    def delta_bytes(after: int, upto: int) -> int:
+        return sum(p.stat().st_size for p in (root / "state").rglob("*.delta")
+                   if after < int(p.name.split(".")[0]) <= upto)
+
+    epochs: list[int] = []
+    old_rule_copies_a_snapshot = False
+    version = 0
+    for cut in (1, 3, 5):  # state versions 2, 4, 6
+        store.heartbeat(pid, "r1")  # as the driver does while its queries run
+        epoch = new_epoch(store, pid)
+        result = snaps.capture("agg", epoch, ckpt, cut)
+        complete(store, pid, epoch, result)
+        written = delta_bytes(version, cut + 1)
+        print(f"epoch {epoch}: bytes new {result.bytes_new}, state written {written}, "
+              f"ratio {result.bytes_new / written:.3f}")
+        assert 0 < result.bytes_new <= 1.2 * written, (epoch, result.bytes_new, written)
+        assert not any(e.rel_path.endswith(".snapshot") for e in result.entries)
+        old_rule = select_checkpoint_files(files, cut, no_zips)  # the newest snapshot, copied whole
+        old_rule_copies_a_snapshot |= any(r.endswith(".snapshot") and int(r.rsplit("/", 1)[1].split(".")[0]) > version
+                                          for r in old_rule)
+        epochs.append(epoch)
+        version = cut + 1
+    assert old_rule_copies_a_snapshot, f"Spark's maintenance wrote no .snapshot in time: {files}"
+
+    report = prune_pipeline(store, pid, RetentionPolicy(keep_last=1), holder="test")
+    assert report.epochs_pruned == epochs[:2]
+    assert verify_pipeline(store, pid).ok
+    prepared = snaps.prepare_restore("agg", epochs[-1])
+    snaps.commit_restore(prepared)
+    restored = tmp_path / snaps.layout.checkpoint("agg")
+    assert not list(restored.rglob("*.snapshot"))  # Spark loads version 6 from deltas 1..6
+    resumed = run_aggregation(spark, restored, "hdfs", df=generator_source(
+        spark, seed=3, keys=keys, total_rows=total, rows_per_batch=per_batch))
+    assert min(resumed.batches) == 6
+    first = Collect()
+    first.batches = {b: r for b, r in straight.batches.items() if b <= 5}
+    assert first.totals(resumed) == expected
 
 
 @pytest.mark.spark
