@@ -94,7 +94,7 @@ class Running:
     """One copy of the demo pipeline running in a driver thread (with or without a controller)."""
 
     def __init__(self, spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float,
-                 rows_per_batch: int, max_backlog: int) -> None:
+                 rows_per_batch: int, max_backlog: int, copy_full_snapshots: bool = False) -> None:
         self.name = "epochs" if epochs else "no-epochs"
         self.storage = storage
         self.epochs = epochs
@@ -103,6 +103,8 @@ class Running:
         self.interval = interval
         self.driver = PipelineDriver(demo(self.pid, rows=None, rows_per_batch=rows_per_batch), store,
                                      storage_uri=str(storage), spark=spark, max_backlog_entries=max_backlog)
+        if copy_full_snapshots:  # the rule before issue 12 item 5: always the newest snapshot, copied when new
+            self.driver.snapshots.max_delta_chain = 0
         self.failure: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True)
@@ -295,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="flow control: entries a channel may hold unread (default: the driver's)")
     parser.add_argument("--maintenance-interval", default=None, help="Spark's state store maintenance interval, "
                         "when it writes full .snapshot files (e.g. 5s; default Spark's, 60s)")
+    parser.add_argument("--copy-full-snapshots", action="store_true", help="for comparison: snapshot the newest "
+                        ".snapshot Spark wrote (copying it), as before issue 12 item 5 (max_delta_chain=0)")
     parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def make(epochs: bool, tag: str) -> Running:
             return Running(spark, store, Path(tmp) / tag, epochs=epochs, interval=args.interval,
-                           rows_per_batch=args.rows_per_batch, max_backlog=args.max_backlog)
+                           rows_per_batch=args.rows_per_batch, max_backlog=args.max_backlog,
+                           copy_full_snapshots=args.copy_full_snapshots)
 
         run = _concurrent if args.mode == "concurrent" else _alternate
         results, ratios = run(make, args)

@@ -455,3 +455,53 @@ def test_known_object_whose_file_is_gone_is_copied_again(store: Any, pipeline: s
     assert (r2.files_copied, r2.bytes_new) == (1, victim.bytes)
     assert (tmp_path / object_path(pipeline, victim.object_key)).read_bytes() == (tmp_path / "ckpt" /
                                                                                   victim.rel_path).read_bytes()
+
+
+def test_new_full_snapshot_is_chained_over_not_copied_until_the_chain_is_too_long(store: Any, pipeline: str,
+                                                                                 tmp_path: Path) -> None:
+    """Capture end to end without Spark: a new ``.snapshot`` is hashed but not copied while the deltas it
+    summarises are there; once it is copied (the chain bound), later epochs chain from it."""
+    snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pipeline, store)
+    ckpt = tmp_path / "ckpt"
+
+    def write(rel: str, data: bytes) -> int:
+        (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / rel).write_bytes(data)
+        return len(data)
+
+    def batches(upto: int) -> int:  # offsets and commits of batches 0..upto; returns the bytes of new ones
+        return sum(write(f"{log}/{b}", f"v1\n{log} of batch {b}".encode()) for b in range(upto + 1)
+                   for log in ("offsets", "commits") if not (ckpt / log / str(b)).exists())
+
+    def capture(cut: int) -> Any:
+        epoch = new_epoch(store, pipeline)
+        result = snaps.capture("agg", epoch, "ckpt", cut)
+        complete(store, pipeline, epoch, result)
+        return result
+
+    write("metadata", b'{"id":"q"}')
+    deltas = {v: write(f"state/0/0/{v}.delta", bytes([v]) * 1000) for v in range(1, 5)}
+    logs = batches(3)
+    r1 = capture(3)
+    assert r1.bytes_new == sum(deltas.values()) + logs + len('{"id":"q"}')
+    deltas |= {v: write(f"state/0/0/{v}.delta", bytes([v]) * 1000) for v in (5, 6)}
+    write("state/0/0/5.snapshot", b"S" * 50_000)  # Spark's maintenance: the whole state, 10x a delta
+    logs = batches(5)
+    r2 = capture(5)
+    assert r2.bytes_new == deltas[5] + deltas[6] + logs  # not the snapshot
+    assert {e.rel_path for e in r2.entries if e.rel_path.startswith("state/")} == {
+        f"state/0/0/{v}.delta" for v in range(1, 7)}
+    snaps.max_delta_chain = 3  # the chain 1..7 is now too long: the newest snapshot is copied, once
+    deltas[7] = write("state/0/0/7.delta", b"\x07" * 1000)
+    logs = batches(6)
+    r3 = capture(6)
+    assert r3.bytes_new == 50_000 + deltas[7] + logs
+    assert {e.rel_path for e in r3.entries if e.rel_path.startswith("state/")} == {
+        "state/0/0/5.snapshot", "state/0/0/6.delta", "state/0/0/7.delta"}
+    deltas[8] = write("state/0/0/8.delta", b"\x08" * 1000)
+    write("state/0/0/8.snapshot", b"T" * 50_000)
+    logs = batches(7)
+    r4 = capture(7)  # chains from the held 5.snapshot, not the new 8.snapshot
+    assert r4.bytes_new == deltas[8] + logs
+    assert {e.rel_path for e in r4.entries if e.rel_path.startswith("state/")} == {
+        "state/0/0/5.snapshot", *(f"state/0/0/{v}.delta" for v in (6, 7, 8))}
