@@ -295,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
     parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
                         help="flow control: entries a channel may hold unread (default: the driver's)")
-    parser.add_argument("--maintenance-interval", default=None, help="Spark's state store maintenance interval, "
-                        "when it writes full .snapshot files (e.g. 5s; default Spark's, 60s)")
+    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Spark setting, repeatable; e.g. spark.sql.streaming.stateStore.maintenanceInterval=5s "
+                        "and spark.sql.streaming.stateStore.minDeltasForSnapshot=3 make Spark write full state "
+                        "snapshots often (defaults 60s and 10)")
     parser.add_argument("--copy-full-snapshots", action="store_true", help="for comparison: snapshot the newest "
                         ".snapshot Spark wrote (copying it), as before issue 12 item 5 (max_delta_chain=0)")
     parser.add_argument("--long", action="store_true", help="3 windows of 180 s")
@@ -312,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.memory", "2g"))
-    if args.maintenance_interval:
-        builder = builder.config("spark.sql.streaming.stateStore.maintenanceInterval", args.maintenance_interval)
+    for setting in args.conf:
+        key, sep, value = setting.partition("=")
+        if not sep or not key:
+            parser.error(f"--conf expects KEY=VALUE, got {setting!r}")
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
