@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from airflow_arroyo.exceptions import SnapshotError
+from airflow_arroyo.exceptions import ConfigurationError, SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.layout import StorageLayout, epoch_object_key, object_digest, object_key, object_path
 from airflow_arroyo.runtime.spark_checkpoint import (
@@ -116,7 +116,8 @@ class SnapshotStore:
         # at most this many deltas after a held snapshot before a newer snapshot is copied (restore reads the
         # chain); None: as far back as Spark keeps deltas (spark.sql.streaming.minBatchesToRetain)
         if max_delta_chain is not None and max_delta_chain < 0:
-            raise ValueError(f"max_delta_chain must be >= 0 or None, got {max_delta_chain!r}")
+            raise ConfigurationError(f"max_delta_chain must be a number of deltas >= 0 (0: always copy the newest "
+                                     f"snapshot) or None (no bound but Spark's cleanup), got {max_delta_chain!r}")
         self.max_delta_chain = max_delta_chain
 
     # ------------------------------------------------------------------ capture
