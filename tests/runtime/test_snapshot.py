@@ -186,6 +186,8 @@ def pipeline(store: Any) -> Iterator[str]:
 
 
 def new_epoch(store: Any, pid: str) -> int:
+    store.heartbeat(pid, "r1")  # as the driver does while its queries run: a Spark run longer than 30 s on a
+    # loaded machine otherwise leaves the pipeline "not alive" and the trigger starts no epoch
     tick = store.trigger_tick(pid, CheckpointPolicy(interval=1), force=True)
     assert tick.started is not None, tick
     return int(tick.started.epoch)
@@ -315,7 +317,6 @@ def test_full_snapshot_spark_wrote_is_not_copied_and_restore_after_retention_is_
     old_rule_copies_a_snapshot = False
     version = 0
     for cut in (1, 3, 5):  # state versions 2, 4, 6
-        store.heartbeat(pid, "r1")  # as the driver does while its queries run
         epoch = new_epoch(store, pid)
         result = snaps.capture("agg", epoch, ckpt, cut)
         complete(store, pid, epoch, result)
