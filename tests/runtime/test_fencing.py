@@ -231,6 +231,30 @@ def test_file_sink_refuses_a_superseded_generation(tmp_path: Path) -> None:
                                                              "000000000001-g2-part-00000.parquet"]
 
 
+def test_a_takeover_finishes_the_commit_a_stalled_run_had_half_done(tmp_path: Path) -> None:
+    """The old run moved batch 0's files, then stalled before writing the batch's manifest (a SIGSTOP
+    between the two, as in the live takeover test): the new run's rollback finishes that commit, and its
+    manifest names the files the old run moved, so no committed row is lost and no file is stray."""
+    out = tmp_path / "out"
+    old = file_sink(out, 1)
+    old.claim()
+    pending_batch(out, "0-g1", 0)
+    (out / "_arroyo_sink" / "pending" / "0-g1" / "part-00000.parquet").rename(
+        out / "000000000000-g1-part-00000.parquet")  # the move done, the manifest not written
+    pending_batch(out, "1-g1", 10)
+    new = file_sink(out, 2)
+    new.claim()
+    new.rollback_to(1)  # the takeover restores the epoch whose cut is batch 1
+    files = committed_files(str(out))
+    assert files == ["000000000000-g1-part-00000.parquet", "000000000001-g2-part-00000.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == files
+    assert sorted(pq.read_table(out / f).column("id").to_pylist()[0] for f in files) == [0, 10]
+    # the old run wakes up and writes the manifest it owed: of an older generation, it changes nothing
+    (out / "_arroyo_sink" / "committed" / "000000000000-g1.json").write_text(
+        json.dumps({"batch": 0, "files": ["000000000000-g1-part-00000.parquet"]}))
+    assert committed_files(str(out)) == files
+
+
 @pytest.fixture
 def target_dsn(pg_server: Any) -> str:
     dsn = pg_server.create_database(f"fence_{uuid.uuid4().hex[:10]}")
