@@ -50,6 +50,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import _migrate
 from airflow_arroyo.store._pool import ConnectionPool
+from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.records import (
@@ -76,7 +77,28 @@ T = TypeVar("T")
 _EPOCH_COLS = epoch_columns()
 #: The longest pin label (migration 0008 checks the same bound).
 PIN_LABEL_MAX = 200
-_LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
+# The batch's pipeline row locks: waiting for them, or skipping rows another transaction holds.
+_LOCK_SQL = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY($1) ORDER BY pipeline_id FOR UPDATE"
+_LOCK_PIPELINES = Prepared("arroyo_lock_pipelines", ("text[]",), _LOCK_SQL)
+_LOCK_PIPELINES_SKIP = Prepared("arroyo_lock_pipelines_skip", ("text[]",), _LOCK_SQL + " SKIP LOCKED")
+# Every locked pipeline's tick facts (see EpochStore._tick_facts), prepared once per connection.
+_TICK_FACTS = Prepared(
+    "arroyo_tick_facts", ("text[]", "int[]"),
+    "SELECT r.pipeline_id, clock_timestamp() AS now, f.epoch AS in_flight,"
+    " f.timeout_at AS in_flight_timeout_at,"
+    " (SELECT max(e.triggered_at) FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id)"
+    "   AS last_triggered_at,"
+    " (SELECT e.ended_at FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id AND e.ended_at IS NOT NULL"
+    "   ORDER BY e.epoch DESC LIMIT 1) AS last_ended_at,"
+    " l.holder, l.expires_at,"
+    " ARRAY(SELECT e.state FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+    "   ORDER BY e.epoch DESC LIMIT r.k) AS recent,"
+    " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+    "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
+    " FROM unnest($1, $2) AS r(pipeline_id, k)"
+    " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
+    " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
+)
 
 
 def redact_dsn(dsn: str) -> str:
@@ -508,9 +530,9 @@ class EpochStore:
         pipes: dict[str, dict[str, Any]] = {}
         # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
         # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
-        for ids, query in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES + " SKIP LOCKED")):
+        for ids, statement in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES_SKIP)):
             if ids:
-                cur.execute(query, (ids,))
+                execute_prepared(cur, statement, (ids,))
                 pipes.update((row["pipeline_id"], row) for row in cur.fetchall())
         missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
         if missing:
@@ -584,23 +606,7 @@ class EpochStore:
         the newest epoch, not a scan of the pipeline's whole history)."""
         pids = [r.pipeline_id for r in requests]
         t0 = time.monotonic()
-        cur.execute(
-            "SELECT r.pipeline_id, clock_timestamp() AS now, f.epoch AS in_flight,"
-            " f.timeout_at AS in_flight_timeout_at,"
-            " (SELECT max(e.triggered_at) FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id)"
-            "   AS last_triggered_at,"
-            " (SELECT e.ended_at FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id AND e.ended_at IS NOT NULL"
-            "   ORDER BY e.epoch DESC LIMIT 1) AS last_ended_at,"
-            " l.holder, l.expires_at,"
-            " ARRAY(SELECT e.state FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
-            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent,"
-            " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
-            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
-            " FROM unnest(%s::text[], %s::int[]) AS r(pipeline_id, k)"
-            " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
-            " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
-            (pids, [r.policy.tolerable_failures + 2 for r in requests]),
-        )
+        execute_prepared(cur, _TICK_FACTS, (pids, [r.policy.tolerable_failures + 2 for r in requests]))
         rows = cur.fetchall()
         observed_at = (t0 + time.monotonic()) / 2
         facts: dict[str, dict[str, Any]] = {row["pipeline_id"]: row for row in rows}
