@@ -265,12 +265,30 @@ class PipelineDriver:
         """What to restore (:func:`~airflow_arroyo.runtime.decisions.plan_restore`); reads only, so that bad
         input is refused before anything is written."""
         self.store.check_schema()
+        self._refuse_unstarted_fork()
         for sink in self.sinks.values():
             sink.check_writable()  # read-only: before any restore touches the folder
         plan = plan_restore(self._restore_facts())
         if plan.action is RestoreAction.START_OVER:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
+
+    def _refuse_unstarted_fork(self) -> None:
+        """A fork (``airflow-arroyo fork``) that has not completed an epoch of its own would start from nothing
+        here, not from its fork point: this driver cannot yet restore another pipeline's epoch, so refuse
+        rather than silently lose the fork point's state (docs/retention.md, "Forks")."""
+        try:
+            record = self.store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            return
+        source, epoch = record.forked_from_pipeline, record.forked_from_epoch
+        if source is not None and self.pipeline_id in self.store.waiting_forks(source, epoch):
+            raise ConfigurationError(
+                f"pipeline {self.pipeline_id!r} is a fork of epoch {epoch} of {source!r} and has no epoch of its "
+                "own: this driver cannot restore another pipeline's epoch yet, so nothing was started. Restore "
+                f"{source!r} from epoch {epoch} under its own id instead (airflow-arroyo restore {source} --epoch "
+                f"{epoch})"
+            )
 
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from``, and only those."""
