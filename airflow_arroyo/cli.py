@@ -390,8 +390,8 @@ def _cmd_restore(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
         json.dump(_jsonable(plan), out)
         out.write("\n")
         return EXIT_OK
-    _table(["PIPELINE", "RESTORE FROM", "ENDED", "PIN", "SUPERSEDES"],
-           [[plan.pipeline_id, plan.epoch, _when(plan.ended_at), plan.pin_label,
+    _table(["PIPELINE", "RESTORE FROM", "EPOCH OF", "ENDED", "PIN", "SUPERSEDES"],
+           [[plan.pipeline_id, plan.epoch, plan.epoch_of, _when(plan.ended_at), plan.pin_label,
              list(plan.supersedes)]], out)
     out.write(f"launch its driver with: {' '.join(plan.driver_args)}\n"
               f"or from Airflow: SubmitPipelineOperator(..., restore_from={plan.restore_from!r}) "
@@ -587,6 +587,7 @@ class RestorePlan:
     """What ``restore`` checked: the epoch a new run of ``pipeline_id`` restores and how to launch it."""
     pipeline_id: str
     epoch: int
+    epoch_of: str  # the pipeline whose epoch it is: this one, or, for a fork's first run, its source
     restore_from: str | int  # what to give the driver / the submit operator
     ended_at: datetime | None
     pin_label: str | None
@@ -610,13 +611,28 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
             f"(airflow-arroyo stop {pipeline_id} --wait 2m), or launch the restore with --takeover if its driver "
             "is dead"
         )
-    if latest:
-        record = store.latest_completed_epoch(pipeline_id)
-        if record is None:
-            fork = (f"; it is a fork of epoch {pipe.forked_from_epoch} of {pipe.forked_from_pipeline} and has not "
-                    "completed an epoch of its own yet" if pipe.forked_from_pipeline else "")
-            raise ConfigurationError(f"pipeline {pipeline_id} has no completed epoch to restore{fork}; "
+    owner = pipeline_id
+    waiting = pipe.forked_from_pipeline is not None and pipeline_id in store.waiting_forks(
+        pipe.forked_from_pipeline, pipe.forked_from_epoch)
+    if waiting:  # a fork's first run restores its fork point (the driver does the same)
+        assert pipe.forked_from_pipeline is not None and pipe.forked_from_epoch is not None
+        if not latest and int(wanted) != pipe.forked_from_epoch:
+            raise ConfigurationError(
+                f"pipeline {pipeline_id} is a fork of epoch {pipe.forked_from_epoch} of {pipe.forked_from_pipeline} "
+                f"with no epoch of its own: its first run restores that epoch, not {wanted}; use --epoch latest"
+            )
+        owner = pipe.forked_from_pipeline
+        record = store.get_epoch(owner, pipe.forked_from_epoch)
+        if record.state is not EpochState.COMPLETED:
+            raise ConfigurationError(f"the fork point of {pipeline_id}, epoch {record.epoch} of {owner}, is "
+                                     f"{record.state.value}: the fork cannot start; fork again from a completed epoch")
+        latest = True
+    elif latest:
+        newest = store.latest_completed_epoch(pipeline_id)
+        if newest is None:
+            raise ConfigurationError(f"pipeline {pipeline_id} has no completed epoch to restore; "
                                      "a run without --restore-from starts it from the beginning")
+        record = newest
     else:
         record = store.get_epoch(pipeline_id, int(wanted))
         if record.state is not EpochState.COMPLETED:
@@ -626,8 +642,9 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
                 f"epoch {record.epoch} of pipeline {pipeline_id} is {record.state.value}{why}: only a completed "
                 f"epoch can be restored; pick one from `airflow-arroyo epochs {pipeline_id}`"
             )
-    after = [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000, states=[EpochState.COMPLETED])
-             if e.epoch > record.epoch]
+    after = [] if waiting else [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000,
+                                                                   states=[EpochState.COMPLETED])
+                                if e.epoch > record.epoch]
     restore_from: str | int = "latest" if latest else record.epoch
     args = ["python", "-m", "airflow_arroyo.runtime.driver", "--pipeline", "<module:attr>",
             "--restore-from", str(restore_from)]
@@ -636,7 +653,7 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
     checkpoint_uri = (pipe.config or {}).get("checkpoint_uri")
     if checkpoint_uri and checkpoint_uri != pipe.storage_uri:
         args += ["--checkpoint-uri", str(checkpoint_uri)]
-    return RestorePlan(pipeline_id, record.epoch, restore_from, record.ended_at, record.pin_label,
+    return RestorePlan(pipeline_id, record.epoch, owner, restore_from, record.ended_at, record.pin_label,
                        tuple(sorted(after)), tuple(args))
 
 

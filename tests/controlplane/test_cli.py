@@ -360,9 +360,13 @@ def test_fork_table_and_json_and_its_fork_point_cannot_be_unpinned(
     assert store.get_epoch("orders", 2).pin_label == "fork:orders-b"
     code, _, err = run(capsys, "--dsn", store.dsn, "fork", "orders", "--epoch", "2", "--to", "clicks")
     assert code == 2 and "pipeline 'clicks' already exists" in err
-    # a fork that never ran has nothing to restore yet, and says so
-    code, _, err = run(capsys, "--dsn", store.dsn, "restore", "orders-b")
-    assert code == 2 and "it is a fork of epoch 2 of orders and has not completed an epoch of its own" in err
+    # a fork's first run restores its fork point
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restore", "orders-b")
+    plan = json.loads(out)
+    assert code == 0 and (plan["epoch"], plan["epoch_of"], plan["restore_from"], plan["pin_label"]) == (
+        2, "orders", "latest", "fork:orders-b")
+    code, _, err = run(capsys, "--dsn", store.dsn, "restore", "orders-b", "--epoch", "1")
+    assert code == 2 and "its first run restores that epoch, not 1; use --epoch latest" in err
     code, out, _ = run(capsys, "--dsn", store.dsn, "unpin", "orders", "2", "--force")
     assert code == 0 and store.get_epoch("orders", 2).pin_label is None
 
@@ -379,8 +383,8 @@ def test_restore_checks_the_epoch_and_prints_how_to_launch_it(
     code, out, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", "2")
     assert (code, err) == (0, "")
     header, row = out.splitlines()[:2]
-    assert header.split() == ["PIPELINE", "RESTORE", "FROM", "ENDED", "PIN", "SUPERSEDES"]
-    assert row.startswith("orders    2") and row.rstrip().endswith("before upgrade  3")
+    assert header.split() == ["PIPELINE", "RESTORE", "FROM", "EPOCH", "OF", "ENDED", "PIN", "SUPERSEDES"]
+    assert row.split()[:3] == ["orders", "2", "orders"] and row.rstrip().endswith("before upgrade  3")
     assert f"--restore-from 2 --storage-uri {orders.root}" in out and "restore_from=2" in out
     code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restore", "orders")
     plan = json.loads(out)
