@@ -354,6 +354,44 @@ class EpochStore:
 
         return self._tx(tx)
 
+    def commit_fork_restore(self, pipeline_id: str, run_id: str) -> PipelineRecord:
+        """The commit point of a fork's first restore (run ``run_id`` restores the fork point, an epoch of
+        another pipeline): under both pipelines' row locks, refused (``ConcurrencyConflict``) unless ``run_id``
+        is the fork's current run, still ``registered``; refused (``ConfigurationError``) unless the fork still
+        has no completed epoch of its own and its fork point is still completed in the source. Records
+        ``restored_from_epoch`` (the fork point); no epoch changes: the source's are not the fork's to
+        supersede. Repeatable until the fork completes an epoch."""
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            current = self._get_pipeline(cur, pipeline_id)
+            source, epoch = current.forked_from_pipeline, current.forked_from_epoch
+            if source is None or epoch is None:
+                raise ConfigurationError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
+            cur.execute(_LOCK_PIPELINES, (sorted([pipeline_id, source]),))
+            rows = {r["pipeline_id"]: r for r in cur.fetchall()}
+            fork = rows[pipeline_id]
+            if fork["run_id"] != run_id or fork["state"] != PipelineState.REGISTERED.value:
+                raise ConcurrencyConflict(
+                    f"run {run_id!r} of pipeline {pipeline_id!r} cannot commit its restore of its fork point: the "
+                    f"pipeline's current run is {fork['run_id']!r} ({fork['state']}); nothing was changed"
+                )
+            if pipeline_id not in self._waiting_forks(cur, source, epoch):
+                raise ConfigurationError(f"fork {pipeline_id!r} has completed epochs of its own: restore one of "
+                                         "them (restore_from='latest'); nothing was changed")
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (source, epoch))
+            row = cur.fetchone()
+            if row is None or row["state"] != EpochState.COMPLETED.value:
+                raise ConfigurationError(
+                    f"the fork point of {pipeline_id!r}, epoch {epoch} of {source!r}, is "
+                    f"{row['state'] if row else 'gone'}, no longer completed (was it unpinned with --force and "
+                    "pruned?); nothing was changed: fork again from a completed epoch"
+                )
+            cur.execute("UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
+                        " WHERE pipeline_id = %s RETURNING *", (epoch, pipeline_id))
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
     @staticmethod
     def _fail_in_flight(cur: PgCursor, pipeline_id: str, reason: str) -> int | None:
         """Fail the pipeline's in-flight epoch, if any (the only state that may become failed)."""
