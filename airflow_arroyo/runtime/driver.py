@@ -468,8 +468,8 @@ class PipelineDriver:
         roll the fork's sinks to their cut. Until the fork completes an epoch, a repeat does it all again.
         """
         t0 = time.monotonic()
-        src = StorageLayout.at(source.storage_uri or self.storage_uri, source.pipeline_id,
-                               (source.config or {}).get("checkpoint_uri") or source.storage_uri)
+        # only the source's storage URI is read (channels, snapshot objects), never its Spark checkpoints
+        src = StorageLayout.at(source.storage_uri or self.storage_uri, source.pipeline_id)
         channels = {c: Channel.open(src.channel_uri(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)
         sink_cuts = self._sink_cuts(epoch, owner=source.pipeline_id)
