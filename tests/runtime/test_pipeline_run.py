@@ -490,3 +490,4 @@ def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_out
     assert own and min(own) > pinned and module_store.waiting_forks(pid) == []
     assert module_store.snapshot_entries(fork_id, own[-1], SINK_STAGE)
     assert not (tmp_path / object_path(fork_id, "x")).parent.exists()  # nothing written below the source
+    check_history(module_store.dsn, [pid, fork_id]).assert_clean()
