@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -878,6 +879,44 @@ class Channel:
                     freed,
                 )
             return freed
+
+    def copy_to(self, uri: str, end: int) -> Channel:
+        """Write a new channel at ``uri`` holding this channel's entries below ``end`` as readers see them (a
+        fork's first restore: ``end`` is right after the fork point's barrier), at the same positions, so that
+        cursors and Spark offsets recorded for this channel hold for the copy. Whatever is at ``uri`` is
+        deleted first (a repeat after an interrupted copy starts over).
+
+        Entries keep their kind, writer, batch id and files (data copied byte for byte) but no generation:
+        the copy has no fences, and an entry a fence hid here is written as an empty data entry, so that no
+        superseded run's rows reappear. The retention watermark (``_truncated.json``) is copied; the header
+        last, so that an interrupted copy is no channel at all. This channel must not be truncated meanwhile.
+        """
+        dest = FileSystem.from_uri(uri)
+        dest.delete(HEADER_FILE)  # first: an interrupted delete leaves no channel either
+        for child in dest.list_dir(""):
+            dest.delete_tree(child.path)
+        with self._lock:
+            start = self.start_position()
+            if end < start or end > self._refresh():
+                raise ChannelError(f"cannot copy entries [{start}, {end}) of channel {self.uri}: it holds "
+                                   f"[{start}, {self._refresh()})")
+            truncation = self._truncation()
+            if truncation:
+                dest.write_json_atomic(TRUNCATED_FILE, truncation)
+            for i in range(start, end):
+                e = self.entry(i)
+                if e.kind is EntryKind.FENCED:
+                    e = Entry(i, EntryKind.DATA, e.writer, time=e.time)
+                for f in e.files:
+                    with self._fs.open_input(f) as src, dest.open_output(f) as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                dest.write_bytes_atomic(log_path(i), json.dumps(replace(e, generation=0).to_json(),
+                                                                sort_keys=True).encode())
+            header = {k: v for k, v in self._header.items() if k != "created_at"}
+            dest.write_bytes_atomic(HEADER_FILE, json.dumps({**header, "created_at": time.time(),
+                                                             "copied_from": self.uri}, sort_keys=True).encode())
+        log.info("channel %s: copied entries [%s, %s) to %s", self.uri, start, end, uri)
+        return Channel.open(uri)
 
     def reset(self) -> None:
         """Empty the channel completely, keeping its header (schema): positions start again at 0.

@@ -437,30 +437,57 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
         (record.failure_cause or "")[:500]
 
 
-def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_store: EpochStore, spark: Any,
-                                                                        tmp_path: Path) -> None:
-    """What production does: the pipeline dies mid-way, the retention DAG prunes (keep_last=1: snapshot
-    objects of older epochs and channel entries before the kept epoch's barrier go), the pipeline is
-    restarted with restore_from='latest' and runs to the end. The Parquet sink, which retention does not
-    touch, ends with exactly the plain-Python rows."""
+def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_output(
+        module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    """What production does: the pipeline dies mid-way; its oldest completed epoch P was pinned and forked
+    (airflow-arroyo pin / fork); the retention DAG prunes with keep_last=1 (snapshot objects of the other
+    epochs and channel entries before the oldest kept barrier go). Restored from P, the pipeline runs to the
+    plain-Python rows in its Parquet sink; the fork, started from P in storage of its own (reading P's
+    snapshot objects where they are), produces the same: the report channel as the original's, and in its
+    sink exactly the rows the original committed after P's cut."""
     from airflow_arroyo.epochs import RetentionPolicy
     from airflow_arroyo.retention import prune_pipeline
 
     pid = f"pruned-{uuid.uuid4().hex[:8]}"
+    fork_id, fork_storage = f"{pid}-fork", tmp_path / "fork"
     expected = expected_report(ROWS)
     driver = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
                             run_id="first")
-    run_until(driver, module_store,
-              lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 2,
-              what="two completed epochs", stop="immediate")
+    run_until(driver, module_store, lambda: len(completed_epochs(module_store, pid)) >= 3,
+              what="three completed epochs", stop="immediate")
     assert channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
+    pinned, *middle, latest = completed_epochs(module_store, pid)
+    module_store.pin_epoch(pid, pinned, "before the upgrade")
+    module_store.fork_pipeline(pid, pinned, fork_id)
     report = prune_pipeline(module_store, pid, RetentionPolicy(keep_last=1), holder="test")
-    assert len(report.epochs_pruned) >= 1 and report.channel_bytes_freed > 0
-    latest = module_store.latest_completed_epoch(pid)
-    assert latest is not None
-    again = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
-                           restore_from="latest", run_id="after-retention")
+    assert middle and set(middle) <= set(report.epochs_pruned) and report.kept == [pinned, latest]
+
+    prefix: list[tuple[Any, ...]] = []
+
+    def at_restored(step: str) -> None:
+        if step == "restored":  # the sink rolled back to P's cut: what it committed up to P
+            prefix.extend(sink_rows(tmp_path))
+
+    again = driver_for(spark, module_store, pid, tmp_path, restore_from=pinned, run_id="from-pin",
+                       on_step=at_restored)
     result = run_until(again, module_store, lambda: len(sink_rows(tmp_path)) >= len(expected),
                        what="the sink to commit every row")
-    assert result.restored_from_epoch == latest.epoch
+    assert result.restored_from_epoch == pinned
     assert sink_rows(tmp_path) == expected
+    # retention truncated the channels' heads (below the pinned epoch's cursors): what is left of the report
+    original = channel_rows(again.layout.channel_uri(OUTPUT_CHANNEL))
+    assert 0 < len(original) <= len(expected)
+
+    fork = PipelineDriver(pipeline(fork_id, fork_storage), module_store, storage_uri=str(fork_storage),
+                          spark=spark, restore_from="latest", run_id="fork-first")
+    forked = run_until(fork, module_store, lambda: len(prefix) + len(sink_rows(fork_storage)) >= len(expected),
+                       what="the fork's sink to commit the rows after the fork point")
+    assert forked.restored_from_epoch == pinned
+    assert channel_rows(fork.layout.channel_uri(OUTPUT_CHANNEL)) == original  # same rows, same positions
+    assert sorted(prefix + sink_rows(fork_storage)) == expected
+    # the fork's epochs are its own (numbered after the fork point), and so are its snapshot objects
+    own = completed_epochs(module_store, fork_id)
+    assert own and min(own) > pinned and module_store.waiting_forks(pid) == []
+    assert module_store.snapshot_entries(fork_id, own[-1], SINK_STAGE)
+    assert not (tmp_path / object_path(fork_id, "x")).parent.exists()  # nothing written below the source
+    check_history(module_store.dsn, [pid, fork_id]).assert_clean()
