@@ -389,7 +389,7 @@ class EpochStore:
             source, epoch = current.forked_from_pipeline, current.forked_from_epoch
             if source is None or epoch is None:
                 raise ConfigurationError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
-            cur.execute(_LOCK_PIPELINES, (sorted([pipeline_id, source]),))
+            execute_prepared(cur, _LOCK_PIPELINES, (sorted([pipeline_id, source]),))
             rows = {r["pipeline_id"]: r for r in cur.fetchall()}
             fork = rows[pipeline_id]
             if fork["run_id"] != run_id or fork["state"] != PipelineState.REGISTERED.value:
