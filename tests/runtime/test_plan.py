@@ -179,3 +179,15 @@ def test_spark_analysis_finds_the_stateful_stages(spark: Any, tmp_path: Any) -> 
                      "late": True, "broken": None}
     plan = p.physical_plan(spark)
     assert plan.group_of(OUTPUT_CHANNEL).stages == ("joined", OUTPUT_CHANNEL)
+
+
+def test_a_long_chain_gets_a_short_stable_name_that_no_stage_can_take() -> None:
+    p = Pipeline("long", chaining=True)
+    prev = p.source("s" * 40, read)
+    for i in range(4):
+        prev = p.stage(f"{i}" * 40, ident, inputs=[prev])
+    graph = p.validate()
+    first = plan_chains(graph, dict.fromkeys(graph.stage_names, False)).groups[0].name
+    again = plan_chains(p.validate(), dict.fromkeys(graph.stage_names, False)).groups[0].name
+    assert first == again and len(first) <= 120 and first.startswith("s" * 40 + "~3-more-")
+    assert first.endswith("~" + "3" * 40) and "~" not in "".join(graph.stage_names)
