@@ -66,8 +66,8 @@ def demo(
     environment variable holding a PostgreSQL DSN) adds two exactly-once PostgreSQL sinks: ``report_pg``
     appends the report's rows to ``pg_report_table`` (:data:`PG_REPORT_DDL`), ``totals_pg`` upserts per key
     the count and sum of ``total`` into ``pg_totals_table`` (:data:`PG_TOTALS_DDL`; update output mode).
-    ``chaining=True`` fuses ``joined`` and ``report`` into one query (runtime/plan.py); the sinks ask for a
-    boundary (``chain=False``) so that the report channel stays, readable as in the unfused form."""
+    ``chaining=True`` fuses both sources, ``joined`` and ``report`` into one query (runtime/plan.py); the sinks
+    ask for a boundary (``chain=False``) so that the report channel stays, readable as in the unfused form."""
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,

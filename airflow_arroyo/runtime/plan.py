@@ -6,9 +6,10 @@ the stage ``w`` that writes its input channel ``c`` when all of these hold (else
 :class:`Boundary` says why):
 
 * ``Pipeline(chaining=True)`` (the pipeline asks for chaining; :attr:`Boundary.DISABLED`);
-* ``c`` has exactly one reader (:attr:`Boundary.FAN_OUT`);
-* ``s`` reads only ``c`` (a stage that reads several channels aligns their barriers:
-  :attr:`Boundary.MULTI_INPUT`);
+* each channel ``s`` reads has exactly one reader (:attr:`Boundary.FAN_OUT`);
+* ``s`` reads only ``c``, or every channel it reads is written by a query that starts at a Spark source
+  (those queries merge into one, whose micro-batch is a consistent cut across its sources: nothing to
+  align); otherwise it aligns its inputs' barriers (:attr:`Boundary.MULTI_INPUT`);
 * neither ``w`` nor ``s`` is part of a loop, the FLIP-16 iteration head and its feedback included
   (:attr:`Boundary.LOOP`);
 * ``s`` did not ask for a boundary with ``chain=False`` (:attr:`Boundary.EXPLICIT`);
@@ -84,18 +85,21 @@ class ChannelEdge:
 
 @dataclass(frozen=True)
 class ChainedTransform:
-    """The composition of a fused group's transforms: the head's ``fn``, then each later member's on the
-    previous one's output (a sink without ``transform`` passes its input on)."""
+    """The composition of a fused group's transforms. A chain: the head's ``fn`` on the query's arguments
+    (``spark``, or the input DataFrames), then each later member's on the previous output. Merged source
+    queries: each of ``branches`` on ``spark``, the first of ``fns`` on their outputs, then the rest. A sink
+    without ``transform`` passes its input on."""
 
-    fns: tuple[Callable[..., Any] | None, ...]
     names: tuple[str, ...]
+    fns: tuple[Callable[..., Any] | None, ...]
+    branches: tuple[Callable[..., Any], ...] = ()
 
     def __call__(self, *args: Any) -> Any:
-        """The group's DataFrame from the head's arguments (``spark``, or its input DataFrames)."""
-        head = self.fns[0]
-        assert head is not None  # the head of a group of several is a source or a stage
-        df = head(*args)
-        for fn in self.fns[1:]:
+        """The group's DataFrame from the query's arguments."""
+        frames = [b(*args) for b in self.branches] if self.branches else list(args)
+        first, *rest = self.fns
+        df = first(*frames) if first is not None else frames[0]
+        for fn in rest:
             if fn is not None:
                 df = fn(df)
         return df
@@ -111,6 +115,7 @@ class FusedGroup:
     stages: tuple[str, ...]
     spec: StageSpec
     fused_channels: tuple[str, ...]  # channels inside the group, compiled away
+    shape: str = ""  # how the members compose, e.g. "(left, right) -> joined -> report"
 
     @property
     def name(self) -> str:
@@ -167,11 +172,14 @@ class PhysicalPlan:
         lines = [f"pipeline {self.pipeline_id}: {len(self.groups)} queries, {len(self.channels)} channels"
                  + ("" if self.chaining else " (chaining disabled)")]
         for g in self.groups:
-            inputs = ", ".join(g.spec.all_inputs) or "a Spark source"
+            inputs = ", ".join(g.spec.all_inputs) or "Spark sources"
             out = g.spec.output if g.spec.output is not None else "a sink"
-            marks = [f"{s}*" if self.stateful.get(s) is not False else s for s in g.stages]
+            marks = g.shape or g.name
+            for s in sorted(g.stages, key=len, reverse=True):
+                if self.stateful.get(s) is not False:
+                    marks = re.sub(rf"(?<![\w.~-]){re.escape(s)}(?![\w.~*-])", f"{s}*", marks)
             fused = f" (fused; channels {', '.join(g.fused_channels)} compiled away)" if g.fused_channels else ""
-            lines.append(f"  query {g.name}: {' -> '.join(marks)}; reads {inputs}; writes {out}; "
+            lines.append(f"  query {g.name}: {marks}; reads {inputs}; writes {out}; "
                          f"{g.spec.output_mode}{fused}")
         for e in self.channels:
             for reader, why, detail in e.readers:
@@ -209,19 +217,32 @@ def _in_loops(graph: PipelineGraph) -> set[str]:
 class _Building:
     members: list[StageSpec]
     fused_channels: list[str]
+    branches: tuple[Callable[..., Any], ...]  # the composed reads of merged source queries (empty: a chain)
+    fns: list[Callable[..., Any] | None]  # then these, in order
+    shape: str
+
+    @classmethod
+    def of(cls, s: StageSpec) -> _Building:
+        return cls([s], [], (), [s.fn], s.name)
+
+    def transform(self) -> Callable[..., Any]:
+        if len(self.members) == 1 and self.members[0].fn is not None:
+            return self.members[0].fn
+        return ChainedTransform(tuple(m.name for m in self.members), tuple(self.fns), self.branches)
 
 
 def _is_stateful(stateful: Mapping[str, bool | None], name: str) -> bool:
     return stateful.get(name) is not False
 
 
-def _merge_reason(group: _Building, s: StageSpec, stateful: Mapping[str, bool | None]) -> tuple[Boundary, str] | None:
-    """Why ``s`` cannot join ``group`` (whose tail writes its only input), or None when it can."""
-    tail = group.members[-1]
-    if tail.trigger_interval != s.trigger_interval:
-        return Boundary.TRIGGER, (f"{tail.name!r} triggers every {tail.trigger_interval}s, {s.name!r} every "
+def _merge_reason(upstream: Sequence[_Building], s: StageSpec,
+                  stateful: Mapping[str, bool | None]) -> tuple[Boundary, str] | None:
+    """Why ``s`` cannot join the ``upstream`` groups (whose tails write its inputs), or None when it can."""
+    members = [*(m for g in upstream for m in g.members), s]
+    other = next((m for m in members if m.trigger_interval != s.trigger_interval), None)
+    if other is not None:
+        return Boundary.TRIGGER, (f"{other.name!r} triggers every {other.trigger_interval}s, {s.name!r} every "
                                   f"{s.trigger_interval}s")
-    members = [*group.members, s]
     holders = [m.name for m in members if _is_stateful(stateful, m.name)]
     if len(holders) > 1:
         unknown = [n for n in holders if stateful.get(n) is None]
@@ -234,7 +255,7 @@ def _merge_reason(group: _Building, s: StageSpec, stateful: Mapping[str, bool | 
     stores = {m.state_store for m in members if m.state_store is not None}
     if len(stores) > 1:
         return Boundary.STATE_STORE, f"state stores differ ({', '.join(sorted(stores))})"
-    if any(dict(m.spark_conf) != dict(s.spark_conf) for m in group.members):
+    if any(dict(m.spark_conf) != dict(s.spark_conf) for m in members):
         return Boundary.SPARK_CONF, "spark_conf differs (it applies to a whole query)"
     return None
 
@@ -247,21 +268,44 @@ def _group_name(names: Sequence[str]) -> str:
     return SEPARATOR.join([names[0], f"{len(names) - 2}-more-{digest}", names[-1]])
 
 
-def _fused_spec(members: Sequence[StageSpec], stateful: Mapping[str, bool | None]) -> StageSpec:
-    """One physical stage for ``members`` (the stage itself when alone)."""
+def _fused_spec(group: _Building, stateful: Mapping[str, bool | None]) -> StageSpec:
+    """One physical stage for ``group`` (the stage itself when alone)."""
+    members = group.members
     if len(members) == 1:
         return members[0]
     head, tail = members[0], members[-1]
     modes = {m.output_mode for m in members if m.output_mode != "append" or _is_stateful(stateful, m.name)}
     stores = {m.state_store for m in members if m.state_store is not None}
     kind = head.kind if head.kind is StageKind.SOURCE else tail.kind
-    names = tuple(m.name for m in members)
     return replace(
-        tail, name=_group_name(names), kind=kind, inputs=head.inputs, feedback=head.feedback,
-        fn=ChainedTransform(tuple(m.fn for m in members), names),
+        tail, name=_group_name([m.name for m in members]), kind=kind, fn=group.transform(),
+        inputs=() if group.branches else head.inputs, feedback=() if group.branches else head.feedback,
         output_mode=next(iter(modes), "append"), state_store=next(iter(stores), None),
         trigger_interval=head.trigger_interval, spark_conf=dict(head.spark_conf),
     )
+
+
+def _boundary(graph: PipelineGraph, s: StageSpec, groups: Mapping[str, _Building], loops: set[str],
+              facts: Mapping[str, bool | None], chaining: bool) -> tuple[Boundary, str] | None:
+    """Why channel stage ``s`` cannot fuse with the queries writing its inputs (None: it can)."""
+    if not chaining:
+        return Boundary.DISABLED, "Pipeline(chaining=False)"
+    if s.feedback:
+        return Boundary.LOOP, f"{s.name!r} is an iteration head"
+    writers = [graph.writers[c] for c in s.inputs]
+    for c in s.inputs:
+        if len(graph.readers(c)) > 1:
+            return Boundary.FAN_OUT, f"{len(graph.readers(c))} stages read {c!r}"
+    on_loop = next((n for n in (*writers, s.name) if n in loops), None)
+    if on_loop is not None:
+        return Boundary.LOOP, f"{on_loop!r} is on a loop"
+    if not s.chain:
+        return Boundary.EXPLICIT, f"{s.name!r} asked for a boundary (chain=False)"
+    upstream = [groups[w] for w in writers]
+    if len(upstream) > 1 and any(g.members[0].kind is not StageKind.SOURCE for g in upstream):
+        return Boundary.MULTI_INPUT, (f"{s.name!r} reads {len(upstream)} channels and aligns their barriers (it "
+                                     "fuses only when every input comes from a source's query)")
+    return _merge_reason(upstream, s, facts)
 
 
 def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None = None, *,
@@ -277,39 +321,37 @@ def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None
     order: list[_Building] = []
     kept: dict[str, list[tuple[str, Boundary, str]]] = {}
     for s in graph.stages:
-        reason: tuple[Boundary, str] | None = None
-        channel = s.all_inputs[0] if len(s.all_inputs) == 1 else None
-        writer = graph.writers[channel] if channel is not None else None
         if s.kind is StageKind.SOURCE:
-            pass
-        elif not chaining:
-            reason = Boundary.DISABLED, "Pipeline(chaining=False)"
-        elif channel is None or writer is None:
-            reason = (Boundary.LOOP, f"{s.name!r} is an iteration head") if s.feedback else (
-                Boundary.MULTI_INPUT, f"{s.name!r} reads {len(s.all_inputs)} channels and aligns their barriers")
-        elif len(graph.readers(channel)) > 1:
-            reason = Boundary.FAN_OUT, f"{len(graph.readers(channel))} stages read it"
-        elif s.name in loops or writer in loops:
-            reason = Boundary.LOOP, f"{next(n for n in (writer, s.name) if n in loops)!r} is on a loop"
-        elif not s.chain:
-            reason = Boundary.EXPLICIT, f"{s.name!r} asked for a boundary (chain=False)"
-        else:
-            reason = _merge_reason(groups[writer], s, facts)
-        for c in s.all_inputs:
-            if reason is not None or c != channel:
-                why = reason if reason is not None else (Boundary.MULTI_INPUT, "")
-                kept.setdefault(c, []).append((s.name, why[0], why[1]))
-        if s.kind is not StageKind.SOURCE and reason is None:
-            assert channel is not None and writer is not None
-            group = groups.pop(writer)
-            group.members.append(s)
-            group.fused_channels.append(channel)
-        else:
-            group = _Building([s], [])
+            group = _Building.of(s)
             order.append(group)
+            groups[s.name] = group
+            continue
+        reason = _boundary(graph, s, groups, loops, facts, chaining)
+        if reason is not None:
+            for c in s.all_inputs:
+                kept.setdefault(c, []).append((s.name, reason[0], reason[1]))
+            group = _Building.of(s)
+            order.append(group)
+        else:
+            upstream = [groups.pop(graph.writers[c]) for c in s.inputs]
+            if len(upstream) == 1:
+                group = upstream[0]
+                group.members.append(s)
+                group.fused_channels.append(s.inputs[0])
+                group.fns.append(s.fn)
+                group.shape = f"{group.shape} -> {s.name}"
+            else:
+                group = _Building([m for g in upstream for m in g.members], [*(c for g in upstream
+                                                                               for c in g.fused_channels), *s.inputs],
+                                  tuple(g.transform() for g in upstream), [s.fn],
+                                  f"({', '.join(g.shape for g in upstream)}) -> {s.name}")
+                group.members.append(s)
+                at = min(order.index(g) for g in upstream)
+                order[at] = group
+                order[:] = [g for g in order if not any(g is u for u in upstream)]
         groups[s.name] = group
-    built = tuple(FusedGroup(tuple(m.name for m in g.members), _fused_spec(g.members, facts),
-                             tuple(g.fused_channels)) for g in order)
+    built = tuple(FusedGroup(tuple(m.name for m in g.members), _fused_spec(g, facts), tuple(g.fused_channels),
+                             g.shape) for g in order)
     channels = tuple(ChannelEdge(c, graph.writers[c], tuple(readers)) for c in graph.channels
                      if (readers := kept.get(c)))
     # a channel nobody reads (an output for outside readers) remains too

@@ -223,18 +223,19 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
 
 def test_the_fused_form_gives_the_same_output_checkpointed_and_restored(ran: Ran, module_store: EpochStore,
                                                                       spark: Any, tmp_path: Path) -> None:
-    """Operator chaining (issue 12): the demo with ``joined`` and ``report`` fused into one query (the join's
-    state in that query's checkpoint, no ``joined`` channel) gives the unfused run's output with epochs, and
-    again restored from a middle epoch; in the report channel and in the exactly-once sink."""
+    """Operator chaining (issue 12): the demo with both sources, the join and the filter fused into one query
+    (the join's state and both sources' offsets in that query's checkpoint, no channel before the report) gives
+    the unfused run's output with epochs, and again restored from a middle epoch; in the report channel and in
+    the exactly-once sink."""
     pid = f"fused-{uuid.uuid4().hex[:8]}"
-    fused = ["left", "right", f"joined~{OUTPUT_CHANNEL}", SINK_STAGE]
+    fused = [f"left~right~joined~{OUTPUT_CHANNEL}", SINK_STAGE]
     first = run_to_end(spark, module_store, pid, tmp_path, run_id="fused", chaining=True)
     layout = StorageLayout.at(str(tmp_path), pid)
     record = module_store.get_pipeline(pid)
     assert sorted(record.stages) == sorted(fused)
     assert [q["stages"] for q in record.config["plan"]["queries"]] == [
-        ["left"], ["right"], ["joined", OUTPUT_CHANNEL], [SINK_STAGE]]
-    assert not Channel.exists(layout.channel_uri("joined"))  # compiled away
+        ["left", "right", "joined", OUTPUT_CHANNEL], [SINK_STAGE]]
+    assert not any(Channel.exists(layout.channel_uri(c)) for c in ("left", "right", "joined"))  # compiled away
     assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
     assert sink_rows(tmp_path) == ran.expected
     completed = completed_epochs(module_store, pid)

@@ -54,15 +54,18 @@ def test_a_stateless_line_fuses_into_one_query_that_reads_the_source_and_writes_
     graph = plan.graph
     assert graph.stage_names == ["src~a~b~out"] and graph.channels == [] and dict(graph.writers) == {}
     text = plan.explain()
-    assert "query src~a~b~out: src -> a -> b -> out; reads a Spark source; writes a sink" in text
+    assert "query src~a~b~out: src -> a -> b -> out; reads Spark sources; writes a sink" in text
     assert plan.as_dict()["queries"][0]["fused_channels"] == ["src", "a", "b"]
 
 
 def test_the_composed_transform_applies_each_member_in_order_and_a_sink_without_transform_passes_through() -> None:
     fns = (lambda spark: [spark], lambda x: [*x, "a"], lambda x: [*x, "b"], None)
-    assert ChainedTransform(fns, ("src", "a", "b", "out"))("S") == ["S", "a", "b"]
-    two = ChainedTransform((lambda left, right: [left, right], lambda x: [*x, "c"]), ("j", "c"))
+    assert ChainedTransform(("src", "a", "b", "out"), fns)("S") == ["S", "a", "b"]
+    two = ChainedTransform(("j", "c"), (lambda left, right: [left, right], lambda x: [*x, "c"]))
     assert two("L", "R") == ["L", "R", "c"]
+    merged = ChainedTransform(("l", "r", "j", "c"), (lambda left, right: [left, right], lambda x: [*x, "c"]),
+                              branches=(lambda spark: spark + "L", lambda spark: spark + "R"))
+    assert merged("S") == ["SL", "SR", "c"]
 
 
 def test_chaining_off_keeps_every_stage_and_channel_as_declared() -> None:
@@ -89,18 +92,44 @@ def test_a_stateful_stage_fuses_with_stateless_neighbours_but_never_with_another
     assert reasons(plan) == {("b", "out"): Boundary.STATEFUL}
 
 
-def test_the_demo_keeps_the_channels_its_join_aligns_and_fuses_what_follows() -> None:
+def test_the_demo_runs_its_sources_join_and_filter_as_one_query() -> None:
     p = demo("d", sink_path="/tmp/never-written", chaining=True)
     facts = {"left": False, "right": False, "joined": True, OUTPUT_CHANNEL: False, SINK_STAGE: False}
     plan = plan_chains(p.validate(), facts)
-    # the sink asks for a boundary (chain=False) so that the report channel stays readable
-    assert groups(plan) == [("left",), ("right",), ("joined", OUTPUT_CHANNEL), (SINK_STAGE,)]
-    assert reasons(plan) == {("left", "joined"): Boundary.MULTI_INPUT, ("right", "joined"): Boundary.MULTI_INPUT,
-                             (OUTPUT_CHANNEL, SINK_STAGE): Boundary.EXPLICIT}
-    fused = plan.group_of("joined").spec
-    assert fused.name == f"joined~{OUTPUT_CHANNEL}" and fused.inputs == ("left", "right")
-    assert fused.output == OUTPUT_CHANNEL and fused.kind is StageKind.STAGE
-    assert plan.fused_channels == ["joined"]
+    # both inputs of the join come from source queries: one query reads both sources (a consistent cut, nothing
+    # to align); the sink asks for a boundary (chain=False) so that the report channel stays readable
+    assert groups(plan) == [("left", "right", "joined", OUTPUT_CHANNEL), (SINK_STAGE,)]
+    assert reasons(plan) == {(OUTPUT_CHANNEL, SINK_STAGE): Boundary.EXPLICIT}
+    fused = plan.group_of("joined")
+    assert fused.name == f"left~right~joined~{OUTPUT_CHANNEL}" and fused.spec.inputs == ()
+    assert fused.spec.output == OUTPUT_CHANNEL and fused.spec.kind is StageKind.SOURCE
+    assert plan.fused_channels == ["left", "right", "joined"]
+    assert f"(left, right) -> joined* -> {OUTPUT_CHANNEL};" in plan.explain()
+
+
+def test_a_join_merges_source_queries_only_when_every_input_comes_from_one() -> None:
+    p = Pipeline("j", chaining=True)
+    a = p.source("a", read)
+    mapped = p.stage("mapped", ident, inputs=[a])
+    b = p.source("b", read)
+    p.stage("j", lambda x, y: x, inputs=[mapped, b])
+    graph = p.validate()
+    stateless = dict.fromkeys(graph.stage_names, False)
+    plan = plan_chains(graph, {**stateless, "j": True})
+    assert groups(plan) == [("a", "mapped", "b", "j")] and plan.groups[0].shape == "(a -> mapped, b) -> j"
+    # a second stateful stage in a branch keeps the join's channels (and the branch's own chain)
+    plan = plan_chains(graph, {**stateless, "j": True, "mapped": True})
+    assert groups(plan) == [("a", "mapped"), ("b",), ("j",)]
+    assert reasons(plan) == {("mapped", "j"): Boundary.STATEFUL, ("b", "j"): Boundary.STATEFUL}
+    # an input from a channel stage's query (not a source's) keeps the alignment
+    q = Pipeline("k", chaining=True)
+    x = q.source("x", read)
+    q.stage("y", ident, inputs=[x])
+    q.stage("z", ident, inputs=[x])
+    q.stage("k", lambda y, z: y, inputs=["y", "z"])
+    graph = q.validate()
+    plan = plan_chains(graph, dict.fromkeys(graph.stage_names, False))
+    assert reasons(plan)[("y", "k")] is Boundary.MULTI_INPUT and reasons(plan)[("x", "y")] is Boundary.FAN_OUT
 
 
 def test_fan_out_loops_and_multi_input_keep_their_channels() -> None:
