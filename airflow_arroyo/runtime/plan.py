@@ -26,7 +26,7 @@ the stage ``w`` that writes its input channel ``c`` when all of these hold (else
   which apply to a whole query (:attr:`Boundary.STATE_STORE`, :attr:`Boundary.SPARK_CONF`).
 
 A fused group runs as one stage whose transform is the composition of its members' transforms, named
-after its members joined by ``~`` (``joined~report~report_files``); a single stage keeps its own name
+after its members joined by ``~`` (``left~right~joined~report``); a single stage keeps its own name
 and spec, so an unfused pipeline runs exactly as before. The group's checkpoint holds every member's
 state, its micro-batch is a consistent cut across its inputs, and it cuts, snapshots and acknowledges
 epochs as one stage (the store counts the physical stages). Changing which stages fuse changes the
@@ -115,7 +115,7 @@ class FusedGroup:
     stages: tuple[str, ...]
     spec: StageSpec
     fused_channels: tuple[str, ...]  # channels inside the group, compiled away
-    shape: str = ""  # how the members compose, e.g. "(left, right) -> joined -> report"
+    shape: str = ""  # how the members compose, stateful ones starred: "(left, right) -> joined* -> report"
 
     @property
     def name(self) -> str:
@@ -174,12 +174,8 @@ class PhysicalPlan:
         for g in self.groups:
             inputs = ", ".join(g.spec.all_inputs) or "Spark sources"
             out = g.spec.output if g.spec.output is not None else "a sink"
-            marks = g.shape or g.name
-            for s in sorted(g.stages, key=len, reverse=True):
-                if self.stateful.get(s) is not False:
-                    marks = re.sub(rf"(?<![\w.~-]){re.escape(s)}(?![\w.~*-])", f"{s}*", marks)
             fused = f" (fused; channels {', '.join(g.fused_channels)} compiled away)" if g.fused_channels else ""
-            lines.append(f"  query {g.name}: {marks}; reads {inputs}; writes {out}; "
+            lines.append(f"  query {g.name}: {g.shape or g.name}; reads {inputs}; writes {out}; "
                          f"{g.spec.output_mode}{fused}")
         for e in self.channels:
             for reader, why, detail in e.readers:
@@ -222,8 +218,8 @@ class _Building:
     shape: str
 
     @classmethod
-    def of(cls, s: StageSpec) -> _Building:
-        return cls([s], [], (), [s.fn], s.name)
+    def of(cls, s: StageSpec, stateful: Mapping[str, bool | None]) -> _Building:
+        return cls([s], [], (), [s.fn], _marked(s.name, stateful))
 
     def transform(self) -> Callable[..., Any]:
         if len(self.members) == 1 and self.members[0].fn is not None:
@@ -233,6 +229,10 @@ class _Building:
 
 def _is_stateful(stateful: Mapping[str, bool | None], name: str) -> bool:
     return stateful.get(name) is not False
+
+
+def _marked(name: str, stateful: Mapping[str, bool | None]) -> str:
+    return f"{name}*" if _is_stateful(stateful, name) else name
 
 
 def _merge_reason(upstream: Sequence[_Building], s: StageSpec,
@@ -322,7 +322,7 @@ def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None
     kept: dict[str, list[tuple[str, Boundary, str]]] = {}
     for s in graph.stages:
         if s.kind is StageKind.SOURCE:
-            group = _Building.of(s)
+            group = _Building.of(s, facts)
             order.append(group)
             groups[s.name] = group
             continue
@@ -330,7 +330,7 @@ def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None
         if reason is not None:
             for c in s.all_inputs:
                 kept.setdefault(c, []).append((s.name, reason[0], reason[1]))
-            group = _Building.of(s)
+            group = _Building.of(s, facts)
             order.append(group)
         else:
             upstream = [groups.pop(graph.writers[c]) for c in s.inputs]
@@ -339,12 +339,12 @@ def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None
                 group.members.append(s)
                 group.fused_channels.append(s.inputs[0])
                 group.fns.append(s.fn)
-                group.shape = f"{group.shape} -> {s.name}"
+                group.shape = f"{group.shape} -> {_marked(s.name, facts)}"
             else:
                 group = _Building([m for g in upstream for m in g.members], [*(c for g in upstream
                                                                                for c in g.fused_channels), *s.inputs],
                                   tuple(g.transform() for g in upstream), [s.fn],
-                                  f"({', '.join(g.shape for g in upstream)}) -> {s.name}")
+                                  f"({', '.join(g.shape for g in upstream)}) -> {_marked(s.name, facts)}")
                 group.members.append(s)
                 at = min(order.index(g) for g in upstream)
                 order[at] = group

@@ -116,7 +116,7 @@ def test_a_join_merges_source_queries_only_when_every_input_comes_from_one() -> 
     graph = p.validate()
     stateless = dict.fromkeys(graph.stage_names, False)
     plan = plan_chains(graph, {**stateless, "j": True})
-    assert groups(plan) == [("a", "mapped", "b", "j")] and plan.groups[0].shape == "(a -> mapped, b) -> j"
+    assert groups(plan) == [("a", "mapped", "b", "j")] and plan.groups[0].shape == "(a -> mapped, b) -> j*"
     # a second stateful stage in a branch keeps the join's channels (and the branch's own chain)
     plan = plan_chains(graph, {**stateless, "j": True, "mapped": True})
     assert groups(plan) == [("a", "mapped"), ("b",), ("j",)]
