@@ -74,6 +74,7 @@ from airflow_arroyo.runtime.decisions import (
 )
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
+from airflow_arroyo.runtime.plan import PhysicalPlan, plan_chains, stateful_stages
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
@@ -157,7 +158,11 @@ class PipelineDriver:
         max_backlog_entries: int | None = None,
         warmup_timeout: float = 20.0,
     ) -> None:
-        self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
+        self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
+        # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
+        # which are stateful (without that no two stages fuse)
+        self.plan: PhysicalPlan = plan_chains(self.logical, chaining=pipeline.chaining)
+        self.graph: PipelineGraph = self.plan.graph
         self.pipeline = pipeline
         self.pipeline_id = pipeline.pipeline_id
         self.store = store
@@ -187,15 +192,27 @@ class PipelineDriver:
         self._fork_source: PipelineRecord | None = None  # set when this run restores a fork's fork point
         self.started = threading.Event()  # set once every query runs (tests wait on it)
         # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
-        self.sinks: dict[str, TransactionalSink] = {
-            s.name: sink for s in self.graph.stages if s.kind is StageKind.SINK
-            if (sink := transactional_sink(self.pipeline_id, s)) is not None
-        }
+        self.sinks: dict[str, TransactionalSink] = self._transactional_sinks()
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
         self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
         # Test seam: called with the name of each step of a start (see _restore) before the next begins; a
         # test raises there (a failure) or blocks there (a kill: nothing after it happens).
         self.on_step: Callable[[str], None] | None = None
+
+    def _transactional_sinks(self) -> dict[str, TransactionalSink]:
+        return {s.name: sink for s in self.graph.stages if s.output is None
+                if (sink := transactional_sink(self.pipeline_id, s)) is not None}
+
+    def _plan_chains(self) -> None:
+        """A chaining pipeline: ask Spark which stages are stateful, fuse what the rules allow
+        (:func:`~airflow_arroyo.runtime.plan.plan_chains`), and run that physical graph from here on (its stage
+        names are what the store records and a restore checks)."""
+        if not self.pipeline.chaining:
+            return
+        self.plan = plan_chains(self.logical, stateful_stages(self.logical, self._session()), chaining=True)
+        self.graph = self.plan.graph
+        self.sinks = self._transactional_sinks()
+        log.info("pipeline=%s: physical plan:\n%s", self.pipeline_id, self.plan.explain())
 
     # ------------------------------------------------------------------ public
 
@@ -210,6 +227,7 @@ class PipelineDriver:
         Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
+        self._plan_chains()  # which stages run fused (asks Spark's analyzer when the pipeline chains)
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
@@ -331,7 +349,7 @@ class PipelineDriver:
             storage_uri=self.storage_uri, takeover=takeover,
             config={"driver": "airflow_arroyo.runtime.driver", "checkpoint_uri": self.checkpoint_uri, "stages": {
                 s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
-                         "output": s.output} for s in self.graph.stages}},
+                         "output": s.output} for s in self.graph.stages}, "plan": self.plan.as_dict()},
         )
 
     # ------------------------------------------------------------------ fencing

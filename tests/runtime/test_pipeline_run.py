@@ -55,8 +55,8 @@ def pipeline_kwargs(pipeline_id: str, storage: Path) -> dict[str, Any]:
             "sink_path": str(storage / "report_files")}
 
 
-def pipeline(pipeline_id: str, storage: Path) -> Any:
-    return demo(**pipeline_kwargs(pipeline_id, storage))
+def pipeline(pipeline_id: str, storage: Path, *, chaining: bool = False) -> Any:
+    return demo(**pipeline_kwargs(pipeline_id, storage), chaining=chaining)
 
 
 def sigkill_restore(store: EpochStore, pipeline_id: str, storage: Path, restore_from: Any, step: str) -> None:
@@ -82,8 +82,8 @@ class Ran:
 
 def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                run_id: str | None = None, on_step: Callable[[str], None] | None = None,
-               takeover: bool = False) -> PipelineDriver:
-    driver = PipelineDriver(pipeline(pipeline_id, storage), store, storage_uri=str(storage),
+               takeover: bool = False, chaining: bool = False) -> PipelineDriver:
+    driver = PipelineDriver(pipeline(pipeline_id, storage, chaining=chaining), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark, takeover=takeover)
     driver.on_step = on_step
     return driver
@@ -91,10 +91,11 @@ def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
 
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                epochs: bool = True, run_id: str | None = None, stop: str = "graceful",
-               on_step: Callable[[str], None] | None = None, self_contained_every: int = 0) -> Any:
+               on_step: Callable[[str], None] | None = None, self_contained_every: int = 0,
+               chaining: bool = False) -> Any:
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
-                        on_step=on_step)
+                        on_step=on_step, chaining=chaining)
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
                      what=f"{expected} rows in the report channel", epochs=epochs, stop=stop,
@@ -218,6 +219,38 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     # the start over switched the stage's checkpoint pointer to a new folder; the old one stays as 'previous'
     pointer = json.loads((tmp_path / pid / "stages" / "joined" / "checkpoint.json").read_text())
     assert pointer["current"] != "checkpoint" and pointer.get("previous") == "checkpoint", pointer
+
+
+def test_the_fused_form_gives_the_same_output_checkpointed_and_restored(ran: Ran, module_store: EpochStore,
+                                                                      spark: Any, tmp_path: Path) -> None:
+    """Operator chaining (issue 12): the demo with both sources, the join and the filter fused into one query
+    (the join's state and both sources' offsets in that query's checkpoint, no channel before the report) gives
+    the unfused run's output with epochs, and again restored from a middle epoch; in the report channel and in
+    the exactly-once sink."""
+    pid = f"fused-{uuid.uuid4().hex[:8]}"
+    fused = [f"left~right~joined~{OUTPUT_CHANNEL}", SINK_STAGE]
+    first = run_to_end(spark, module_store, pid, tmp_path, run_id="fused", chaining=True)
+    layout = StorageLayout.at(str(tmp_path), pid)
+    record = module_store.get_pipeline(pid)
+    assert sorted(record.stages) == sorted(fused)
+    assert [q["stages"] for q in record.config["plan"]["queries"]] == [
+        ["left", "right", "joined", OUTPUT_CHANNEL], [SINK_STAGE]]
+    assert not any(Channel.exists(layout.channel_uri(c)) for c in ("left", "right", "joined"))  # compiled away
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert sink_rows(tmp_path) == ran.expected
+    completed = completed_epochs(module_store, pid)
+    assert completed and completed[-1] == first.final_epoch
+    for n in completed:
+        assert sorted(a.stage for a in module_store.acks(pid, n)) == sorted(fused), n
+    middle = completed[(len(completed) - 1) // 2]
+    again = run_to_end(spark, module_store, pid, tmp_path, restore_from=middle, epochs=False, run_id="fused-again",
+                       chaining=True)
+    assert again.restored_from_epoch == middle
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert sink_rows(tmp_path) == ran.expected
+    # the unfused form's checkpoints are not the fused one's: a restore across the change is refused by name
+    with pytest.raises(ConfigurationError, match="joined"):
+        driver_for(spark, module_store, pid, tmp_path, restore_from="latest", takeover=True).run()
 
 
 def test_each_barrier_sits_right_after_its_cut_batch(ran: Ran, module_store: EpochStore) -> None:
