@@ -7,12 +7,13 @@ the event -> sink latency (the wall time when the sink's micro-batch runs minus 
 timestamp) in a histogram of 10 ms buckets, and the time it arrived.
 
 * **plain**: one query, ``checkpointLocation`` in a temporary folder, default trigger.
-* **product**: the same logic as an airflow-arroyo ``Pipeline`` (sources ``left``/``right``, stage
-  ``joined``, stage ``report``, sink ``sink``) run by the driver in this process on the same
-  SparkSession, with an epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger).
-  The physical plan the driver runs is printed when the pipeline can describe it.
+* **product** (unfused: one query per stage, a channel per edge) and **fused** (``Pipeline(chaining=True)``,
+  operator chaining): the same logic as an airflow-arroyo ``Pipeline`` (sources ``left``/``right``, stage
+  ``joined``, stage ``report``, sink ``sink``) run by the driver in this process on the same SparkSession,
+  with an epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger). The fused side
+  prints its physical plan.
 
-For each input rate (rows/s per source) the runs alternate (plain, product, product, plain, ... over
+For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
 ``--rounds``), each with a fresh query/pipeline, ``--warmup`` seconds, then ``--duration`` seconds
 measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
 the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
@@ -154,8 +155,8 @@ class Plain:
         self.query.stop()
 
 
-def pipeline(pid: str, rate: int, recorder: Recorder) -> Pipeline:
-    p = Pipeline(pid, description="benchmark: two rate sources, a stream-stream join, a filter")
+def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool) -> Pipeline:
+    p = Pipeline(pid, description="benchmark: two rate sources, a stream-stream join, a filter", chaining=chaining)
     left = p.source("left", lambda spark: read_rate(spark, rate, "l"))
     right = p.source("right", lambda spark: read_rate(spark, rate, "r"))
     joined = p.stage("joined", join, inputs=[left, right])
@@ -167,14 +168,14 @@ def pipeline(pid: str, rate: int, recorder: Recorder) -> Pipeline:
 class Product:
     """The logic as an airflow-arroyo pipeline, driven in a thread, with an epoch every ``interval``."""
 
-    def __init__(self, spark: SparkSession, store: EpochStore, rate: int, tmp: Path, interval: float) -> None:
+    def __init__(self, spark: SparkSession, store: EpochStore, rate: int, tmp: Path, interval: float, *,
+                 chaining: bool) -> None:
         self.recorder = Recorder()
         self.store = store
         self.pid = f"latency-{uuid.uuid4().hex[:6]}"
-        p = pipeline(self.pid, rate, self.recorder)
-        explain = getattr(p, "explain", None)
-        if callable(explain):
-            print(f"    physical plan:\n{explain()}", flush=True)
+        p = pipeline(self.pid, rate, self.recorder, chaining=chaining)
+        if chaining:
+            print("    " + p.explain(spark).replace("\n", "\n    "), flush=True)
         self.driver = PipelineDriver(p, store, storage_uri=str(tmp / self.pid), spark=spark)
         self.failure: list[BaseException] = []
         self._stop = threading.Event()
@@ -224,7 +225,7 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
     finally:
         running.stop()
     r = Result(side, rate, rows, end - start, percentile(hist, 0.5), percentile(hist, 0.99), epochs, epoch_p50)
-    extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side == "product" else ""
+    extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side != "plain" else ""
     print(f"  {side:8s} rate {rate:>6}/s: {r.throughput:9.0f} rows/s, latency p50 {r.p50:6.2f} s, "
           f"p99 {r.p99:6.2f} s{extra}", flush=True)
     return r
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=30.0)
     parser.add_argument("--duration", type=float, default=45.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (product)")
+    parser.add_argument("--no-chaining", dest="chaining", action="store_false",
+                        help="leave out the fused side (the pipeline with Pipeline(chaining=True))")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -255,29 +258,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"local[2], rates {args.rates} rows/s per source, {args.rounds} round(s), warm-up {args.warmup:g} s, "
               f"{args.duration:g} s measured, epochs every {args.interval:g} s (product)", flush=True)
         for rate in args.rates:
-            sides = ["plain", "product"]
+            sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
             for i in range(args.rounds):
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     def make(side: str = side, rate: int = rate) -> Plain | Product:
                         if side == "plain":
                             return Plain(spark, rate, Path(tmp))
-                        return Product(spark, store, rate, Path(tmp), args.interval)
+                        return Product(spark, store, rate, Path(tmp), args.interval, chaining=side == "fused")
                     results.append(run_one(make, side, rate, args.warmup, args.duration))
         store.close()
     spark.stop()
 
-    print("\nproduct / plain, per rate (median over rounds):")
+    print("\nproduct and fused / plain, per rate (median over rounds):")
     summary = []
     for rate in args.rates:
         def med(side: str, attr: str, rate: int = rate) -> float:
             return float(statistics.median(getattr(r, attr) for r in results if r.side == side and r.rate == rate))
-        row = {"rate": rate,
-               "latency_p50_ratio": med("product", "p50") / med("plain", "p50"),
-               "latency_p99_ratio": med("product", "p99") / med("plain", "p99"),
-               "throughput_ratio": med("product", "throughput") / med("plain", "throughput")}
-        summary.append(row)
-        print(f"  rate {rate:>6}/s: latency p50 {row['latency_p50_ratio']:.2f}x, p99 {row['latency_p99_ratio']:.2f}x, "
-              f"throughput {row['throughput_ratio']:.2f}x")
+        for side in ("product", "fused") if args.chaining else ("product",):
+            row = {"rate": rate, "side": side,
+                   "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
+                   "latency_p99_ratio": med(side, "p99") / med("plain", "p99"),
+                   "throughput_ratio": med(side, "throughput") / med("plain", "throughput")}
+            summary.append(row)
+            print(f"  rate {rate:>6}/s, {side:7s}: latency p50 {row['latency_p50_ratio']:.2f}x, "
+                  f"p99 {row['latency_p99_ratio']:.2f}x, throughput {row['throughput_ratio']:.2f}x")
     if args.json:
         print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
     return 0
