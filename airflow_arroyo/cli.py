@@ -10,7 +10,13 @@
     prune (PIPELINE | --all) [--keep-last K] [--keep-newer-than 1h]
                                               prune old epochs under the cleanup lock
     lock PIPELINE                             who holds the pipeline's cleanup lock
-    stop PIPELINE [--immediate] [--wait 2m]   ask a running pipeline to stop (graceful: after a final epoch)
+    stop PIPELINE [--immediate] [--wait 2m] [--pin LABEL]
+                                              ask a running pipeline to stop (graceful: after a final epoch,
+                                              which --pin pins once the run has stopped)
+    pin PIPELINE EPOCH --label TEXT / unpin PIPELINE EPOCH [--force]
+                                              keep an epoch out of retention / let the policy apply again
+    fork SOURCE --epoch N --to NEW            a new pipeline starting from epoch N of SOURCE (snapshots shared)
+    restore PIPELINE [--epoch N|latest]       check that an epoch can be restored; print how to launch it
     verify PIPELINE [--epoch N] [--budget DURATION]
                                               re-hash snapshot objects; name damaged epochs (exit 3)
     checkpoint PIPELINE [--self-contained] [--timeout DURATION]
@@ -55,6 +61,7 @@ __all__ = ["main"]
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_DAMAGED = 0, 1, 2, 3
 DSN_ENV = "ARROYO_DSN"
 CLI_RETRY_SECONDS = 10.0
+STOP_PIN_WAIT = timedelta(minutes=5)  # `stop --pin` without --wait: pinning needs the run to have ended
 
 
 class UsageError(Exception):
@@ -281,7 +288,7 @@ def _cmd_unpin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
     """Unpin an epoch (a no-op when it is not pinned); retention's policy applies to it again."""
     _require_schema(store)
     before = store.get_epoch(args.pipeline, args.epoch)
-    record = store.unpin_epoch(args.pipeline, args.epoch)
+    record = store.unpin_epoch(args.pipeline, args.epoch, force=args.force)
     if args.json:
         json.dump(_jsonable(record), out)
         out.write("\n")
@@ -301,6 +308,13 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     _require_schema(store)
     wait = parse_duration(args.wait, name="--wait") or timedelta(0)
     mode = "immediate" if args.immediate else "graceful"
+    if args.pin is not None:
+        if args.immediate:
+            raise ConfigurationError("--pin pins the final epoch of a graceful stop; an --immediate stop takes none: "
+                                     "drop one of them")
+        if wait.total_seconds() <= 0:
+            wait = STOP_PIN_WAIT  # pinning needs the run to have ended
+        store.check_pin_label(args.pin)  # bad input before anything is asked
     current = store.get_pipeline(args.pipeline)
     if current.state.terminal:
         raise ConfigurationError(
@@ -317,8 +331,19 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     ended = record.state.terminal
     newest = store.latest_completed_epoch(args.pipeline)
     latest = newest.epoch if newest is not None else None
-    result = {"pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": record.state.value,
-              "stopped": ended, "latest_completed_epoch": latest, "failure_cause": record.failure_cause}
+    pinned = None
+    if args.pin is not None and ended:
+        try:
+            pinned = store.pin_final_epoch(args.pipeline, current.run_id, args.pin)
+        except ConfigurationError as exc:  # the stop happened: not bad input, a failed second half (exit 1)
+            raise _NotPinned(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}, but {exc}") \
+                from None
+    result: dict[str, Any] = {
+        "pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": record.state.value,
+        "stopped": ended, "latest_completed_epoch": latest, "failure_cause": record.failure_cause}
+    if args.pin is not None:
+        result["pinned_epoch"] = pinned.epoch if pinned is not None else None
+        result["pin_label"] = pinned.pin_label if pinned is not None else None
     if args.json:
         json.dump(result, out)
         out.write("\n")
@@ -333,7 +358,45 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
         cause = f": {record.failure_cause}" if record.failure_cause else ""
         out.write(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}{cause}; "
                   f"latest completed epoch {latest if latest is not None else '-'}\n")
+        if pinned is not None:
+            out.write(f"pinned its final epoch {pinned.epoch} ({pinned.pin_label}); retention keeps it until "
+                      f"`airflow-arroyo unpin {args.pipeline} {pinned.epoch}`\n")
     return EXIT_OK if ended or wait.total_seconds() == 0 else EXIT_ERROR
+
+
+def _cmd_fork(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Fork a new pipeline from a completed epoch of another; the epoch's snapshots are shared, not copied."""
+    _require_schema(store)
+    fork = store.fork_pipeline(args.source, args.epoch, args.to)
+    point = store.get_epoch(args.source, args.epoch)
+    if args.json:
+        json.dump({**_jsonable(fork), "source_pin_label": point.pin_label}, out)
+        out.write("\n")
+        return EXIT_OK
+    _table(["FORK", "FROM", "EPOCH", "STATE", "SOURCE PIN"],
+           [[fork.pipeline_id, fork.forked_from_pipeline, fork.forked_from_epoch, fork.state.value, point.pin_label]],
+           out)
+    out.write(f"epoch {args.epoch} of {args.source} stays pinned until {fork.pipeline_id} completes an epoch of its "
+              f"own; {fork.pipeline_id}'s epochs are numbered from {fork.last_epoch + 1}\n")
+    return EXIT_OK
+
+
+def _cmd_restore(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Check that ``PIPELINE`` can restore ``--epoch`` now (exit 2 saying why not) and print how to launch it:
+    the driver's arguments, or the submit operator's ``restore_from``. Changes nothing."""
+    _require_schema(store)
+    plan = _restore_plan(store, args.pipeline, args.epoch)
+    if args.json:
+        json.dump(_jsonable(plan), out)
+        out.write("\n")
+        return EXIT_OK
+    _table(["PIPELINE", "RESTORE FROM", "EPOCH OF", "ENDED", "PIN", "SUPERSEDES"],
+           [[plan.pipeline_id, plan.epoch, plan.epoch_of, _when(plan.ended_at), plan.pin_label,
+             list(plan.supersedes)]], out)
+    out.write(f"launch its driver with: {' '.join(plan.driver_args)}\n"
+              f"or from Airflow: SubmitPipelineOperator(..., restore_from={plan.restore_from!r}) "
+              f"(the example DAGs take it as the restore_from param)\n")
+    return EXIT_OK
 
 
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
@@ -519,8 +582,87 @@ def _cmd_checkpoint(store: EpochStore, args: argparse.Namespace, out: IO[str]) -
     return EXIT_OK if record.state is EpochState.COMPLETED else EXIT_ERROR
 
 
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """What ``restore`` checked: the epoch a new run of ``pipeline_id`` restores and how to launch it."""
+    pipeline_id: str
+    epoch: int
+    epoch_of: str  # the pipeline whose epoch it is: this one, or, for a fork's first run, its source
+    restore_from: str | int  # what to give the driver / the submit operator
+    ended_at: datetime | None
+    pin_label: str | None
+    supersedes: tuple[int, ...]  # completed epochs after it, which the restore abandons
+    driver_args: tuple[str, ...]
+
+
+def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePlan:
+    """Check that ``pipeline_id`` can restore ``wanted`` ('latest' or an epoch number) now, as its driver's
+    restore planning will: the pipeline is not running, and the epoch is completed (nothing else can be
+    restored). Raises :class:`ConfigurationError` saying why not and what to do."""
+    from airflow_arroyo.epochs import EpochState
+
+    latest = wanted.strip().lower() == "latest"
+    if not latest and not wanted.strip().isdigit():
+        raise ConfigurationError(f"--epoch must be an epoch number or 'latest', got {wanted!r}")
+    pipe = store.get_pipeline(pipeline_id)
+    if not pipe.state.terminal:
+        raise ConfigurationError(
+            f"pipeline {pipeline_id} is {pipe.state.value} (run {pipe.run_id}): stop it first "
+            f"(airflow-arroyo stop {pipeline_id} --wait 2m), or launch the restore with --takeover if its driver "
+            "is dead"
+        )
+    owner = pipeline_id
+    waiting = pipe.forked_from_pipeline is not None and pipeline_id in store.waiting_forks(
+        pipe.forked_from_pipeline, pipe.forked_from_epoch)
+    if waiting:  # a fork's first run restores its fork point (the driver does the same)
+        assert pipe.forked_from_pipeline is not None and pipe.forked_from_epoch is not None
+        if not latest and int(wanted) != pipe.forked_from_epoch:
+            raise ConfigurationError(
+                f"pipeline {pipeline_id} is a fork of epoch {pipe.forked_from_epoch} of {pipe.forked_from_pipeline} "
+                f"with no epoch of its own: its first run restores that epoch, not {wanted}; use --epoch latest"
+            )
+        owner = pipe.forked_from_pipeline
+        record = store.get_epoch(owner, pipe.forked_from_epoch)
+        if record.state is not EpochState.COMPLETED:
+            raise ConfigurationError(f"the fork point of {pipeline_id}, epoch {record.epoch} of {owner}, is "
+                                     f"{record.state.value}: the fork cannot start; fork again from a completed epoch")
+        latest = True
+    elif latest:
+        newest = store.latest_completed_epoch(pipeline_id)
+        if newest is None:
+            raise ConfigurationError(f"pipeline {pipeline_id} has no completed epoch to restore; "
+                                     "a run without --restore-from starts it from the beginning")
+        record = newest
+    else:
+        record = store.get_epoch(pipeline_id, int(wanted))
+        if record.state is not EpochState.COMPLETED:
+            why = (" (a restore of an older epoch cut the channels right after that one)"
+                   if record.state is EpochState.SUPERSEDED else "")
+            raise ConfigurationError(
+                f"epoch {record.epoch} of pipeline {pipeline_id} is {record.state.value}{why}: only a completed "
+                f"epoch can be restored; pick one from `airflow-arroyo epochs {pipeline_id}`"
+            )
+    after = [] if waiting else [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000,
+                                                                   states=[EpochState.COMPLETED])
+                                if e.epoch > record.epoch]
+    restore_from: str | int = "latest" if latest else record.epoch
+    args = ["python", "-m", "airflow_arroyo.runtime.driver", "--pipeline", "<module:attr>",
+            "--restore-from", str(restore_from)]
+    if pipe.storage_uri:
+        args += ["--storage-uri", pipe.storage_uri]
+    checkpoint_uri = (pipe.config or {}).get("checkpoint_uri")
+    if checkpoint_uri and checkpoint_uri != pipe.storage_uri:
+        args += ["--checkpoint-uri", str(checkpoint_uri)]
+    return RestorePlan(pipeline_id, record.epoch, owner, restore_from, record.ended_at, record.pin_label,
+                       tuple(sorted(after)), tuple(args))
+
+
 class _NotStarted(ArroyoError):
     """``checkpoint`` could not start an epoch (exit 1)."""
+
+
+class _NotPinned(ArroyoError):
+    """``stop --pin`` stopped the run but found no final epoch to pin (exit 1)."""
 
 
 # --------------------------------------------------------------------------- parser and main
@@ -562,6 +704,17 @@ def _build_parser() -> _Parser:
     unpin = sub.add_parser("unpin", parents=[common], help="unpin an epoch; the retention policy applies again")
     unpin.add_argument("pipeline")
     unpin.add_argument("epoch", type=int)
+    unpin.add_argument("--force", action="store_true",
+                       help="unpin even the fork point of a fork that has not completed an epoch of its own")
+    fork = sub.add_parser("fork", parents=[common],
+                          help="fork a new pipeline from a completed epoch of another (its snapshots shared)")
+    fork.add_argument("source")
+    fork.add_argument("--epoch", type=int, required=True, help="the completed epoch of SOURCE to start from")
+    fork.add_argument("--to", required=True, metavar="NEW", help="the new pipeline's id")
+    restore = sub.add_parser("restore", parents=[common],
+                             help="check that a pipeline can restore an epoch now and print how to launch it")
+    restore.add_argument("pipeline")
+    restore.add_argument("--epoch", default="latest", help="an epoch number or 'latest' (default)")
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
     stop = sub.add_parser("stop", parents=[common],
@@ -569,7 +722,9 @@ def _build_parser() -> _Parser:
     stop.add_argument("pipeline")
     stop.add_argument("--immediate", action="store_true", help="stop without a final epoch")
     stop.add_argument("--wait", default="0", metavar="DURATION",
-                      help="wait this long for the run to end, e.g. 2m (default 0: only ask); exit 1 if it has not")
+                      help="wait this long for the run to end, e.g. 2m (default 0: only ask; 5m with --pin); "
+                           "exit 1 if it has not")
+    stop.add_argument("--pin", metavar="LABEL", help="once stopped, pin the final epoch with this label")
     verify = sub.add_parser("verify", parents=[common],
                             help="re-hash the snapshot objects of the retained epochs; name damaged epochs")
     verify.add_argument("pipeline")
@@ -615,6 +770,8 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "pin": _cmd_pin,
     "unpin": _cmd_unpin,
     "stop": _cmd_stop,
+    "fork": _cmd_fork,
+    "restore": _cmd_restore,
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,
 }

@@ -58,13 +58,16 @@ def demo(
     pg_dsn_env: str | None = None,
     pg_report_table: str = "arroyo_demo_report",
     pg_totals_table: str = "arroyo_demo_totals",
+    chaining: bool = False,
 ) -> Pipeline:
     """The demo pipeline. ``rows=None`` makes the generators unbounded (benchmarks); ``rows_per_batch``
     paces them (rows per micro-batch of each source). ``sink_path`` adds an exactly-once Parquet sink
     ``report_files`` writing the report there (committed epoch by epoch). ``pg_dsn_env`` (the name of an
     environment variable holding a PostgreSQL DSN) adds two exactly-once PostgreSQL sinks: ``report_pg``
     appends the report's rows to ``pg_report_table`` (:data:`PG_REPORT_DDL`), ``totals_pg`` upserts per key
-    the count and sum of ``total`` into ``pg_totals_table`` (:data:`PG_TOTALS_DDL`; update output mode)."""
+    the count and sum of ``total`` into ``pg_totals_table`` (:data:`PG_TOTALS_DDL`; update output mode).
+    ``chaining=True`` fuses both sources, ``joined`` and ``report`` into one query (runtime/plan.py); the sinks
+    ask for a boundary (``chain=False``) so that the report channel stays, readable as in the unfused form."""
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,
@@ -83,16 +86,16 @@ def demo(
         return (joined.selectExpr("id", "key", "left_value", "right_value", "left_value + right_value AS total")
                 .where("total % 7 <> 0"))
 
-    p = Pipeline(pipeline_id, description="two generators, a stream-stream join, a filter")
+    p = Pipeline(pipeline_id, description="two generators, a stream-stream join, a filter", chaining=chaining)
     lhs = p.source("left", left, trigger_interval=trigger_interval)
     rhs = p.source("right", right, trigger_interval=trigger_interval)
     joined = p.stage("joined", join, inputs=[lhs, rhs], state_store=state_store, trigger_interval=trigger_interval)
     p.stage(OUTPUT_CHANNEL, report, inputs=[joined], trigger_interval=trigger_interval)
     if sink_path is not None:
         p.sink(SINK_STAGE, inputs=[OUTPUT_CHANNEL], format="parquet", options={"path": sink_path},
-               trigger_interval=trigger_interval)
+               trigger_interval=trigger_interval, chain=False)
     if pg_dsn_env is not None:
-        p.sink(PG_REPORT_STAGE, inputs=[OUTPUT_CHANNEL], trigger_interval=trigger_interval,
+        p.sink(PG_REPORT_STAGE, inputs=[OUTPUT_CHANNEL], trigger_interval=trigger_interval, chain=False,
                postgres=PostgresTarget(table=pg_report_table, dsn_env=pg_dsn_env, mode="append"))
         p.sink(PG_TOTALS_STAGE, inputs=[OUTPUT_CHANNEL], transform=_totals, output_mode="update",
                trigger_interval=trigger_interval,

@@ -177,6 +177,16 @@ def _log_driver_tail(log: Any, pipeline_id: str, run_id: str | None, submit_log_
                  run_id, path)
 
 
+def _check_stop_pin(mode: str, label: str) -> None:
+    """``pin_label`` pins a graceful stop's final epoch: refuse it with an immediate stop, or a bad label."""
+    from airflow_arroyo.store import EpochStore
+
+    if str(mode).strip().lower() == "immediate":
+        raise ConfigurationError("pin_label pins the final epoch of a graceful stop; an immediate stop takes none: "
+                                 "use mode='graceful' or drop pin_label")
+    EpochStore.check_pin_label(label)
+
+
 def _parse_stop_mode(mode: str) -> str:
     text = str(mode).strip().lower()
     if text not in ("graceful", "immediate"):
@@ -631,8 +641,12 @@ class StopPipelineOperator(BaseOperator):
         lines are copied into this task's log).
     :param deferrable: wait in the triggerer (default ``[operators] default_deferrable``); otherwise in
         this worker slot.
+    :param pin_label: once the run has stopped, pin the final epoch it took with this label (stop and pin in
+        one step, like ``airflow-arroyo stop --pin``); graceful stops only. No completed final epoch fails the
+        task (the pipeline is stopped; nothing is pinned).
 
-    Returns (XCom) the pipeline's final state and its latest completed epoch. Sink or epochs Assets of
+    Returns (XCom) the pipeline's final state and its latest completed epoch (and ``pinned_epoch`` with
+    ``pin_label``). Sink or epochs Assets of
     the pipeline (:mod:`airflow_arroyo.assets`) in ``outlets`` get an event carrying the final commit.
 
     Usage::
@@ -641,7 +655,7 @@ class StopPipelineOperator(BaseOperator):
                                     trigger_rule="all_done")
     """
 
-    template_fields: Sequence[str] = ("pipeline_id", "mode", "conn_id")
+    template_fields: Sequence[str] = ("pipeline_id", "mode", "conn_id", "pin_label")
     operator_extra_links = (ArroyoPipelineLink(),)
     ui_color = "#f4e8e8"
 
@@ -657,11 +671,13 @@ class StopPipelineOperator(BaseOperator):
         wait_before_defer: float = 30.0,
         submit_log_dir: str | None = None,
         deferrable: bool | None = None,
+        pin_label: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline_id = pipeline_id
         self.mode = mode
+        self.pin_label = pin_label
         self.conn_id = conn_id or config.get("conn_id")
         self.deferrable = config.default_deferrable() if deferrable is None else deferrable
         self.fail_if_failed = fail_if_failed
@@ -671,11 +687,15 @@ class StopPipelineOperator(BaseOperator):
         self.submit_log_dir = submit_log_dir
         _at_parse(self.task_id, _parse_stop_mode, mode)
         _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
+        if pin_label is not None:
+            _at_parse(self.task_id, _check_stop_pin, mode, pin_label)
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Airflow: ask the pipeline to stop, then wait for its run to end as configured."""
         validate_pipeline_id(self.pipeline_id)
         mode = _parse_stop_mode(self.mode)
+        if self.pin_label is not None:
+            _check_stop_pin(mode, self.pin_label)
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         store = _store(self.conn_id)
         try:
@@ -754,4 +774,9 @@ class StopPipelineOperator(BaseOperator):
         else:
             self.log.info("Pipeline %s is %s; latest completed epoch %s%s", self.pipeline_id, event.get("state"),
                           result["latest_epoch"], " (final)" if result["final_epoch"] else "")
+            if self.pin_label is not None and event.get("state") == PipelineState.STOPPED.value:
+                pinned = store.pin_final_epoch(self.pipeline_id, event.get("run_id"), self.pin_label)
+                result["pinned_epoch"], result["pin_label"] = pinned.epoch, pinned.pin_label
+                self.log.info("Pinned the final epoch %s of pipeline %s (%s)", pinned.epoch, self.pipeline_id,
+                              pinned.pin_label)
         return result

@@ -74,6 +74,7 @@ from airflow_arroyo.runtime.decisions import (
 )
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
+from airflow_arroyo.runtime.plan import PhysicalPlan, plan_chains, stateful_stages
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
@@ -157,7 +158,11 @@ class PipelineDriver:
         max_backlog_entries: int | None = None,
         warmup_timeout: float = 20.0,
     ) -> None:
-        self.graph: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
+        self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
+        # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
+        # which are stateful (without that no two stages fuse)
+        self.plan: PhysicalPlan = plan_chains(self.logical, chaining=pipeline.chaining)
+        self.graph: PipelineGraph = self.plan.graph
         self.pipeline = pipeline
         self.pipeline_id = pipeline.pipeline_id
         self.store = store
@@ -184,17 +189,30 @@ class PipelineDriver:
         self._stop_mode: StopMode | None = None
         self._epochs_seen: list[int] = []
         self.restored_from_epoch: int | None = None
+        self._fork_source: PipelineRecord | None = None  # set when this run restores a fork's fork point
         self.started = threading.Event()  # set once every query runs (tests wait on it)
         # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
-        self.sinks: dict[str, TransactionalSink] = {
-            s.name: sink for s in self.graph.stages if s.kind is StageKind.SINK
-            if (sink := transactional_sink(self.pipeline_id, s)) is not None
-        }
+        self.sinks: dict[str, TransactionalSink] = self._transactional_sinks()
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
         self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
         # Test seam: called with the name of each step of a start (see _restore) before the next begins; a
         # test raises there (a failure) or blocks there (a kill: nothing after it happens).
         self.on_step: Callable[[str], None] | None = None
+
+    def _transactional_sinks(self) -> dict[str, TransactionalSink]:
+        return {s.name: sink for s in self.graph.stages if s.output is None
+                if (sink := transactional_sink(self.pipeline_id, s)) is not None}
+
+    def _plan_chains(self) -> None:
+        """A chaining pipeline: ask Spark which stages are stateful, fuse what the rules allow
+        (:func:`~airflow_arroyo.runtime.plan.plan_chains`), and run that physical graph from here on (its stage
+        names are what the store records and a restore checks)."""
+        if not self.pipeline.chaining:
+            return
+        self.plan = plan_chains(self.logical, stateful_stages(self.logical, self._session()), chaining=True)
+        self.graph = self.plan.graph
+        self.sinks = self._transactional_sinks()
+        log.info("pipeline=%s: physical plan:\n%s", self.pipeline_id, self.plan.explain())
 
     # ------------------------------------------------------------------ public
 
@@ -209,13 +227,17 @@ class PipelineDriver:
         Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
+        self._plan_chains()  # which stages run fused (asks Spark's analyzer when the pipeline chains)
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
         try:
             self._step("registered")
             self._clean_leftovers()
-            if plan.action is RestoreAction.RESTORE:
+            if plan.action is RestoreAction.RESTORE and self._fork_source is not None:
+                assert plan.epoch is not None
+                self._restore_fork(self._fork_source, plan.epoch)
+            elif plan.action is RestoreAction.RESTORE:
                 assert plan.epoch is not None
                 self._restore(plan.epoch)
             elif plan.action is RestoreAction.START_OVER:
@@ -272,10 +294,34 @@ class PipelineDriver:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
 
+    def _waiting_fork(self) -> PipelineRecord | None:
+        """The source of this pipeline when it is a fork (``airflow-arroyo fork``) that has not completed an epoch
+        of its own: its run restores the fork point, whatever ``restore_from`` says but another epoch number."""
+        try:
+            record = self.store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            return None
+        source, epoch = record.forked_from_pipeline, record.forked_from_epoch
+        if source is None or epoch is None or self.pipeline_id not in self.store.waiting_forks(source, epoch):
+            return None
+        if self.restore_from not in (None, "latest", epoch):
+            raise ConfigurationError(
+                f"pipeline {self.pipeline_id!r} is a fork of epoch {epoch} of {source!r} with no epoch of its own: "
+                f"its first run restores that epoch, not {self.restore_from!r}; start it with restore_from='latest'"
+            )
+        return self.store.get_pipeline(source)
+
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from``, and only those."""
         rf = self.restore_from
         facts = RestoreFacts(self.pipeline_id, rf, tuple(self.graph.stage_names))
+        self._fork_source = source = self._waiting_fork()
+        if source is not None:  # the fork point, an epoch of the source
+            me = self.store.get_pipeline(self.pipeline_id)
+            assert me.forked_from_epoch is not None
+            point = self.store.get_epoch(source.pipeline_id, me.forked_from_epoch)
+            return replace(facts, requested=point.epoch, pipeline_known=True,
+                           epoch=EpochFacts(point.epoch, point.state, tuple(point.stages)))
         if rf is None:
             return replace(facts, has_state=self._has_state(), location=self.layout.fs.uri_of(self.pipeline_id))
         try:
@@ -303,7 +349,7 @@ class PipelineDriver:
             storage_uri=self.storage_uri, takeover=takeover,
             config={"driver": "airflow_arroyo.runtime.driver", "checkpoint_uri": self.checkpoint_uri, "stages": {
                 s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
-                         "output": s.output} for s in self.graph.stages}},
+                         "output": s.output} for s in self.graph.stages}, "plan": self.plan.as_dict()},
         )
 
     # ------------------------------------------------------------------ fencing
@@ -427,6 +473,50 @@ class PipelineDriver:
         log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
                  self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
                  time.monotonic() - t0)
+
+    def _restore_fork(self, source: PipelineRecord, epoch: int) -> None:
+        """A fork's first run: restore ``epoch`` of ``source`` (the fork point) into this pipeline.
+
+        The same three phases as :meth:`_restore`. *Verify and prepare*: every source channel holds barrier
+        ``epoch``, every sink's cut is known (the source's acknowledgements), every stage's checkpoint is rebuilt
+        from the source's snapshot objects, read where they are (shared, not copied: the fork's own first epoch
+        snapshots its own copy). *Commit*: :meth:`EpochStore.commit_fork_restore` records the fork point as
+        ``restored_from_epoch``. *Roll forward*: switch the checkpoint pointers, copy each source channel up to
+        right after its barrier ``epoch`` into the fork's channel (same positions, so recorded offsets hold),
+        roll the fork's sinks to their cut. Until the fork completes an epoch, a repeat does it all again.
+        """
+        t0 = time.monotonic()
+        # only the source's storage URI is read (channels, snapshot objects), never its Spark checkpoints
+        src = StorageLayout.at(source.storage_uri or self.storage_uri, source.pipeline_id)
+        channels = {c: Channel.open(src.channel_uri(c)) for c in self.graph.channels}
+        cut_positions = check_channels_have_barrier(channels, epoch)
+        sink_cuts = self._sink_cuts(epoch, owner=source.pipeline_id)
+        self._step("verified")
+        prepared: list[PreparedRestore] = []
+        try:
+            for s in self.graph.stages:
+                prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=(src.fs, source.pipeline_id)))
+                self._step(f"prepared:{s.name}")
+            self.store.commit_fork_restore(self.pipeline_id, self.run_id)  # the commit point
+        except BaseException:
+            self.snapshots.discard(prepared)
+            raise
+        self._step("committed")
+        for p in prepared:
+            self.snapshots.commit_restore(p)
+            self._step(f"switched:{p.stage}")
+        for name, ch in channels.items():
+            ch.copy_to(self.layout.channel_uri(name), cut_positions[name])
+            self._step(f"copied:{name}")
+        for name, sink in self.sinks.items():
+            sink.rollback_to(sink_cuts[name])
+            self._step(f"rolled-back:{name}")
+        self._sinks_committed = epoch
+        self.restored_from_epoch = epoch
+        self._step("restored")
+        log.info("pipeline=%s epoch=%s: restored the fork point from %s (%d stages, %d files, %d channels) in %.1fs",
+                 self.pipeline_id, epoch, source.pipeline_id, len(prepared), sum(p.files for p in prepared),
+                 len(channels), time.monotonic() - t0)
 
     def _start_over(self) -> None:
         """restore_from='latest' with no completed epoch: begin again from empty checkpoints and channels."""
@@ -719,11 +809,12 @@ class PipelineDriver:
             turn.final_epoch = None
         return None  # RUN, WAIT_FINAL, or a final epoch asked for or forgotten: keep going
 
-    def _sink_cuts(self, epoch: int) -> dict[str, int]:
-        """Each exactly-once sink's cut batch in ``epoch`` (from its acknowledgement)."""
+    def _sink_cuts(self, epoch: int, owner: str | None = None) -> dict[str, int]:
+        """Each exactly-once sink's cut batch in ``epoch`` (from its acknowledgement; of pipeline ``owner`` for a
+        fork point)."""
         if not self.sinks:
             return {}
-        details = {a.stage: a.details for a in self.store.acks(self.pipeline_id, epoch)}
+        details = {a.stage: a.details for a in self.store.acks(owner or self.pipeline_id, epoch)}
         return sink_cuts(self.pipeline_id, epoch, self.sinks, details)
 
     def _commit_sinks(self) -> None:

@@ -22,7 +22,8 @@ invisible to readers of ``<path>``.
 * **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
   every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
   *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
-  is renamed), then the batch's manifest is written and ``pending/b`` removed; last, ``committed.json``
+  is renamed), then the batch's manifest (naming every file of *b* moved so far, also by an earlier,
+  interrupted attempt of the commit) is written and ``pending/b`` removed; last, ``committed.json``
   is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
   finished by the next one, and a final name is written only from its one pending file, so no file
   ever appears under two names.
@@ -41,7 +42,9 @@ readers trust is the one of the highest generation; a manifest counts if its gen
 rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
 refused (:class:`~airflow_arroyo.exceptions.FencedError`), and whatever it still moves in a race is named
 by no manifest readers trust; the newer generation's next commit deletes such files (batches after
-``base`` with an older generation's name).
+``base`` with an older generation's name that no trusted manifest names). A commit the older generation
+left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
+newer one's rollback, whose manifest names the files the older one moved.
 
 What readers see. :func:`committed_files` lists exactly the files of the batches ``<= through``
 (from their manifests): whole epochs only, on every backend, even while a commit runs or after a
@@ -217,28 +220,33 @@ class TransactionalFileSink:
         pending = sorted({p.batch for p in chosen})
         moved = size = 0
         rows: int | None = 0
+        for p in sorted(chosen):
+            self._check_fence(f"the commit of micro-batch {p.batch}")
+            counted = self._manifest_rows(p.path)
+            rows = rows + counted if rows is not None and counted is not None else None
+            for e in self.fs.list_files(p.path):
+                rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
+                if any(_hidden(part) for part in rel.split("/")):
+                    continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
+                self.fs.move(e.path, self._committed_name(p.batch, rel, self.generation))
+                moved += 1
+                size += e.size
         if chosen:
-            finals: dict[int, set[str]] = {}
-            for b, path in self._committed_files():  # files an interrupted commit of this generation moved
-                if _final_generation(path) == self.generation:
-                    finals.setdefault(b, set()).add(path)
-            for p in sorted(chosen):
-                b, folder = p.batch, p.path
-                self._check_fence(f"the commit of micro-batch {b}")
-                counted = self._manifest_rows(folder)
-                rows = rows + counted if rows is not None and counted is not None else None
-                for e in self.fs.list_files(folder):
-                    rel = e.path[len(folder) + 1:] if e.path.startswith(folder + "/") else e.path
-                    if any(_hidden(part) for part in rel.split("/")):
-                        continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
-                    final = self._committed_name(b, rel, self.generation)
-                    self.fs.move(e.path, final)
-                    finals.setdefault(b, set()).add(final)
-                    moved += 1
-                    size += e.size
+            # A batch's manifest names its files of this generation and of the generation whose pending
+            # folder is committed: files an interrupted commit moved (this run's, or a superseded run's that
+            # stalled between its moves and its manifest) are listed after all moves, so none is missed.
+            owners: dict[int, set[int]] = {}
+            for p in chosen:
+                owners.setdefault(p.batch, {self.generation}).add(p.generation)
+            finals: dict[int, list[str]] = {}
+            for b, path in self._committed_files():
+                if _final_generation(path) in owners.get(b, ()):
+                    finals.setdefault(b, []).append(path)
+            for b in pending:
                 self.fs.write_json_atomic(self._manifest(b, self.generation),
                                           {"batch": b, "files": sorted(finals.get(b, ()))})
-                self.fs.delete_tree(folder)
+            for p in chosen:
+                self.fs.delete_tree(p.path)
         if chosen or self._through() < batch_id:
             self._write_commit_point(max(batch_id, self._through()))
         if self.generation:
@@ -251,13 +259,15 @@ class TransactionalFileSink:
     def _remove_fenced_files(self) -> None:
         """Delete files an older generation moved in after this one took over (a race the fence check
         cannot close on storage without conditional writes): batches after this generation's base named
-        by an older generation (never a newer one's: a superseded run that raced its check deletes nothing
-        of the run that took over). No manifest readers trust names them; plain folder readers stop seeing them."""
+        by an older generation and named by no manifest readers trust (never a newer one's: a superseded run
+        that raced its check deletes nothing of the run that took over); plain folder readers stop seeing them."""
         mine = _read_commit_point(self.fs, self.generation)
         if "base" not in mine:
             return
         base = int(mine["base"])
-        stray = [path for b, path in self._committed_files() if b > base and _final_generation(path) < self.generation]
+        named = set(_trusted_files(self.fs))
+        stray = [path for b, path in self._committed_files()
+                 if b > base and _final_generation(path) < self.generation and path not in named]
         for path in stray:
             self.fs.delete(path)
         if stray:
@@ -388,7 +398,10 @@ def committed_files(uri: str) -> list[str]:
     batch order): what a reader that must never see part of an epoch reads, e.g.
     ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``. Per batch, the manifest of the
     highest generation not above the trusted commit point's (a superseded run's later ones are ignored)."""
-    fs = FileSystem.from_uri(uri)
+    return _trusted_files(FileSystem.from_uri(uri))
+
+
+def _trusted_files(fs: FileSystem) -> list[str]:
     through, generation = _commit_point(fs)
     chosen: dict[int, tuple[int, str]] = {}
     for b, path in _manifests(fs):

@@ -11,7 +11,9 @@ A pipeline is built from plain functions, the way a bytewax dataflow is::
     joined = p.stage("joined", lambda l, r: l.join(r, "id"), inputs=[left, right])
     p.stage("report", lambda j: j.where("l_value > 10"), inputs=[joined])
 
-Three kinds of stage, each one Structured Streaming query:
+Three kinds of stage, each one Structured Streaming query unless the pipeline chains them
+(``Pipeline(..., chaining=True)``: stages the graph allows run fused in one query; see
+:mod:`~airflow_arroyo.runtime.plan` and :meth:`Pipeline.explain`):
 
 * **source** (:meth:`Pipeline.source`): ``read(spark) -> streaming DataFrame`` over any Spark streaming
   source (or the replayable generator); its output goes to a channel.
@@ -47,6 +49,8 @@ from airflow_arroyo.runtime.pg_sink import PostgresTarget
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+    from airflow_arroyo.runtime.plan import PhysicalPlan
 
 __all__ = [
     "OUTPUT_MODES",
@@ -106,6 +110,7 @@ class StageSpec:
     sink_options: Mapping[str, str] = field(default_factory=dict)
     postgres: PostgresTarget | None = None  # sinks: an exactly-once PostgreSQL table
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
+    chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
 
     @property
     def is_iteration_head(self) -> bool:
@@ -136,13 +141,14 @@ def _names(items: Iterable[Stream | str], *, stage: str, what: str) -> tuple[str
 class Pipeline:
     """A graph of named stages. Build it with :meth:`source`, :meth:`stage` and :meth:`sink`."""
 
-    def __init__(self, pipeline_id: str, *, description: str = "") -> None:
+    def __init__(self, pipeline_id: str, *, description: str = "", chaining: bool = False) -> None:
         try:
             validate_pipeline_id(pipeline_id)
         except ConfigurationError as exc:
             raise PipelineGraphError(str(exc)) from exc
         self.pipeline_id = pipeline_id
         self.description = description
+        self.chaining = chaining
         self._stages: list[StageSpec] = []
 
     def __repr__(self) -> str:
@@ -178,19 +184,20 @@ class Pipeline:
               feedback: Sequence[Stream | str] = (), output: str | None = None,
               output_mode: Literal["append", "update", "complete"] = "append",
               state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
-              spark_conf: Mapping[str, str] | None = None) -> Stream:
+              spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> Stream:
         """A stage over channels: ``transform(*inputs, *feedback)`` returns a streaming DataFrame.
 
         ``output_mode`` is Spark's (``update`` for an aggregation's running results). ``state_store``
         picks the state store provider for this stage's query. ``feedback`` makes the stage an
-        iteration head: those inputs close a loop and are not aligned.
+        iteration head: those inputs close a loop and are not aligned. ``chain=False`` keeps a channel
+        before this stage when the pipeline chains (:mod:`~airflow_arroyo.runtime.plan`).
         """
         spec = StageSpec(
             name=name, kind=StageKind.STAGE, fn=transform,
             inputs=_names(inputs, stage=name, what="inputs"),
             feedback=_names(feedback, stage=name, what="feedback inputs"),
             output=output or name, output_mode=output_mode, state_store=state_store,
-            trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}),
+            trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}), chain=chain,
         )
         stream = self._add(spec)
         assert stream is not None
@@ -201,7 +208,7 @@ class Pipeline:
              postgres: PostgresTarget | None = None, transform: TransformFn | None = None,
              output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
-             spark_conf: Mapping[str, str] | None = None) -> None:
+             spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
         Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``) or a
@@ -215,12 +222,13 @@ class Pipeline:
         micro-batch from the executors and committed in one transaction per epoch; a restore rolls the
         table back (:mod:`~airflow_arroyo.runtime.pg_sink`). ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
+        ``chain=False`` keeps a channel before the sink when the pipeline chains.
         """
         spec = StageSpec(
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
             foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
-            spark_conf=dict(spark_conf or {}),
+            spark_conf=dict(spark_conf or {}), chain=chain,
         )
         self._add(spec)
 
@@ -229,6 +237,27 @@ class Pipeline:
     def validate(self) -> PipelineGraph:
         """Check the graph; return it in a form the driver runs. Raises :class:`PipelineGraphError`."""
         return PipelineGraph.build(self.pipeline_id, self._stages)
+
+    def physical_plan(self, spark: SparkSession | None = None) -> PhysicalPlan:
+        """Which stages run fused in one query and which channels remain (:mod:`~airflow_arroyo.runtime.plan`).
+
+        With ``spark``, each stage's statefulness comes from Spark's analyzed plan: the plan the driver runs.
+        Without it no stage is known to be stateless, so only the rules that need no Spark apply and no two
+        stages fuse (say so by passing a session).
+        """
+        from airflow_arroyo.runtime.plan import plan_chains, stateful_stages
+
+        graph = self.validate()
+        facts = stateful_stages(graph, spark) if spark is not None and self.chaining else None
+        return plan_chains(graph, facts, chaining=self.chaining)
+
+    def explain(self, spark: SparkSession | None = None) -> str:
+        """The physical plan as text: each query and its stages, each remaining channel and why."""
+        return self.physical_plan(spark).explain()
+
+    def describe(self, spark: SparkSession | None = None) -> dict[str, Any]:
+        """The physical plan as JSON-ready data (what :meth:`explain` prints)."""
+        return self.physical_plan(spark).as_dict()
 
 
 @dataclass(frozen=True)

@@ -283,29 +283,36 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ restore
 
-    def prepare_restore(self, stage: str, epoch: int) -> PreparedRestore:
+    def prepare_restore(self, stage: str, epoch: int, *, source: tuple[FileSystem, str] | None = None
+                        ) -> PreparedRestore:
         """Rebuild ``stage``'s checkpoint of ``epoch`` into a new checkpoint folder, verifying every object.
-        Nothing existing is touched; :meth:`commit_restore` makes the folder live."""
-        entries = self.store.snapshot_entries(self.pipeline_id, epoch, stage)
+        Nothing existing is touched; :meth:`commit_restore` makes the folder live.
+
+        ``source``: the storage root and id of the pipeline whose epoch it is, when not this one (a fork's
+        first restore reads its source's snapshot objects where they are; nothing is copied to this
+        pipeline's objects)."""
+        storage, owner = source if source is not None else (self.fs, self.pipeline_id)
+        entries = self.store.snapshot_entries(owner, epoch, stage)
         folder = self.layout.new_checkpoint(stage, epoch)
         total = 0
         try:
             self.checkpoint_fs.makedirs(folder)
             for e in entries:
-                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}")
+                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
                 total += e.bytes
         except BaseException:
             self.checkpoint_fs.delete_tree(folder)  # our own half-built folder, never the live checkpoint
             raise
         return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries), bytes=total)
 
-    def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str) -> None:
-        src = object_path(self.pipeline_id, e.object_key)
-        where = f"{e.rel_path} of stage {stage!r} (object {self.fs.uri_of(src)})"
+    def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,
+                     owner: str) -> None:
+        src = object_path(owner, e.object_key)
+        where = f"{e.rel_path} of stage {stage!r} (object {storage.uri_of(src)})"
         try:
             h = hashlib.sha256()
             size = 0
-            with self.fs.open_input(src) as f, self.checkpoint_fs.open_output(dest) as out:
+            with storage.open_input(src) as f, self.checkpoint_fs.open_output(dest) as out:
                 while chunk := f.read(_CHUNK):
                     h.update(chunk)
                     size += len(chunk)

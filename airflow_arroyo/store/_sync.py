@@ -50,6 +50,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.store import _migrate
 from airflow_arroyo.store._pool import ConnectionPool
+from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.records import (
@@ -76,7 +77,28 @@ T = TypeVar("T")
 _EPOCH_COLS = epoch_columns()
 #: The longest pin label (migration 0008 checks the same bound).
 PIN_LABEL_MAX = 200
-_LOCK_PIPELINES = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY(%s) ORDER BY pipeline_id FOR UPDATE"
+# The batch's pipeline row locks: waiting for them, or skipping rows another transaction holds.
+_LOCK_SQL = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY($1) ORDER BY pipeline_id FOR UPDATE"
+_LOCK_PIPELINES = Prepared("arroyo_lock_pipelines", ("text[]",), _LOCK_SQL)
+_LOCK_PIPELINES_SKIP = Prepared("arroyo_lock_pipelines_skip", ("text[]",), _LOCK_SQL + " SKIP LOCKED")
+# Every locked pipeline's tick facts (see EpochStore._tick_facts), prepared once per connection.
+_TICK_FACTS = Prepared(
+    "arroyo_tick_facts", ("text[]", "int[]"),
+    "SELECT r.pipeline_id, clock_timestamp() AS now, f.epoch AS in_flight,"
+    " f.timeout_at AS in_flight_timeout_at,"
+    " (SELECT max(e.triggered_at) FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id)"
+    "   AS last_triggered_at,"
+    " (SELECT e.ended_at FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id AND e.ended_at IS NOT NULL"
+    "   ORDER BY e.epoch DESC LIMIT 1) AS last_ended_at,"
+    " l.holder, l.expires_at,"
+    " ARRAY(SELECT e.state FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+    "   ORDER BY e.epoch DESC LIMIT r.k) AS recent,"
+    " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
+    "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
+    " FROM unnest($1, $2) AS r(pipeline_id, k)"
+    " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
+    " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
+)
 
 
 def redact_dsn(dsn: str) -> str:
@@ -354,6 +376,44 @@ class EpochStore:
 
         return self._tx(tx)
 
+    def commit_fork_restore(self, pipeline_id: str, run_id: str) -> PipelineRecord:
+        """The commit point of a fork's first restore (run ``run_id`` restores the fork point, an epoch of
+        another pipeline): under both pipelines' row locks, refused (``ConcurrencyConflict``) unless ``run_id``
+        is the fork's current run, still ``registered``; refused (``ConfigurationError``) unless the fork still
+        has no completed epoch of its own and its fork point is still completed in the source. Records
+        ``restored_from_epoch`` (the fork point); no epoch changes: the source's are not the fork's to
+        supersede. Repeatable until the fork completes an epoch."""
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            current = self._get_pipeline(cur, pipeline_id)
+            source, epoch = current.forked_from_pipeline, current.forked_from_epoch
+            if source is None or epoch is None:
+                raise ConfigurationError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
+            execute_prepared(cur, _LOCK_PIPELINES, (sorted([pipeline_id, source]),))
+            rows = {r["pipeline_id"]: r for r in cur.fetchall()}
+            fork = rows[pipeline_id]
+            if fork["run_id"] != run_id or fork["state"] != PipelineState.REGISTERED.value:
+                raise ConcurrencyConflict(
+                    f"run {run_id!r} of pipeline {pipeline_id!r} cannot commit its restore of its fork point: the "
+                    f"pipeline's current run is {fork['run_id']!r} ({fork['state']}); nothing was changed"
+                )
+            if pipeline_id not in self._waiting_forks(cur, source, epoch):
+                raise ConfigurationError(f"fork {pipeline_id!r} has completed epochs of its own: restore one of "
+                                         "them (restore_from='latest'); nothing was changed")
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (source, epoch))
+            row = cur.fetchone()
+            if row is None or row["state"] != EpochState.COMPLETED.value:
+                raise ConfigurationError(
+                    f"the fork point of {pipeline_id!r}, epoch {epoch} of {source!r}, is "
+                    f"{row['state'] if row else 'gone'}, no longer completed (was it unpinned with --force and "
+                    "pruned?); nothing was changed: fork again from a completed epoch"
+                )
+            cur.execute("UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
+                        " WHERE pipeline_id = %s RETURNING *", (epoch, pipeline_id))
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
     @staticmethod
     def _fail_in_flight(cur: PgCursor, pipeline_id: str, reason: str) -> int | None:
         """Fail the pipeline's in-flight epoch, if any (the only state that may become failed)."""
@@ -508,9 +568,9 @@ class EpochStore:
         pipes: dict[str, dict[str, Any]] = {}
         # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
         # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
-        for ids, query in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES + " SKIP LOCKED")):
+        for ids, statement in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES_SKIP)):
             if ids:
-                cur.execute(query, (ids,))
+                execute_prepared(cur, statement, (ids,))
                 pipes.update((row["pipeline_id"], row) for row in cur.fetchall())
         missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
         if missing:
@@ -584,23 +644,7 @@ class EpochStore:
         the newest epoch, not a scan of the pipeline's whole history)."""
         pids = [r.pipeline_id for r in requests]
         t0 = time.monotonic()
-        cur.execute(
-            "SELECT r.pipeline_id, clock_timestamp() AS now, f.epoch AS in_flight,"
-            " f.timeout_at AS in_flight_timeout_at,"
-            " (SELECT max(e.triggered_at) FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id)"
-            "   AS last_triggered_at,"
-            " (SELECT e.ended_at FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id AND e.ended_at IS NOT NULL"
-            "   ORDER BY e.epoch DESC LIMIT 1) AS last_ended_at,"
-            " l.holder, l.expires_at,"
-            " ARRAY(SELECT e.state FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
-            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent,"
-            " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
-            "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
-            " FROM unnest(%s::text[], %s::int[]) AS r(pipeline_id, k)"
-            " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
-            " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
-            (pids, [r.policy.tolerable_failures + 2 for r in requests]),
-        )
+        execute_prepared(cur, _TICK_FACTS, (pids, [r.policy.tolerable_failures + 2 for r in requests]))
         rows = cur.fetchall()
         observed_at = (t0 + time.monotonic()) / 2
         facts: dict[str, dict[str, Any]] = {row["pipeline_id"]: row for row in rows}
@@ -702,6 +746,17 @@ class EpochStore:
         rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.COMPLETED])
         return rows[0] if rows else None
 
+    @staticmethod
+    def check_pin_label(label: object) -> str:
+        """The pin label as stored (stripped); :class:`ConfigurationError` unless it is 1 to 200 characters."""
+        text = label.strip() if isinstance(label, str) else ""
+        if not text or len(text) > PIN_LABEL_MAX:
+            raise ConfigurationError(
+                f"pin label must be 1 to {PIN_LABEL_MAX} characters of text, got {label!r}: say why the epoch "
+                "is kept, e.g. --label 'before the 2.0 upgrade'"
+            )
+        return text
+
     def pin_epoch(self, pipeline_id: str, epoch: int, label: str) -> EpochRecord:
         """Pin a completed epoch with ``label``: retention keeps it, its snapshot objects and the channel
         ranges a restore of it reads, until :meth:`unpin_epoch`. Pinning a pinned epoch again replaces
@@ -710,12 +765,7 @@ class EpochStore:
         Raises :class:`ConfigurationError` for an empty or over-long label or an epoch that is not
         completed (nothing restorable to keep), :class:`UnknownEpochError` for an unknown one.
         """
-        text = label.strip() if isinstance(label, str) else ""
-        if not text or len(text) > PIN_LABEL_MAX:
-            raise ConfigurationError(
-                f"pin label must be 1 to {PIN_LABEL_MAX} characters of text, got {label!r}: say why the epoch "
-                "is kept, e.g. --label 'before the 2.0 upgrade'"
-            )
+        text = self.check_pin_label(label)
 
         def tx(cur: PgCursor) -> EpochRecord:
             self._lock_pipeline(cur, pipeline_id)  # retention's begin_prune holds the same lock
@@ -743,12 +793,48 @@ class EpochStore:
 
         return self._tx(tx)
 
-    def unpin_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+    def pin_final_epoch(self, pipeline_id: str, run_id: str | None, label: str) -> EpochRecord:
+        """Pin the final epoch a graceful stop of run ``run_id`` took (the second half of "stop and pin").
+
+        Raises :class:`ConfigurationError` when that run completed no final epoch (an immediate stop, a final
+        epoch that failed or timed out), naming the latest completed epoch, which can be pinned instead."""
+
+        def tx(cur: PgCursor) -> int | None:
+            self._get_pipeline(cur, pipeline_id)
+            cur.execute("SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %s AND run_id IS NOT DISTINCT FROM %s"
+                        " AND is_final AND state = %s ORDER BY epoch DESC LIMIT 1",
+                        (pipeline_id, run_id, EpochState.COMPLETED.value))
+            row = cur.fetchone()
+            return int(row["epoch"]) if row is not None else None
+
+        final = self._tx(tx)
+        if final is None:
+            latest = self.latest_completed_epoch(pipeline_id)
+            instead = (f"pin the latest completed epoch instead: airflow-arroyo pin {pipeline_id} {latest.epoch} "
+                       "--label ..." if latest is not None else "no epoch of it is completed")
+            raise ConfigurationError(
+                f"run {run_id} of pipeline {pipeline_id!r} completed no final epoch (an immediate stop, or its final "
+                f"epoch failed or timed out), so nothing was pinned; {instead}"
+            )
+        return self.pin_epoch(pipeline_id, final, label)
+
+    def unpin_epoch(self, pipeline_id: str, epoch: int, *, force: bool = False) -> EpochRecord:
         """Unpin ``epoch`` (idempotent: an epoch that is not pinned is returned as it is); retention may
-        prune it again from its next run."""
+        prune it again from its next run.
+
+        Refused (:class:`ConfigurationError`, naming them) while a fork of this epoch has not completed an
+        epoch of its own (:meth:`waiting_forks`): its first restore reads this epoch's objects and channel
+        ranges. ``force`` unpins anyway; those forks can then no longer start once retention prunes it."""
 
         def tx(cur: PgCursor) -> EpochRecord:
             self._lock_pipeline(cur, pipeline_id)
+            waiting = self._waiting_forks(cur, pipeline_id, epoch)
+            if waiting and not force:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {pipeline_id!r} is the fork point of {', '.join(waiting)}, which "
+                    "has not completed an epoch of its own yet: its first run restores from this epoch. Run the fork "
+                    "until it completes an epoch, or unpin with --force if the fork is abandoned"
+                )
             cur.execute(
                 f"UPDATE arroyo_epochs SET pin_label = NULL, pinned_at = NULL"  # noqa: S608
                 f" WHERE pipeline_id = %s AND epoch = %s RETURNING {_EPOCH_COLS}",
@@ -758,6 +844,93 @@ class EpochStore:
             if row is None:
                 raise UnknownEpochError(pipeline_id, epoch, "to unpin")
             return from_row(EpochRecord, row)
+
+        return self._tx(tx)
+
+    @staticmethod
+    def _waiting_forks(cur: PgCursor, pipeline_id: str, epoch: int | None = None) -> list[str]:
+        """Forks of ``pipeline_id`` (of its ``epoch``, or of any) that have not completed an epoch of their own:
+        they still need their fork point. A fork's own epoch that completed once (outcome ``completed`` or
+        ``superseded``) holds its own copy of every object, so the fork no longer reads the source's."""
+        cur.execute(
+            "SELECT f.pipeline_id FROM arroyo_pipelines f WHERE f.forked_from_pipeline = %s"
+            " AND (%s::bigint IS NULL OR f.forked_from_epoch = %s::bigint)"
+            " AND NOT EXISTS (SELECT 1 FROM arroyo_epochs e WHERE e.pipeline_id = f.pipeline_id"
+            "   AND e.outcome IN ('completed', 'superseded'))"
+            " ORDER BY f.pipeline_id",
+            (pipeline_id, epoch, epoch),
+        )
+        return [r["pipeline_id"] for r in cur.fetchall()]
+
+    def waiting_forks(self, pipeline_id: str, epoch: int | None = None) -> list[str]:
+        """The forks of ``pipeline_id`` (of its ``epoch`` when given) that still need their fork point."""
+        return self._tx(lambda cur: self._waiting_forks(cur, pipeline_id, epoch))
+
+    def forks_of(self, pipeline_id: str) -> list[PipelineRecord]:
+        """Every pipeline forked from ``pipeline_id``, by fork point then id."""
+
+        def tx(cur: PgCursor) -> list[PipelineRecord]:
+            cur.execute("SELECT * FROM arroyo_pipelines WHERE forked_from_pipeline = %s"
+                        " ORDER BY forked_from_epoch, pipeline_id", (pipeline_id,))
+            return [from_row(PipelineRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
+
+    def fork_pipeline(self, source: str, epoch: int, new_id: str) -> PipelineRecord:
+        """Fork pipeline ``new_id`` from completed ``epoch`` of ``source``, in one transaction under the
+        source's row lock (retention's ``begin_prune`` takes the same lock, so a fork never races a prune).
+
+        The fork's row is created ``stopped``, with no run, the source's stages, storage URI and config,
+        ``last_epoch = epoch`` (its own epochs are numbered after the fork point) and the fork point
+        recorded; nothing is copied: its first run restores the source's epoch, reading the source's snapshot
+        objects where they are. The fork point is pinned in the source (label ``fork:<new_id>``; an epoch
+        pinned already keeps its label) and cannot be unpinned while the fork still needs it
+        (:meth:`unpin_epoch`).
+
+        Idempotent: forking the same epoch to the same id again returns the fork. Raises
+        :class:`ConfigurationError` for a bad or taken id or an epoch that is not completed,
+        :class:`UnknownPipelineError` / :class:`UnknownEpochError` for unknown ones.
+        """
+        validate_pipeline_id(new_id)
+        if new_id == source:
+            raise ConfigurationError(f"a fork needs a new pipeline id, got the source's own ({source!r})")
+        label = f"fork:{new_id}"[:PIN_LABEL_MAX]
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            src = self._lock_pipeline(cur, source)
+            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
+                        (source, epoch))
+            found = cur.fetchone()
+            if found is None:
+                raise UnknownEpochError(source, epoch, "to fork from")
+            cur.execute("SELECT * FROM arroyo_pipelines WHERE pipeline_id = %s", (new_id,))
+            existing = cur.fetchone()
+            if existing is not None:
+                if existing["forked_from_pipeline"] == source and existing["forked_from_epoch"] == epoch:
+                    return from_row(PipelineRecord, existing)  # a retried fork
+                raise ConfigurationError(
+                    f"pipeline {new_id!r} already exists; fork to a new pipeline id (airflow-arroyo pipelines lists "
+                    "the taken ones)"
+                )
+            if found["state"] != EpochState.COMPLETED.value:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {source!r} is {found['state']}, not completed: a fork starts by "
+                    f"restoring its fork point, so fork from a completed epoch (airflow-arroyo epochs {source})"
+                )
+            cur.execute(
+                "INSERT INTO arroyo_pipelines (pipeline_id, state, stages, storage_uri, checkpoint_interval_s,"
+                " last_epoch, config, forked_from_pipeline, forked_from_epoch, forked_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, clock_timestamp()) RETURNING *",
+                (new_id, PipelineState.STOPPED.value, src["stages"], src["storage_uri"], src["checkpoint_interval_s"],
+                 epoch, json.dumps(src["config"] or {}), source, epoch),
+            )
+            fork = from_row(PipelineRecord, _one(cur))
+            cur.execute(
+                "UPDATE arroyo_epochs SET pin_label = %s, pinned_at = clock_timestamp()"
+                " WHERE pipeline_id = %s AND epoch = %s AND pin_label IS NULL",
+                (label, source, epoch),
+            )
+            return fork
 
         return self._tx(tx)
 

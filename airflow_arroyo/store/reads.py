@@ -81,6 +81,8 @@ SQL_PIPELINES_PAGE = (
     " ORDER BY pipeline_id LIMIT %(limit)s"
 )
 SQL_PIPELINE = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = %(p)s"
+SQL_FORKS = ("SELECT * FROM arroyo_pipelines WHERE forked_from_pipeline = %(p)s"
+             " ORDER BY forked_from_epoch, pipeline_id")
 
 SQL_LAST_COMPLETED = (
     f"SELECT {_EPOCH_COLS} FROM unnest(%(ids)s::text[]) AS ids(pipeline_id)"  # noqa: S608 - constant columns
@@ -205,6 +207,7 @@ class PipelinePage:
     overview: PipelineOverview
     epochs: EpochsPage
     summary: CheckpointSummary | None = None  # of the whole history, not just this page
+    forks: list[PipelineRecord] = field(default_factory=list)  # pipelines forked from this one (migration 0009)
 
 
 @dataclass(frozen=True)
@@ -415,8 +418,10 @@ class StoreReader:
             overview = self._overviews(cur, [self._pipeline(cur, pipeline_id)], now)[0]
             cur.execute(SQL_SUMMARY, {"p": pipeline_id})
             summary = CheckpointSummary(**_one_row(cur))
+            cur.execute(SQL_FORKS, {"p": pipeline_id})
+            forks = [from_row(PipelineRecord, r) for r in cur.fetchall()]
             return PipelinePage(overview=overview, epochs=self._epochs_page(cur, pipeline_id, before, after, size),
-                                summary=summary)
+                                summary=summary, forks=forks)
 
         return self._read(read)
 

@@ -77,6 +77,10 @@ class PipelineRecord:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     generation: int = 0  # the fencing token of the current run (migration 0006): +1 at every registration
+    # a fork (migration 0009): the pipeline and completed epoch it started from, and when it was forked
+    forked_from_pipeline: str | None = None
+    forked_from_epoch: int | None = None
+    forked_at: datetime | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", PipelineState(self.state))

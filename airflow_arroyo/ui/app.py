@@ -297,7 +297,7 @@ def _add_pages(app: FastAPI, ui: _Ui) -> None:
             newer_url=_page_url(request, path, after=page.epochs.newer_after, limit=limit)
             if page.epochs.newer_after is not None else None,
             newest_url=_page_url(request, path, limit=limit) if (before or after is not None) else None,
-            in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes, summary=page.summary,
+            in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes, summary=page.summary, forks=page.forks,
             # the newest page follows an epoch in flight; a page of older history stays still
             refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
         )

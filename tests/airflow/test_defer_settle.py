@@ -84,6 +84,35 @@ def test_a_stop_that_completes_while_the_task_waits_never_defers(running: EpochS
     assert running.get_pipeline(PID).state is PipelineState.STOPPED
 
 
+def test_stop_and_pin_pins_the_final_epoch_of_the_run(running: EpochStore) -> None:
+    from airflow_arroyo.epochs import CheckpointPolicy
+    from airflow_arroyo.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="pin_label pins the final epoch of a graceful stop"):
+        StopPipelineOperator(task_id="stop", pipeline_id=PID, mode="immediate", pin_label="x")
+
+    def driver() -> None:  # a graceful stop: the final epoch completes, then the run stops
+        deadline = time.monotonic() + 60
+        while not running.get_pipeline(PID).stop_requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+        final = running.trigger_tick(PID, CheckpointPolicy(interval=3600), force=True, is_final=True).started
+        assert final is not None
+        for stage in STAGES:
+            running.ack_epoch(PID, final.epoch, stage)
+        running.set_pipeline_state(PID, PipelineState.STOPPED, run_id="r1")
+
+    thread = threading.Thread(target=driver, daemon=True)
+    thread.start()
+    op = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, poll_interval=0.1,
+                              wait_before_defer=30, pin_label="release 2.0")
+    with mock.patch.object(StopPipelineOperator, "defer", side_effect=AssertionError("deferred")):
+        result = op.execute({"ti": _TI()})  # type: ignore[arg-type]
+    thread.join(5)
+    assert (result["state"], result["pin_label"]) == ("stopped", "release 2.0")
+    assert result["pinned_epoch"] == result["final_epoch"] is not None
+    assert running.get_epoch(PID, result["pinned_epoch"]).pin_label == "release 2.0"
+
+
 def test_a_slow_stop_defers_with_the_settle_time(running: EpochStore) -> None:
     op = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, poll_interval=0.05,
                               wait_before_defer=0.2)

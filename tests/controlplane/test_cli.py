@@ -340,3 +340,107 @@ def test_conn_id_from_an_environment_uri_does_not_import_airflow(store: EpochSto
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert [p["pipeline_id"] for p in json.loads(done.stdout)] == ["clicks", "orders"]
+
+
+def test_fork_table_and_json_and_its_fork_point_cannot_be_unpinned(
+        store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--dsn", store.dsn, "fork", "orders", "--epoch", "2", "--to", "orders-b")
+    assert (code, err) == (0, "")
+    assert lines(out)[:2] == [["FORK", "FROM", "EPOCH", "STATE", "SOURCE", "PIN"],
+                              ["orders-b", "orders", "2", "stopped", "fork:orders-b"]]
+    assert out.splitlines()[2] == ("epoch 2 of orders stays pinned until orders-b completes an epoch of its own; "
+                                   "orders-b's epochs are numbered from 3")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "fork", "orders", "--epoch", "2", "--to", "orders-b")
+    fork = json.loads(out)
+    assert code == 0 and (fork["pipeline_id"], fork["forked_from_pipeline"], fork["forked_from_epoch"],
+                          fork["source_pin_label"], fork["state"]) == ("orders-b", "orders", 2, "fork:orders-b",
+                                                                       "stopped")
+    code, _, err = run(capsys, "--dsn", store.dsn, "unpin", "orders", "2")
+    assert code == 2 and "is the fork point of orders-b" in err
+    assert store.get_epoch("orders", 2).pin_label == "fork:orders-b"
+    code, _, err = run(capsys, "--dsn", store.dsn, "fork", "orders", "--epoch", "2", "--to", "clicks")
+    assert code == 2 and "pipeline 'clicks' already exists" in err
+    # a fork's first run restores its fork point
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restore", "orders-b")
+    plan = json.loads(out)
+    assert code == 0 and (plan["epoch"], plan["epoch_of"], plan["restore_from"], plan["pin_label"]) == (
+        2, "orders", "latest", "fork:orders-b")
+    code, _, err = run(capsys, "--dsn", store.dsn, "restore", "orders-b", "--epoch", "1")
+    assert code == 2 and "its first run restores that epoch, not 1; use --epoch latest" in err
+    code, out, _ = run(capsys, "--dsn", store.dsn, "unpin", "orders", "2", "--force")
+    assert code == 0 and store.get_epoch("orders", 2).pin_label is None
+
+
+def test_restore_checks_the_epoch_and_prints_how_to_launch_it(
+        store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline], capsys: pytest.CaptureFixture[str]) -> None:
+    orders, _ = two_pipelines
+    code, _, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", "2")
+    assert code == 2 and "pipeline orders is running (run run-1): stop it first" in err
+    orders.epoch({"src": {"d": 1}}, end="fail")
+    store.set_pipeline_state("orders", PipelineState.STOPPED)
+    store.pin_epoch("orders", 2, "before upgrade")
+
+    code, out, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", "2")
+    assert (code, err) == (0, "")
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["PIPELINE", "RESTORE", "FROM", "EPOCH", "OF", "ENDED", "PIN", "SUPERSEDES"]
+    assert row.split()[:3] == ["orders", "2", "orders"] and row.rstrip().endswith("before upgrade  3")
+    assert f"--restore-from 2 --storage-uri {orders.root}" in out and "restore_from=2" in out
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restore", "orders")
+    plan = json.loads(out)
+    assert code == 0 and (plan["epoch"], plan["restore_from"], plan["supersedes"]) == (3, "latest", [])
+    assert plan["driver_args"][-4:] == ["--restore-from", "latest", "--storage-uri", str(orders.root)]
+    for epoch, needle in (("4", "epoch 4 of pipeline orders is failed: only a completed epoch can be restored"),
+                          ("9", "has no epoch 9"), ("x", "--epoch must be an epoch number or 'latest'")):
+        code, out, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", epoch)
+        assert (code, out) == (2, "") and needle in err, err
+
+
+def test_stop_with_pin_pins_the_final_epoch_once_the_run_stopped(
+        store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline], capsys: pytest.CaptureFixture[str]) -> None:
+    from airflow_arroyo.epochs import CheckpointPolicy
+
+    orders, clicks = two_pipelines
+    code, _, err = run(capsys, "--dsn", store.dsn, "stop", "orders", "--immediate", "--pin", "x")
+    assert code == 2 and "--pin pins the final epoch of a graceful stop" in err
+    code, _, err = run(capsys, "--dsn", store.dsn, "stop", "orders", "--pin", " ")
+    assert code == 2 and "pin label must be 1 to 200 characters" in err
+    assert store.get_pipeline("orders").stop_requested is None  # refused before asking
+
+    def driver(pipe: Pipeline, final: str, done: threading.Event) -> None:
+        """What a driver does on a graceful stop: a final epoch (completed or failed), then stopped."""
+        while store.get_pipeline(pipe.id).stop_requested != "graceful":
+            if done.wait(0.05):
+                return
+        tick = store.trigger_tick(pipe.id, CheckpointPolicy(interval=3600), force=True, is_final=True)
+        assert tick.started is not None and tick.started.is_final
+        if final == "complete":
+            for stage in pipe.stages:
+                store.ack_epoch(pipe.id, tick.started.epoch, stage)
+        else:
+            store.fail_epoch(pipe.id, tick.started.epoch, "final snapshot failed")
+        store.set_pipeline_state(pipe.id, PipelineState.STOPPED, run_id="run-1")
+
+    for pipe, final in ((orders, "complete"), (clicks, "fail")):
+        done = threading.Event()
+        thread = threading.Thread(target=driver, args=(pipe, final, done))
+        thread.start()
+        try:
+            code, out, err = run(capsys, "--dsn", store.dsn, "--json", "stop", pipe.id, "--pin", "release 2.0",
+                                 "--wait", "1m")
+        finally:
+            done.set()
+            thread.join()
+        if final == "complete":
+            result = json.loads(out)
+            assert code == 0 and (result["state"], result["pinned_epoch"], result["pin_label"]) == (
+                "stopped", 4, "release 2.0")
+            assert store.get_epoch("orders", 4).pin_label == "release 2.0"
+        else:
+            assert (code, out) == (1, "")
+            assert "pipeline clicks (run run-1) is stopped, but run run-1 of pipeline 'clicks' completed no final " \
+                   "epoch" in err
+            assert "pin the latest completed epoch instead: airflow-arroyo pin clicks 3" in err
+            assert store.get_pipeline("clicks").state is PipelineState.STOPPED
+            assert sql(store, "SELECT count(*) FROM arroyo_epochs WHERE pipeline_id = 'clicks'"
+                       " AND pin_label IS NOT NULL") == [(0,)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Any
 
 import psycopg2
 import pytest
@@ -18,6 +19,7 @@ from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore, TickRequest, TickResult
+from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from tests.support import running
 
 POLICY = CheckpointPolicy(interval=3600, timeout=7200, tolerable_failures=3)
@@ -198,3 +200,33 @@ def test_a_pipeline_whose_driver_stopped_heartbeating_gets_no_epoch_alone_or_in_
     store.heartbeat("silent", "r1")
     assert store.trigger_tick("silent", policy).started is not None
     assert [e.state.value for e in store.list_epochs("silent")] == ["triggered"]
+
+
+def test_a_statement_is_prepared_once_per_connection_and_outlives_a_rollback(migrated_dsn: str) -> None:
+    statement = Prepared("arroyo_test_double", ("int[]",), "SELECT x * 2 AS y FROM unnest($1) AS x ORDER BY x")
+
+    def prepared_here(conn: Any) -> list[str]:
+        with conn.cursor() as cur:
+            cur.execute("SELECT statement FROM pg_prepared_statements WHERE name = %s", (statement.name,))
+            return [row[0] for row in cur.fetchall()]
+
+    first, second = psycopg2.connect(migrated_dsn), psycopg2.connect(migrated_dsn)
+    try:
+        with first.cursor() as cur:
+            execute_prepared(cur, statement, ([3, 1, 2],))
+            assert cur.fetchall() == [(2,), (4,), (6,)]
+        first.rollback()  # a failed batch rolls back: the statement stays prepared in the session
+        with first.cursor() as cur:
+            execute_prepared(cur, statement, ([5],))
+            assert cur.fetchall() == [(10,)]
+        assert len(prepared_here(first)) == 1
+        assert prepared_here(second) == []  # a new connection (the pool replaced a broken one) prepares again
+        with second.cursor() as cur:
+            execute_prepared(cur, statement, ([],))
+            assert cur.fetchall() == []
+        assert len(prepared_here(second)) == 1
+        with pytest.raises(ValueError, match="1 parameters expected"):
+            execute_prepared(second.cursor(), statement, ())
+    finally:
+        first.close()
+        second.close()

@@ -16,7 +16,7 @@ import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict, FencedError
-from airflow_arroyo.runtime.channel import Channel, EntryKind, fence_applies, log_path
+from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind, fence_applies, log_path
 from airflow_arroyo.runtime.file_sink import TransactionalFileSink, committed_files
 from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink, _PartitionWriter
 from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
@@ -231,6 +231,30 @@ def test_file_sink_refuses_a_superseded_generation(tmp_path: Path) -> None:
                                                              "000000000001-g2-part-00000.parquet"]
 
 
+def test_a_takeover_finishes_the_commit_a_stalled_run_had_half_done(tmp_path: Path) -> None:
+    """The old run moved batch 0's files, then stalled before writing the batch's manifest (a SIGSTOP
+    between the two, as in the live takeover test): the new run's rollback finishes that commit, and its
+    manifest names the files the old run moved, so no committed row is lost and no file is stray."""
+    out = tmp_path / "out"
+    old = file_sink(out, 1)
+    old.claim()
+    pending_batch(out, "0-g1", 0)
+    (out / "_arroyo_sink" / "pending" / "0-g1" / "part-00000.parquet").rename(
+        out / "000000000000-g1-part-00000.parquet")  # the move done, the manifest not written
+    pending_batch(out, "1-g1", 10)
+    new = file_sink(out, 2)
+    new.claim()
+    new.rollback_to(1)  # the takeover restores the epoch whose cut is batch 1
+    files = committed_files(str(out))
+    assert files == ["000000000000-g1-part-00000.parquet", "000000000001-g2-part-00000.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == files
+    assert sorted(pq.read_table(out / f).column("id").to_pylist()[0] for f in files) == [0, 10]
+    # the old run wakes up and writes the manifest it owed: of an older generation, it changes nothing
+    (out / "_arroyo_sink" / "committed" / "000000000000-g1.json").write_text(
+        json.dumps({"batch": 0, "files": ["000000000000-g1-part-00000.parquet"]}))
+    assert committed_files(str(out)) == files
+
+
 @pytest.fixture
 def target_dsn(pg_server: Any) -> str:
     dsn = pg_server.create_database(f"fence_{uuid.uuid4().hex[:10]}")
@@ -296,3 +320,37 @@ def test_channel_fencing_on_s3(bucket: str) -> None:
     reader = Channel.open(uri)
     assert [e.kind for e in reader.entries(0)] == [EntryKind.DATA, EntryKind.FENCED, EntryKind.DATA]
     assert ids(reader) == [0, 1, 2, 3] and reader.find_barrier(5) is None
+
+
+def test_a_fork_copies_a_channel_as_readers_see_it_without_fences(tmp_path: Path) -> None:
+    """``Channel.copy_to`` (a fork's first restore): the entries below the cut at the same positions, the
+    retention watermark, no fences, and an entry a fence hid copied as an empty one (no superseded rows)."""
+    uri = str(tmp_path / "src")
+    old = Channel.create(uri, SCHEMA)
+    old.token = token(1)
+    for batch in range(3):
+        old.append_table(rows(batch * 10, 2), batch, "src")
+        old.append_barrier(batch + 1, "src")
+    Channel.open(uri).truncate_before(2)  # retention dropped entries 0 and 1
+    new = Channel.open(uri)
+    new.fence(2, 4)  # a takeover cut after barrier 2 ...
+    (tmp_path / "src" / log_path(5)).unlink()  # ... and the superseded run's data entry 4 stays, fenced
+    assert [e.kind for e in Channel.open(uri).entries(2)] == [EntryKind.DATA, EntryKind.BARRIER, EntryKind.FENCED]
+    writer = Channel.open(uri)
+    writer.token = token(2)
+    writer.append_table(rows(100, 1), 2, "src")  # entry 5
+    writer.append_barrier(3, "src")  # entry 6
+
+    copy = Channel.open(uri).copy_to(str(tmp_path / "fork"), 7)
+
+    assert (copy.start_position(), copy.end_position(), copy.fences()) == (2, 7, [])
+    assert [e.kind for e in copy.entries(2)] == [EntryKind.DATA, EntryKind.BARRIER, EntryKind.DATA,
+                                                EntryKind.DATA, EntryKind.BARRIER]
+    assert ids(copy) == ids(Channel.open(uri)) == [10, 11, 100]  # the fenced rows stay unread
+    assert copy.find_barrier(3) == 6 and copy.find_barrier(2) == 3
+    assert copy.schema == Channel.open(uri).schema
+    # a repeat starts over, and a copy up to an earlier cut ends there
+    again = Channel.open(uri).copy_to(str(tmp_path / "fork"), 4)
+    assert (again.end_position(), ids(again)) == (4, [10, 11])
+    with pytest.raises(ChannelError, match=r"cannot copy entries \[2, 9\)"):
+        Channel.open(uri).copy_to(str(tmp_path / "other"), 9)

@@ -55,8 +55,8 @@ def pipeline_kwargs(pipeline_id: str, storage: Path) -> dict[str, Any]:
             "sink_path": str(storage / "report_files")}
 
 
-def pipeline(pipeline_id: str, storage: Path) -> Any:
-    return demo(**pipeline_kwargs(pipeline_id, storage))
+def pipeline(pipeline_id: str, storage: Path, *, chaining: bool = False) -> Any:
+    return demo(**pipeline_kwargs(pipeline_id, storage), chaining=chaining)
 
 
 def sigkill_restore(store: EpochStore, pipeline_id: str, storage: Path, restore_from: Any, step: str) -> None:
@@ -82,8 +82,8 @@ class Ran:
 
 def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                run_id: str | None = None, on_step: Callable[[str], None] | None = None,
-               takeover: bool = False) -> PipelineDriver:
-    driver = PipelineDriver(pipeline(pipeline_id, storage), store, storage_uri=str(storage),
+               takeover: bool = False, chaining: bool = False) -> PipelineDriver:
+    driver = PipelineDriver(pipeline(pipeline_id, storage, chaining=chaining), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark, takeover=takeover)
     driver.on_step = on_step
     return driver
@@ -91,10 +91,11 @@ def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
 
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                epochs: bool = True, run_id: str | None = None, stop: str = "graceful",
-               on_step: Callable[[str], None] | None = None, self_contained_every: int = 0) -> Any:
+               on_step: Callable[[str], None] | None = None, self_contained_every: int = 0,
+               chaining: bool = False) -> Any:
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
-                        on_step=on_step)
+                        on_step=on_step, chaining=chaining)
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
                      what=f"{expected} rows in the report channel", epochs=epochs, stop=stop,
@@ -218,6 +219,38 @@ def test_straight_run_without_epochs_gives_the_same_output(ran: Ran, module_stor
     # the start over switched the stage's checkpoint pointer to a new folder; the old one stays as 'previous'
     pointer = json.loads((tmp_path / pid / "stages" / "joined" / "checkpoint.json").read_text())
     assert pointer["current"] != "checkpoint" and pointer.get("previous") == "checkpoint", pointer
+
+
+def test_the_fused_form_gives_the_same_output_checkpointed_and_restored(ran: Ran, module_store: EpochStore,
+                                                                      spark: Any, tmp_path: Path) -> None:
+    """Operator chaining (issue 12): the demo with both sources, the join and the filter fused into one query
+    (the join's state and both sources' offsets in that query's checkpoint, no channel before the report) gives
+    the unfused run's output with epochs, and again restored from a middle epoch; in the report channel and in
+    the exactly-once sink."""
+    pid = f"fused-{uuid.uuid4().hex[:8]}"
+    fused = [f"left~right~joined~{OUTPUT_CHANNEL}", SINK_STAGE]
+    first = run_to_end(spark, module_store, pid, tmp_path, run_id="fused", chaining=True)
+    layout = StorageLayout.at(str(tmp_path), pid)
+    record = module_store.get_pipeline(pid)
+    assert sorted(record.stages) == sorted(fused)
+    assert [q["stages"] for q in record.config["plan"]["queries"]] == [
+        ["left", "right", "joined", OUTPUT_CHANNEL], [SINK_STAGE]]
+    assert not any(Channel.exists(layout.channel_uri(c)) for c in ("left", "right", "joined"))  # compiled away
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert sink_rows(tmp_path) == ran.expected
+    completed = completed_epochs(module_store, pid)
+    assert completed and completed[-1] == first.final_epoch
+    for n in completed:
+        assert sorted(a.stage for a in module_store.acks(pid, n)) == sorted(fused), n
+    middle = completed[(len(completed) - 1) // 2]
+    again = run_to_end(spark, module_store, pid, tmp_path, restore_from=middle, epochs=False, run_id="fused-again",
+                       chaining=True)
+    assert again.restored_from_epoch == middle
+    assert channel_rows(layout.channel_uri(OUTPUT_CHANNEL)) == ran.expected
+    assert sink_rows(tmp_path) == ran.expected
+    # the unfused form's checkpoints are not the fused one's: a restore across the change is refused by name
+    with pytest.raises(ConfigurationError, match="joined"):
+        driver_for(spark, module_store, pid, tmp_path, restore_from="latest", takeover=True).run()
 
 
 def test_each_barrier_sits_right_after_its_cut_batch(ran: Ran, module_store: EpochStore) -> None:
@@ -437,30 +470,57 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
         (record.failure_cause or "")[:500]
 
 
-def test_restore_latest_after_retention_pruned_all_but_the_latest_epoch(module_store: EpochStore, spark: Any,
-                                                                        tmp_path: Path) -> None:
-    """What production does: the pipeline dies mid-way, the retention DAG prunes (keep_last=1: snapshot
-    objects of older epochs and channel entries before the kept epoch's barrier go), the pipeline is
-    restarted with restore_from='latest' and runs to the end. The Parquet sink, which retention does not
-    touch, ends with exactly the plain-Python rows."""
+def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_output(
+        module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    """What production does: the pipeline dies mid-way; its oldest completed epoch P was pinned and forked
+    (airflow-arroyo pin / fork); the retention DAG prunes with keep_last=1 (snapshot objects of the other
+    epochs and channel entries before the oldest kept barrier go). Restored from P, the pipeline runs to the
+    plain-Python rows in its Parquet sink; the fork, started from P in storage of its own (reading P's
+    snapshot objects where they are), produces the same: the report channel as the original's, and in its
+    sink exactly the rows the original committed after P's cut."""
     from airflow_arroyo.epochs import RetentionPolicy
     from airflow_arroyo.retention import prune_pipeline
 
     pid = f"pruned-{uuid.uuid4().hex[:8]}"
+    fork_id, fork_storage = f"{pid}-fork", tmp_path / "fork"
     expected = expected_report(ROWS)
     driver = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
                             run_id="first")
-    run_until(driver, module_store,
-              lambda: sum(e.state is EpochState.COMPLETED for e in module_store.list_epochs(pid)) >= 2,
-              what="two completed epochs", stop="immediate")
+    run_until(driver, module_store, lambda: len(completed_epochs(module_store, pid)) >= 3,
+              what="three completed epochs", stop="immediate")
     assert channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) < len(expected)  # it died with work left
+    pinned, *middle, latest = completed_epochs(module_store, pid)
+    module_store.pin_epoch(pid, pinned, "before the upgrade")
+    module_store.fork_pipeline(pid, pinned, fork_id)
     report = prune_pipeline(module_store, pid, RetentionPolicy(keep_last=1), holder="test")
-    assert len(report.epochs_pruned) >= 1 and report.channel_bytes_freed > 0
-    latest = module_store.latest_completed_epoch(pid)
-    assert latest is not None
-    again = PipelineDriver(pipeline(pid, tmp_path), module_store, storage_uri=str(tmp_path), spark=spark,
-                           restore_from="latest", run_id="after-retention")
+    assert middle and set(middle) <= set(report.epochs_pruned) and report.kept == [pinned, latest]
+
+    prefix: list[tuple[Any, ...]] = []
+
+    def at_restored(step: str) -> None:
+        if step == "restored":  # the sink rolled back to P's cut: what it committed up to P
+            prefix.extend(sink_rows(tmp_path))
+
+    again = driver_for(spark, module_store, pid, tmp_path, restore_from=pinned, run_id="from-pin",
+                       on_step=at_restored)
     result = run_until(again, module_store, lambda: len(sink_rows(tmp_path)) >= len(expected),
                        what="the sink to commit every row")
-    assert result.restored_from_epoch == latest.epoch
+    assert result.restored_from_epoch == pinned
     assert sink_rows(tmp_path) == expected
+    # retention truncated the channels' heads (below the pinned epoch's cursors): what is left of the report
+    original = channel_rows(again.layout.channel_uri(OUTPUT_CHANNEL))
+    assert 0 < len(original) <= len(expected)
+
+    fork = PipelineDriver(pipeline(fork_id, fork_storage), module_store, storage_uri=str(fork_storage),
+                          spark=spark, restore_from="latest", run_id="fork-first")
+    forked = run_until(fork, module_store, lambda: len(prefix) + len(sink_rows(fork_storage)) >= len(expected),
+                       what="the fork's sink to commit the rows after the fork point")
+    assert forked.restored_from_epoch == pinned
+    assert channel_rows(fork.layout.channel_uri(OUTPUT_CHANNEL)) == original  # same rows, same positions
+    assert sorted(prefix + sink_rows(fork_storage)) == expected
+    # the fork's epochs are its own (numbered after the fork point), and so are its snapshot objects
+    own = completed_epochs(module_store, fork_id)
+    assert own and min(own) > pinned and module_store.waiting_forks(pid) == []
+    assert module_store.snapshot_entries(fork_id, own[-1], SINK_STAGE)
+    assert not (tmp_path / object_path(fork_id, "x")).parent.exists()  # nothing written below the source
+    check_history(module_store.dsn, [pid, fork_id]).assert_clean()

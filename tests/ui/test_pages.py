@@ -452,6 +452,34 @@ def test_a_pinned_epoch_shows_its_label_in_the_history_and_on_its_page(client: T
     assert page(client, "/arroyo/pipelines/orders/epochs/240").find_all(id="pin") == []
 
 
+def test_forks_and_the_fork_point_restored_from_show_on_both_pipelines(client: TestClient,
+                                                                      store: EpochStore) -> None:
+    from tests.support import sql
+
+    fork = store.fork_pipeline("orders", 240, "orders-fork")
+    try:
+        source = page(client, "/arroyo/pipelines/orders")
+        assert source.find(id="forks").text() == "orders-fork (from epoch 240)"
+        assert source.find(id="forks").find("a").attrs["href"] == "/arroyo/pipelines/orders-fork"
+        assert row_of(source, **{"data-epoch": "240"}).attrs["data-pin"] == "fork:orders-fork"
+        forked = page(client, "/arroyo/pipelines/orders-fork")
+        link = forked.find(id="forked-from").find("a")
+        assert (link.text(), link.attrs["href"]) == ("epoch 240 of orders", "/arroyo/pipelines/orders/epochs/240")
+        assert forked.find_all(id="restored-from") == []  # not started yet
+        # its first run restored the fork point: "restored from" names the source's epoch
+        store.register_pipeline("orders-fork", stages=fork.stages, run_id="fork-run")
+        store.commit_fork_restore("orders-fork", "fork-run")
+        restored = page(client, "/arroyo/pipelines/orders-fork").find(id="restored-from").find("a")
+        assert (restored.text(), restored.attrs["href"]) == ("epoch 240 of orders (the fork point)",
+                                                             "/arroyo/pipelines/orders/epochs/240")
+        api = client.get("/arroyo/api/pipelines/orders-fork").json()
+        assert (api["pipeline"]["forked_from_pipeline"], api["pipeline"]["forked_from_epoch"]) == ("orders", 240)
+    finally:
+        store.unpin_epoch("orders", 240, force=True)
+        sql(store, "DELETE FROM arroyo_pipelines WHERE pipeline_id = 'orders-fork'")
+    assert page(client, "/arroyo/pipelines/orders").find_all(id="forks") == []
+
+
 def test_the_retention_policy_reads_as_words(client: TestClient) -> None:
     doc = page(client, "/arroyo/pipelines/orders/retention")
     policies = [td.text() for td in doc.find("table", id="cleanup-runs").find_all("td") if "policy" in

@@ -1,0 +1,291 @@
+"""Latency and throughput: the product against ONE plain Structured Streaming query of the same logic.
+
+Not source-bound: both sides read Spark's ``rate`` source (rows generated on the wall clock, no Python
+data source in front). The logic is the demo's shape: two sources, a stream-stream join (keyed state,
+bounded by watermarks), a filter, and a ``foreach_batch`` sink that records, for every row it receives,
+the event -> sink latency (the wall time when the sink's micro-batch runs minus the rate row's
+timestamp) in a histogram of 10 ms buckets, and the time it arrived.
+
+* **plain**: one query, ``checkpointLocation`` in a temporary folder, default trigger.
+* **product** (unfused: one query per stage, a channel per edge) and **fused** (``Pipeline(chaining=True)``,
+  operator chaining): the same logic as an airflow-arroyo ``Pipeline`` (sources ``left``/``right``, stage
+  ``joined``, stage ``report``, sink ``sink``) run by the driver in this process on the same SparkSession,
+  with an epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger). The fused side
+  prints its physical plan.
+
+For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
+``--rounds``), each with a fresh query/pipeline, ``--warmup`` seconds, then ``--duration`` seconds
+measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
+the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
+throughput). Side by side in one run, so load on the machine affects both.
+
+    python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
+    python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.store import EpochStore
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+BUCKET_S = 0.01
+JOIN_WINDOW = "30 seconds"  # the two sources of the product start a little apart: matching ids are this close
+
+
+# ------------------------------------------------------------------------------------------ the logic, once
+
+
+def read_rate(spark: SparkSession, rate: int, prefix: str) -> DataFrame:
+    df = (spark.readStream.format("rate").option("rowsPerSecond", rate).option("numPartitions", 2).load())
+    return df.selectExpr(f"value AS {prefix}_id", f"timestamp AS {prefix}_ts", f"value % 100 AS {prefix}_key")
+
+
+def join(lhs: DataFrame, rhs: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    lhs = lhs.withWatermark("l_ts", "10 seconds")
+    rhs = rhs.withWatermark("r_ts", "10 seconds")
+    cond = F.expr(f"l_id = r_id AND r_ts BETWEEN l_ts - INTERVAL {JOIN_WINDOW} AND l_ts + INTERVAL {JOIN_WINDOW}")
+    return lhs.join(rhs, cond)
+
+
+def report(joined: DataFrame) -> DataFrame:
+    return joined.selectExpr("l_id AS id", "l_key AS key", "l_ts AS ts", "l_id + r_id AS total").where(
+        "total % 7 <> 0")
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+@dataclass
+class Recorder:
+    """What the sink saw: per micro-batch, when it ran, its rows and their latency histogram."""
+
+    batches: list[tuple[float, int, Counter[int]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:  # noqa: ARG002 - foreach_batch's signature
+        now = time.time()
+        rows = df.selectExpr(f"CAST(FLOOR(({now} - CAST(ts AS DOUBLE)) / {BUCKET_S}) AS BIGINT) AS b") \
+            .groupBy("b").count().collect()
+        hist = Counter({int(r["b"]): int(r["count"]) for r in rows})
+        with self.lock:
+            self.batches.append((time.monotonic(), sum(hist.values()), hist))
+
+    def window(self, start: float, end: float) -> tuple[int, Counter[int]]:
+        total, hist = 0, Counter[int]()
+        with self.lock:
+            for t, n, h in self.batches:
+                if start <= t < end:
+                    total += n
+                    hist.update(h)
+        return total, hist
+
+
+def percentile(hist: Counter[int], q: float) -> float:
+    """The q-quantile (seconds) of a histogram of 10 ms buckets."""
+    n = sum(hist.values())
+    if not n:
+        return float("nan")
+    target, seen = q * n, 0
+    for b in sorted(hist):
+        seen += hist[b]
+        if seen >= target:
+            return (b + 0.5) * BUCKET_S
+    return (max(hist) + 0.5) * BUCKET_S
+
+
+@dataclass
+class Result:
+    side: str
+    rate: int
+    rows: int
+    seconds: float
+    p50: float
+    p99: float
+    epochs: int = 0
+    epoch_p50: float = float("nan")
+
+    @property
+    def throughput(self) -> float:
+        return self.rows / self.seconds
+
+
+# ------------------------------------------------------------------------------------------ the two sides
+
+
+class Plain:
+    """The logic as one Structured Streaming query."""
+
+    def __init__(self, spark: SparkSession, rate: int, tmp: Path) -> None:
+        self.recorder = Recorder()
+        joined = join(read_rate(spark, rate, "l"), read_rate(spark, rate, "r"))
+        self.query = (report(joined).writeStream.foreachBatch(self.recorder)
+                      .option("checkpointLocation", str(tmp / f"plain-{uuid.uuid4().hex[:6]}")).start())
+
+    def epochs(self, since: float) -> tuple[int, float]:  # noqa: ARG002 - the same interface as Product
+        return 0, float("nan")
+
+    def stop(self) -> None:
+        self.query.stop()
+
+
+def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool) -> Pipeline:
+    p = Pipeline(pid, description="benchmark: two rate sources, a stream-stream join, a filter", chaining=chaining)
+    left = p.source("left", lambda spark: read_rate(spark, rate, "l"))
+    right = p.source("right", lambda spark: read_rate(spark, rate, "r"))
+    joined = p.stage("joined", join, inputs=[left, right])
+    out = p.stage("report", report, inputs=[joined])
+    p.sink("sink", inputs=[out], foreach_batch=recorder)
+    return p
+
+
+class Product:
+    """The logic as an airflow-arroyo pipeline, driven in a thread, with an epoch every ``interval``."""
+
+    def __init__(self, spark: SparkSession, store: EpochStore, rate: int, tmp: Path, interval: float, *,
+                 chaining: bool) -> None:
+        self.recorder = Recorder()
+        self.store = store
+        self.pid = f"latency-{uuid.uuid4().hex[:6]}"
+        p = pipeline(self.pid, rate, self.recorder, chaining=chaining)
+        if chaining:
+            print("    " + p.explain(spark).replace("\n", "\n    "), flush=True)
+        self.driver = PipelineDriver(p, store, storage_uri=str(tmp / self.pid), spark=spark)
+        self.failure: list[BaseException] = []
+        self._stop = threading.Event()
+        self.policy = CheckpointPolicy(interval=interval, timeout=max(60.0, 6 * interval))
+        self._thread = threading.Thread(target=self._drive, daemon=True)
+        self._thread.start()
+        if not self.driver.started.wait(600) or self.failure:
+            raise SystemExit(f"the pipeline did not start: {self.failure}")
+        self._controller = threading.Thread(target=self._control, daemon=True)
+        self._controller.start()
+
+    def _drive(self) -> None:
+        try:
+            self.driver.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the constructor / stop()
+            self.failure.append(exc)
+
+    def _control(self) -> None:
+        while not self._stop.wait(0.5):
+            self.store.trigger_tick(self.pid, self.policy, triggered_by="benchmark")
+
+    def epochs(self, since: float) -> tuple[int, float]:
+        """Epochs completed since wall time ``since`` and their duration p50."""
+        done = [e.duration_s for e in self.store.list_epochs(self.pid, limit=10_000)
+                if e.state is EpochState.COMPLETED and e.duration_s is not None
+                and e.triggered_at.timestamp() >= since]
+        return len(done), (statistics.median(done) if done else float("nan"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._controller.join()
+        self.store.request_stop(self.pid, "immediate")
+        self._thread.join(300)
+        if self.failure:
+            raise SystemExit(f"the pipeline failed: {self.failure[0]}")
+
+
+def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: float, duration: float) -> Result:
+    running = make()
+    try:
+        time.sleep(warmup)
+        wall, start = time.time(), time.monotonic()
+        time.sleep(duration)
+        end = time.monotonic()
+        rows, hist = running.recorder.window(start, end)
+        epochs, epoch_p50 = running.epochs(wall)
+    finally:
+        running.stop()
+    r = Result(side, rate, rows, end - start, percentile(hist, 0.5), percentile(hist, 0.99), epochs, epoch_p50)
+    extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side != "plain" else ""
+    print(f"  {side:8s} rate {rate:>6}/s: {r.throughput:9.0f} rows/s, latency p50 {r.p50:6.2f} s, "
+          f"p99 {r.p99:6.2f} s{extra}", flush=True)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", type=int, nargs="+", default=[2000, 20000], help="rows/s per source")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per rate (a round = plain + product)")
+    parser.add_argument("--warmup", type=float, default=30.0)
+    parser.add_argument("--duration", type=float, default=45.0)
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (product)")
+    parser.add_argument("--no-chaining", dest="chaining", action="store_false",
+                        help="leave out the fused side (the pipeline with Pipeline(chaining=True))")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("arroyo-latency")
+             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "2g").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    results: list[Result] = []
+    with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-latency-") as tmp:
+        store = EpochStore(pg.dsn)
+        store.migrate()
+        print(f"local[2], rates {args.rates} rows/s per source, {args.rounds} round(s), warm-up {args.warmup:g} s, "
+              f"{args.duration:g} s measured, epochs every {args.interval:g} s (product)", flush=True)
+        for rate in args.rates:
+            sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
+            for i in range(args.rounds):
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    def make(side: str = side, rate: int = rate) -> Plain | Product:
+                        if side == "plain":
+                            return Plain(spark, rate, Path(tmp))
+                        return Product(spark, store, rate, Path(tmp), args.interval, chaining=side == "fused")
+                    results.append(run_one(make, side, rate, args.warmup, args.duration))
+        store.close()
+    spark.stop()
+
+    print("\nproduct and fused / plain, per rate (median over rounds):")
+    summary = []
+    for rate in args.rates:
+        def med(side: str, attr: str, rate: int = rate) -> float:
+            return float(statistics.median(getattr(r, attr) for r in results if r.side == side and r.rate == rate))
+        for side in ("product", "fused") if args.chaining else ("product",):
+            row = {"rate": rate, "side": side,
+                   "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
+                   "latency_p99_ratio": med(side, "p99") / med("plain", "p99"),
+                   "throughput_ratio": med(side, "throughput") / med("plain", "throughput")}
+            summary.append(row)
+            print(f"  rate {rate:>6}/s, {side:7s}: latency p50 {row['latency_p50_ratio']:.2f}x, "
+                  f"p99 {row['latency_p99_ratio']:.2f}x, throughput {row['throughput_ratio']:.2f}x")
+    if args.json:
+        print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
