@@ -559,7 +559,7 @@ def _round(pipe: Pipeline, n: int, **kwargs: Any) -> PruneReport:
 
 def test_compaction_deletes_what_retention_released_and_the_history_checker_stays_clean(
         store: EpochStore, pipe: Pipeline) -> None:
-    from airflow_arroyo.devtools.history import check_history
+    from airflow_arroyo.devtools.history import ViolationKind, check_history
 
     first = _round(pipe, 3, compact_after=None)
     second = _round(pipe, 3, compact_after=None)
@@ -586,6 +586,10 @@ def test_compaction_deletes_what_retention_released_and_the_history_checker_stay
         assert later.rows_compacted["epochs"] >= 1
         check_history(store.dsn).assert_clean()
     assert _count(store, "arroyo_epochs") <= 4 and _count(store, "arroyo_cleanup_runs") == 1
+    # ... and not blind after the cut: an epoch re-triggered below the cut's max_epoch is still a breach
+    sql(store, "INSERT INTO arroyo_history (pipeline_id, kind, epoch, new_state) VALUES (%s, 'epoch_state', 1,"
+        " 'triggered')", ("orders",))
+    assert ViolationKind.EPOCH_NOT_INCREASING in check_history(store.dsn).kinds()
 
 
 def test_compaction_keeps_what_is_newer_than_its_horizon(store: EpochStore, pipe: Pipeline) -> None:
