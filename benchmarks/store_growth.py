@@ -81,8 +81,11 @@ def run_mode(dsn: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
           "  ".join(f"{t.removeprefix('arroyo_')}(rows/kB)" for t in TABLES), flush=True)
     summary: list[tuple[int, int, int]] = []
     for i in range(1, args.epochs + 1):
-        started = store.trigger_tick(pid, TICK, force=True).started
-        assert started is not None
+        if i % 50 == 1:
+            store.heartbeat(pid, "run-1")  # a live driver (the trigger starts no epoch for a dead one)
+        tick = store.trigger_tick(pid, TICK, force=True)
+        started = tick.started
+        assert started is not None, f"epoch {i}: no epoch started: {tick}"
         n = started.epoch
         for stage in STAGES:
             keys = shared[stage][args.new:] + [f"{stage}/{n}/{j}.sst" for j in range(args.new)]
