@@ -88,8 +88,7 @@ def run_mode(dsn: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         assert started is not None, f"epoch {i}: no epoch started: {tick}"
         n = started.epoch
         for stage in STAGES:
-            keys = shared[stage][args.new:] + [f"{stage}/{n}/{j}.sst" for j in range(args.new)]
-            keys = keys[-args.entries:]
+            keys = (shared[stage] + [f"{stage}/{n}/{j}.sst" for j in range(args.new)])[-args.entries:]
             shared[stage] = keys
             store.record_snapshot(pid, n, stage, [SnapshotEntry(rel_path=f"state/{k}", object_key=k, bytes=4096)
                                                   for k in keys])
