@@ -15,7 +15,8 @@ previous epoch, as incremental snapshots are) and an ``ack_epoch`` with a cursor
 Printed every ``--report-every`` epochs per mode: live rows of each ``arroyo_`` table, their
 ``pg_total_relation_size`` and the total, the rows inserted per epoch since the last report
 (``pg_stat_user_tables``) and the bytes the tables grew per epoch; at the end the history checker's
-verdict (:mod:`airflow_arroyo.devtools.history`) on what is kept.
+verdict (:mod:`airflow_arroyo.devtools.history`) on what is kept (mode ``on`` only: the checker
+replays a whole uncompacted history, which takes it many minutes at 10,000 epochs).
 """
 
 from __future__ import annotations
@@ -108,12 +109,16 @@ def run_mode(dsn: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
                   "  ".join(f"{now[t][0]}/{now[t][1] // 1024}" for t in TABLES), flush=True)
             summary.append((i, rows, size))
             last = now
-    history = check_history(dsn, [pid])
     elapsed = time.monotonic() - t0
-    print(f"history checker on what is kept: {'clean' if history.ok else history.summary()} "
-          f"({history.counts['events']} events); {elapsed:.0f} s", flush=True)
+    ok = True
+    if compact is not None:  # uncompacted, 10,000 epochs' history takes the checker many minutes to replay
+        history = check_history(dsn, [pid])
+        ok = history.ok
+        print(f"history checker on what is kept: {'clean' if ok else history.summary()} "
+              f"({history.counts['events']} events)", flush=True)
+    print(f"{elapsed:.0f} s", flush=True)
     store.close()
-    return {"mode": mode, "summary": summary, "history_ok": history.ok}
+    return {"mode": mode, "summary": summary, "history_ok": ok}
 
 
 def main(argv: list[str] | None = None) -> int:
