@@ -409,6 +409,10 @@ def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
     policy = _cli_policy(args.keep_last, args.keep_newer_than)
     wait_for_lock = parse_duration(args.wait_for_lock, name="--wait-for-lock") or timedelta(0)
     wait_for_in_flight = parse_duration(args.wait_for_in_flight, name="--wait-for-in-flight") or timedelta(0)
+    compact_after = parse_duration(args.compact_after, name="--compact-after")
+    if compact_after is not None and compact_after < timedelta(0):
+        raise ConfigurationError(
+            f"--compact-after must be a duration >= 0 (e.g. 7d) or 'none', got {args.compact_after}")
     if args.lock_ttl <= 0:
         raise ConfigurationError(f"--lock-ttl must be a positive number of seconds, got {args.lock_ttl}")
     _require_schema(store)
@@ -423,7 +427,8 @@ def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
     for pipeline_id in targets:
         try:
             report = prune_pipeline(store, pipeline_id, policy, holder=holder, lock_ttl=args.lock_ttl,
-                                    wait_for_lock=wait_for_lock, wait_for_in_flight=wait_for_in_flight)
+                                    wait_for_lock=wait_for_lock, wait_for_in_flight=wait_for_in_flight,
+                                    compact_after=compact_after)
             results.append({**report.to_dict(), "error": None})
         except (ArroyoError, OSError) as exc:
             if not args.all:
@@ -696,6 +701,9 @@ def _build_parser() -> _Parser:
                        help="retry this long while another cleanup holds the lock (default 0: skip)")
     prune.add_argument("--wait-for-in-flight", default="5m", metavar="DURATION",
                        help="wait this long for an in-flight epoch to end (default 5m)")
+    prune.add_argument("--compact-after", default="7d", metavar="DURATION",
+                       help="then delete pruned epochs, history and cleanup runs released longer ago than this "
+                            "(default 7d; 'none': keep them)")
     pin = sub.add_parser("pin", parents=[common],
                          help="pin a completed epoch: retention never prunes it or what a restore of it reads")
     pin.add_argument("pipeline")
@@ -743,6 +751,7 @@ def _build_parser() -> _Parser:
 #: Options whose value may start with "-" (a negative duration or number, refused with a clear message
 #: instead of argparse's "expected one argument").
 _VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
+                  "--compact-after",
                   "--limit", "--wait", "--budget", "--timeout", "--epoch")
 
 

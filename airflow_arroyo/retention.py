@@ -7,7 +7,11 @@ is the I/O around it, in the order that keeps every retained epoch restorable::
       ──> select_prunable(epoch facts, policy, DB time) ──> begin_prune (epochs -> pruning)
       ──> delete the snapshot objects only pruned epochs reference (renewing the lease)
       ──> truncate each channel before its low watermark
-      ──> finish_prune (epochs -> pruned, bytes freed) ──> release the lease
+      ──> finish_prune (epochs -> pruned, bytes freed)
+      ──> compact (``compact_after``: delete the history before the newest lease release older than
+          that horizon, the epochs pruned before it with their acks, and the cleanup runs that ended
+          by it, in batches of ``compact_batch`` rows, each a short transaction under the lease)
+      ──> release the lease
       ──> scrub for at most ``scrub_budget`` seconds (:mod:`airflow_arroyo.scrub`; no lease needed: it reads)
 
 * While we hold the lease the trigger starts no epoch. An epoch already in flight may reference
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from airflow_arroyo.store import CleanupRunRecord, EpochRecord, EpochStore
 
 __all__ = [
+    "DEFAULT_COMPACT_AFTER",
     "PruneReport",
     "parse_duration",
     "policy_from",
@@ -57,6 +62,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: How long pruned epochs, history and cleanup runs stay in the store after retention released them:
+#: long enough to look at (UI, ``airflow-arroyo epochs``, the history checker), short enough that the
+#: tables stay flat. ``compact_after=None`` turns compaction off.
+DEFAULT_COMPACT_AFTER = timedelta(days=7)
+DEFAULT_COMPACT_BATCH = 1000
+_COMPACTED_TABLES = ("history", "epochs", "cleanup_runs")
 
 
 
@@ -182,6 +194,8 @@ class PruneReport:
     damaged_epochs: list[int] = field(default_factory=list)
     restorable_epochs: list[int] = field(default_factory=list)
     scrub: str | None = None  # the scrub's advice (or why it failed); None: no scrub asked for
+    # compaction (compact_after): rows deleted per table (history, epochs, cleanup_runs)
+    rows_compacted: dict[str, int] = field(default_factory=dict)
 
     @property
     def skipped(self) -> bool:
@@ -242,6 +256,8 @@ def prune_pipeline(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     scrub_budget: float | None = None,
+    compact_after: timedelta | None = DEFAULT_COMPACT_AFTER,
+    compact_batch: int = DEFAULT_COMPACT_BATCH,
 ) -> PruneReport:
     """Prune the epochs of ``pipeline_id`` that ``policy`` does not keep, then scrub for at most
     ``scrub_budget`` seconds (None: no scrub). See the module docstring.
@@ -251,6 +267,8 @@ def prune_pipeline(
     * ``wait_for_lock``: how long to retry while another run holds the lease, then skip.
     * ``wait_for_in_flight``: how long to wait for an in-flight epoch to end, then skip.
     * ``renew_every``: seconds between lease renewals while deleting (default ``lock_ttl / 3``).
+    * ``compact_after``: after pruning, compact what retention released longer ago than this
+      (``None``: never); ``compact_batch``: rows deleted per transaction.
     * ``fs_for`` / ``open_channel`` / ``clock`` / ``sleep``: seams (filesystem, channels, time).
 
     Bad input (unknown pipeline, a policy that is not a :class:`RetentionPolicy`, bad durations)
@@ -273,10 +291,17 @@ def prune_pipeline(
         raise ConfigurationError("holder must name this cleanup run (e.g. 'airflow:<dag>/<task>/<run>')")
     if scrub_budget is not None and not (isinstance(scrub_budget, int | float) and scrub_budget > 0):
         raise ConfigurationError(f"scrub_budget must be a positive number of seconds (or None), got {scrub_budget!r}")
+    if compact_after is not None and (not isinstance(compact_after, timedelta) or compact_after < timedelta(0)):
+        raise ConfigurationError(f"compact_after must be a duration >= 0 (e.g. timedelta(days=7)) or None to keep "
+                                 f"everything, got {compact_after!r}")
+    if not isinstance(compact_batch, int) or isinstance(compact_batch, bool) or compact_batch < 1:
+        raise ConfigurationError(
+            f"compact_batch must be a whole number of rows >= 1 (e.g. 1000), got {compact_batch!r}")
     store.get_pipeline(pipeline_id)  # UnknownPipelineError before anything is written
     report = _prune(store, pipeline_id, policy, holder=holder, lock_ttl=lock_ttl, wait_for_lock=wait_for_lock,
                     wait_for_in_flight=wait_for_in_flight, poll_interval=poll_interval, renew=renew, fs_for=fs_for,
-                    open_channel=open_channel, clock=clock, sleep=sleep)
+                    open_channel=open_channel, clock=clock, sleep=sleep, compact_after=compact_after,
+                    compact_batch=compact_batch)
     if scrub_budget is not None:
         _scrub(store, report, scrub_budget)
     return report
@@ -303,7 +328,8 @@ def _scrub(store: EpochStore, report: PruneReport, budget: float) -> None:
 def _prune(store: EpochStore, pipeline_id: str, policy: RetentionPolicy, *, holder: str, lock_ttl: float,
            wait_for_lock: timedelta, wait_for_in_flight: timedelta, poll_interval: float, renew: float,
            fs_for: Callable[[str], ObjectFileSystem], open_channel: Callable[[str], TruncatableChannel | None],
-           clock: Callable[[], float], sleep: Callable[[float], None]) -> PruneReport:
+           clock: Callable[[], float], sleep: Callable[[float], None], compact_after: timedelta | None = None,
+           compact_batch: int = DEFAULT_COMPACT_BATCH) -> PruneReport:
     report = PruneReport(pipeline_id)
     run = _acquire(store, pipeline_id, policy, holder=holder, ttl=lock_ttl, wait=wait_for_lock,
                    poll_interval=poll_interval, clock=clock, sleep=sleep, report=report)
@@ -321,6 +347,8 @@ def _prune(store: EpochStore, pipeline_id: str, policy: RetentionPolicy, *, hold
             store.release_cleanup_lock(pipeline_id, run.id, state="succeeded", error=f"skipped: {blocked}")
             return report
         _prune_under_lease(store, lease, policy, fs_for, open_channel, report)
+        if compact_after is not None:
+            _compact(store, lease, compact_after, compact_batch, report)
     except LockLostError as exc:
         log.error("pipeline %s: cleanup run %s lost its cleanup lock; stopped deleting (epochs %s stay "
                   "'pruning' for the next run): %s", pipeline_id, run.id, report.epochs_pruned, exc)
@@ -441,6 +469,26 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
     done = store.finish_prune(pipeline_id, lease.run_id, freed)
     report.epochs_pruned = done
     report.bytes_freed = sum(freed[e] for e in done)
+
+
+def _compact(store: EpochStore, lease: _Lease, horizon: timedelta, batch: int, report: PruneReport) -> None:
+    """Delete what no restore and no check needs any more, in short batches (the lease is renewed
+    between them, so a long backlog never holds locks for long nor outlives the lease)."""
+    lease.renew()
+    cut = store.begin_compaction(lease.pipeline_id, lease.run_id, horizon)
+    if cut is None:
+        return
+    for table in _COMPACTED_TABLES:
+        total = 0
+        while True:
+            lease.keep()
+            n = store.compact_batch(lease.pipeline_id, lease.run_id, cut, table, batch)
+            total += n
+            if n < batch:
+                break
+        report.rows_compacted[table] = total
+    log.info("pipeline %s: compacted the store up to history seq %s (cut at %s): %s", lease.pipeline_id,
+             cut.through_seq, cut.cut_at, report.rows_compacted)
 
 
 def _object_owners(store: EpochStore, pipeline_id: str, epochs: list[int], stages: Mapping[int, list[str]],

@@ -58,6 +58,7 @@ from airflow_arroyo.epochs import EPOCH_TRANSITIONS, EpochFacts, EpochState, Ret
 from airflow_arroyo.exceptions import ConfigurationError
 
 __all__ = [
+    "HistoryBase",
     "HistoryData",
     "HistoryEvent",
     "HistoryReport",
@@ -136,6 +137,18 @@ class HistoryData:
     epochs: dict[tuple[str, int], EpochRow] | None = None
     locks: dict[str, tuple[int, datetime]] | None = None
     last_epochs: dict[str, int] | None = None
+    bases: dict[str, HistoryBase] = field(default_factory=dict)  # pipelines whose history was compacted
+
+
+@dataclass(frozen=True)
+class HistoryBase:
+    """Where retention's compaction cut a pipeline's history (``arroyo_history_base``): events up to
+    ``through_seq`` are gone (or going), epochs up to ``max_epoch`` were triggered before the cut, and
+    cleanup runs up to ``cleanup_run`` ended by it. The replay starts at the cut."""
+
+    through_seq: int
+    max_epoch: int
+    cleanup_run: int
 
 
 @dataclass
@@ -190,10 +203,19 @@ def load_history(conn: PgConnection, pipeline_ids: Sequence[str] | None = None, 
                 {"ids": ids},
             )
             runs = cur.fetchall()
+            cur.execute(
+                "SELECT pipeline_id, through_seq, max_epoch, cleanup_run FROM arroyo_history_base"
+                " WHERE %(ids)s::text[] IS NULL OR pipeline_id = ANY(%(ids)s)",
+                {"ids": ids},
+            )
+            bases = {r["pipeline_id"]: HistoryBase(int(r["through_seq"]), int(r["max_epoch"]), int(r["cleanup_run"]))
+                     for r in cur.fetchall()}
             data = HistoryData(
-                events=events,
+                # compaction deletes up to the cut in batches: what is left of it is ignored
+                events=[e for e in events if e.pipeline_id not in bases or e.seq > bases[e.pipeline_id].through_seq],
                 run_policies={int(r["id"]): r["policy"] or {} for r in runs},
                 run_pruned={int(r["id"]): [int(e) for e in r["epochs_pruned"] or []] for r in runs},
+                bases=bases,
             )
             if against_tables:
                 cur.execute(
@@ -281,6 +303,7 @@ class _Pipeline:
     first_at: dict[int, datetime] = field(default_factory=dict)
     ended_at: dict[int, datetime] = field(default_factory=dict)
     max_epoch: int = 0
+    seeded: bool = False  # the history was compacted: the replay starts at the cut (see _Replay.seed)
     lease: _Lease | None = None
     # the transaction being replayed
     txid: int | None = None
@@ -325,16 +348,45 @@ class _Replay:
     # ------------------------------------------------------------------ per pipeline
 
     def run(self) -> list[_Pipeline]:
-        by_pipeline: dict[str, list[HistoryEvent]] = {}
+        by_pipeline: dict[str, list[HistoryEvent]] = {pipeline_id: [] for pipeline_id in self.data.bases}
         for ev in self.data.events:
             by_pipeline.setdefault(ev.pipeline_id, []).append(ev)
         done = []
         for pipeline_id in sorted(by_pipeline):
             p = _Pipeline(pipeline_id)
-            for ev in sorted(by_pipeline[pipeline_id], key=lambda e: e.seq):
+            events = sorted(by_pipeline[pipeline_id], key=lambda e: e.seq)
+            base = self.data.bases.get(pipeline_id)
+            if base is not None:
+                events = [ev for ev in events if ev.seq > base.through_seq]
+                self.seed(p, base, events)
+            for ev in events:
                 self.event(p, ev)
             done.append(p)
         return done
+
+    def seed(self, p: _Pipeline, base: HistoryBase, events: Sequence[HistoryEvent]) -> None:
+        """Start a compacted pipeline at its cut: no lease was held there (the cut is a release), and
+        each epoch triggered by then was in the state its first later event changes it from, or, with
+        no later event, the state the table has it in. Without the tables (synthetic histories), such
+        an epoch is seeded from its first later event when the replay meets it (:meth:`epoch_event`)."""
+        p.max_epoch = base.max_epoch
+        p.seeded = True
+        if self.data.epochs is None:
+            return
+        first_old: dict[int, str] = {}
+        for ev in events:
+            if ev.kind == "epoch_state" and ev.epoch is not None and ev.old_state is not None:
+                first_old.setdefault(ev.epoch, ev.old_state)
+        for (pipeline_id, epoch), row in self.data.epochs.items():
+            if pipeline_id != p.pipeline_id or epoch > base.max_epoch:
+                continue
+            try:
+                p.states[epoch] = EpochState(first_old.get(epoch, row.state))
+            except ValueError:
+                continue  # epoch_event reports the unknown state
+            p.first_at[epoch] = row.triggered_at
+            if row.ended_at is not None:
+                p.ended_at[epoch] = row.ended_at
 
     def event(self, p: _Pipeline, ev: HistoryEvent) -> None:
         self.count(p, "events")
@@ -426,6 +478,10 @@ class _Replay:
             self.flag(ViolationKind.ILLEGAL_TRANSITION, p, ev, f"epoch {epoch}: unknown state {ev.old_state!r}")
             return
         current = p.states.get(epoch)
+        if current is None and p.seeded and epoch <= p.max_epoch:
+            # triggered before the compaction cut: its earlier events are gone
+            current = p.states[epoch] = old
+            p.first_at.setdefault(epoch, ev.at)
         if current is None:
             self.flag(ViolationKind.STATE_MISMATCH, p, ev,
                       f"epoch {epoch} changed {old.value} -> {new.value} but was never triggered")
@@ -524,6 +580,9 @@ class _Replay:
             for run, epochs in p.pruned_by_run.items():
                 pruned_by_run[run] = (p, epochs)
         for run, listed in data.run_pruned.items():
+            base = data.bases.get(pruned_by_run[run][0].pipeline_id) if run in pruned_by_run else None
+            if base is not None and run <= base.cleanup_run:
+                continue  # its events were before the compaction cut (the run row goes in a later batch)
             if run in pruned_by_run:
                 p, seen = pruned_by_run[run]
                 extra = sorted(set(listed) - seen)

@@ -34,7 +34,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_arroyo import config
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
-from airflow_arroyo.retention import parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.retention import DEFAULT_COMPACT_AFTER, parse_duration, policy_from, prune_pipeline
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -64,9 +64,12 @@ class PruneEpochsOperator(BaseOperator):
     :param scrub_budget: after pruning, re-hash snapshot objects for at most this long (templated;
         timedelta, seconds or text like ``"60s"``; None or empty: no scrub), least recently verified first;
         damaged epochs are logged as errors and returned in ``damaged_epochs`` (docs/retention.md).
+    :param compact_after: after pruning, delete pruned epochs, history and cleanup runs that retention
+        released longer ago than this (templated; default 7 days; None or ``"none"``: keep them all).
     """
 
-    template_fields: Sequence[str] = ("pipeline_id", "keep_last", "keep_newer_than", "conn_id", "scrub_budget")
+    template_fields: Sequence[str] = ("pipeline_id", "keep_last", "keep_newer_than", "conn_id", "scrub_budget",
+                                     "compact_after")
     ui_color = "#e8f4f8"
 
     def __init__(
@@ -80,6 +83,7 @@ class PruneEpochsOperator(BaseOperator):
         lock_wait: timedelta | float = timedelta(minutes=2),
         in_flight_wait: timedelta | float = timedelta(minutes=5),
         scrub_budget: timedelta | float | str | None = None,
+        compact_after: timedelta | float | str | None = DEFAULT_COMPACT_AFTER,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -91,6 +95,7 @@ class PruneEpochsOperator(BaseOperator):
         self.lock_wait = lock_wait
         self.in_flight_wait = in_flight_wait
         self.scrub_budget = scrub_budget
+        self.compact_after = compact_after
         # Bad input fails when the DAG is parsed, naming the task; templated values once rendered.
         if not any(isinstance(v, str) and ("{{" in v or "{%" in v) for v in (keep_last, keep_newer_than)):
             try:
@@ -113,6 +118,7 @@ class PruneEpochsOperator(BaseOperator):
             lock_wait = parse_duration(self.lock_wait, name="lock_wait") or timedelta(0)
             in_flight_wait = parse_duration(self.in_flight_wait, name="in_flight_wait") or timedelta(0)
             scrub = parse_duration(self.scrub_budget or None, name="scrub_budget")
+            compact_after = parse_duration(self.compact_after, name="compact_after")
             if scrub is not None and scrub.total_seconds() <= 0:
                 raise ConfigurationError(
                     f"scrub_budget must be a positive duration such as 60s, got {self.scrub_budget!r}")
@@ -129,6 +135,7 @@ class PruneEpochsOperator(BaseOperator):
                 wait_for_lock=lock_wait,
                 wait_for_in_flight=in_flight_wait,
                 scrub_budget=scrub.total_seconds() if scrub is not None else None,
+                compact_after=compact_after,
             )
         except (ConfigurationError, UnknownPipelineError) as exc:
             raise AirflowFailException(str(exc)) from exc

@@ -57,6 +57,7 @@ from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
     CleanupRunRecord,
+    CompactionCut,
     EpochRecord,
     FencingToken,
     ObjectRecord,
@@ -1372,6 +1373,86 @@ class EpochStore:
         return self._tx(tx)
 
     # ------------------------------------------------------------------ sink commits
+
+    # ------------------------------------------------------------------ compaction (bounded store)
+
+    def begin_compaction(self, pipeline_id: str, cleanup_run: int, horizon: timedelta) -> CompactionCut | None:
+        """Choose where to cut the pipeline's history and record it in ``arroyo_history_base``; needs the lease.
+
+        The cut is the newest lease release older than ``horizon`` that is a transaction of its own (not
+        a takeover), so no lease was held there. Returns None when there is no such release beyond the
+        previous cut (nothing new to compact). The deletions themselves are :meth:`compact_batch`.
+        """
+        if not isinstance(horizon, timedelta) or horizon < timedelta(0):
+            raise ConfigurationError(f"compaction horizon must be a duration >= 0, got {horizon!r}")
+
+        def tx(cur: PgCursor) -> CompactionCut | None:
+            self._lock_pipeline(cur, pipeline_id)
+            self._check_lease(cur, pipeline_id, cleanup_run)
+            cur.execute("SELECT * FROM arroyo_history_base WHERE pipeline_id = %s", (pipeline_id,))
+            base = cur.fetchone()
+            cur.execute(
+                "SELECT h.seq, h.at, h.cleanup_run FROM arroyo_history h"
+                " WHERE h.pipeline_id = %(p)s AND h.seq > %(after)s AND h.kind = 'lock_released'"
+                " AND h.at < clock_timestamp() - %(horizon)s AND h.cleanup_run IS NOT NULL"
+                " AND (SELECT o.txid FROM arroyo_history o WHERE o.pipeline_id = h.pipeline_id AND o.seq > h.seq"
+                "      ORDER BY o.seq LIMIT 1) IS DISTINCT FROM h.txid"
+                " AND (SELECT o.txid FROM arroyo_history o WHERE o.pipeline_id = h.pipeline_id AND o.seq < h.seq"
+                "      ORDER BY o.seq DESC LIMIT 1) IS DISTINCT FROM h.txid"
+                " ORDER BY h.seq DESC LIMIT 1",
+                {"p": pipeline_id, "after": int(base["through_seq"]) if base else 0, "horizon": horizon},
+            )
+            cut = cur.fetchone()
+            if cut is None:
+                return None
+            cur.execute(
+                "SELECT COALESCE(max(epoch), 0) AS m FROM arroyo_history WHERE pipeline_id = %s AND seq <= %s"
+                " AND kind = 'epoch_state' AND old_state IS NULL",
+                (pipeline_id, cut["seq"]),
+            )
+            max_epoch = max(int(_one(cur)["m"]), int(base["max_epoch"]) if base else 0)
+            cur.execute(
+                "INSERT INTO arroyo_history_base (pipeline_id, through_seq, max_epoch, cut_at, cleanup_run)"
+                " VALUES (%(p)s, %(seq)s, %(max)s, %(at)s, %(run)s) ON CONFLICT (pipeline_id) DO UPDATE SET"
+                " through_seq = EXCLUDED.through_seq, max_epoch = EXCLUDED.max_epoch, cut_at = EXCLUDED.cut_at,"
+                " cleanup_run = EXCLUDED.cleanup_run, compacted_at = clock_timestamp()",
+                {"p": pipeline_id, "seq": cut["seq"], "max": max_epoch, "at": cut["at"], "run": cut["cleanup_run"]},
+            )
+            return CompactionCut(through_seq=int(cut["seq"]), max_epoch=max_epoch, cut_at=cut["at"],
+                                 cleanup_run=int(cut["cleanup_run"]))
+
+        return self._tx(tx)
+
+    _COMPACT_SQL = {
+        # epochs pruned before the cut (their acks go with them: ON DELETE CASCADE); pruned is final
+        "epochs": "DELETE FROM arroyo_epochs WHERE pipeline_id = %(p)s AND epoch IN (SELECT epoch FROM arroyo_epochs"
+                  " WHERE pipeline_id = %(p)s AND state = 'pruned' AND pruned_at < %(at)s ORDER BY pruned_at"
+                  " LIMIT %(n)s)",
+        "history": "DELETE FROM arroyo_history WHERE pipeline_id = %(p)s AND seq IN (SELECT seq FROM arroyo_history"
+                   " WHERE pipeline_id = %(p)s AND seq <= %(seq)s ORDER BY seq LIMIT %(n)s)",
+        # every run up to the cut's has ended: the cut's run held the lease after them
+        "cleanup_runs": "DELETE FROM arroyo_cleanup_runs WHERE id IN (SELECT id FROM arroyo_cleanup_runs"
+                        " WHERE pipeline_id = %(p)s AND id <= %(run)s AND state <> 'running' ORDER BY id"
+                        " LIMIT %(n)s)",
+    }
+
+    def compact_batch(self, pipeline_id: str, cleanup_run: int, cut: CompactionCut, table: str, limit: int) -> int:
+        """Delete at most ``limit`` rows of ``table`` (``epochs``, ``history`` or ``cleanup_runs``) that
+        ``cut`` leaves behind, in one short transaction under the lease; returns how many went."""
+        sql = self._COMPACT_SQL.get(table)
+        if sql is None:
+            raise ConfigurationError(f"cannot compact {table!r}: choose one of {sorted(self._COMPACT_SQL)}")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ConfigurationError(f"compaction batch size must be a whole number >= 1, got {limit!r}")
+
+        def tx(cur: PgCursor) -> int:
+            self._lock_pipeline(cur, pipeline_id)
+            self._check_lease(cur, pipeline_id, cleanup_run)
+            cur.execute(sql, {"p": pipeline_id, "at": cut.cut_at, "seq": cut.through_seq, "run": cut.cleanup_run,
+                              "n": limit})
+            return int(cur.rowcount)
+
+        return self._tx(tx)
 
     def record_sink_commit(self, pipeline_id: str, epoch: int, sink: str, *, uri: str, batch_id: int, files: int,
                            rows: int | None, bytes_committed: int, run_id: str | None = None,

@@ -272,6 +272,18 @@ class PrunePlan:
 
 
 @dataclass(frozen=True)
+class CompactionCut:
+    """Where compaction cut a pipeline's history (``arroyo_history_base``): every event up to
+    ``through_seq`` goes, with the epochs pruned before ``cut_at`` and the cleanup runs up to
+    ``cleanup_run`` (the run whose lease release is the cut)."""
+
+    through_seq: int
+    max_epoch: int
+    cut_at: datetime
+    cleanup_run: int
+
+
+@dataclass(frozen=True)
 class ObjectRecord:
     """A snapshot object as the store knows it, with what the last scrub found (``verify_state`` ``None``:
     never verified; ``ok``, ``missing`` or ``corrupt``)."""

@@ -52,6 +52,10 @@ class Pipeline:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(bytes(size))
 
+    def start_count(self) -> int:
+        """How many epochs the pipeline triggered so far (a fresh name for each epoch's object)."""
+        return self.store.get_pipeline(self.id).last_epoch
+
     def start(self) -> int:
         started = self.store.trigger_tick(self.id, TICK, force=True).started
         assert started is not None
@@ -537,3 +541,78 @@ def test_policy_from_user_input() -> None:
         policy_from("five")
     with pytest.raises(ConfigurationError, match="keep_last"):
         policy_from(0)
+
+
+# --------------------------------------------------------------------------- compaction (bounded store)
+
+
+def _count(store: EpochStore, table: str) -> int:
+    return int(sql(store, f"SELECT count(*) FROM {table} WHERE pipeline_id = %s", ("orders",))[0][0])  # noqa: S608
+
+
+def _round(pipe: Pipeline, n: int, **kwargs: Any) -> PruneReport:
+    """``n`` completed epochs, then retention keeping the last one."""
+    for _ in range(n):
+        pipe.epoch({"src": {f"o{pipe.start_count()}": 10}})
+    return prune(pipe.store, policy=RetentionPolicy(keep_last=1), **kwargs)
+
+
+def test_compaction_deletes_what_retention_released_and_the_history_checker_stays_clean(
+        store: EpochStore, pipe: Pipeline) -> None:
+    from airflow_arroyo.devtools.history import ViolationKind, check_history
+
+    first = _round(pipe, 3, compact_after=None)
+    second = _round(pipe, 3, compact_after=None)
+    assert len(first.epochs_pruned) == 2 and len(second.epochs_pruned) == 3  # second prunes first's survivor
+    history_before = _count(store, "arroyo_history")
+    # compact everything before the newest release (second's): first's and second's pruned epochs, with
+    # their acks; the history up to that release; both earlier runs. In batches of 2 rows.
+    third = _round(pipe, 2, compact_after=timedelta(0), compact_batch=2)
+    pruned_by_now = first.epochs_pruned + second.epochs_pruned
+    assert third.rows_compacted["epochs"] == len(pruned_by_now)
+    assert third.rows_compacted["cleanup_runs"] == 2
+    assert third.rows_compacted["history"] == history_before  # second's release was the last event then
+    assert set(pipe.states()) == set(third.epochs_pruned) | set(third.kept)
+    assert sql(store, "SELECT count(*) FROM arroyo_acks WHERE pipeline_id = %s AND epoch = ANY(%s)",
+               ("orders", pruned_by_now))[0][0] == 0
+    assert [r.id for r in store.list_cleanup_runs("orders")] == [third.cleanup_run]
+    assert store.latest_completed_epoch("orders") is not None
+    check_history(store.dsn).assert_clean()  # the replay starts at the cut, seeded from the tables
+
+    # Later runs keep compacting behind their predecessors, and the check stays clean (an epoch
+    # completed before a cut and pruned after it included).
+    for _ in range(2):
+        later = _round(pipe, 2, compact_after=timedelta(0))
+        assert later.rows_compacted["epochs"] >= 1
+        check_history(store.dsn).assert_clean()
+    assert _count(store, "arroyo_epochs") <= 4 and _count(store, "arroyo_cleanup_runs") == 1
+    # ... and not blind after the cut: an epoch re-triggered below the cut's max_epoch is still a breach
+    sql(store, "INSERT INTO arroyo_history (pipeline_id, kind, epoch, new_state) VALUES (%s, 'epoch_state', 1,"
+        " 'triggered')", ("orders",))
+    assert ViolationKind.EPOCH_NOT_INCREASING in check_history(store.dsn).kinds()
+
+
+def test_compaction_keeps_what_is_newer_than_its_horizon(store: EpochStore, pipe: Pipeline) -> None:
+    from airflow_arroyo.devtools.history import check_history
+
+    _round(pipe, 3, compact_after=None)
+    epochs, history = _count(store, "arroyo_epochs"), _count(store, "arroyo_history")
+    recent = _round(pipe, 1, compact_after=timedelta(hours=1))
+    assert recent.rows_compacted == {} and _count(store, "arroyo_epochs") == epochs + 1
+    assert _count(store, "arroyo_history") > history
+    # two hours later (every recorded time moved back, in order), the same horizon compacts
+    for table, column in (("arroyo_history", "at"), ("arroyo_epochs", "pruned_at")):
+        sql(store, f"UPDATE {table} SET {column} = {column} - interval '2 hours' WHERE pipeline_id = %s",  # noqa: S608
+            ("orders",))
+    later = _round(pipe, 1, compact_after=timedelta(hours=1))
+    assert later.rows_compacted["epochs"] == 3 and later.rows_compacted["cleanup_runs"] == 2
+    check_history(store.dsn).assert_clean()
+
+
+@pytest.mark.parametrize("kwargs", [{"compact_after": timedelta(seconds=-1)}, {"compact_after": 3600},
+                                    {"compact_batch": 0}, {"compact_batch": True}])
+def test_bad_compaction_settings_are_refused(store: EpochStore, pipe: Pipeline, kwargs: dict[str, Any]) -> None:
+    pipe.epoch({"src": {"a": 1}})
+    with pytest.raises(ConfigurationError, match="compact_"):
+        prune(store, **kwargs)
+    assert store.list_cleanup_runs("orders") == []
