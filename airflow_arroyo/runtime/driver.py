@@ -83,6 +83,8 @@ from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingTok
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from airflow_arroyo.fs import FileSystem
+
 __all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "check_registrable", "dsn_from_environment",
            "load_pipeline", "main"]
 
@@ -445,14 +447,35 @@ class PipelineDriver:
         t0 = time.monotonic()
         channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)
-        sink_cuts = self._sink_cuts(epoch)
+
+        def truncate(_name: str, ch: Channel, position: int) -> None:
+            ch.truncate_from(position)
+            Channel.open(ch.uri).remove_orphans()
+
+        prepared = self._restore_phases(
+            epoch, channels, cut_positions, self._sink_cuts(epoch),
+            commit=lambda: self.store.commit_restore(self.pipeline_id, self.run_id, epoch),
+            roll_channel=truncate, roll_step="truncated")
+        log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
+                 self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
+                 time.monotonic() - t0)
+
+    def _restore_phases(self, epoch: int, channels: dict[str, Channel], cut_positions: dict[str, int],
+                        sink_cuts: dict[str, int], *, commit: Callable[[], object],
+                        roll_channel: Callable[[str, Channel, int], object], roll_step: str,
+                        source: tuple[FileSystem, str] | None = None) -> list[PreparedRestore]:
+        """The three phases of a restore once its channels and sinks are verified (:meth:`_restore`): prepare
+        every stage's checkpoint (from ``source``'s objects for a fork), ``commit`` (the commit point; the
+        prepared folders are discarded if it or a preparation fails), then roll forward: switch the
+        checkpoints, ``roll_channel(name, channel, position)`` each channel to right after its barrier, roll
+        the sinks back to their cuts. Each step is reported to ``on_step``."""
         self._step("verified")
         prepared: list[PreparedRestore] = []
         try:
             for s in self.graph.stages:
-                prepared.append(self.snapshots.prepare_restore(s.name, epoch))
+                prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source))
                 self._step(f"prepared:{s.name}")
-            self.store.commit_restore(self.pipeline_id, self.run_id, epoch)  # the commit point
+            commit()
         except BaseException:
             self.snapshots.discard(prepared)
             raise
@@ -461,18 +484,15 @@ class PipelineDriver:
             self.snapshots.commit_restore(p)
             self._step(f"switched:{p.stage}")
         for name, ch in channels.items():
-            ch.truncate_from(cut_positions[name])
-            Channel.open(ch.uri).remove_orphans()
-            self._step(f"truncated:{name}")
+            roll_channel(name, ch, cut_positions[name])
+            self._step(f"{roll_step}:{name}")
         for name, sink in self.sinks.items():
             sink.rollback_to(sink_cuts[name])
             self._step(f"rolled-back:{name}")
         self._sinks_committed = epoch
         self.restored_from_epoch = epoch
         self._step("restored")
-        log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
-                 self.pipeline_id, epoch, len(prepared), sum(p.files for p in prepared), len(channels),
-                 time.monotonic() - t0)
+        return prepared
 
     def _restore_fork(self, source: PipelineRecord, epoch: int) -> None:
         """A fork's first run: restore ``epoch`` of ``source`` (the fork point) into this pipeline.
@@ -490,30 +510,11 @@ class PipelineDriver:
         src = StorageLayout.at(source.storage_uri or self.storage_uri, source.pipeline_id)
         channels = {c: Channel.open(src.channel_uri(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)
-        sink_cuts = self._sink_cuts(epoch, owner=source.pipeline_id)
-        self._step("verified")
-        prepared: list[PreparedRestore] = []
-        try:
-            for s in self.graph.stages:
-                prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=(src.fs, source.pipeline_id)))
-                self._step(f"prepared:{s.name}")
-            self.store.commit_fork_restore(self.pipeline_id, self.run_id)  # the commit point
-        except BaseException:
-            self.snapshots.discard(prepared)
-            raise
-        self._step("committed")
-        for p in prepared:
-            self.snapshots.commit_restore(p)
-            self._step(f"switched:{p.stage}")
-        for name, ch in channels.items():
-            ch.copy_to(self.layout.channel_uri(name), cut_positions[name])
-            self._step(f"copied:{name}")
-        for name, sink in self.sinks.items():
-            sink.rollback_to(sink_cuts[name])
-            self._step(f"rolled-back:{name}")
-        self._sinks_committed = epoch
-        self.restored_from_epoch = epoch
-        self._step("restored")
+        prepared = self._restore_phases(
+            epoch, channels, cut_positions, self._sink_cuts(epoch, owner=source.pipeline_id),
+            commit=lambda: self.store.commit_fork_restore(self.pipeline_id, self.run_id),
+            roll_channel=lambda name, ch, position: ch.copy_to(self.layout.channel_uri(name), position),
+            roll_step="copied", source=(src.fs, source.pipeline_id))
         log.info("pipeline=%s epoch=%s: restored the fork point from %s (%d stages, %d files, %d channels) in %.1fs",
                  self.pipeline_id, epoch, source.pipeline_id, len(prepared), sum(p.files for p in prepared),
                  len(channels), time.monotonic() - t0)
