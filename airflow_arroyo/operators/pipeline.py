@@ -31,6 +31,20 @@ process to the task. Then the operator defers to
   ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
   process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
 
+**Supervision** (``restart_strategy``, Flink's restart strategies: :mod:`airflow_arroyo.supervision`).
+Once the run is ``running`` the task does not end: it defers to
+:class:`~airflow_arroyo.triggers.supervise.PipelineSupervisorTrigger` for the pipeline's whole life
+(no worker slot held). When the driver fails (it reports ``failed``, its heartbeat stops, its
+``spark-submit`` or cluster application ends), the strategy decides: after its delay the task resubmits
+the pipeline as run ``<lineage>.restart<n>`` restoring the latest completed epoch (taking over the dead
+run), logs the restart (attempt, cause, restored epoch; the UI and ``airflow-arroyo restarts`` show it
+too) and defers again. The task succeeds when the pipeline stops, and fails with the last cause when the
+strategy gives up. Downstream tasks that need the pipeline running wait for it with sensors, not with
+a dependency on this task (``dags/example_streaming_pipeline.py``).
+
+**Reattach.** A retried or cleared submit task that finds the run an earlier try started (or a restart
+of it) still live carries on with it instead of submitting again.
+
 **Stop.** ``mode="graceful"`` asks the driver to take a final epoch and stop; ``"immediate"``
 stops without one. The operator then defers until the pipeline is ``stopped``.
 """
@@ -73,7 +87,9 @@ from airflow_arroyo.triggers.pipeline import (
     log_tail,
     stop_run,
 )
+from airflow_arroyo.supervision import RestartStrategy, lineage_of, parse_strategy, restart_run_id
 from airflow_arroyo.triggers.settle import settle_deadline
+from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -296,6 +312,12 @@ class SubmitPipelineOperator(BaseOperator):
         ``SparkSubmitOperator`` does (default ``[openlineage] spark_inject_parent_job_info``).
     :param openlineage_inject_transport_info: pass Airflow's OpenLineage transport to the Spark
         application (default ``[openlineage] spark_inject_transport_info``).
+    :param restart_strategy: supervise the pipeline and restart it when it fails, e.g.
+        ``{"type": "fixed-delay", "attempts": 3, "delay": 10}``, ``{"type": "exponential-delay",
+        "initial": 1, "max": 300}``, ``{"type": "failure-rate", "max_failures": 3, "interval": 300}``
+        (:func:`~airflow_arroyo.supervision.parse_strategy`); None (default): succeed once running.
+    :param heartbeat_timeout: supervised: a run whose driver has not heartbeated for this many seconds
+        has failed (the driver heartbeats every 2 s).
 
     Usage::
 
@@ -313,10 +335,10 @@ class SubmitPipelineOperator(BaseOperator):
         "pipeline", "pipeline_id", "pipeline_args", "run_id", "restore_from", "storage_uri", "checkpoint_uri",
         "conn_id",
         "spark_conn_id", "conf", "env_vars", "application", "application_args", "spark_submit_kwargs", "name",
-        "submit_log_dir", "cluster_python", "dsn_secret",
+        "submit_log_dir", "cluster_python", "dsn_secret", "restart_strategy",
     )
     template_fields_renderers = {"conf": "json", "env_vars": "json", "application_args": "json",
-                                 "pipeline_args": "json", "spark_submit_kwargs": "json"}
+                                 "pipeline_args": "json", "spark_submit_kwargs": "json", "restart_strategy": "json"}
     operator_extra_links = (ArroyoPipelineLink(), SparkUILink())
     ui_color = "#e8f4ea"
 
@@ -347,10 +369,14 @@ class SubmitPipelineOperator(BaseOperator):
         deferrable: bool | None = None,
         openlineage_inject_parent_job_info: bool | None = None,
         openlineage_inject_transport_info: bool | None = None,
+        restart_strategy: RestartStrategy | Mapping[str, Any] | str | None = None,
+        heartbeat_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline = pipeline
+        self.restart_strategy = restart_strategy
+        self.heartbeat_timeout = heartbeat_timeout
         self.pipeline_id = pipeline_id
         self.pipeline_args = dict(pipeline_args or {})
         self.takeover = takeover
@@ -382,8 +408,10 @@ class SubmitPipelineOperator(BaseOperator):
         self._popen: subprocess.Popen[bytes] | None = None
         self._cluster_app: ClusterApplication | None = None
         self._submitted_run: str | None = None
+        self._strategy: RestartStrategy | None = None
         _at_parse(self.task_id, parse_restore_from, restore_from)
         _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
+        _at_parse(self.task_id, parse_strategy, restart_strategy)
 
     # ------------------------------------------------------------------ pieces
 
@@ -393,12 +421,14 @@ class SubmitPipelineOperator(BaseOperator):
             raise ConfigurationError(
                 f"pipeline must name the pipeline object as 'module:attribute', got {self.pipeline!r}"
             )
-        if self.register_timeout <= 0 or self.poll_interval <= 0:
-            raise ConfigurationError("register_timeout and poll_interval must be positive numbers of seconds")
+        if self.register_timeout <= 0 or self.poll_interval <= 0 or self.heartbeat_timeout <= 0:
+            raise ConfigurationError(
+                "register_timeout, poll_interval and heartbeat_timeout must be positive numbers of seconds")
+        self._strategy = parse_strategy(self.restart_strategy)
         return parse_restore_from(self.restore_from)
 
     def build_spark_submit(self, run_id: str, restore: str | None, dsn: str, *,
-                           secret_dir: str | None = None) -> SubmitCommand:
+                           secret_dir: str | None = None, takeover: bool | None = None) -> SubmitCommand:
         """The spark-submit command of a run, built by the provider's hook; what goes into it per
         cluster manager and deploy mode is :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit`'s
         decision (application, interpreter, where the DSN travels)."""
@@ -411,7 +441,7 @@ class SubmitPipelineOperator(BaseOperator):
             args += ["--storage-uri", str(self.storage_uri)]
         if self.checkpoint_uri:
             args += ["--checkpoint-uri", str(self.checkpoint_uri)]
-        if self.takeover:
+        if self.takeover if takeover is None else takeover:
             args += ["--takeover"]
         for key, value in self.pipeline_args.items():
             args += ["--arg", f"{key}={_arg_value(value)}"]
@@ -483,7 +513,7 @@ class SubmitPipelineOperator(BaseOperator):
         except UnknownPipelineError:
             current = None
         if (current is not None and not current.state.terminal and not self.takeover
-                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None, current.run_id)):
+                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None, lineage_of(current))):
             return self._adopt(context, current)
         if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
@@ -492,7 +522,27 @@ class SubmitPipelineOperator(BaseOperator):
             )
         self.conf = openlineage_conf(self.conf, context, parent=self.openlineage_inject_parent_job_info,
                                      transport=self.openlineage_inject_transport_info)
-        submit_cmd = self.build_spark_submit(run_id, restore, _dsn(self.conn_id))
+        submit = self._launch(context, run_id, restore, takeover=self.takeover)
+        self.log.info("The driver's own log (spark-submit output): %s on %s; its last lines are copied here once "
+                      "the run is running", submit["log"], submit["host"])
+        cluster = submit["cluster_application"]
+        trigger = PipelineStateTrigger(
+            pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
+            conn_id=self.conn_id, poll_interval=self.poll_interval,
+            deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
+            submit_pid=submit["pid"], submit_host=submit["host"], submit_start_ticks=submit["start_ticks"],
+            submit_log=submit["log"], submit_exits=submit["exits"], cluster_application=cluster,
+            not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
+        )
+        kwargs = {"submit": submit, "lineage": run_id}
+        if not self.deferrable:  # wait in this worker slot, with the trigger's own checks
+            return self.execute_complete(context, run_inline(trigger), **kwargs)
+        self.defer(trigger=trigger, method_name="execute_complete", kwargs=kwargs)
+
+    def _launch(self, context: Context, run_id: str, restore: str | None, *, takeover: bool) -> dict[str, Any]:
+        """Start spark-submit for run ``run_id`` (detached; in cluster mode until the cluster accepted the
+        application) and publish it in XCom; returns what the triggers and a later restart need of it."""
+        submit_cmd = self.build_spark_submit(run_id, restore, _dsn(self.conn_id), takeover=takeover)
         cluster_app: ClusterApplication | None = None
         try:
             if submit_cmd.secret_file is not None:
@@ -512,29 +562,18 @@ class SubmitPipelineOperator(BaseOperator):
         ti.xcom_push(key="submit_log", value=str(log_path))
         ti.xcom_push(key=XCOM_SPARK_UI_URL, value=None)  # known once the driver reports it
         submit = {"pid": process.pid, "host": process.host, "start_ticks": process.start_ticks,
-                  "log": str(log_path), "run_id": run_id,
+                  "log": str(log_path), "run_id": run_id, "exits": submit_cmd.cluster,
                   "cluster_application": cluster_app.to_dict() if cluster_app else None}
-        self.log.info("The driver's own log (spark-submit output): %s on %s; its last lines are copied here once "
-                      "the run is running", log_path, process.host)
         ti.xcom_push(key="submit_process", value=submit)
         if cluster_app is not None:
             ti.xcom_push(key="cluster_application", value=cluster_app.to_dict())
-        trigger = PipelineStateTrigger(
-            pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
-            conn_id=self.conn_id, poll_interval=self.poll_interval,
-            deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
-            submit_pid=process.pid, submit_host=process.host, submit_start_ticks=process.start_ticks,
-            submit_log=str(log_path), submit_exits=submit_cmd.cluster,
-            cluster_application=cluster_app.to_dict() if cluster_app else None,
-            not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
-        )
-        if not self.deferrable:  # wait in this worker slot, with the trigger's own checks
-            return self.execute_complete(context, run_inline(trigger), submit=submit)
-        self.defer(trigger=trigger, method_name="execute_complete", kwargs={"submit": submit})
+        return submit
 
     def _adopt(self, context: Context, current: PipelineRecord) -> Any:
-        """A retry finds the run an earlier try started still live: carry on with it (no second submit)."""
+        """A retry finds the run an earlier try started (or a supervisor's restart of it) still live:
+        carry on with it (no second submit), and supervise it again if configured."""
         run_id = str(current.run_id)
+        lineage = lineage_of(current)
         self.log.warning("Pipeline %s run %s was started by an earlier try of this task and is %s: adopting it "
                          "instead of submitting again", self.pipeline_id, run_id, current.state)
         ti = context["ti"]
@@ -546,7 +585,8 @@ class SubmitPipelineOperator(BaseOperator):
         if verdict.verdict is Verdict.SUCCESS:
             return self.execute_complete(context, {"status": "success", "state": current.state.value, "run_id": run_id,
                                                    "spark_ui_url": current.spark_ui_url,
-                                                   "spark_app_id": current.spark_app_id}, submit=submit)
+                                                   "spark_app_id": current.spark_app_id}, submit=submit,
+                                         lineage=lineage)
         self.defer(
             trigger=PipelineStateTrigger(
                 pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id, conn_id=self.conn_id,
@@ -554,7 +594,7 @@ class SubmitPipelineOperator(BaseOperator):
                 stop_on_kill=True, not_before=settle_deadline(),
             ),
             method_name="execute_complete",
-            kwargs={"submit": submit},
+            kwargs={"submit": submit, "lineage": lineage},
         )
 
     def _await_cluster_submission(self, submit_cmd: SubmitCommand, log_path: Path) -> ClusterApplication:
@@ -581,8 +621,10 @@ class SubmitPipelineOperator(BaseOperator):
         self.log.info("Pipeline %s: submitted as %s", self.pipeline_id, app.describe())
         return app
 
-    def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None) -> str:
-        """Airflow: the end of the wait; returns the run id, or fails with the driver's cause and log tail."""
+    def execute_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
+                         lineage: str | None = None) -> str:
+        """Airflow: the end of the wait; returns the run id, or fails with the driver's cause and log tail.
+        Supervised: goes on supervising the run instead (:meth:`supervise_complete` ends the task)."""
         ti = context["ti"]
         # Airflow passes the defer kwargs back; dag.test() does not, hence the XCom fallback.
         submit = submit or ti.xcom_pull(task_ids=self.task_id, key="submit_process") or {}
@@ -612,7 +654,77 @@ class SubmitPipelineOperator(BaseOperator):
             tail = log_tail(str(submit["log"]), 20)
             self.log.info("Driver log: %s on %s%s", submit["log"], submit.get("host") or "the worker",
                           f"; its last lines:\n{tail}" if tail else "")
+        self._strategy = parse_strategy(self.restart_strategy)
+        if self._strategy is not None:
+            lineage = lineage or run_id
+            _store(self.conn_id).supervise(self.pipeline_id, lineage, self._strategy.to_dict())
+            self.log.info("Pipeline %s: supervised as lineage %s with restart strategy %s; this task now lasts "
+                          "until the pipeline stops", self.pipeline_id, lineage, self._strategy.to_dict())
+            return self._supervise(context, lineage, run_id, submit, starting=False)
         return run_id
+
+    # ------------------------------------------------------------------ supervision
+
+    def _supervise(self, context: Context, lineage: str, run_id: str, submit: Mapping[str, Any], *,
+                   starting: bool) -> Any:
+        """Watch run ``run_id`` of the lineage in the triggerer (inline when not deferrable)."""
+        assert self._strategy is not None
+        trigger = PipelineSupervisorTrigger(
+            pipeline_id=self.pipeline_id, lineage=lineage, run_id=run_id, strategy=self._strategy.to_dict(),
+            conn_id=self.conn_id, poll_interval=self.poll_interval, heartbeat_timeout=self.heartbeat_timeout,
+            start_deadline=time.time() + float(self.register_timeout) if starting else None,
+            submit_pid=submit.get("pid"), submit_host=submit.get("host"), submit_start_ticks=submit.get("start_ticks"),
+            submit_log=submit.get("log"), submit_exits=bool(submit.get("exits")),
+            cluster_application=submit.get("cluster_application"),
+            not_before=settle_deadline() if self.deferrable else None,
+        )
+        kwargs = {"submit": dict(submit), "lineage": lineage}
+        if not self.deferrable:
+            return self.supervise_complete(context, run_inline(trigger), **kwargs)
+        self.defer(trigger=trigger, method_name="supervise_complete", kwargs=kwargs)
+
+    def supervise_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
+                           lineage: str | None = None) -> Any:
+        """Airflow: the supervisor's event: succeed (stopped), fail (gave up, superseded, store error), or
+        restart the pipeline from its latest completed epoch and supervise the new run."""
+        self._validate()
+        submit = submit or {}
+        lineage = str(lineage or event.get("lineage"))
+        status = event.get("status")
+        store = _store(self.conn_id)
+        if status == "stopped":
+            self.log.info("Pipeline %s run %s stopped (latest completed epoch %s); supervision ends",
+                          self.pipeline_id, event.get("run_id"), event.get("latest_epoch"))
+            return lineage
+        if status == "gave_up":
+            self._log_restarts(store, lineage)
+            raise PipelineFailedError(self.pipeline_id, str(event.get("cause") or event.get("message")))
+        if status != "restart":
+            raise ArroyoError(str(event.get("message")))
+        attempt = int(event["attempt"])
+        failed_run = str(event.get("run_id"))
+        # What is left of the failed run (a hung driver, a half-dead process group) is ended first.
+        process = None
+        if submit.get("pid") is not None and submit.get("host"):
+            process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
+        stop_run(store, self.pipeline_id, failed_run, process, log=self.log,
+                 cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
+        latest = store.latest_completed_epoch(self.pipeline_id)
+        restore = "latest" if latest is not None else parse_restore_from(self.restore_from)
+        new_run = restart_run_id(lineage, attempt)
+        self.log.warning("Pipeline %s: restart %s of lineage %s after: %s; restoring %s as run %s",
+                         self.pipeline_id, attempt, lineage, event.get("cause"),
+                         f"epoch {latest.epoch}" if latest is not None else f"nothing (restore_from={restore})",
+                         new_run)
+        new_submit = self._launch(context, new_run, restore, takeover=True)
+        store.record_restart(self.pipeline_id, lineage, attempt, new_run, latest.epoch if latest is not None else None)
+        return self._supervise(context, lineage, new_run, new_submit, starting=True)
+
+    def _log_restarts(self, store: EpochStore, lineage: str) -> None:
+        for r in reversed(store.restarts(self.pipeline_id, lineage)):
+            self.log.info("  failure %s at %s: run %s: %s -> %s", r.attempt, r.failed_at, r.failed_run_id, r.cause,
+                          f"restarted as {r.new_run_id} from epoch {r.restored_epoch}" if r.new_run_id
+                          else r.decision)
 
     def on_kill(self) -> None:
         """Airflow: the task was killed: stop the run this task submitted."""

@@ -53,6 +53,7 @@ from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store._transitions import transition
+from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -62,6 +63,7 @@ from airflow_arroyo.store.records import (
     FencingToken,
     ObjectRecord,
     PipelineRecord,
+    RestartRecord,
     PrunePlan,
     SinkCommitRecord,
     SnapshotEntry,
@@ -324,8 +326,9 @@ class EpochStore:
                 " spark_app_id = %(spark_app_id)s,"
                 " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = NULL, config = %(config)s::jsonb,"
                 " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
+                " supervision = CASE WHEN %(same_lineage)s THEN p.supervision END,"
                 " updated_at = now()",
-                params=params, returning="p.*",
+                params={**params, "same_lineage": is_run_of(run_id, current["supervised_run"])}, returning="p.*",
             )
             if not rows:  # cannot be: the row is locked and its run ended (or was just failed above)
                 raise IllegalTransitionError("pipeline", current["state"], PipelineState.REGISTERED.value,
@@ -866,6 +869,110 @@ class EpochStore:
     def waiting_forks(self, pipeline_id: str, epoch: int | None = None) -> list[str]:
         """The forks of ``pipeline_id`` (of its ``epoch`` when given) that still need their fork point."""
         return self._tx(lambda cur: self._waiting_forks(cur, pipeline_id, epoch))
+
+    # ------------------------------------------------------------------ supervision (airflow_arroyo.supervision)
+
+    def supervise(self, pipeline_id: str, lineage: str, strategy: Mapping[str, Any]) -> PipelineRecord:
+        """Put the pipeline's current run under supervision as lineage ``lineage`` (its first run id) with
+        ``strategy`` (a strategy's dict, shown by the UI and the CLI). Idempotent. Raises
+        :class:`ConcurrencyConflict` when the current run is not of that lineage (another run took over)."""
+
+        def tx(cur: PgCursor) -> PipelineRecord:
+            current = self._lock_pipeline(cur, pipeline_id)
+            if not current["run_id"] or not is_run_of(current["run_id"], lineage):
+                raise ConcurrencyConflict(
+                    f"pipeline {pipeline_id!r} runs {current['run_id']!r}, not run {lineage!r} or a restart of it: "
+                    "another submit took it over; this supervisor lets go")
+            cur.execute(
+                "UPDATE arroyo_pipelines SET supervised_run = %s, restart_strategy = %s::jsonb,"
+                " supervision = CASE WHEN supervision = 'restarting' AND supervised_run = %s THEN supervision"
+                " ELSE 'watching' END, updated_at = now() WHERE pipeline_id = %s RETURNING *",
+                (lineage, json.dumps(dict(strategy)), lineage, pipeline_id),
+            )
+            return from_row(PipelineRecord, _one(cur))
+
+        return self._tx(tx)
+
+    def record_failure(self, pipeline_id: str, lineage: str, failed_run_id: str, cause: str,
+                       decide: Callable[[list[PastFailure], datetime], RestartDecision]) -> RestartRecord:
+        """Record that run ``failed_run_id`` of a supervised lineage failed with ``cause``, and what
+        ``decide`` (given the lineage's failures so far, this one last, and the database's clock) made of
+        it: the restart's delay, or giving up. Under the pipeline's row lock, so two triggerers noticing
+        the same failure record it once: the second gets the first's row (also after a triggerer restart)."""
+
+        def tx(cur: PgCursor) -> RestartRecord:
+            self._lock_pipeline(cur, pipeline_id)
+            cur.execute("SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND failed_run_id = %s",
+                        (pipeline_id, failed_run_id))
+            seen = cur.fetchone()
+            if seen is not None:
+                return from_row(RestartRecord, seen)
+            cur.execute("SELECT failed_at, restarted_at FROM arroyo_restarts WHERE pipeline_id = %s AND lineage = %s"
+                        " ORDER BY attempt", (pipeline_id, lineage))
+            failures = [PastFailure(r["failed_at"], r["restarted_at"]) for r in cur.fetchall()]
+            cur.execute("SELECT clock_timestamp() AS now")
+            now = _one(cur)["now"]
+            failures.append(PastFailure(now))
+            decision = decide(failures, now)
+            cur.execute(
+                "INSERT INTO arroyo_restarts (pipeline_id, lineage, attempt, failed_run_id, cause, failed_at,"
+                " delay_s, gave_up, decision) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING *",
+                (pipeline_id, lineage, len(failures), failed_run_id, cause[:4000], now,
+                 decision.delay if decision.restart else 0.0, not decision.restart, decision.reason),
+            )
+            record = from_row(RestartRecord, _one(cur))
+            state = SupervisionState.RESTARTING if decision.restart else SupervisionState.GAVE_UP
+            cur.execute("UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
+                        " WHERE pipeline_id = %s AND supervised_run = %s", (state.value, pipeline_id, lineage))
+            return record
+
+        return self._tx(tx)
+
+    def record_restart(self, pipeline_id: str, lineage: str, attempt: int, new_run_id: str,
+                       restored_epoch: int | None) -> RestartRecord:
+        """Record that restart ``attempt`` of a lineage was submitted as run ``new_run_id``, restoring
+        ``restored_epoch`` (None: no completed epoch to restore, started as first configured); the
+        supervisor watches again."""
+
+        def tx(cur: PgCursor) -> RestartRecord:
+            cur.execute(
+                "UPDATE arroyo_restarts SET new_run_id = %s, restored_epoch = %s,"
+                " restarted_at = COALESCE(restarted_at, clock_timestamp())"
+                " WHERE pipeline_id = %s AND lineage = %s AND attempt = %s RETURNING *",
+                (new_run_id, restored_epoch, pipeline_id, lineage, attempt),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise ConfigurationError(f"pipeline {pipeline_id!r} lineage {lineage!r} has no failure {attempt} "
+                                         "recorded to restart after")
+            cur.execute("UPDATE arroyo_pipelines SET supervision = 'watching', updated_at = now()"
+                        " WHERE pipeline_id = %s AND supervised_run = %s AND supervision = 'restarting'",
+                        (pipeline_id, lineage))
+            return from_row(RestartRecord, row)
+
+        return self._tx(tx)
+
+    def end_supervision(self, pipeline_id: str, lineage: str,
+                        state: SupervisionState = SupervisionState.ENDED) -> None:
+        """The supervisor of ``lineage`` lets go (the pipeline stopped, or it gave up): a failed run of it
+        is no longer coming back. A no-op when another lineage is supervised meanwhile."""
+        self._tx(lambda cur: cur.execute(
+            "UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
+            " WHERE pipeline_id = %s AND supervised_run = %s", (state.value, pipeline_id, lineage)))
+
+    def restarts(self, pipeline_id: str, lineage: str | None = None, limit: int = 200) -> list[RestartRecord]:
+        """The failures and restarts a supervisor recorded for the pipeline, newest first (of one lineage,
+        or of all)."""
+
+        def tx(cur: PgCursor) -> list[RestartRecord]:
+            cur.execute(
+                "SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND (%s::text IS NULL OR lineage = %s)"
+                " ORDER BY failed_at DESC, attempt DESC LIMIT %s",
+                (pipeline_id, lineage, lineage, int(limit)),
+            )
+            return [from_row(RestartRecord, r) for r in cur.fetchall()]
+
+        return self._tx(tx)
 
     def forks_of(self, pipeline_id: str) -> list[PipelineRecord]:
         """Every pipeline forked from ``pipeline_id``, by fork point then id."""

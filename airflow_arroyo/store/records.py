@@ -81,6 +81,11 @@ class PipelineRecord:
     forked_from_pipeline: str | None = None
     forked_from_epoch: int | None = None
     forked_at: datetime | None = None
+    # supervision (migration 0011): what the supervisor of the lineage does, the lineage (first run id),
+    # and the restart strategy as configured; see airflow_arroyo.supervision
+    supervision: str | None = None
+    supervised_run: str | None = None
+    restart_strategy: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", PipelineState(self.state))
@@ -89,6 +94,23 @@ class PipelineRecord:
     def token(self) -> FencingToken:
         """The current run's fencing token."""
         return FencingToken(self.pipeline_id, self.run_id or "", int(self.generation))
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """A row of ``arroyo_restarts``: one failure a supervisor noticed, and the restart after it."""
+    pipeline_id: str
+    lineage: str
+    attempt: int
+    failed_run_id: str
+    cause: str
+    failed_at: datetime
+    delay_s: float = 0.0
+    gave_up: bool = False
+    decision: str | None = None
+    new_run_id: str | None = None
+    restored_epoch: int | None = None
+    restarted_at: datetime | None = None
 
 
 @dataclass(frozen=True)

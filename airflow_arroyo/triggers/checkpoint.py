@@ -53,6 +53,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
+from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
@@ -385,8 +386,14 @@ class _Controller:
 
         if decision.action is TriggerAction.PIPELINE_ENDED:
             pipe = await self.store.get_pipeline(self.pipeline_id)
-            if self.t.pipeline_run_id is not None and pipe.run_id != self.t.pipeline_run_id:
+            if not in_lineage(pipe, self.t.pipeline_run_id):
                 self.run_confirmed = False  # a new run registered meanwhile and ended? wait for ours
+                return None, self.poll
+            if restart_pending(pipe):  # supervised: the failed run comes back as a restart of it
+                if self.idle_state != "restarting":
+                    self.idle_state = "restarting"
+                    self.log.info("pipeline %s: run %s failed and its supervisor restarts it; no epoch until the "
+                                  "restart runs", self.pipeline_id, pipe.run_id)
                 return None, self.poll
             return self._ended(pipe), 0.0
 
@@ -430,7 +437,7 @@ class _Controller:
             pipe = await self.store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             return await self._not_registered(f"pipeline {self.pipeline_id} is not registered yet")
-        if pipe.run_id == self.t.pipeline_run_id:
+        if in_lineage(pipe, self.t.pipeline_run_id):
             self.run_confirmed = True
             self.registration_deadline = None
             return None

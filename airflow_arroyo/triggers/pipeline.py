@@ -51,6 +51,7 @@ from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
+from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = [
@@ -133,7 +134,9 @@ def evaluate_wait(
     """What the facts say about a wait. Pure.
 
     * ``pipeline``: the pipeline's record, or None if it is not registered (yet).
-    * ``run_id``: only this run counts; until it registers (another run's record) we wait.
+    * ``run_id``: only this run (or a supervisor's restart of it) counts; until it registers (another
+      run's record) we wait. A supervised run that failed or went silent is waited for while its
+      supervisor restarts it (:func:`~airflow_arroyo.supervision.restart_pending`).
     * ``epoch``: wait until an epoch numbered ``epoch`` **or later** has completed (a checkpoint at
       least that recent exists; an expired epoch N followed by a completed N+1 satisfies it).
     * ``heartbeat_age``/``heartbeat_timeout``: a live (registered/running/stopping) pipeline whose
@@ -142,7 +145,7 @@ def evaluate_wait(
     if pipeline is None:
         return WaitVerdict(Verdict.WAIT, "not registered yet")
     pid = pipeline.pipeline_id
-    if run_id is not None and pipeline.run_id != run_id:
+    if not in_lineage(pipeline, run_id):
         return WaitVerdict(Verdict.WAIT, f"run {run_id!r} not registered yet (current run {pipeline.run_id!r})")
     current = pipeline.state
     if epoch is not None and latest_completed is not None and latest_completed >= epoch:
@@ -150,6 +153,9 @@ def evaluate_wait(
     if current is PipelineState.FAILED:
         if state is PipelineState.FAILED:
             return WaitVerdict(Verdict.SUCCESS, f"pipeline {pid!r} failed", cause=pipeline.failure_cause)
+        if restart_pending(pipeline):
+            return WaitVerdict(Verdict.WAIT, f"run {pipeline.run_id!r} of {pid!r} failed and its supervisor restarts "
+                                             f"it ({pipeline.failure_cause or 'no cause reported'})")
         return WaitVerdict(Verdict.FAILED, f"pipeline {pid!r} failed: {pipeline.failure_cause or 'no cause reported'}",
                            cause=pipeline.failure_cause)
     if state is PipelineState.RUNNING and current in (PipelineState.RUNNING, PipelineState.STOPPING):
@@ -161,7 +167,8 @@ def evaluate_wait(
         done = f" (latest completed epoch: {latest_completed})" if latest_completed is not None else ""
         return WaitVerdict(Verdict.UNREACHABLE,
                            f"pipeline {pid!r} stopped before it reached {wanted}{done}")
-    if heartbeat_timeout is not None and heartbeat_age is not None and heartbeat_age > heartbeat_timeout:
+    if (heartbeat_timeout is not None and heartbeat_age is not None and heartbeat_age > heartbeat_timeout
+            and not restart_pending(pipeline)):
         return WaitVerdict(
             Verdict.UNREACHABLE,
             f"pipeline {pid!r} is {current} but its driver has not heartbeated for {heartbeat_age:.0f}s "

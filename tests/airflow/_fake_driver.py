@@ -2,7 +2,7 @@
 
 Used by the operator/sensor tests as the spark-submit application (spark-submit runs it like the
 real driver) or as a plain process. Same arguments as ``airflow_arroyo/runtime/driver.py``:
-``--pipeline module:<pipeline_id> --run-id X [--restore-from ...] [--storage-uri ...]``; the DSN comes
+``--pipeline module:<pipeline_id> --run-id X [--restore-from ...] [--storage-uri ...] [--takeover]``; the DSN comes
 from ``ARROYO_DSN``. Behaviour knobs (environment):
 
 * ``FAKE_EXIT_BEFORE_REGISTER=msg``: print msg and exit 3 before registering.
@@ -42,6 +42,7 @@ def main() -> int:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--restore-from")
     parser.add_argument("--storage-uri")
+    parser.add_argument("--takeover", action="store_true")
     args, _ = parser.parse_known_args()
     pipeline_id = args.pipeline.rsplit(":", 1)[-1]
     if os.environ.get("FAKE_EXIT_BEFORE_REGISTER"):
@@ -50,7 +51,7 @@ def main() -> int:
     store = EpochStore(os.environ["ARROYO_DSN"], max_connections=2)
     store.migrate()
     store.register_pipeline(pipeline_id, stages=STAGES, run_id=args.run_id, storage_uri=args.storage_uri,
-                            config={"restore_from": args.restore_from, "pid": os.getpid()})
+                            config={"restore_from": args.restore_from, "pid": os.getpid()}, takeover=args.takeover)
     store.heartbeat(pipeline_id, args.run_id, spark_app_id=f"local-fake-{os.getpid()}",
                     spark_ui_url="http://127.0.0.1:4040")
     store.set_pipeline_state(pipeline_id, PipelineState.RUNNING, run_id=args.run_id)

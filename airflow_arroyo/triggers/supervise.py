@@ -1,0 +1,245 @@
+"""``PipelineSupervisorTrigger``: watch a supervised pipeline run in the triggerer, for its whole life.
+
+The submit operator, given a ``restart_strategy``, defers to it once its run is ``running`` (and after
+each restart it submits). No worker slot is held meanwhile. It looks at the epoch store every
+``poll_interval`` seconds and yields exactly one event::
+
+    {"status": "stopped" | "restart" | "gave_up" | "superseded" | "error",
+     "pipeline_id", "lineage", "run_id", "attempt", "cause", "delay", "message", "latest_epoch"}
+
+* ``stopped``: the lineage's run stopped (a stop operator, the CLI, ``stop_after_epochs``): the task
+  succeeds.
+* ``restart``: the run failed (its driver reported ``failed``; its heartbeat is older than
+  ``heartbeat_timeout``; the local ``spark-submit`` exited; the cluster manager says the application
+  ended; or a restarted run did not reach ``running`` by ``start_deadline``), the failure was recorded
+  (``arroyo_restarts``) and the strategy's delay has passed: the operator resubmits, restoring the
+  latest completed epoch, and defers here again.
+* ``gave_up``: the strategy gave up on the failure; ``cause`` is the last failure's: the task fails.
+* ``superseded``: another run (not of this lineage) took the pipeline over: this supervisor lets go.
+* ``error``: the epoch store failed beyond its retries.
+
+The decision itself is :func:`airflow_arroyo.supervision.decide_restart`'s, taken inside the store's
+transaction that records the failure (:meth:`~airflow_arroyo.store.EpochStore.record_failure`), so two
+triggerers running this trigger, or one restarted during a backoff, record one failure once and wait
+out the same delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.hooks.spark_deploy import ClusterApplication
+from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
+from airflow_arroyo.supervision import (
+    SupervisionState,
+    decide_restart,
+    in_lineage,
+    parse_strategy,
+)
+from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail, open_async_store
+from airflow_arroyo.triggers.settle import hold_until
+
+__all__ = ["PipelineSupervisorTrigger"]
+
+_LIVE = (PipelineState.REGISTERED, PipelineState.RUNNING, PipelineState.STOPPING)
+
+
+class PipelineSupervisorTrigger(BaseTrigger):
+    """Supervise run ``run_id`` of lineage ``lineage`` of a pipeline: end when it stops, restart it
+    (through the operator) when it fails, as ``strategy`` decides.
+
+    :param pipeline_id: the pipeline.
+    :param lineage: the first run id of the supervised chain of runs.
+    :param run_id: the run watched now (the lineage itself, or its latest restart).
+    :param strategy: the restart strategy's dict (:func:`~airflow_arroyo.supervision.parse_strategy`).
+    :param conn_id: Airflow connection of the epoch store.
+    :param poll_interval: seconds between two looks at the store.
+    :param heartbeat_timeout: a live run silent for this many seconds has failed.
+    :param start_deadline: UNIX time by which ``run_id`` must be running (a restart just submitted);
+        None once it ran.
+    :param submit_pid/submit_host/submit_start_ticks/submit_log/submit_exits: the local ``spark-submit``
+        of ``run_id``, as in :class:`~airflow_arroyo.triggers.pipeline.PipelineStateTrigger`.
+    :param cluster_application: a cluster-mode run's handle; its end is a failure.
+    :param not_before: UNIX time before which no event is yielded (the deferral's settle time).
+    """
+
+    def __init__(
+        self,
+        pipeline_id: str,
+        lineage: str,
+        run_id: str,
+        strategy: dict[str, Any],
+        conn_id: str = "arroyo_default",
+        poll_interval: float = 2.0,
+        heartbeat_timeout: float = 60.0,
+        start_deadline: float | None = None,
+        submit_pid: int | None = None,
+        submit_host: str | None = None,
+        submit_start_ticks: int | None = None,
+        submit_log: str | None = None,
+        submit_exits: bool = False,
+        cluster_application: dict[str, Any] | None = None,
+        cluster_poll_interval: float = 30.0,
+        not_before: float | None = None,
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
+        validate_pipeline_id(pipeline_id)
+        parsed = parse_strategy(strategy)
+        if parsed is None:
+            raise ConfigurationError("PipelineSupervisorTrigger needs a restart strategy")
+        if poll_interval <= 0 or heartbeat_timeout <= 0:
+            raise ConfigurationError("poll_interval and heartbeat_timeout must be positive numbers of seconds")
+        self.pipeline_id = pipeline_id
+        self.lineage = lineage
+        self.run_id = run_id
+        self.strategy = parsed.to_dict()
+        self._strategy = parsed
+        self.conn_id = conn_id
+        self.poll_interval = float(poll_interval)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.start_deadline = start_deadline
+        self.submit_pid = submit_pid
+        self.submit_host = submit_host
+        self.submit_start_ticks = submit_start_ticks
+        self.submit_log = submit_log
+        self.submit_exits = submit_exits
+        self.cluster_application = dict(cluster_application) if cluster_application else None
+        self.cluster_poll_interval = float(cluster_poll_interval)
+        self._cluster_checked_at = 0.0
+        self.not_before = not_before
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        """Airflow: the class path and exactly the constructor arguments."""
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "pipeline_id": self.pipeline_id, "lineage": self.lineage, "run_id": self.run_id,
+                "strategy": self.strategy, "conn_id": self.conn_id, "poll_interval": self.poll_interval,
+                "heartbeat_timeout": self.heartbeat_timeout, "start_deadline": self.start_deadline,
+                "submit_pid": self.submit_pid, "submit_host": self.submit_host,
+                "submit_start_ticks": self.submit_start_ticks, "submit_log": self.submit_log,
+                "submit_exits": self.submit_exits, "cluster_application": self.cluster_application,
+                "cluster_poll_interval": self.cluster_poll_interval, "not_before": self.not_before,
+            },
+        )
+
+    @property
+    def process(self) -> LocalProcess | None:
+        """The local spark-submit process of ``run_id``, if the operator started one."""
+        if self.submit_pid is None or self.submit_host is None:
+            return None
+        return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
+
+    def _event(self, status: str, message: str, *, restart: RestartRecord | None = None,
+               latest: int | None = None) -> TriggerEvent:
+        return TriggerEvent({
+            "status": status, "pipeline_id": self.pipeline_id, "lineage": self.lineage, "run_id": self.run_id,
+            "attempt": restart.attempt if restart else None, "cause": restart.cause if restart else None,
+            "delay": restart.delay_s if restart else None, "message": message, "latest_epoch": latest,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Airflow: supervise until the run stops, fails for good, or must be restarted."""
+        try:
+            store = await open_async_store(self.conn_id)
+            event = await self._supervise(store)
+        except ArroyoError as exc:
+            event = self._event("error", f"epoch store error while supervising {self.pipeline_id!r}: {exc}")
+        await hold_until(self.not_before, self.log, self.pipeline_id)
+        yield event
+
+    async def _supervise(self, store: AsyncEpochStore) -> TriggerEvent:
+        self.log.info("Supervising pipeline %s run %s (lineage %s, restart strategy %s)", self.pipeline_id,
+                      self.run_id, self.lineage, self.strategy)
+        while True:
+            try:
+                record: PipelineRecord | None = await store.get_pipeline(self.pipeline_id)
+            except UnknownPipelineError:
+                record = None
+            if record is not None and not in_lineage(record, self.lineage) and record.state in _LIVE:
+                return self._event("superseded", (
+                    f"pipeline {self.pipeline_id!r} is now run {record.run_id!r}, not of lineage {self.lineage!r}: "
+                    "another submit took it over; this task no longer supervises it"))
+            ours = record is not None and record.run_id == self.run_id
+            if ours and record is not None and record.state is PipelineState.STOPPED:
+                await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage)
+                latest = await store.latest_completed_epoch(self.pipeline_id)
+                return self._event("stopped", f"pipeline {self.pipeline_id!r} run {self.run_id!r} stopped",
+                                   latest=latest.epoch if latest else None)
+            cause = await self._failure(store, record if ours else None)
+            if cause is not None:
+                return await self._decide(store, record, cause)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _failure(self, store: AsyncEpochStore, record: PipelineRecord | None) -> str | None:
+        """Why run ``run_id`` has failed, or None while it is up (or still starting in time).
+        ``record``: the pipeline's record when its current run is ``run_id``, else None (not registered yet)."""
+        if record is not None:
+            if record.state is PipelineState.FAILED:
+                return f"the driver of run {self.run_id} failed: {record.failure_cause or 'no cause reported'}"
+            if record.state is PipelineState.RUNNING:
+                self.start_deadline = None
+            if record.heartbeat_at is not None:
+                age = ((await store.db_now()) - record.heartbeat_at).total_seconds()
+                if age > self.heartbeat_timeout:
+                    return (f"the driver of run {self.run_id} has not heartbeated for {age:.0f}s (more than "
+                            f"{self.heartbeat_timeout:g}s): it hangs or died without a word")
+        proc = self.process
+        if proc is not None and not self.submit_exits and proc.alive() is False:
+            again = await store.get_pipeline(self.pipeline_id)  # it may have written its end just before exiting
+            if again.run_id == self.run_id and again.state is PipelineState.STOPPED:
+                return None
+            tail = log_tail(self.submit_log, 15)
+            return (f"spark-submit of run {self.run_id} (pid {proc.pid}) exited while the run was "
+                    f"{again.state if again.run_id == self.run_id else 'not registered'}; see {self.submit_log}"
+                    + (f"; its last lines:\n{tail}" if tail else ""))
+        app = ClusterApplication.from_dict(self.cluster_application)
+        if app is not None and time.monotonic() - self._cluster_checked_at >= self.cluster_poll_interval:
+            self._cluster_checked_at = time.monotonic()
+            status = await asyncio.to_thread(app.status)
+            if status is not None and status[0]:
+                again = await store.get_pipeline(self.pipeline_id)
+                if not (again.run_id == self.run_id and again.state is PipelineState.STOPPED):
+                    return f"the cluster application of run {self.run_id} ended: {status[1]}"
+        if self.start_deadline is not None and time.time() > self.start_deadline:
+            return f"run {self.run_id} did not reach running in time (the submit's register_timeout)"
+        return None
+
+    async def _decide(self, store: AsyncEpochStore, record: PipelineRecord | None, cause: str) -> TriggerEvent:
+        stop_requested = record is not None and bool(record.stop_requested)
+        decide = functools.partial(self._decide_in_tx, stop_requested=stop_requested)
+        try:
+            restart = await asyncio.to_thread(store.sync.record_failure, self.pipeline_id, self.lineage,
+                                              self.run_id, cause, decide)
+        except ConcurrencyConflict as exc:
+            return self._event("superseded", str(exc))
+        self.log.warning("Pipeline %s run %s failed (failure %s of lineage %s): %s; %s", self.pipeline_id,
+                         self.run_id, restart.attempt, self.lineage, restart.cause, restart.decision)
+        if restart.gave_up:
+            return self._event("gave_up", f"pipeline {self.pipeline_id!r}: the restart strategy gave up "
+                                          f"({restart.decision}); last cause: {restart.cause}", restart=restart)
+        # The delay runs from when the failure was recorded (the database's clock): a triggerer that
+        # picks this trigger up again mid-backoff waits only what is left of it.
+        left = restart.delay_s - ((await store.db_now()) - restart.failed_at).total_seconds()
+        if left > 0:
+            self.log.info("Pipeline %s: restart %s in %.1fs", self.pipeline_id, restart.attempt, left)
+            await asyncio.sleep(left)
+        return self._event("restart", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} after: "
+                                      f"{restart.cause}", restart=restart)
+
+    def _decide_in_tx(self, failures: Any, now: Any, *, stop_requested: bool) -> Any:
+        return decide_restart(self._strategy, failures, now, lineage=self.lineage, stop_requested=stop_requested)
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task: the supervision ends (the run itself is left as it is;
+        stop it with the stop operator or ``airflow-arroyo stop``)."""
+        store = await open_async_store(self.conn_id)
+        await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage, SupervisionState.ENDED)
