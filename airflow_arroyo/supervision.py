@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from airflow_arroyo.exceptions import ConfigurationError
 
@@ -80,9 +80,13 @@ class RestartStrategy(Protocol):
     """A restart strategy: its ``type`` name, its settings, and its decision."""
     type: str
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision: ...
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+        """Restart after the newest of ``failures`` (oldest first), or give up; ``salt`` seeds jitter."""
+        ...
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, with ``type``: what :func:`parse_strategy` reads back."""
+        ...
 
 
 def _seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
@@ -112,10 +116,12 @@ class NoRestart:
     """Never restart: the first failure fails the task (supervision still reports it)."""
     type: str = "none"
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
+        """Give up."""
         return RestartDecision(False, 0.0, "the restart strategy is 'none'")
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"type": "none"}``."""
         return {"type": self.type}
 
 
@@ -130,13 +136,15 @@ class FixedDelay:
         object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
+        """Restart while no more than ``attempts`` failures happened."""
         if len(failures) > self.attempts:
             return RestartDecision(False, 0.0, f"{len(failures)} failures, more than the {self.attempts} restart(s) "
                                                "fixed-delay allows")
         return RestartDecision(True, self.delay, f"restart {len(failures)} of {self.attempts} (fixed-delay)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings and ``type``."""
         return asdict(self)
 
 
@@ -165,7 +173,8 @@ class ExponentialDelay:
         if not (math.isfinite(multiplier) and multiplier >= 1):
             raise ConfigurationError(f"restart strategy: multiplier must be a number >= 1, got {self.multiplier!r}")
         if not (math.isfinite(jitter) and 0 <= jitter <= 1):
-            raise ConfigurationError(f"restart strategy: jitter must be a fraction between 0 and 1, got {self.jitter!r}")
+            raise ConfigurationError(
+                f"restart strategy: jitter must be a fraction between 0 and 1, got {self.jitter!r}")
         object.__setattr__(self, "multiplier", multiplier)
         object.__setattr__(self, "jitter", jitter)
         if self.max < self.initial:
@@ -173,7 +182,8 @@ class ExponentialDelay:
         if self.attempts is not None:
             object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
+        """Restart after the backoff of the current streak, unless ``attempts`` is exceeded."""
         # Failures since the last reset: walk back while the run before each failure was up for less
         # than reset_after (from the restart before it to it).
         streak = 1
@@ -193,6 +203,7 @@ class ExponentialDelay:
         return RestartDecision(True, delay, f"failure {streak} in a row: backoff {delay:.1f} s (exponential-delay)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings and ``type``."""
         return asdict(self)
 
 
@@ -210,7 +221,8 @@ class FailureRate:
         object.__setattr__(self, "interval", _seconds(self.interval, "interval", allow_zero=False))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
+        """Restart unless more than ``max_failures`` fell within ``interval``."""
         recent = sum(1 for f in failures if (now - f.failed_at).total_seconds() <= self.interval)
         if recent > self.max_failures:
             return RestartDecision(False, 0.0, f"{recent} failures within {self.interval:g} s, more than the "
@@ -219,6 +231,7 @@ class FailureRate:
                                                  f"{self.interval:g} s (failure-rate)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings and ``type``."""
         return asdict(self)
 
 
@@ -233,7 +246,7 @@ def parse_strategy(value: RestartStrategy | Mapping[str, Any] | str | None) -> R
     if value is None or value == "":
         return None
     if isinstance(value, (NoRestart, FixedDelay, ExponentialDelay, FailureRate)):
-        return value
+        return cast(RestartStrategy, value)
     settings: dict[str, Any]
     if isinstance(value, str):
         settings = {"type": value}

@@ -13,8 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +46,7 @@ CONN = "arroyo_test"
 SPARK = "spark_test"
 
 
-@pytest.fixture(autouse=True)
-def _no_defer_settle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No settle hold here (no scheduler to race; tests/airflow/test_defer_settle.py covers it)."""
-    monkeypatch.setattr("airflow_arroyo.triggers.settle.DEFER_SETTLE_S", 0.0)
-
-
-@pytest.fixture
-def conns(store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> EpochStore:
-    """Connections as environment variables: the epoch store, and Spark local[2] as JSON."""
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", store.dsn)
-    monkeypatch.setenv(f"AIRFLOW_CONN_{SPARK.upper()}", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    return store
+pytestmark = pytest.mark.usefixtures("no_defer_settle")
 
 
 class _TI:
@@ -90,15 +78,6 @@ def run_trigger(trigger: PipelineStateTrigger) -> dict[str, Any]:
         raise AssertionError("trigger ended without an event")
 
     return asyncio.run(first())
-
-
-@pytest.fixture
-def started() -> Iterator[list[LocalProcess]]:
-    """Process groups a test started: killed at teardown if the test left them running."""
-    groups: list[LocalProcess] = []
-    yield groups
-    for group in groups:
-        group.signal_group(signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- pure pieces

@@ -1,0 +1,127 @@
+"""A supervised SubmitPipelineOperator: real spark-submit (local mode) of the stand-in driver
+(``_fake_driver.py``), real epoch store, the supervisor trigger run as the triggerer runs it.
+
+The driver is SIGKILLed; the supervisor notices (its spark-submit exited), the operator resubmits
+restoring the latest completed epoch as ``<lineage>.restart1``; a driver that keeps failing makes the
+strategy give up and the task fail with the driver's cause. The real driver and Spark: the
+airflow-standalone end-to-end test (tests/e2e)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import TaskDeferred
+
+from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.exceptions import PipelineFailedError
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import wait_for
+from airflow_arroyo.triggers.pipeline import LocalProcess
+from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
+from tests.airflow.test_pipeline_operators import _TI, PID, run_trigger, submit_op
+
+pytestmark = pytest.mark.usefixtures("no_defer_settle")
+
+LINEAGE = "d.manual__2026-01-01T00:00:00+00:00.try1"
+
+
+def _deferred(call: Any, *args: Any, **kwargs: Any) -> TaskDeferred:
+    with pytest.raises(TaskDeferred) as deferred:
+        call(*args, **kwargs)
+    return deferred.value
+
+
+def _supervised_until_running(op: Any, ti: _TI, started: list[LocalProcess]) -> TaskDeferred:
+    first = _deferred(op.execute, {"ti": ti})
+    started.append(LocalProcess(first.trigger.submit_pid, first.trigger.submit_host, first.trigger.submit_start_ticks))
+    event = run_trigger(first.trigger)
+    assert event["status"] == "success", event
+    supervised = _deferred(op.execute_complete, {"ti": ti}, event, **first.kwargs)
+    assert isinstance(supervised.trigger, PipelineSupervisorTrigger)
+    assert (supervised.trigger.lineage, supervised.trigger.run_id) == (LINEAGE, LINEAGE)
+    return supervised
+
+
+@pytest.mark.spark
+def test_a_killed_driver_comes_back_from_the_latest_epoch_and_the_task_ends_when_it_stops(
+        conns: EpochStore, tmp_path: Path, started: list[LocalProcess]) -> None:
+    store = conns
+    op = submit_op(tmp_path, restart_strategy={"type": "fixed-delay", "attempts": 2, "delay": 0.5},
+                   env_vars={"FAKE_EPOCH_INTERVAL": "0.3"})
+    ti = _TI()
+    supervised = _supervised_until_running(op, ti, started)
+    assert store.get_pipeline(PID).supervision == "watching"
+    wait_for(lambda: (store.latest_completed_epoch(PID) or 0) and store.latest_completed_epoch(PID).epoch >= 2,
+             timeout=60, what="two completed epochs")  # type: ignore[union-attr]
+    os.kill(int(store.get_pipeline(PID).config["pid"]), signal.SIGKILL)
+
+    event = run_trigger(supervised.trigger)  # notices that spark-submit exited, records it, waits 0.5 s
+    assert (event["status"], event["attempt"], event["run_id"]) == ("restart", 1, LINEAGE), event
+    assert "exited" in event["cause"]
+    latest = store.latest_completed_epoch(PID)
+    assert latest is not None
+    restarted = _deferred(op.supervise_complete, {"ti": ti}, event, **supervised.kwargs)
+    trigger = restarted.trigger
+    assert isinstance(trigger, PipelineSupervisorTrigger)
+    started.append(LocalProcess(trigger.submit_pid, trigger.submit_host, trigger.submit_start_ticks))  # type: ignore[arg-type]
+    assert trigger.run_id == f"{LINEAGE}.restart1" and trigger.start_deadline is not None
+    assert ti.xcom["run_id"] == trigger.run_id
+    wait_for(lambda: store.get_pipeline(PID).run_id == trigger.run_id
+             and store.get_pipeline(PID).state is PipelineState.RUNNING, timeout=120, what="the restart to run")
+    pipeline = store.get_pipeline(PID)
+    assert pipeline.config["restore_from"] == "latest" and pipeline.supervised_run == LINEAGE
+    [restart] = store.restarts(PID)
+    assert (restart.attempt, restart.new_run_id, restart.restored_epoch, restart.gave_up) == (
+        1, trigger.run_id, latest.epoch, False)
+    assert restart.restarted_at is not None and restart.delay_s == 0.5
+
+    store.request_stop(PID, "graceful")
+    event = run_trigger(trigger)
+    assert event["status"] == "stopped", event
+    assert op.supervise_complete({"ti": ti}, event, **restarted.kwargs) == LINEAGE
+    assert store.get_pipeline(PID).supervision == "ended"
+
+
+@pytest.mark.spark
+def test_a_strategy_that_gives_up_fails_the_task_with_the_last_cause(
+        conns: EpochStore, tmp_path: Path, started: list[LocalProcess]) -> None:
+    store = conns
+    op = submit_op(tmp_path, restart_strategy={"type": "fixed-delay", "attempts": 1, "delay": 0},
+                   env_vars={"FAKE_EPOCH_INTERVAL": "1.5", "FAKE_FAIL_AFTER_EPOCHS": "2",
+                             "FAKE_FAIL_CAUSE": "division by zero in stage join"})
+    ti = _TI()
+    supervised = _supervised_until_running(op, ti, started)
+    event = run_trigger(supervised.trigger)
+    assert (event["status"], event["attempt"]) == ("restart", 1), event
+    assert "division by zero in stage join" in event["cause"]
+    restarted = _deferred(op.supervise_complete, {"ti": ti}, event, **supervised.kwargs)
+    started.append(LocalProcess(restarted.trigger.submit_pid, restarted.trigger.submit_host,
+                                restarted.trigger.submit_start_ticks))
+    event = run_trigger(restarted.trigger)  # the restart fails the same way: one restart allowed, no more
+    assert (event["status"], event["attempt"]) == ("gave_up", 2), event
+    with pytest.raises(PipelineFailedError, match="division by zero in stage join"):
+        op.supervise_complete({"ti": ti}, event, **restarted.kwargs)
+    records = store.restarts(PID)
+    assert [(r.attempt, r.gave_up) for r in records] == [(2, True), (1, False)]
+    assert "more than the 1 restart(s)" in (records[0].decision or "")
+    assert store.get_pipeline(PID).supervision == "gave_up"
+
+
+def test_a_retry_reattaches_to_a_restart_of_its_run_and_supervises_it_again(conns: EpochStore,
+                                                                           tmp_path: Path) -> None:
+    restart = f"{LINEAGE}.restart2"
+    conns.register_pipeline(PID, stages=["a"], run_id=restart)
+    conns.set_pipeline_state(PID, PipelineState.RUNNING, run_id=restart)
+    conns.supervise(PID, LINEAGE, {"type": "fixed-delay"})
+    ti = _TI()
+    ti.try_number = 2
+    ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
+    op = submit_op(tmp_path, restart_strategy="fixed-delay")
+    deferred = _deferred(op.execute, {"ti": ti})
+    assert isinstance(deferred.trigger, PipelineSupervisorTrigger)
+    assert (deferred.trigger.lineage, deferred.trigger.run_id) == (LINEAGE, restart)
+    assert not list(tmp_path.rglob("*.pid"))  # nothing was submitted
