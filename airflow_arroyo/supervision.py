@@ -20,8 +20,10 @@ A supervised chain of runs is one *lineage*: its first run's id; a restart's run
 
 from __future__ import annotations
 
+import ast
 import enum
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -242,12 +244,22 @@ _STRATEGIES: dict[str, type[Any]] = {
 
 def parse_strategy(value: RestartStrategy | Mapping[str, Any] | str | None) -> RestartStrategy | None:
     """A strategy from what a DAG author wrote: a strategy object, a dict with ``type`` and its settings
-    (templated values arrive as strings), a bare type name (its defaults), or None (not supervised)."""
+    (templated values arrive as strings; a whole templated dict as its JSON or repr), a bare type name
+    (its defaults), or None / "" / "none"... (``"none"`` is supervision that never restarts)."""
     if value is None or value == "":
         return None
     if isinstance(value, (NoRestart, FixedDelay, ExponentialDelay, FailureRate)):
         return cast(RestartStrategy, value)
     settings: dict[str, Any]
+    if isinstance(value, str) and value.strip().startswith("{"):  # a rendered template: JSON or a dict's repr
+        text = value.strip()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise ConfigurationError(f"restart_strategy {text!r} is neither JSON nor a dict") from None
     if isinstance(value, str):
         settings = {"type": value}
     elif isinstance(value, Mapping):

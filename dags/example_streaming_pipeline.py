@@ -1,15 +1,21 @@
-"""Example: run the demo streaming pipeline with checkpoint epochs, then stop it.
+"""Example: run the demo streaming pipeline with checkpoint epochs, supervised, then stop it.
 
 ::
 
-    submit ──> checkpoints            (an epoch every `interval` s; after `epochs` it stops the pipeline)
-       └─────> run_for ──> stop       (waits until it stopped or `minutes`, then makes sure it is stopped)
+    submit                            (supervised: restarts the pipeline when its driver fails)
+    checkpoints                       (an epoch every `interval` s; after `epochs` it stops the pipeline)
+    run_for ──> stop                  (waits until it stopped or `minutes`, then makes sure it is stopped)
 
 * ``submit`` starts ``airflow_arroyo.examples.pipelines:demo`` (two generator sources, a keyed
   stream-stream join of both, a filter) as a long-running Spark application with spark-submit
-  (connection ``spark_default``; local mode on one machine) and succeeds once it is running.
+  (connection ``spark_default``; local mode on one machine) as run ``<dag id>.<DAG run id>``, then
+  supervises it in the triggerer for its whole life (``restart_strategy``, Flink's restart strategies):
+  when the driver dies it resubmits the pipeline restoring the latest completed epoch, and the task
+  ends when the pipeline stops (or fails with the last cause when the strategy gives up). So the
+  other tasks do not wait for it: they wait for the run themselves (it has a known id).
 * ``checkpoints`` is the checkpoint controller: it runs in the triggerer for the pipeline's whole
-  life, never two epochs in flight, never while the retention DAG holds the cleanup lock.
+  life (across restarts), never two epochs in flight, never while the retention DAG holds the cleanup
+  lock.
 * ``checkpoints`` (``stop_after_epochs``) asks for a graceful stop once ``epochs - 1`` epochs have
   completed or are in flight, so that the stop's final epoch is the ``epochs``-th: a run of
   ``epochs=5`` has exactly 5 completed epochs when nothing fails.
@@ -19,7 +25,8 @@
   run never leaves a pipeline behind.
 
 Trigger it with a conf to change the parameters, e.g. ``{"interval": 2, "epochs": 5}``;
-``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run.
+``{"restore_from": "latest"}`` resumes from the newest completed epoch of an earlier run;
+``{"restart_strategy": ""}`` runs it unsupervised.
 
 Settings from Airflow's configuration, section ``[arroyo]`` (``airflow.cfg`` or
 ``AIRFLOW__ARROYO__*``; read when the DAG file is parsed): ``storage_uri`` (root of channels and
@@ -47,7 +54,7 @@ CONN_ID = config.get("conn_id")
 SPARK_CONN_ID = config.get("spark_conn_id")
 STORAGE_URI = storage_uri()
 REPORT = report_asset()  # the Parquet sink's folder: an Asset event per committed epoch
-RUN_ID = "{{ ti.xcom_pull(task_ids='submit', key='run_id') }}"
+RUN_ID = "{{ dag.dag_id }}.{{ run_id }}"  # the run's lineage: its restarts are RUN_ID.restart<n>
 
 with DAG(
     dag_id="example_streaming_pipeline",
@@ -67,6 +74,9 @@ with DAG(
         "rows": Param(20000, type="integer", minimum=1, description="rows each demo source generates"),
         "rows_per_batch": Param(500, type="integer", minimum=1, description="rows per source micro-batch"),
         "trigger_interval": Param(1.0, type="number", minimum=0, description="seconds between micro-batches"),
+        "restart_strategy": Param('{"type": "fixed-delay", "attempts": 3, "delay": 2}', type="string",
+                                  description="restart strategy (JSON; '' runs unsupervised), see "
+                                              "airflow_arroyo.supervision"),
     },
 ) as dag:
     submit = SubmitPipelineOperator(
@@ -81,6 +91,8 @@ with DAG(
             "sink_path": report_uri(),
         },
         restore_from="{{ params.restore_from }}",
+        run_id=RUN_ID,
+        restart_strategy="{{ params.restart_strategy }}",
         storage_uri=STORAGE_URI,
         conn_id=CONN_ID,
         spark_conn_id=SPARK_CONN_ID,
@@ -121,5 +133,4 @@ with DAG(
         deferrable=True,
         outlets=[REPORT],  # the final commit, once stopped
     )
-    submit >> [checkpoints, run_for]
-    run_for >> stop
+    run_for >> stop  # submit and checkpoints wait for the run themselves

@@ -37,6 +37,7 @@ from airflow_arroyo.operators.pipeline import (
     parse_restore_from,
 )
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.supervision import parse_strategy
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
 
@@ -347,8 +348,8 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any,
 
 
 def test_example_dag_shape_and_arguments() -> None:
-    """The example DAG parses, is wired submit -> [checkpoints, run_for], run_for -> stop (always),
-    and its pipeline arguments fit the demo pipeline's function."""
+    """The example DAG parses, is wired run_for -> stop (always) with a supervised submit that nothing
+    waits for (it lasts the pipeline's life), and its pipeline arguments fit the demo pipeline's function."""
     import importlib
     import inspect
 
@@ -359,8 +360,10 @@ def test_example_dag_shape_and_arguments() -> None:
     dag = bag.dags["example_streaming_pipeline"]
     tasks = {t.task_id: t for t in dag.tasks}
     assert set(tasks) == {"submit", "checkpoints", "run_for", "stop"}
-    assert tasks["submit"].downstream_task_ids == {"checkpoints", "run_for"}
+    assert tasks["submit"].downstream_task_ids == set() and tasks["checkpoints"].upstream_task_ids == set()
     assert tasks["run_for"].downstream_task_ids == {"stop"}
+    assert tasks["submit"].run_id == tasks["checkpoints"].pipeline_run_id == tasks["run_for"].run_id
+    assert parse_strategy(json.loads(dag.params["restart_strategy"])) is not None
     assert tasks["stop"].trigger_rule == "all_done" and tasks["run_for"].soft_fail is True
     submit = tasks["submit"]
     module, attr = submit.pipeline.split(":")

@@ -95,6 +95,8 @@ def test_no_restart_and_a_requested_stop_never_restart() -> None:
     ({"type": "fixed_delay", "attempts": "4", "delay": "2.5"}, FixedDelay(attempts=4, delay=2.5)),
     ({"type": "failure-rate", "max_failures": 1}, FailureRate(max_failures=1)),
     ({"type": "exponential-delay", "attempts": "None", "max": 60}, ExponentialDelay(max=60)),
+    ('{"type": "failure-rate", "delay": 1}', FailureRate(delay=1)),  # a rendered template: JSON ...
+    ("{'type': 'fixed-delay', 'attempts': 5}", FixedDelay(attempts=5)),  # ... or a dict's repr
 ])
 def test_parse_strategy(value: Any, expected: Any) -> None:
     parsed = parse_strategy(value)
@@ -112,6 +114,7 @@ def test_parse_strategy(value: Any, expected: Any) -> None:
     ({"type": "exponential-delay", "jitter": 2}, "jitter must be a fraction"),
     ({"type": "failure-rate", "max_failures": 0}, "max_failures must be a whole number >= 1"),
     (42, "restart_strategy must be a dict"),
+    ("{type: fixed}", "neither JSON nor a dict"),
 ])
 def test_parse_strategy_refuses_bad_settings_naming_them(value: Any, needle: str) -> None:
     with pytest.raises(ConfigurationError) as err:

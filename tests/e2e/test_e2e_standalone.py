@@ -10,6 +10,9 @@ that both stay true. The story:
 3. the retention DAG runs meanwhile; while its prune task holds the pipeline's cleanup lock the
    checkpoint trigger defers (its trigger log says so, and no epoch starts inside the lock window
    recorded in ``arroyo_history``) and resumes afterwards;
+7. supervision: the Python driver is SIGKILLed; the ``submit`` task, supervising in the triggerer,
+   resubmits the pipeline restoring the latest completed epoch; the restart is in the store and on the
+   UI's pipeline page, the restarted run completes epochs, and the report (6) is still exact;
 4. an operator ends the run by marking ``run_for`` success; ``stop`` stops the pipeline gracefully
    (a final epoch), which ends the ``checkpoints`` task; the DAG run succeeds;
 5. epochs and their states are checked in PostgreSQL; leaving the launcher stops everything;
@@ -23,6 +26,8 @@ that both stay true. The story:
 from __future__ import annotations
 
 import ast
+import os
+import signal
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -93,10 +98,11 @@ def test_example_dag_on_airflow_standalone() -> None:
         finally:
             store.close()
         pid_files = sorted((home / "logs" / "arroyo").glob("*/*.pid"))
-        assert len(pid_files) == 1, pid_files
-        pid, ticks, host = pid_files[0].read_text().split()
-    # leaving the launcher stopped everything it started, the spark-submit process group included
-    assert not LocalProcess(int(pid), host, int(ticks)).group_alive()
+        assert len(pid_files) == 2, pid_files  # the first run, and the supervisor's restart
+        groups = [LocalProcess(int(pid), host, int(ticks))
+                  for pid, ticks, host in (f.read_text().split() for f in pid_files)]
+    # leaving the launcher stopped everything it started, the spark-submit process groups included
+    assert not any(group.group_alive() for group in groups)
     assert airflow.process is None and airflow.pg is None and not home.exists()
 
 
@@ -136,7 +142,8 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     # -- 1 + 2: running, and epochs completing, fired by the trigger of the `checkpoints` task
     wait_for("3 completed epochs", lambda: len(completed_epochs()) >= 3, 420, diagnose)
     tis = airflow.task_instances(EXAMPLE_DAG, run_id)
-    assert tis["submit"] == "success" and tis["checkpoints"] == "deferred" and tis["run_for"] == "deferred", tis
+    # submit supervises the run in the triggerer for its whole life
+    assert tis["submit"] == "deferred" and tis["checkpoints"] == "deferred" and tis["run_for"] == "deferred", tis
     pipeline = store.get_pipeline(PIPELINE)
     assert pipeline.state is PipelineState.RUNNING and pipeline.spark_ui_url
     fired_by = {e.triggered_by for e in store.list_epochs(PIPELINE)}
@@ -169,6 +176,28 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     wait_for("an epoch started after the cleanup", lambda: any(
         e.triggered_at > last_release for e in store.list_epochs(PIPELINE, limit=5)), 120, diagnose)
     assert "cleanup lock released; checkpoints resume" in trigger_logs(home)
+
+    # -- 7: SIGKILL the driver: the supervisor restarts the pipeline from its latest completed epoch
+    before = store.get_pipeline(PIPELINE)
+    latest = store.latest_completed_epoch(PIPELINE)
+    assert before.supervision == "watching" and before.run_id is not None and latest is not None, before
+    for pid in _driver_pids(before.run_id):
+        os.kill(pid, signal.SIGKILL)
+    restart = wait_for("the supervisor's restart", lambda: next(
+        (r for r in store.restarts(PIPELINE) if r.new_run_id), None), 300, diagnose)
+    assert (restart.attempt, restart.failed_run_id, restart.gave_up) == (1, before.run_id, False), restart
+    assert restart.new_run_id == f"{before.run_id}.restart1" and restart.restored_epoch is not None
+    assert restart.restored_epoch >= latest.epoch, (restart, latest)
+    wait_for("the restarted run to run", lambda: (lambda p: p.run_id == restart.new_run_id
+                                                  and p.state is PipelineState.RUNNING)(store.get_pipeline(PIPELINE)),
+             300, diagnose)
+    assert store.get_pipeline(PIPELINE).restored_from_epoch == restart.restored_epoch
+    wait_for("an epoch completed by the restarted run", lambda: any(
+        e.epoch > restart.restored_epoch for e in store.list_epochs(PIPELINE, states=[EpochState.COMPLETED])),
+             300, diagnose)  # type: ignore[operator]
+    assert airflow.task_instances(EXAMPLE_DAG, run_id)["submit"] == "deferred"
+    page = _ui_page(airflow, f"/arroyo/pipelines/{PIPELINE}")  # the plugin app itself (no frame)
+    assert restart.new_run_id in page and "Restarts" in page, page[:2000]
 
     # -- 4: end the run the way an operator would: mark `run_for` success -> `stop` -> graceful stop
     airflow.api("PATCH", f"/dags/{EXAMPLE_DAG}/dagRuns/{run_id}/taskInstances/run_for",
@@ -203,6 +232,33 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     expected = expected_report(ROWS)
     assert (report["rows"], report["distinct_ids"], report["total"]) == (
         len(expected), len(expected), sum(r[4] for r in expected)), report
+
+
+def _driver_pids(run_id: str) -> list[int]:
+    """The Python driver process(es) of a run: ``python .../runtime/driver.py ... --run-id <run_id>``
+    (spark-submit's JVM carries the same arguments; it is not the driver's Python process)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if (args and "java" not in Path(args[0]).name and any(a.endswith("runtime/driver.py") for a in args)
+                and run_id in args):
+            found.append(int(entry.name))
+    assert found, f"no driver process of run {run_id}"
+    return found
+
+
+def _ui_page(airflow: EmbeddedAirflow, path: str) -> str:
+    """A page of the UI plugin, as the admin (the plugin accepts Airflow's JWT)."""
+    with airflow._client() as client:
+        resp = client.get(path, headers={"Authorization": f"Bearer {airflow.token()}"})
+    assert resp.status_code == 200, (resp.status_code, resp.text[:500])
+    return resp.text
 
 
 def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
