@@ -43,6 +43,11 @@ __all__ = [
 _VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
 _BASE_KINDS = frozenset({"snapshot", "zip"})
 _BATCH_LOGS = frozenset({"offsets", "commits", "asyncOffsets", "asyncCommits"})
+#: Entries of each batch log a snapshot keeps: the cut batch and the one before it. A restarted query
+#: reads only those (``MicroBatchExecution.populateStartOffsets``: the latest offsets and commit, and the
+#: second-latest offsets as the committed offsets); the older ones are kept by Spark only for
+#: ``minBatchesToRetain`` and would cost one object row per file per stage per epoch (up to ~400).
+BATCH_LOG_ENTRIES = 2
 OFFSETS_DIR = "offsets"
 COMMITS_DIR = "commits"
 
@@ -129,7 +134,9 @@ def select_checkpoint_files(
     held_bases: Callable[[str], bool] | None = None,
     max_chain: int | None = None,
 ) -> list[str]:
-    """The files of a Spark checkpoint that make up its state as of batch ``batch_id`` (sorted).
+    """The files of a Spark checkpoint that make up its state as of batch ``batch_id`` (sorted): the
+    ``metadata``, the last :data:`BATCH_LOG_ENTRIES` entries up to ``batch_id`` of each batch log, the
+    source logs up to it, and the state store files that load its version.
 
     ``rel_paths``: every file below the checkpoint folder, relative to it, ``/``-separated.
     ``zip_references(rel_path_of_zip)``: the ``SSTs/...`` and ``logs/...`` files (relative to the
@@ -161,7 +168,7 @@ def select_checkpoint_files(
                 if top in _BATCH_LOGS:
                     continue  # not a batch file
                 keep.append(rel)
-            elif n <= batch_id:
+            elif n <= batch_id and (top not in _BATCH_LOGS or n > batch_id - BATCH_LOG_ENTRIES):
                 keep.append(rel)
             continue
         if top == "state" and len(parts) >= 4:

@@ -26,7 +26,7 @@ from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
-from airflow_arroyo.runtime.spark_checkpoint import select_checkpoint_files, snapshot_files
+from airflow_arroyo.runtime.spark_checkpoint import BATCH_LOG_ENTRIES, select_checkpoint_files, snapshot_files
 from airflow_arroyo.scrub import verify_pipeline
 from airflow_arroyo.testing import generate_rows, generator_source
 
@@ -50,7 +50,8 @@ def test_selection_hdfs_layout_keeps_newest_snapshot_and_later_deltas() -> None:
     ]
     got = select_checkpoint_files(files, 4, no_zips)  # cut at batch 4 -> state version 5
     assert got == sorted([
-        "metadata", *[f"offsets/{i}" for i in range(5)], *[f"commits/{i}" for i in range(5)], "sources/0/0",
+        # the batch logs' last two entries up to the cut (what a restarted query reads), all source logs
+        "metadata", "offsets/3", "offsets/4", "commits/3", "commits/4", "sources/0/0",
         "state/0/_metadata/metadata", "state/0/0/_metadata/schema",
         "state/0/0/5.snapshot",  # newest base at or below 5: no deltas needed in partition 0
         *[f"state/0/1/{v}.delta" for v in range(1, 6)],  # no snapshot in partition 1: deltas 1..5
@@ -217,6 +218,7 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
     complete(store, pipeline, epoch, result)
     rels = {e.rel_path for e in result.entries}
     assert "offsets/2" in rels and "commits/2" in rels and "offsets/3" not in rels and "commits/3" not in rels
+    assert "offsets/0" not in rels and "commits/0" not in rels  # only the cut batch and the one before it
     assert result.bytes_new == result.bytes_total > 0
 
     prepared = snaps.prepare_restore("agg", epoch)
@@ -470,9 +472,11 @@ def test_new_full_snapshot_is_chained_over_not_copied_until_the_chain_is_too_lon
         (ckpt / rel).write_bytes(data)
         return len(data)
 
-    def batches(upto: int) -> int:  # offsets and commits of batches 0..upto; returns the bytes of new ones
-        return sum(write(f"{log}/{b}", f"v1\n{log} of batch {b}".encode()) for b in range(upto + 1)
-                   for log in ("offsets", "commits") if not (ckpt / log / str(b)).exists())
+    def batches(upto: int) -> int:
+        """Offsets and commits of batches 0..upto; the bytes of the new ones a snapshot at upto keeps
+        (the last BATCH_LOG_ENTRIES of each log)."""
+        return sum(write(f"{log}/{b}", f"v1\n{log} of batch {b}".encode()) * (b > upto - BATCH_LOG_ENTRIES)
+                   for b in range(upto + 1) for log in ("offsets", "commits") if not (ckpt / log / str(b)).exists())
 
     def capture(cut: int) -> Any:
         epoch = new_epoch(store, pipeline)
