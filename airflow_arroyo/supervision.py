@@ -46,6 +46,7 @@ __all__ = [
     "parse_strategy",
     "restart_pending",
     "restart_run_id",
+    "strategy_text",
 ]
 
 #: Longest backoff any strategy may ask for (a week): beyond it, give up instead.
@@ -311,3 +312,41 @@ def restart_pending(record: _Supervised) -> bool:
     """Whether a supervisor is watching the current run: if it failed, it is coming back (until the
     supervisor records that it gave up)."""
     return record.supervision in (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.value)
+
+
+def _span(seconds: float) -> str:
+    """``10`` -> ``"10s"``, ``300`` -> ``"5m"``, ``3600`` -> ``"1h"``, ``90`` -> ``"90s"``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _restarts(n: int) -> str:
+    return f"{n} restart" if n == 1 else f"{n} restarts"
+
+
+def strategy_text(strategy: Mapping[str, Any] | None) -> str:
+    """A restart strategy as recorded (``arroyo_pipelines.restart_strategy``, a strategy's dict) in words,
+    for the UI and the CLI: ``{"type": "fixed-delay", "attempts": 3, "delay": 10}`` -> ``"fixed-delay:
+    up to 3 restarts, 10s after each failure"``. A dict this release cannot read is shown as its settings."""
+    if not strategy:
+        return "-"
+    try:
+        parsed = parse_strategy(strategy)
+    except (ConfigurationError, TypeError, ValueError):
+        parsed = None
+    if isinstance(parsed, NoRestart):
+        return "none: never restart"
+    if isinstance(parsed, FixedDelay):
+        return f"fixed-delay: up to {_restarts(parsed.attempts)}, {_span(parsed.delay)} after each failure"
+    if isinstance(parsed, FailureRate):
+        return (f"failure-rate: restart {_span(parsed.delay)} after a failure unless more than "
+                f"{parsed.max_failures} failures within {_span(parsed.interval)}")
+    if isinstance(parsed, ExponentialDelay):
+        limit = "no limit on restarts" if parsed.attempts is None else f"up to {_restarts(parsed.attempts)} in a row"
+        return (f"exponential-delay: backoff {_span(parsed.initial)}, x{parsed.multiplier:g} after each failure, "
+                f"at most {_span(parsed.max)} (+-{parsed.jitter:.0%} jitter), reset once a run stays up "
+                f"{_span(parsed.reset_after)}; {limit}")
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(strategy.items()) if k != "type")
+    return f"{strategy.get('type', '?')}" + (f": {settings}" if settings else "")
