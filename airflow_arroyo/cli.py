@@ -290,7 +290,7 @@ def _headline(text: str | None, width: int) -> str | None:
 
 def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """A supervised pipeline's failures and what its supervisor did about each, newest first."""
-    from airflow_arroyo.supervision import SupervisionState, strategy_text
+    from airflow_arroyo.supervision import restart_due, strategy_text
 
     _require_schema(store)
     pipe = store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2
@@ -305,16 +305,12 @@ def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> 
                                                 "restart_strategy)"
         out.write(f"pipeline {args.pipeline} has no failures or restarts recorded{of_lineage}{never}\n")
         return EXIT_OK
-    # the newest failure of the supervised lineage is pending while its supervisor is restarting it
-    due = next((r for r in restarts if r.lineage == pipe.supervised_run), None)
-    pending = due if due is not None and pipe.supervision == SupervisionState.RESTARTING.value else None
+    due = restart_due(pipe, restarts)
 
     def restarted_as(r: RestartRecord) -> str | None:
         if r.gave_up:
             return "gave up"
-        if r.new_run_id is None and r is pending:
-            return "pending"
-        return r.new_run_id
+        return "pending" if r is due else r.new_run_id
 
     _table(
         ["ATTEMPT", "FAILED AT", "FAILED RUN", "CAUSE", "DECISION", "RESTARTED AS", "RESTORED EPOCH"],

@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from airflow_arroyo.exceptions import ConfigurationError
 
@@ -44,6 +44,7 @@ __all__ = [
     "is_run_of",
     "lineage_of",
     "parse_strategy",
+    "restart_due",
     "restart_pending",
     "restart_run_id",
     "strategy_text",
@@ -312,6 +313,32 @@ def restart_pending(record: _Supervised) -> bool:
     """Whether a supervisor is watching the current run: if it failed, it is coming back (until the
     supervisor records that it gave up)."""
     return record.supervision in (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.value)
+
+
+class _Restart(Protocol):
+    @property
+    def lineage(self) -> str: ...
+
+    @property
+    def new_run_id(self) -> str | None: ...
+
+    @property
+    def gave_up(self) -> bool: ...
+
+
+_R = TypeVar("_R", bound=_Restart)
+
+
+def restart_due(record: _Supervised, restarts: Sequence[_R]) -> _R | None:
+    """Of a pipeline's recorded failures (``restarts``, newest first, e.g. ``EpochStore.restarts``), the one
+    whose restart is due: the newest of the supervised lineage while its supervisor is restarting it (not
+    resubmitted yet). None when no restart is due."""
+    if record.supervision != SupervisionState.RESTARTING.value:
+        return None
+    newest = next((r for r in restarts if r.lineage == record.supervised_run), None)
+    if newest is None or newest.new_run_id is not None or newest.gave_up:
+        return None
+    return newest
 
 
 def _span(seconds: float) -> str:

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -102,9 +102,10 @@ CAUSE = ("the driver of run stream-1 failed: stage 'enrich' could not be built: 
          "line 3, in transform\nKeyError: 'customer_id'")
 
 
-def supervised_with_restarts(store: EpochStore) -> None:
+def supervised_with_restarts(store: EpochStore, while_restarting: Callable[[], None] = lambda: None) -> None:
     """``stream``: lineage ``stream-1`` under fixed-delay (1 restart); it failed, was restarted as
-    ``stream-1.restart1`` restoring its completed epoch 1, failed again, and the strategy gave up."""
+    ``stream-1.restart1`` restoring its completed epoch 1, failed again, and the strategy gave up.
+    ``while_restarting`` is called between the first failure and its restart."""
     from airflow_arroyo.epochs import CheckpointPolicy
     from airflow_arroyo.supervision import FixedDelay, decide_restart, restart_run_id
 
@@ -121,6 +122,7 @@ def supervised_with_restarts(store: EpochStore) -> None:
     assert store.ack_epoch("stream", started.epoch, "src") is EpochState.COMPLETED
     first = store.record_failure("stream", "stream-1", "stream-1", CAUSE, decide)
     assert not first.gave_up and store.get_pipeline("stream").supervision == "restarting"
+    while_restarting()
     store.register_pipeline("stream", stages=["src"], run_id=restart_run_id("stream-1", 1), takeover=True)
     store.record_restart("stream", "stream-1", 1, restart_run_id("stream-1", 1), started.epoch)
     store.set_pipeline_state("stream", PipelineState.RUNNING, run_id="stream-1.restart1")
@@ -130,7 +132,13 @@ def supervised_with_restarts(store: EpochStore) -> None:
 
 @pytest.mark.usefixtures("two_pipelines")
 def test_restarts_table_and_json_newest_first(store: EpochStore, capsys: pytest.CaptureFixture[str]) -> None:
-    supervised_with_restarts(store)
+    def restart_due() -> None:
+        code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "stream")
+        assert code == 0 and len(out.splitlines()) == 3
+        assert out.splitlines()[1].split()[-2:] == ["pending", "-"]  # decided, not resubmitted yet
+        assert "supervision of lineage stream-1: restarting;" in out
+
+    supervised_with_restarts(store, restart_due)
     code, out, err = run(capsys, "--dsn", store.dsn, "restarts", "stream")
     assert (code, err) == (0, "")
     table = out.splitlines()
