@@ -80,11 +80,20 @@ class RestartDecision:
 
 class RestartStrategy(Protocol):
     """A restart strategy: its ``type`` name, its settings, and its decision."""
-    type: str
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision: ...
+    @property
+    def type(self) -> str:
+        """The strategy's name, as a DAG author writes it (``"fixed-delay"``)."""
+        ...
 
-    def to_dict(self) -> dict[str, Any]: ...
+    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+        """Restart or give up after the newest of ``failures`` (oldest first), at ``now`` (the store's clock);
+        ``salt`` (the lineage) seeds what is random in the decision, so that deciding again repeats it."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """The strategy's type and settings, as ``parse_strategy`` reads them back (stored, shown, logged)."""
+        ...
 
 
 def _seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
@@ -114,10 +123,13 @@ class NoRestart:
     """Never restart: the first failure fails the task (supervision still reports it)."""
     type: str = "none"
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Give up, always."""
         return RestartDecision(False, 0.0, "the restart strategy is 'none'")
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"type": "none"}``."""
         return {"type": self.type}
 
 
@@ -132,13 +144,16 @@ class FixedDelay:
         object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Restart after ``delay`` while the lineage failed at most ``attempts`` + 1 times, then give up."""
         if len(failures) > self.attempts:
             return RestartDecision(False, 0.0, f"{len(failures)} failures, more than the {self.attempts} restart(s) "
                                                "fixed-delay allows")
         return RestartDecision(True, self.delay, f"restart {len(failures)} of {self.attempts} (fixed-delay)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The type and every setting."""
         return asdict(self)
 
 
@@ -167,7 +182,8 @@ class ExponentialDelay:
         if not (math.isfinite(multiplier) and multiplier >= 1):
             raise ConfigurationError(f"restart strategy: multiplier must be a number >= 1, got {self.multiplier!r}")
         if not (math.isfinite(jitter) and 0 <= jitter <= 1):
-            raise ConfigurationError(f"restart strategy: jitter must be a fraction between 0 and 1, got {self.jitter!r}")
+            raise ConfigurationError(
+                f"restart strategy: jitter must be a fraction between 0 and 1, got {self.jitter!r}")
         object.__setattr__(self, "multiplier", multiplier)
         object.__setattr__(self, "jitter", jitter)
         if self.max < self.initial:
@@ -175,7 +191,9 @@ class ExponentialDelay:
         if self.attempts is not None:
             object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:
+        """Back off exponentially over the failures since the last reset; give up beyond ``attempts`` of them."""
         # Failures since the last reset: walk back while the run before each failure was up for less
         # than reset_after (from the restart before it to it).
         streak = 1
@@ -195,6 +213,7 @@ class ExponentialDelay:
         return RestartDecision(True, delay, f"failure {streak} in a row: backoff {delay:.1f} s (exponential-delay)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The type and every setting."""
         return asdict(self)
 
 
@@ -212,7 +231,9 @@ class FailureRate:
         object.__setattr__(self, "interval", _seconds(self.interval, "interval", allow_zero=False))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
+    def decide(self, failures: Sequence[PastFailure], now: datetime,
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Restart after ``delay`` unless more than ``max_failures`` failures fell within ``interval`` of ``now``."""
         recent = sum(1 for f in failures if (now - f.failed_at).total_seconds() <= self.interval)
         if recent > self.max_failures:
             return RestartDecision(False, 0.0, f"{recent} failures within {self.interval:g} s, more than the "
@@ -221,6 +242,7 @@ class FailureRate:
                                                  f"{self.interval:g} s (failure-rate)")
 
     def to_dict(self) -> dict[str, Any]:
+        """The type and every setting."""
         return asdict(self)
 
 

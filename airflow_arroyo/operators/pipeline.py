@@ -77,6 +77,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.supervision import RestartStrategy, lineage_of, parse_strategy, restart_run_id
 from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
@@ -87,7 +88,6 @@ from airflow_arroyo.triggers.pipeline import (
     log_tail,
     stop_run,
 )
-from airflow_arroyo.supervision import RestartStrategy, lineage_of, parse_strategy, restart_run_id
 from airflow_arroyo.triggers.settle import settle_deadline
 from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
 
@@ -512,8 +512,9 @@ class SubmitPipelineOperator(BaseOperator):
             current = store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             current = None
+        wanted_run = str(self.run_id) if self.run_id else None
         if (current is not None and not current.state.terminal and not self.takeover
-                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None, lineage_of(current))):
+                and _started_by_an_earlier_try(context, wanted_run, lineage_of(current))):
             return self._adopt(context, current)
         if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
@@ -534,7 +535,7 @@ class SubmitPipelineOperator(BaseOperator):
             submit_log=submit["log"], submit_exits=submit["exits"], cluster_application=cluster,
             not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
         )
-        kwargs = {"submit": submit, "lineage": run_id}
+        kwargs: dict[str, Any] = {"submit": submit, "lineage": run_id}
         if not self.deferrable:  # wait in this worker slot, with the trigger's own checks
             return self.execute_complete(context, run_inline(trigger), **kwargs)
         self.defer(trigger=trigger, method_name="execute_complete", kwargs=kwargs)
@@ -666,7 +667,7 @@ class SubmitPipelineOperator(BaseOperator):
     # ------------------------------------------------------------------ supervision
 
     def _supervise(self, context: Context, lineage: str, run_id: str, submit: Mapping[str, Any], *,
-                   starting: bool) -> Any:
+                   starting: bool) -> str:
         """Watch run ``run_id`` of the lineage in the triggerer (inline when not deferrable)."""
         assert self._strategy is not None
         trigger = PipelineSupervisorTrigger(
@@ -678,13 +679,13 @@ class SubmitPipelineOperator(BaseOperator):
             cluster_application=submit.get("cluster_application"),
             not_before=settle_deadline() if self.deferrable else None,
         )
-        kwargs = {"submit": dict(submit), "lineage": lineage}
+        kwargs: dict[str, Any] = {"submit": dict(submit), "lineage": lineage}
         if not self.deferrable:
             return self.supervise_complete(context, run_inline(trigger), **kwargs)
         self.defer(trigger=trigger, method_name="supervise_complete", kwargs=kwargs)
 
     def supervise_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
-                           lineage: str | None = None) -> Any:
+                           lineage: str | None = None) -> str:
         """Airflow: the supervisor's event: succeed (stopped), fail (gave up, superseded, store error), or
         restart the pipeline from its latest completed epoch and supervise the new run."""
         self._validate()

@@ -53,7 +53,6 @@ from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store._transitions import transition
-from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -63,8 +62,8 @@ from airflow_arroyo.store.records import (
     FencingToken,
     ObjectRecord,
     PipelineRecord,
-    RestartRecord,
     PrunePlan,
+    RestartRecord,
     SinkCommitRecord,
     SnapshotEntry,
     TickRequest,
@@ -72,6 +71,7 @@ from airflow_arroyo.store.records import (
     epoch_columns,
     from_row,
 )
+from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of
 
 log = logging.getLogger(__name__)
 
