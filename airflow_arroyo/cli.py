@@ -5,8 +5,9 @@
     airflow-arroyo [--dsn DSN | --conn-id CONN_ID] [--json] COMMAND
 
     migrate                                   apply missing schema migrations
-    pipelines                                 list registered pipelines
+    pipelines                                 list registered pipelines (with supervision and restart count)
     epochs PIPELINE [--limit N]               a pipeline's epochs, newest first
+    restarts PIPELINE [--lineage L]           a supervised pipeline's failures and restarts, newest first
     prune (PIPELINE | --all) [--keep-last K] [--keep-newer-than 1h]
                                               prune old epochs under the cleanup lock
     lock PIPELINE                             who holds the pipeline's cleanup lock
@@ -54,7 +55,7 @@ from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundE
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.store import EpochStore
+    from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
 
@@ -233,17 +234,18 @@ def _cmd_migrate(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
 def _cmd_pipelines(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     _require_schema(store)
     pipelines = store.list_pipelines()
+    restarts = store.restart_counts()  # supervised pipelines only: restarts of their current lineage
     if args.json:
-        json.dump(_jsonable(pipelines), out)
+        json.dump([{**_jsonable(p), "restarts": restarts.get(p.pipeline_id)} for p in pipelines], out)
         out.write("\n")
         return EXIT_OK
     if not pipelines:
         out.write("no pipelines registered\n")
         return EXIT_OK
     _table(
-        ["PIPELINE", "STATE", "RUN", "LAST EPOCH", "HEARTBEAT", "STORAGE"],
-        [[p.pipeline_id, p.state.value, p.run_id, p.last_epoch, _when(p.heartbeat_at), p.storage_uri]
-         for p in pipelines],
+        ["PIPELINE", "STATE", "RUN", "LAST EPOCH", "HEARTBEAT", "SUPERVISION", "RESTARTS", "STORAGE"],
+        [[p.pipeline_id, p.state.value, p.run_id, p.last_epoch, _when(p.heartbeat_at), p.supervision,
+          restarts.get(p.pipeline_id), p.storage_uri] for p in pipelines],
         out,
     )
     return EXIT_OK
@@ -268,6 +270,58 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
           _human_bytes(e.bytes_total), _human_bytes(e.bytes_freed), e.pin_label, e.failure_reason] for e in epochs],
         out,
     )
+    return EXIT_OK
+
+
+#: The longest cause the ``restarts`` table shows (its first line; ``--json`` has the whole cause).
+CAUSE_WIDTH = 60
+
+
+def _headline(text: str | None, width: int) -> str | None:
+    """The first line of ``text``, cut to ``width`` characters ("..." marks a cut, or more lines)."""
+    if text is None:
+        return None
+    lines = text.strip().splitlines() or [""]
+    first = lines[0].strip()
+    if len(first) > width:
+        return first[: width - 3].rstrip() + "..."
+    return first + (" ..." if len(lines) > 1 else "")
+
+
+def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """A supervised pipeline's failures and what its supervisor did about each, newest first."""
+    from airflow_arroyo.supervision import restart_due, strategy_text
+
+    _require_schema(store)
+    pipe = store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2
+    restarts = store.restarts(args.pipeline, args.lineage)
+    if args.json:
+        json.dump(_jsonable(restarts), out)
+        out.write("\n")
+        return EXIT_OK
+    of_lineage = f" of lineage {args.lineage}" if args.lineage else ""
+    if not restarts:
+        never = "" if pipe.supervised_run else " (it has never been supervised: see SubmitPipelineOperator's " \
+                                                "restart_strategy)"
+        out.write(f"pipeline {args.pipeline} has no failures or restarts recorded{of_lineage}{never}\n")
+        return EXIT_OK
+    due = restart_due(pipe, restarts)
+
+    def restarted_as(r: RestartRecord) -> str | None:
+        if r.gave_up:
+            return "gave up"
+        return "pending" if r is due else r.new_run_id
+
+    _table(
+        ["ATTEMPT", "FAILED AT", "FAILED RUN", "CAUSE", "DECISION", "RESTARTED AS", "RESTORED EPOCH"],
+        [[r.attempt, _when(r.failed_at), r.failed_run_id, _headline(r.cause, CAUSE_WIDTH), r.decision,
+          restarted_as(r), r.restored_epoch] for r in restarts],
+        out,
+    )
+    if pipe.supervised_run and (not args.lineage or args.lineage == pipe.supervised_run):
+        state = pipe.supervision or "not supervised now (another run took over)"
+        out.write(f"supervision of lineage {pipe.supervised_run}: {state}; "
+                  f"restart strategy {strategy_text(pipe.restart_strategy)}\n")
     return EXIT_OK
 
 
@@ -691,6 +745,11 @@ def _build_parser() -> _Parser:
     epochs = sub.add_parser("epochs", parents=[common], help="list a pipeline's epochs, newest first")
     epochs.add_argument("pipeline")
     epochs.add_argument("--limit", type=int, default=20, help="at most this many epochs (default 20)")
+    restarts = sub.add_parser("restarts", parents=[common],
+                              help="list a supervised pipeline's failures and restarts, newest first")
+    restarts.add_argument("pipeline")
+    restarts.add_argument("--lineage", metavar="L",
+                          help="only this lineage's (the first run id of a supervised chain of runs)")
     prune = sub.add_parser("prune", parents=[common], help="prune old epochs under the cleanup lock")
     prune.add_argument("pipeline", nargs="?")
     prune.add_argument("--all", action="store_true", help="every registered pipeline")
@@ -774,6 +833,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "migrate": _cmd_migrate,
     "pipelines": _cmd_pipelines,
     "epochs": _cmd_epochs,
+    "restarts": _cmd_restarts,
     "prune": _cmd_prune,
     "lock": _cmd_lock,
     "pin": _cmd_pin,

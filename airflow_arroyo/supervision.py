@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar
 
 from airflow_arroyo.exceptions import ConfigurationError
 
@@ -46,8 +46,10 @@ __all__ = [
     "is_run_of",
     "lineage_of",
     "parse_strategy",
+    "restart_due",
     "restart_pending",
     "restart_run_id",
+    "strategy_text",
 ]
 
 #: Longest backoff any strategy may ask for (a week): beyond it, give up instead.
@@ -80,14 +82,19 @@ class RestartDecision:
 
 class RestartStrategy(Protocol):
     """A restart strategy: its ``type`` name, its settings, and its decision."""
-    type: str
+
+    @property
+    def type(self) -> str:
+        """The strategy's name, as a DAG author writes it (``"fixed-delay"``)."""
+        ...
 
     def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:
-        """Restart after the newest of ``failures`` (oldest first), or give up; ``salt`` seeds jitter."""
+        """Restart or give up after the newest of ``failures`` (oldest first), at ``now`` (the store's clock);
+        ``salt`` (the lineage) seeds what is random in the decision, so that deciding again repeats it."""
         ...
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings, with ``type``: what :func:`parse_strategy` reads back."""
+        """The strategy's type and settings, as ``parse_strategy`` reads them back (stored, shown, logged)."""
         ...
 
 
@@ -118,8 +125,9 @@ class NoRestart:
     """Never restart: the first failure fails the task (supervision still reports it)."""
     type: str = "none"
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
-        """Give up."""
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Give up, always."""
         return RestartDecision(False, 0.0, "the restart strategy is 'none'")
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,15 +146,16 @@ class FixedDelay:
         object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
-        """Restart while no more than ``attempts`` failures happened."""
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Restart after ``delay`` while the lineage failed at most ``attempts`` + 1 times, then give up."""
         if len(failures) > self.attempts:
             return RestartDecision(False, 0.0, f"{len(failures)} failures, more than the {self.attempts} restart(s) "
                                                "fixed-delay allows")
         return RestartDecision(True, self.delay, f"restart {len(failures)} of {self.attempts} (fixed-delay)")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings and ``type``."""
+        """The type and every setting."""
         return asdict(self)
 
 
@@ -184,8 +193,9 @@ class ExponentialDelay:
         if self.attempts is not None:
             object.__setattr__(self, "attempts", _count(self.attempts, "attempts"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
-        """Restart after the backoff of the current streak, unless ``attempts`` is exceeded."""
+    def decide(self, failures: Sequence[PastFailure], now: datetime,  # noqa: ARG002 - the protocol's signature
+               salt: str) -> RestartDecision:
+        """Back off exponentially over the failures since the last reset; give up beyond ``attempts`` of them."""
         # Failures since the last reset: walk back while the run before each failure was up for less
         # than reset_after (from the restart before it to it).
         streak = 1
@@ -205,7 +215,7 @@ class ExponentialDelay:
         return RestartDecision(True, delay, f"failure {streak} in a row: backoff {delay:.1f} s (exponential-delay)")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings and ``type``."""
+        """The type and every setting."""
         return asdict(self)
 
 
@@ -223,8 +233,9 @@ class FailureRate:
         object.__setattr__(self, "interval", _seconds(self.interval, "interval", allow_zero=False))
         object.__setattr__(self, "delay", _seconds(self.delay, "delay"))
 
-    def decide(self, failures: Sequence[PastFailure], now: datetime, salt: str) -> RestartDecision:  # noqa: ARG002
-        """Restart unless more than ``max_failures`` fell within ``interval``."""
+    def decide(self, failures: Sequence[PastFailure], now: datetime,
+               salt: str) -> RestartDecision:  # noqa: ARG002 - the protocol's signature
+        """Restart after ``delay`` unless more than ``max_failures`` failures fell within ``interval`` of ``now``."""
         recent = sum(1 for f in failures if (now - f.failed_at).total_seconds() <= self.interval)
         if recent > self.max_failures:
             return RestartDecision(False, 0.0, f"{recent} failures within {self.interval:g} s, more than the "
@@ -233,7 +244,7 @@ class FailureRate:
                                                  f"{self.interval:g} s (failure-rate)")
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings and ``type``."""
+        """The type and every setting."""
         return asdict(self)
 
 
@@ -249,7 +260,7 @@ def parse_strategy(value: RestartStrategy | Mapping[str, Any] | str | None) -> R
     if value is None or value == "":
         return None
     if isinstance(value, (NoRestart, FixedDelay, ExponentialDelay, FailureRate)):
-        return cast(RestartStrategy, value)
+        return value
     settings: dict[str, Any]
     if isinstance(value, str) and value.strip().startswith("{"):  # a rendered template: JSON or a dict's repr
         text = value.strip()
@@ -336,3 +347,67 @@ def restart_pending(record: _Supervised) -> bool:
     """Whether a supervisor is watching the current run: if it failed, it is coming back (until the
     supervisor records that it gave up)."""
     return record.supervision in (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.value)
+
+
+class _Restart(Protocol):
+    @property
+    def lineage(self) -> str: ...
+
+    @property
+    def new_run_id(self) -> str | None: ...
+
+    @property
+    def gave_up(self) -> bool: ...
+
+
+_R = TypeVar("_R", bound=_Restart)
+
+
+def restart_due(record: _Supervised, restarts: Sequence[_R]) -> _R | None:
+    """Of a pipeline's recorded failures (``restarts``, newest first, e.g. ``EpochStore.restarts``), the one
+    whose restart is due: the newest of the supervised lineage while its supervisor is restarting it (not
+    resubmitted yet). None when no restart is due."""
+    if record.supervision != SupervisionState.RESTARTING.value:
+        return None
+    newest = next((r for r in restarts if r.lineage == record.supervised_run), None)
+    if newest is None or newest.new_run_id is not None or newest.gave_up:
+        return None
+    return newest
+
+
+def _span(seconds: float) -> str:
+    """``10`` -> ``"10s"``, ``300`` -> ``"5m"``, ``3600`` -> ``"1h"``, ``90`` -> ``"90s"``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _restarts(n: int) -> str:
+    return f"{n} restart" if n == 1 else f"{n} restarts"
+
+
+def strategy_text(strategy: Mapping[str, Any] | None) -> str:
+    """A restart strategy as recorded (``arroyo_pipelines.restart_strategy``, a strategy's dict) in words,
+    for the UI and the CLI: ``{"type": "fixed-delay", "attempts": 3, "delay": 10}`` -> ``"fixed-delay:
+    up to 3 restarts, 10s after each failure"``. A dict this release cannot read is shown as its settings."""
+    if not strategy:
+        return "-"
+    try:
+        parsed = parse_strategy(strategy)
+    except (ConfigurationError, TypeError, ValueError):
+        parsed = None
+    if isinstance(parsed, NoRestart):
+        return "none: never restart"
+    if isinstance(parsed, FixedDelay):
+        return f"fixed-delay: up to {_restarts(parsed.attempts)}, {_span(parsed.delay)} after each failure"
+    if isinstance(parsed, FailureRate):
+        return (f"failure-rate: restart {_span(parsed.delay)} after a failure unless more than "
+                f"{parsed.max_failures} failures within {_span(parsed.interval)}")
+    if isinstance(parsed, ExponentialDelay):
+        limit = "no limit on restarts" if parsed.attempts is None else f"up to {_restarts(parsed.attempts)} in a row"
+        return (f"exponential-delay: backoff {_span(parsed.initial)}, x{parsed.multiplier:g} after each failure, "
+                f"at most {_span(parsed.max)} (+-{parsed.jitter:.0%} jitter), reset once a run stays up "
+                f"{_span(parsed.reset_after)}; {limit}")
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(strategy.items()) if k != "type")
+    return f"{strategy.get('type', '?')}" + (f": {settings}" if settings else "")

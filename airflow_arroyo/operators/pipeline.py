@@ -512,9 +512,9 @@ class SubmitPipelineOperator(BaseOperator):
             current = store.get_pipeline(self.pipeline_id)
         except UnknownPipelineError:
             current = None
+        wanted_run = str(self.run_id) if self.run_id else None
         if (current is not None and not current.state.terminal and not self.takeover
-                and _started_by_an_earlier_try(context, str(self.run_id) if self.run_id else None,
-                                               lineage_of(current))):
+                and _started_by_an_earlier_try(context, wanted_run, lineage_of(current))):
             return self._adopt(context, current)
         if current is not None and not current.state.terminal and not self.takeover:
             raise ConcurrencyConflict(
@@ -667,7 +667,7 @@ class SubmitPipelineOperator(BaseOperator):
     # ------------------------------------------------------------------ supervision
 
     def _supervise(self, context: Context, lineage: str, run_id: str, submit: Mapping[str, Any], *,
-                   starting: bool) -> Any:
+                   starting: bool) -> str:
         """Watch run ``run_id`` of the lineage in the triggerer (inline when not deferrable)."""
         assert self._strategy is not None
         trigger = PipelineSupervisorTrigger(
@@ -685,7 +685,7 @@ class SubmitPipelineOperator(BaseOperator):
         self.defer(trigger=trigger, method_name="supervise_complete", kwargs=kwargs)
 
     def supervise_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
-                           lineage: str | None = None) -> Any:
+                           lineage: str | None = None) -> str:
         """Airflow: the supervisor's event: succeed (stopped), fail (gave up, superseded, store error), or
         restart the pipeline from its latest completed epoch and supervise the new run."""
         self._validate()

@@ -974,6 +974,22 @@ class EpochStore:
 
         return self._tx(tx)
 
+    def restart_counts(self) -> dict[str, int]:
+        """How many times each supervised pipeline's current lineage was restarted (resubmitted after a
+        failure; a failure the strategy gave up on, or whose restart is still due, does not count). Only
+        pipelines with a supervision state are in it: a pipeline never supervised, or whose current run is
+        not of the lineage it recorded, has no count."""
+
+        def tx(cur: PgCursor) -> dict[str, int]:
+            cur.execute(
+                "SELECT p.pipeline_id, count(r.restarted_at) AS restarts FROM arroyo_pipelines p"
+                " LEFT JOIN arroyo_restarts r ON r.pipeline_id = p.pipeline_id AND r.lineage = p.supervised_run"
+                " WHERE p.supervision IS NOT NULL GROUP BY p.pipeline_id"
+            )
+            return {r["pipeline_id"]: int(r["restarts"]) for r in cur.fetchall()}
+
+        return self._tx(tx)
+
     def forks_of(self, pipeline_id: str) -> list[PipelineRecord]:
         """Every pipeline forked from ``pipeline_id``, by fork point then id."""
 

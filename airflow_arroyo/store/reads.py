@@ -14,7 +14,9 @@ Every query is parameterised, bounded (``LIMIT``) and driven by an index of migr
   ``LIMIT`` :data:`RECENT_WINDOW` per pipeline;
 * a page of a pipeline's epochs: the primary key (keyset pagination on ``epoch``);
 * an epoch's acknowledgements: the ``arroyo_acks`` primary key prefix;
-* cleanup runs: ``arroyo_cleanup_runs_by_pipeline (pipeline_id, id DESC)``; the lock: its primary key.
+* cleanup runs: ``arroyo_cleanup_runs_by_pipeline (pipeline_id, id DESC)``; the lock: its primary key;
+* a supervised pipeline's newest restarts: the ``arroyo_restarts`` primary key prefix (migration 0011), one
+  row per failure a supervisor noticed, ``LIMIT`` :data:`RESTARTS_SHOWN`.
 
 No page reads all epochs of a pipeline, let alone of all pipelines. The connections are opened with
 ``default_transaction_read_only=on``: the UI cannot write to the epoch store even by mistake.
@@ -45,6 +47,7 @@ from airflow_arroyo.store.records import (
     CleanupRunRecord,
     EpochRecord,
     PipelineRecord,
+    RestartRecord,
     epoch_columns,
     from_row,
 )
@@ -53,6 +56,7 @@ from airflow_arroyo.summary import CheckpointSummary
 __all__ = [
     "MAX_PAGE_SIZE",
     "RECENT_WINDOW",
+    "RESTARTS_SHOWN",
     "EpochDetail",
     "EpochsPage",
     "PipelineOverview",
@@ -70,6 +74,8 @@ T = TypeVar("T")
 RECENT_WINDOW = 10
 #: The largest page any query returns, whatever the caller asks for.
 MAX_PAGE_SIZE = 500
+#: How many of a supervised pipeline's newest restarts its page shows (``airflow-arroyo restarts``: all).
+RESTARTS_SHOWN = 50
 
 _EPOCH_COLS = epoch_columns("e")
 
@@ -140,6 +146,10 @@ SQL_CLEANUP_RUNS = (
     " AND (%(before_id)s::bigint IS NULL OR id < %(before_id)s)"
     " ORDER BY id DESC LIMIT %(limit)s"
 )
+SQL_RESTARTS = (
+    "SELECT * FROM arroyo_restarts WHERE pipeline_id = %(p)s"
+    " ORDER BY failed_at DESC, attempt DESC LIMIT %(limit)s"
+)
 SQL_NOW = "SELECT clock_timestamp() AS now"
 
 
@@ -208,6 +218,9 @@ class PipelinePage:
     epochs: EpochsPage
     summary: CheckpointSummary | None = None  # of the whole history, not just this page
     forks: list[PipelineRecord] = field(default_factory=list)  # pipelines forked from this one (migration 0009)
+    # a supervisor's record of its failures and restarts (migration 0011), newest first, at most RESTARTS_SHOWN
+    restarts: list[RestartRecord] = field(default_factory=list)
+    more_restarts: bool = False  # older restarts than those in ``restarts`` exist
 
 
 @dataclass(frozen=True)
@@ -420,8 +433,11 @@ class StoreReader:
             summary = CheckpointSummary(**_one_row(cur))
             cur.execute(SQL_FORKS, {"p": pipeline_id})
             forks = [from_row(PipelineRecord, r) for r in cur.fetchall()]
+            cur.execute(SQL_RESTARTS, {"p": pipeline_id, "limit": RESTARTS_SHOWN + 1})
+            restarts = [from_row(RestartRecord, r) for r in cur.fetchall()]
             return PipelinePage(overview=overview, epochs=self._epochs_page(cur, pipeline_id, before, after, size),
-                                summary=summary, forks=forks)
+                                summary=summary, forks=forks, restarts=restarts[:RESTARTS_SHOWN],
+                                more_restarts=len(restarts) > RESTARTS_SHOWN)
 
         return self._read(read)
 

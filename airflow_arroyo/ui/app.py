@@ -3,7 +3,8 @@
 HTML pages (server-rendered, no JavaScript, charts as inline SVG):
 
 * ``/``                                     pipelines: state, health, Spark app, last completed epoch
-* ``/pipelines/{pipeline_id}``              a pipeline and a page of its checkpoint history, with a chart
+* ``/pipelines/{pipeline_id}``              a pipeline and a page of its checkpoint history, with a chart;
+                                            its supervision and restarts when a supervisor ran it
 * ``/pipelines/{pipeline_id}/epochs/{n}``   one epoch: per-stage timeline, stages not acknowledged yet
 * ``/pipelines/{pipeline_id}/retention``    cleanup runs and the cleanup lock
 
@@ -23,7 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, is_dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -39,6 +40,7 @@ from airflow_arroyo.epochs import EpochState, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.store.reads import EpochDetail, PipelineOverview, StoreReader
 from airflow_arroyo.store.records import EpochRecord
+from airflow_arroyo.supervision import restart_due, strategy_text
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
 from airflow_arroyo.ui.store_source import StoreSource
@@ -112,6 +114,12 @@ def _not_restorable(e: EpochRecord) -> str:
     if e.state in (EpochState.FAILED, EpochState.EXPIRED):
         return f"it {e.state.value} (only completed epochs are consistent snapshots)"
     return f"it is {e.state.value}"
+
+
+def _headline(text: str) -> str:
+    """The first line of a restart's cause (the page shows the rest when it is opened)."""
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines else ""
 
 
 def _json(value: Any) -> Any:
@@ -298,6 +306,10 @@ def _add_pages(app: FastAPI, ui: _Ui) -> None:
             if page.epochs.newer_after is not None else None,
             newest_url=_page_url(request, path, limit=limit) if (before or after is not None) else None,
             in_flight_state=EpochState.TRIGGERED, notes=_epoch_notes, summary=page.summary, forks=page.forks,
+            restarts=page.restarts, more_restarts=page.more_restarts,
+            restart_due=restart_due(o.pipeline, page.restarts), headline=_headline,
+            restart_at=lambda r: r.failed_at + timedelta(seconds=r.delay_s),
+            strategy=strategy_text(o.pipeline.restart_strategy) if o.pipeline.restart_strategy else None,
             # the newest page follows an epoch in flight; a page of older history stays still
             refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
         )

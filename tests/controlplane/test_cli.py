@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -16,6 +18,7 @@ import pytest
 from airflow_arroyo.cli import main
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.supervision import PastFailure, RestartDecision
 from tests.controlplane.test_retention import Pipeline, sql
 
 VENV_BIN = Path(sys.executable).parent
@@ -92,6 +95,112 @@ def test_epochs_newest_first_with_limit(store: EpochStore, two_pipelines: tuple[
     code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "epochs", "orders")
     assert [(e["epoch"], e["state"]) for e in json.loads(out)] == [(4, "failed"), (3, "completed"),
                                                                    (2, "completed"), (1, "completed")]
+
+
+CAUSE = ("the driver of run stream-1 failed: stage 'enrich' could not be built: KeyError: 'customer_id' while "
+         "joining the orders with the customers table\nTraceback (most recent call last):\n  File \"enrich.py\", "
+         "line 3, in transform\nKeyError: 'customer_id'")
+
+
+def supervised_with_restarts(store: EpochStore, while_restarting: Callable[[], None] = lambda: None) -> None:
+    """``stream``: lineage ``stream-1`` under fixed-delay (1 restart); it failed, was restarted as
+    ``stream-1.restart1`` restoring its completed epoch 1, failed again, and the strategy gave up.
+    ``while_restarting`` is called between the first failure and its restart."""
+    from airflow_arroyo.epochs import CheckpointPolicy
+    from airflow_arroyo.supervision import FixedDelay, decide_restart, restart_run_id
+
+    strategy = FixedDelay(attempts=1, delay=5)
+
+    def decide(failures: list[PastFailure], now: datetime) -> RestartDecision:
+        return decide_restart(strategy, failures, now, lineage="stream-1")
+
+    store.register_pipeline("stream", stages=["src"], run_id="stream-1")
+    store.set_pipeline_state("stream", PipelineState.RUNNING, run_id="stream-1")
+    store.supervise("stream", "stream-1", strategy.to_dict())
+    started = store.trigger_tick("stream", CheckpointPolicy(interval=60), force=True).started
+    assert started is not None
+    assert store.ack_epoch("stream", started.epoch, "src") is EpochState.COMPLETED
+    first = store.record_failure("stream", "stream-1", "stream-1", CAUSE, decide)
+    assert not first.gave_up and store.get_pipeline("stream").supervision == "restarting"
+    while_restarting()
+    store.register_pipeline("stream", stages=["src"], run_id=restart_run_id("stream-1", 1), takeover=True)
+    store.record_restart("stream", "stream-1", 1, restart_run_id("stream-1", 1), started.epoch)
+    store.set_pipeline_state("stream", PipelineState.RUNNING, run_id="stream-1.restart1")
+    second = store.record_failure("stream", "stream-1", "stream-1.restart1", "heartbeat stopped", decide)
+    assert second.gave_up
+
+
+@pytest.mark.usefixtures("two_pipelines")
+def test_restarts_table_and_json_newest_first(store: EpochStore, capsys: pytest.CaptureFixture[str]) -> None:
+    def restart_due() -> None:
+        code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "stream")
+        assert code == 0 and len(out.splitlines()) == 3
+        assert out.splitlines()[1].split()[-2:] == ["pending", "-"]  # decided, not resubmitted yet
+        assert "supervision of lineage stream-1: restarting;" in out
+
+    supervised_with_restarts(store, restart_due)
+    code, out, err = run(capsys, "--dsn", store.dsn, "restarts", "stream")
+    assert (code, err) == (0, "")
+    table = out.splitlines()
+    header = table[0]
+    assert re.split(r"\s{2,}", header) == ["ATTEMPT", "FAILED AT", "FAILED RUN", "CAUSE", "DECISION", "RESTARTED AS",
+                                          "RESTORED EPOCH"]
+    cols = {name: header.index(name) for name in ("FAILED RUN", "CAUSE", "DECISION", "RESTARTED AS", "RESTORED EPOCH")}
+
+    def cell(line: str, name: str) -> str:
+        names = list(cols)
+        end = cols[names[names.index(name) + 1]] if name != names[-1] else None
+        return line[cols[name]:end].strip()
+
+    newest, oldest = table[1], table[2]
+    assert newest.split()[0] == "2" and oldest.split()[0] == "1"  # newest first
+    assert cell(newest, "FAILED RUN") == "stream-1.restart1" and cell(oldest, "FAILED RUN") == "stream-1"
+    assert cell(newest, "CAUSE") == "heartbeat stopped"
+    shown = cell(oldest, "CAUSE")  # the first line, cut: the traceback is only in --json
+    assert shown.endswith("...") and len(shown) <= 60 and shown[:-3] in CAUSE.splitlines()[0]
+    assert "Traceback" not in out and "KeyError: 'customer_id'\n" not in out
+    assert cell(oldest, "DECISION") == "restart 1 of 1 (fixed-delay)"
+    assert cell(newest, "DECISION").startswith("2 failures, more than the 1 restart(s)")
+    assert (cell(oldest, "RESTARTED AS"), cell(oldest, "RESTORED EPOCH")) == ("stream-1.restart1", "1")
+    assert (cell(newest, "RESTARTED AS"), cell(newest, "RESTORED EPOCH")) == ("gave up", "-")
+    assert table[3] == ("supervision of lineage stream-1: gave_up; restart strategy fixed-delay: up to 1 restart, "
+                        "5s after each failure")
+
+    code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "stream", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert [(r["attempt"], r["failed_run_id"], r["gave_up"], r["new_run_id"], r["restored_epoch"]) for r in data] == [
+        (2, "stream-1.restart1", True, None, None), (1, "stream-1", False, "stream-1.restart1", 1)]
+    assert data[1]["cause"] == CAUSE and data[1]["delay_s"] == 5.0  # the whole cause
+    assert data[1]["failed_at"] <= data[1]["restarted_at"] <= data[0]["failed_at"]
+
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restarts", "stream", "--lineage", "stream-1")
+    assert [r["attempt"] for r in json.loads(out)] == [2, 1]
+    code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "stream", "--lineage", "other")
+    assert (code, out) == (0, "pipeline stream has no failures or restarts recorded of lineage other\n")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "orders")
+    assert code == 0 and out.startswith("pipeline orders has no failures or restarts recorded (it has never been")
+    code, out, err = run(capsys, "--dsn", store.dsn, "restarts", "nope")
+    assert (code, out) == (2, "") and "no pipeline named 'nope'" in err
+
+
+@pytest.mark.usefixtures("two_pipelines")
+def test_pipelines_show_supervision_and_restart_count(store: EpochStore, capsys: pytest.CaptureFixture[str]) -> None:
+    supervised_with_restarts(store)
+    code, out, _ = run(capsys, "--dsn", store.dsn, "pipelines")
+    assert code == 0
+    header, *rows = out.splitlines()
+    assert re.split(r"\s{2,}", header) == ["PIPELINE", "STATE", "RUN", "LAST EPOCH", "HEARTBEAT", "SUPERVISION",
+                                          "RESTARTS", "STORAGE"]
+    at = header.index("SUPERVISION"), header.index("RESTARTS"), header.index("STORAGE")
+    by_id = {r.split()[0]: (r[at[0]:at[1]].strip(), r[at[1]:at[2]].strip()) for r in rows}
+    assert by_id == {"clicks": ("-", "-"), "orders": ("-", "-"), "stream": ("gave_up", "1")}
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "pipelines")
+    data = {p["pipeline_id"]: p for p in json.loads(out)}
+    assert (data["stream"]["supervision"], data["stream"]["supervised_run"], data["stream"]["restarts"]) == (
+        "gave_up", "stream-1", 1)
+    assert data["stream"]["restart_strategy"] == {"type": "fixed-delay", "attempts": 1, "delay": 5.0}
+    assert (data["orders"]["supervision"], data["orders"]["restarts"], data["orders"]["last_epoch"]) == (None, None, 3)
 
 
 def test_pin_shows_in_epochs_survives_prune_and_unpins(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],

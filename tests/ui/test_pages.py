@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.ui.format import bytes_human, duration_human, epoch_ranges
+from airflow_arroyo.ui.format import bytes_human, duration_human, epoch_ranges, timestamp
 from tests.ui.conftest import mounted_arroyo_app
 from tests.ui.data import Dataset
 from tests.ui.html import Node, parse
@@ -478,6 +478,71 @@ def test_forks_and_the_fork_point_restored_from_show_on_both_pipelines(client: T
         store.unpin_epoch("orders", 240, force=True)
         sql(store, "DELETE FROM arroyo_pipelines WHERE pipeline_id = 'orders-fork'")
     assert page(client, "/arroyo/pipelines/orders").find_all(id="forks") == []
+
+
+def test_a_supervised_pipeline_shows_its_supervision_and_every_restart(client: TestClient,
+                                                                       store: EpochStore) -> None:
+    from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+    from airflow_arroyo.supervision import FixedDelay, PastFailure, RestartDecision, decide_restart, restart_run_id
+    from tests.support import sql
+
+    strategy = FixedDelay(attempts=2, delay=10)
+
+    def decide(failures: list[PastFailure], now: Any) -> RestartDecision:
+        return decide_restart(strategy, failures, now, lineage="metrics-1")
+
+    cause = ("the driver of run metrics-1 failed: stage 'agg' <b>could not</b> snapshot\n"
+             "Traceback (most recent call last):\nOSError")
+    store.register_pipeline("metrics", stages=["src"], run_id="metrics-1")
+    try:
+        store.set_pipeline_state("metrics", PipelineState.RUNNING, run_id="metrics-1")
+        store.supervise("metrics", "metrics-1", strategy.to_dict())
+        epoch = store.trigger_tick("metrics", CheckpointPolicy(interval=60), force=True).started
+        assert epoch is not None and store.ack_epoch("metrics", epoch.epoch, "src") is EpochState.COMPLETED
+        assert page(client, "/arroyo/pipelines/metrics").find_all(id="restarts") == []  # supervised, no failure yet
+        store.record_failure("metrics", "metrics-1", "metrics-1", cause, decide)
+        store.register_pipeline("metrics", stages=["src"], run_id=restart_run_id("metrics-1", 1), takeover=True)
+        store.record_restart("metrics", "metrics-1", 1, restart_run_id("metrics-1", 1), epoch.epoch)
+        store.record_failure("metrics", "metrics-1", "metrics-1.restart1", "heartbeat stopped", decide)
+
+        doc = page(client, "/arroyo/pipelines/metrics")
+        supervision = doc.find("dd", id="supervision")
+        assert supervision.attrs["data-state"] == "restarting"
+        assert supervision.text() == ("restarting lineage metrics-1 · restart strategy fixed-delay: up to 2 restarts, "
+                                      "10s after each failure · restarts")
+        rows = doc.find("table", id="restarts").find_all("tr")[1:]
+        assert [(r.attrs["data-attempt"], r.attrs["data-outcome"]) for r in rows] == [("2", "pending"),
+                                                                                      ("1", "restarted")]
+        due, restarted = ([c.text() for c in r.find_all("td")] for r in rows)
+        recorded = store.restarts("metrics")
+        assert due[1:4] == [timestamp(recorded[0].failed_at), "metrics-1.restart1", "heartbeat stopped"]
+        assert due[4] == "restart 2 of 2 (fixed-delay)" and due[5].startswith("pending due in ") and due[6] == "–"
+        assert restarted[2] == "metrics-1" and restarted[4] == "restart 1 of 2 (fixed-delay)"
+        assert (restarted[5], restarted[6]) == ("metrics-1.restart1", f"#{epoch.epoch}")
+        cause_cell = rows[1].find("td", **{"class": "cause wrap"})
+        assert cause_cell.find("summary").text() == cause.splitlines()[0]  # the first line; all of it when opened
+        assert cause_cell.find("pre").text() == " ".join(cause.split())
+        assert "<b>could not</b>" not in client.get("/arroyo/pipelines/metrics").text  # escaped like any text
+        link = rows[1].find("a")
+        assert link.attrs["href"] == f"/arroyo/pipelines/metrics/epochs/{epoch.epoch}"
+        assert client.get(link.attrs["href"]).status_code == 200
+
+        # the restart happens, the run fails a third time, and the strategy gives up
+        store.register_pipeline("metrics", stages=["src"], run_id=restart_run_id("metrics-1", 2), takeover=True)
+        store.record_restart("metrics", "metrics-1", 2, restart_run_id("metrics-1", 2), epoch.epoch)
+        store.record_failure("metrics", "metrics-1", "metrics-1.restart2", "exit code 137", decide)
+        doc = page(client, "/arroyo/pipelines/metrics")
+        assert doc.find("dd", id="supervision").attrs["data-state"] == "gave_up"
+        rows = doc.find("table", id="restarts").find_all("tr")[1:]
+        assert [(r.attrs["data-attempt"], r.attrs["data-outcome"]) for r in rows] == [
+            ("3", "gave_up"), ("2", "restarted"), ("1", "restarted")]
+        gave_up = [c.text() for c in rows[0].find_all("td")]
+        assert gave_up[3:] == ["exit code 137", "3 failures, more than the 2 restart(s) fixed-delay allows", "gave up",
+                               "–"]
+    finally:
+        sql(store, "DELETE FROM arroyo_pipelines WHERE pipeline_id = 'metrics'")
+    orders = page(client, "/arroyo/pipelines/orders")  # never supervised: neither section
+    assert orders.find_all(id="supervision") == [] and orders.find_all(id="restarts") == []
 
 
 def test_the_retention_policy_reads_as_words(client: TestClient) -> None:
