@@ -8,6 +8,10 @@ of the report and an upsert table of per-key totals, in a database of their own)
 kill, hold exactly what some completed epoch's cut holds. The test plays the checkpoint controller
 (``trigger_tick`` in a loop).
 
+The S3 proof runs the demo's **fused** form (operator chaining, issue 12: both sources, the join and the
+filter in one query, one channel before the sinks), the local proof the unfused one: both must end with
+the same plain-Python output.
+
 Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments.
 """
 
@@ -53,6 +57,7 @@ ROWS = 2000
 S3_ROWS = 600  # the S3 run: fewer rows, one kill (every request goes through moto's HTTP server)
 PER_BATCH = 100
 STAGES = ("left", "right", "joined", "report")
+FUSED = "~".join(STAGES)  # the fused form's one physical stage before the sinks (runtime/plan.py names it)
 SINK_DSN_ENV = "ARROYO_TEST_SINK_DSN"
 MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
 
@@ -62,14 +67,14 @@ class Driver:
 
     def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path,
                  rows: int = ROWS, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                 sink_dsn: str | None = None) -> None:
+                 sink_dsn: str | None = None, chaining: bool = False) -> None:
         self.run_id = run_id
         self.log_path = logs / f"{run_id}.log"
         cmd = [
             sys.executable, "-m", "airflow_arroyo.runtime.driver",
             "--pipeline", "airflow_arroyo.examples.pipelines:demo",
             "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}",
-            "--arg", f"sink_path={sink}",
+            "--arg", f"sink_path={sink}", *(["--arg", "chaining=true"] if chaining else []),
             *(["--arg", f"pg_dsn_env={SINK_DSN_ENV}", "--arg", "pg_report_table=report_rows",
                "--arg", "pg_totals_table=key_totals"] if sink_dsn else []),
             "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",
@@ -110,9 +115,12 @@ def current(store: EpochStore, pid: str) -> Any:
 
 
 def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layout: StorageLayout,
-                     completed_before: int, rng: random.Random) -> Callable[[], bool]:
+                     completed_before: int, rng: random.Random, *, chaining: bool = False) -> Callable[[], bool]:
     """A condition that is true at the moment to kill."""
-    left = layout.channel_uri("left")
+    # the first stage, and the channel it writes: its barrier there and no ack yet = its snapshot is copied
+    head, head_channel = (FUSED, OUTPUT_CHANNEL) if chaining else ("left", "left")
+    head_uri = layout.channel_uri(head_channel)
+    physical = 2 if chaining else len(STAGES)  # physical stages before the sink (fused: one) + the sink's
     random_at: list[float] = []
 
     def ours_running() -> bool:
@@ -128,7 +136,7 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
         if e is None or e.run_id != run_id:
             return False
         n = len(store.acks(pid, e.epoch))
-        return 1 <= n < len(STAGES)
+        return 1 <= n < physical
 
     def snapshot() -> bool:  # after an epoch of this run completed, so that there is one to restore from
         e = store.in_flight_epoch(pid)
@@ -136,7 +144,8 @@ def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layo
         if e is None or e.run_id != run_id or latest is None or latest.epoch <= completed_before:
             return False
         acked = {a.stage for a in store.acks(pid, e.epoch)}
-        return "left" not in acked and Channel.open(left).find_barrier(e.epoch) is not None
+        return (head not in acked and Channel.exists(head_uri)
+                and Channel.open(head_uri).find_barrier(e.epoch) is not None)
 
     def between() -> bool:
         latest = store.latest_completed_epoch(pid)
@@ -209,18 +218,19 @@ def test_sigkill_with_channels_and_snapshots_on_s3_is_exactly_once(store: EpochS
     """The same proof with channels and snapshots on S3 (moto's server; the executors write and read the
     channels with pyarrow) and Spark's checkpoints on a local disk (no S3A connector here): killed while
     the snapshots of an epoch are copied to S3, after an earlier epoch completed, then restored from S3.
-    (One kill: every moment is covered by the local proof above; this one is about object storage.)"""
+    (One kill: every moment is covered by the local proof above; this one is about object storage, and
+    about the fused form: the sources, the join and the filter compiled into one query.)"""
     seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
     print(f"ARROYO_TEST_SEED={seed}")
     kill_and_restore(store, tmp_path, ["snapshot"], random.Random(seed), storage=f"{bucket}/storage",
-                     rows=S3_ROWS, checkpoints=tmp_path / "checkpoints", env=s3_server.env)
+                     rows=S3_ROWS, checkpoints=tmp_path / "checkpoints", env=s3_server.env, chaining=True)
     assert any("/snapshots/objects/" in k for k in s3_server.keys(f"{bucket}/storage"))
     assert list((tmp_path / "checkpoints").rglob("checkpoint.json"))  # restores switched checkpoint pointers
 
 
 def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: random.Random, *, storage: Path | str,
                      rows: int, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                     sink_dsn: str | None = None) -> None:
+                     sink_dsn: str | None = None, chaining: bool = False) -> None:
     """Kill the driver at each moment of ``plan`` and restart it from the latest epoch, then run to the end
     and stop gracefully; every channel and the sinks (with ``sink_dsn``, the PostgreSQL ones too) must hold
     the plain-Python result exactly once."""
@@ -231,15 +241,16 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
     layout = StorageLayout.at(str(storage), pid)
     expected = expected_report(rows)
     start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink, rows=rows,
-                              checkpoints=checkpoints, env=env, sink_dsn=sink_dsn)
+                              checkpoints=checkpoints, env=env, sink_dsn=sink_dsn, chaining=chaining)
     kills: list[dict[str, Any]] = []
+    inner_channels = () if chaining else ("left", "right", "joined")  # the fused form compiles them away
     with CheckpointTicker(store, pid, interval=1.5, timeout=60.0, tick=0.2):
         for k, moment in enumerate(plan):
             run_id = f"run-{k}-{moment}"
             latest = store.latest_completed_epoch(pid) if current(store, pid) else None
             completed_before = latest.epoch if latest else 0
             driver = start(run_id=run_id)
-            condition = moment_condition(moment, store, pid, run_id, layout, completed_before, rng)
+            condition = moment_condition(moment, store, pid, run_id, layout, completed_before, rng, chaining=chaining)
             try:
                 wait_for(lambda: condition() or not driver.alive(), timeout=300, interval=0.01,  # noqa: B023
                          what=f"moment {moment!r} in run {run_id}")
@@ -272,8 +283,7 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
                 (rec := current(store, pid)) is not None and rec.run_id == "run-final"
                 and rec.state is PipelineState.RUNNING), timeout=300, what="the final run to start")
             wait_for(lambda: not final.alive() or (
-                channel_row_count(layout.channel_uri("left")) >= rows
-                and channel_row_count(layout.channel_uri("right")) >= rows
+                all(channel_row_count(layout.channel_uri(c)) >= rows for c in inner_channels)
                 and channel_row_count(layout.channel_uri(OUTPUT_CHANNEL)) >= len(expected)), timeout=600, interval=0.5,
                 what="the final run to reach the end of the input")
         except AssertionError:
@@ -302,7 +312,8 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
     assert store.get_epoch(pid, final_epoch).is_final
 
     # exactly once: no record lost, none duplicated, on every channel
-    for channel in ("left", "right", "joined"):
+    assert (FUSED in store.get_pipeline(pid).stages) == chaining  # the form that ran is the one asked for
+    for channel in inner_channels:
         ids = Channel.open(layout.channel_uri(channel)).read_table().column("id").to_pylist()
         dup = [i for i, n in Counter(ids).items() if n > 1]
         assert not dup, f"{channel}: ids written twice: {dup[:10]}"
@@ -320,4 +331,5 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
         assert {k: (n, t) for k, n, t in sql(sink_dsn, "SELECT key, n, total FROM key_totals")} == expected_totals(rows)
         assert any(k["pg_epoch"] > 0 for k in kills), kills
     # and every barrier of a completed epoch sits right after its stage's cut batch, across the restores
-    assert check_barriers_follow_cuts(store, pid, {c: layout.channel_uri(c) for c in STAGES}) > 0
+    writers = {FUSED: OUTPUT_CHANNEL} if chaining else {c: c for c in STAGES}  # physical stage -> its channel
+    assert check_barriers_follow_cuts(store, pid, {s: layout.channel_uri(c) for s, c in writers.items()}) > 0
