@@ -318,6 +318,8 @@ class SubmitPipelineOperator(BaseOperator):
         (:func:`~airflow_arroyo.supervision.parse_strategy`); None (default): succeed once running.
     :param heartbeat_timeout: supervised: a run whose driver has not heartbeated for this many seconds
         has failed (the driver heartbeats every 2 s).
+    :param supervise_interval: supervised: seconds between two looks at the run (two store reads each;
+        a local spark-submit's exit is noticed at the next look).
 
     Usage::
 
@@ -371,12 +373,14 @@ class SubmitPipelineOperator(BaseOperator):
         openlineage_inject_transport_info: bool | None = None,
         restart_strategy: RestartStrategy | Mapping[str, Any] | str | None = None,
         heartbeat_timeout: float = 60.0,
+        supervise_interval: float = 5.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.pipeline = pipeline
         self.restart_strategy = restart_strategy
         self.heartbeat_timeout = heartbeat_timeout
+        self.supervise_interval = supervise_interval
         self.pipeline_id = pipeline_id
         self.pipeline_args = dict(pipeline_args or {})
         self.takeover = takeover
@@ -421,9 +425,9 @@ class SubmitPipelineOperator(BaseOperator):
             raise ConfigurationError(
                 f"pipeline must name the pipeline object as 'module:attribute', got {self.pipeline!r}"
             )
-        if self.register_timeout <= 0 or self.poll_interval <= 0 or self.heartbeat_timeout <= 0:
-            raise ConfigurationError(
-                "register_timeout, poll_interval and heartbeat_timeout must be positive numbers of seconds")
+        if min(self.register_timeout, self.poll_interval, self.heartbeat_timeout, self.supervise_interval) <= 0:
+            raise ConfigurationError("register_timeout, poll_interval, heartbeat_timeout and supervise_interval must "
+                                     "be positive numbers of seconds")
         self._strategy = parse_strategy(self.restart_strategy)
         return parse_restore_from(self.restore_from)
 
@@ -672,7 +676,7 @@ class SubmitPipelineOperator(BaseOperator):
         assert self._strategy is not None
         trigger = PipelineSupervisorTrigger(
             pipeline_id=self.pipeline_id, lineage=lineage, run_id=run_id, strategy=self._strategy.to_dict(),
-            conn_id=self.conn_id, poll_interval=self.poll_interval, heartbeat_timeout=self.heartbeat_timeout,
+            conn_id=self.conn_id, poll_interval=self.supervise_interval, heartbeat_timeout=self.heartbeat_timeout,
             start_deadline=time.time() + float(self.register_timeout) if starting else None,
             submit_pid=submit.get("pid"), submit_host=submit.get("host"), submit_start_ticks=submit.get("start_ticks"),
             submit_log=submit.get("log"), submit_exits=bool(submit.get("exits")),

@@ -50,7 +50,8 @@ def _supervised_until_running(op: Any, ti: _TI, started: list[LocalProcess]) -> 
 def test_a_killed_driver_comes_back_from_the_latest_epoch_and_the_task_ends_when_it_stops(
         conns: EpochStore, tmp_path: Path, started: list[LocalProcess]) -> None:
     store = conns
-    op = submit_op(tmp_path, restart_strategy={"type": "fixed-delay", "attempts": 2, "delay": 0.5},
+    op = submit_op(tmp_path, supervise_interval=0.2,
+                   restart_strategy={"type": "fixed-delay", "attempts": 2, "delay": 0.5},
                    env_vars={"FAKE_EPOCH_INTERVAL": "0.3"})
     ti = _TI()
     supervised = _supervised_until_running(op, ti, started)
@@ -90,7 +91,8 @@ def test_a_killed_driver_comes_back_from_the_latest_epoch_and_the_task_ends_when
 def test_a_strategy_that_gives_up_fails_the_task_with_the_last_cause(
         conns: EpochStore, tmp_path: Path, started: list[LocalProcess]) -> None:
     store = conns
-    op = submit_op(tmp_path, restart_strategy={"type": "fixed-delay", "attempts": 1, "delay": 0},
+    op = submit_op(tmp_path, supervise_interval=0.2,
+                   restart_strategy={"type": "fixed-delay", "attempts": 1, "delay": 0},
                    env_vars={"FAKE_EPOCH_INTERVAL": "1.5", "FAKE_FAIL_AFTER_EPOCHS": "2",
                              "FAKE_FAIL_CAUSE": "division by zero in stage join"})
     ti = _TI()
@@ -120,7 +122,7 @@ def test_a_retry_reattaches_to_a_restart_of_its_run_and_supervises_it_again(conn
     ti = _TI()
     ti.try_number = 2
     ti.xcom_pull = lambda **kw: None  # type: ignore[attr-defined]
-    op = submit_op(tmp_path, restart_strategy="fixed-delay")
+    op = submit_op(tmp_path, supervise_interval=0.2, restart_strategy="fixed-delay")
     deferred = _deferred(op.execute, {"ti": ti})
     assert isinstance(deferred.trigger, PipelineSupervisorTrigger)
     assert (deferred.trigger.lineage, deferred.trigger.run_id) == (LINEAGE, restart)

@@ -12,7 +12,9 @@ that both stay true. The story:
    recorded in ``arroyo_history``) and resumes afterwards;
 7. supervision: the Python driver is SIGKILLed; the ``submit`` task, supervising in the triggerer,
    resubmits the pipeline restoring the latest completed epoch; the restart is in the store and on the
-   UI's pipeline page, the restarted run completes epochs, and the report (6) is still exact;
+   UI's pipeline page, the restarted run completes epochs, and the report (6) is still exact; then a
+   second DAG run (restored from the latest epoch) whose strategy gives up (``none``) is SIGKILLed too:
+   its ``submit`` task fails, with the cause in its log;
 4. an operator ends the run by marking ``run_for`` success; ``stop`` stops the pipeline gracefully
    (a final epoch), which ends the ``checkpoints`` task; the DAG run succeeds;
 5. epochs and their states are checked in PostgreSQL; leaving the launcher stops everything;
@@ -26,6 +28,7 @@ that both stay true. The story:
 from __future__ import annotations
 
 import ast
+import json
 import os
 import signal
 import time
@@ -98,7 +101,7 @@ def test_example_dag_on_airflow_standalone() -> None:
         finally:
             store.close()
         pid_files = sorted((home / "logs" / "arroyo").glob("*/*.pid"))
-        assert len(pid_files) == 2, pid_files  # the first run, and the supervisor's restart
+        assert len(pid_files) == 3, pid_files  # the first run, the supervisor's restart, the second DAG run
         groups = [LocalProcess(int(pid), host, int(ticks))
                   for pid, ticks, host in (f.read_text().split() for f in pid_files)]
     # leaving the launcher stopped everything it started, the spark-submit process groups included
@@ -232,6 +235,26 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     expected = expected_report(ROWS)
     assert (report["rows"], report["distinct_ids"], report["total"]) == (
         len(expected), len(expected), sum(r[4] for r in expected)), report
+
+    # -- 7b: a strategy that gives up: a second DAG run, restored from the latest epoch, killed once
+    first_runs = {pipeline.run_id, *(r.new_run_id for r in store.restarts(PIPELINE))}
+    second = airflow.trigger(EXAMPLE_DAG, {
+        "interval": INTERVAL, "epochs": 100_000, "minutes": 15, "rows": ROWS, "rows_per_batch": 200,
+        "trigger_interval": 0.5, "restore_from": "latest", "restart_strategy": '{"type": "none"}',
+    })
+    running = wait_for("the second DAG run's pipeline to run", lambda: (lambda p: p if (
+        p.run_id not in first_runs and p.state is PipelineState.RUNNING) else None)(store.get_pipeline(PIPELINE)),
+        300, diagnose)
+    assert running.supervision == "watching" and running.restored_from_epoch == final.epoch, running
+    for pid in _driver_pids(str(running.run_id)):
+        os.kill(pid, signal.SIGKILL)
+    assert airflow.wait_run(EXAMPLE_DAG, second, timeout=300) == "failed"
+    assert airflow.task_instances(EXAMPLE_DAG, second)["submit"] == "failed"
+    [gave_up] = store.restarts(PIPELINE, lineage=str(running.run_id))
+    assert gave_up.gave_up and gave_up.new_run_id is None and "exited" in gave_up.cause, gave_up
+    log = json.dumps(airflow.api("GET", f"/dags/{EXAMPLE_DAG}/dagRuns/{second}/taskInstances/submit/logs/1"))
+    assert "PipelineFailedError" in log and "exited while the run was running" in log, log[-3000:]
+    assert store.get_pipeline(PIPELINE).supervision == "gave_up"
 
 
 def _driver_pids(run_id: str) -> list[int]:
