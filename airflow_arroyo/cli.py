@@ -358,6 +358,7 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Ask a live pipeline to stop (graceful: its driver takes a final epoch first); with ``--wait``,
     wait for its run to end and report how."""
     from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.supervision import restart_pending
 
     _require_schema(store)
     wait = parse_duration(args.wait, name="--wait") or timedelta(0)
@@ -370,6 +371,11 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
             wait = STOP_PIN_WAIT  # pinning needs the run to have ended
         store.check_pin_label(args.pin)  # bad input before anything is asked
     current = store.get_pipeline(args.pipeline)
+    if current.state.terminal and restart_pending(current):  # failed, a restart due: the stop cancels it
+        store.request_stop(args.pipeline, mode)
+        out.write(f"pipeline {args.pipeline}: run {current.run_id} failed ({current.failure_cause}); its supervisor's "
+                  "restart is cancelled\n")
+        return 0
     if current.state.terminal:
         raise ConfigurationError(
             f"pipeline {args.pipeline} is not running: its run {current.run_id} is {current.state.value}; "

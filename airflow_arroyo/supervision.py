@@ -111,8 +111,12 @@ def _seconds(value: object, what: str, *, allow_zero: bool = True) -> float:
     return number
 
 
+def _ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdecimal()
+
+
 def _count(value: object, what: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not _ascii_digits(str(value).strip()):
         raise ConfigurationError(f"restart strategy: {what} must be a whole number >= {minimum}, got {value!r}")
     number = int(str(value).strip())
     if number < minimum:
@@ -314,7 +318,7 @@ def is_run_of(run_id: str, lineage: str | None) -> bool:
     if not lineage:
         return False
     rest = run_id[len(lineage):]
-    return run_id.startswith(lineage) and (rest == "" or (rest.startswith(".restart") and rest[8:].isdigit()))
+    return run_id.startswith(lineage) and (rest == "" or (rest.startswith(".restart") and _ascii_digits(rest[8:])))
 
 
 class _Supervised(Protocol):

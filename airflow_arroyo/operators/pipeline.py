@@ -51,6 +51,7 @@ stops without one. The operator then defers until the pipeline is ``stopped``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,7 +78,14 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.supervision import RestartStrategy, lineage_of, parse_strategy, restart_run_id
+from airflow_arroyo.supervision import (
+    RestartStrategy,
+    SupervisionState,
+    lineage_of,
+    parse_strategy,
+    restart_pending,
+    restart_run_id,
+)
 from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
     LocalProcess,
@@ -671,7 +679,7 @@ class SubmitPipelineOperator(BaseOperator):
     # ------------------------------------------------------------------ supervision
 
     def _supervise(self, context: Context, lineage: str, run_id: str, submit: Mapping[str, Any], *,
-                   starting: bool) -> str:
+                   starting: bool) -> Any:
         """Watch run ``run_id`` of the lineage in the triggerer (inline when not deferrable)."""
         assert self._strategy is not None
         trigger = PipelineSupervisorTrigger(
@@ -689,9 +697,10 @@ class SubmitPipelineOperator(BaseOperator):
         self.defer(trigger=trigger, method_name="supervise_complete", kwargs=kwargs)
 
     def supervise_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
-                           lineage: str | None = None) -> str:
-        """Airflow: the supervisor's event: succeed (stopped), fail (gave up, superseded, store error), or
-        restart the pipeline from its latest completed epoch and supervise the new run."""
+                           lineage: str | None = None) -> Any:
+        """Airflow: the supervisor's event: succeed (stopped; a stop cancelled a restart), fail (gave up,
+        superseded, store error), or restart the pipeline from its latest completed epoch and supervise the
+        new run. Whatever ends the task otherwise ends the supervision too (waits stop expecting a restart)."""
         self._validate()
         submit = submit or {}
         lineage = str(lineage or event.get("lineage"))
@@ -701,27 +710,56 @@ class SubmitPipelineOperator(BaseOperator):
             self.log.info("Pipeline %s run %s stopped (latest completed epoch %s); supervision ends",
                           self.pipeline_id, event.get("run_id"), event.get("latest_epoch"))
             return lineage
-        if status == "gave_up":
-            self._log_restarts(store, lineage)
-            raise PipelineFailedError(self.pipeline_id, str(event.get("cause") or event.get("message")))
-        if status != "restart":
+        try:
+            if status in ("gave_up", "cancelled", "restart"):
+                failed_run = str(event.get("run_id"))
+                why_not = (store.claim_restart(self.pipeline_id, lineage, int(event["attempt"]))
+                           if status == "restart" else None)
+                if status != "restart" or why_not is not None:
+                    self._end_failed_run(store, failed_run, submit, str(event.get("cause")))
+                if status == "gave_up":
+                    self._log_restarts(store, lineage)
+                    raise PipelineFailedError(self.pipeline_id, str(event.get("cause") or event.get("message")))
+                if status == "cancelled" or why_not is not None:
+                    store.end_supervision(self.pipeline_id, lineage)
+                    self.log.warning("Pipeline %s: not restarted: %s", self.pipeline_id,
+                                     why_not or event.get("message"))
+                    return lineage
+                return self._restart(context, store, lineage, int(event["attempt"]), failed_run, submit,
+                                     str(event.get("cause")))
             raise ArroyoError(str(event.get("message")))
-        attempt = int(event["attempt"])
-        failed_run = str(event.get("run_id"))
-        # What is left of the failed run (a hung driver, a half-dead process group) is ended first.
+        except Exception:
+            store.end_supervision(self.pipeline_id, lineage, SupervisionState.GAVE_UP)
+            raise
+
+    def _end_failed_run(self, store: EpochStore, failed_run: str, submit: Mapping[str, Any], cause: str) -> None:
+        """End what is left of a failed run (a hung driver, a half-dead process group, a restart still
+        restoring) and record it failed, so that nothing waits on it or starts epochs for it."""
         process = None
         if submit.get("pid") is not None and submit.get("host"):
             process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
         stop_run(store, self.pipeline_id, failed_run, process, log=self.log,
                  cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
+        with contextlib.suppress(ArroyoError):  # it ended meanwhile, or another run took over: nothing to mark
+            record = store.get_pipeline(self.pipeline_id)
+            if record.run_id == failed_run and not record.state.terminal:
+                store.set_pipeline_state(self.pipeline_id, PipelineState.FAILED, run_id=failed_run,
+                                         failure_cause=f"supervisor: {cause}"[:4000])
+
+    def _restart(self, context: Context, store: EpochStore, lineage: str, attempt: int, failed_run: str,
+                 submit: Mapping[str, Any], cause: str) -> Any:
+        self._end_failed_run(store, failed_run, submit, cause)
+        # Always "latest": the newest completed epoch, or a start over when none completed (the failed run
+        # left state behind, which a fresh start would refuse).
         latest = store.latest_completed_epoch(self.pipeline_id)
-        restore = "latest" if latest is not None else parse_restore_from(self.restore_from)
         new_run = restart_run_id(lineage, attempt)
         self.log.warning("Pipeline %s: restart %s of lineage %s after: %s; restoring %s as run %s",
-                         self.pipeline_id, attempt, lineage, event.get("cause"),
-                         f"epoch {latest.epoch}" if latest is not None else f"nothing (restore_from={restore})",
+                         self.pipeline_id, attempt, lineage, cause,
+                         f"epoch {latest.epoch}" if latest is not None else "no epoch (none completed: a start over)",
                          new_run)
-        new_submit = self._launch(context, new_run, restore, takeover=True)
+        self.conf = openlineage_conf(self.conf, context, parent=self.openlineage_inject_parent_job_info,
+                                     transport=self.openlineage_inject_transport_info)
+        new_submit = self._launch(context, new_run, "latest", takeover=True)
         store.record_restart(self.pipeline_id, lineage, attempt, new_run, latest.epoch if latest is not None else None)
         return self._supervise(context, lineage, new_run, new_submit, starting=True)
 
@@ -822,6 +860,10 @@ class StopPipelineOperator(BaseOperator):
             return {"pipeline_id": self.pipeline_id, "run_id": None, "state": None, "latest_epoch": None,
                     "final_epoch": None}
         if pipeline.state.terminal:
+            if restart_pending(pipeline):  # failed, and its supervisor would restart it: the stop cancels that
+                store.request_stop(self.pipeline_id, mode)
+                self.log.info("Pipeline %s run %s failed and its supervisor was to restart it: the restart is "
+                              "cancelled", self.pipeline_id, pipeline.run_id)
             self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
             return self._published(context, self._result(
                 {"state": pipeline.state.value, "cause": pipeline.failure_cause, "run_id": pipeline.run_id,

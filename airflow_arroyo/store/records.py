@@ -85,6 +85,7 @@ class PipelineRecord:
     # and the restart strategy as configured; see airflow_arroyo.supervision
     supervision: str | None = None
     supervised_run: str | None = None
+    supervised_since: datetime | None = None
     restart_strategy: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -111,6 +112,7 @@ class RestartRecord:
     new_run_id: str | None = None
     restored_epoch: int | None = None
     restarted_at: datetime | None = None
+    supervised_since: datetime | None = None  # the supervision the failure belongs to
 
 
 @dataclass(frozen=True)

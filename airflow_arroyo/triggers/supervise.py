@@ -4,7 +4,7 @@ The submit operator, given a ``restart_strategy``, defers to it once its run is 
 each restart it submits). No worker slot is held meanwhile. It looks at the epoch store every
 ``poll_interval`` seconds and yields exactly one event::
 
-    {"status": "stopped" | "restart" | "gave_up" | "superseded" | "error",
+    {"status": "stopped" | "restart" | "gave_up" | "cancelled" | "superseded" | "error",
      "pipeline_id", "lineage", "run_id", "attempt", "cause", "delay", "message", "latest_epoch"}
 
 * ``stopped``: the lineage's run stopped (a stop operator, the CLI, ``stop_after_epochs``): the task
@@ -15,8 +15,11 @@ each restart it submits). No worker slot is held meanwhile. It looks at the epoc
   (``arroyo_restarts``) and the strategy's delay has passed: the operator resubmits, restoring the
   latest completed epoch, and defers here again.
 * ``gave_up``: the strategy gave up on the failure; ``cause`` is the last failure's: the task fails.
+* ``cancelled``: the run failed while a stop was requested, or a stop came during the backoff: no
+  restart; the task succeeds (the stop is honoured).
 * ``superseded``: another run (not of this lineage) took the pipeline over: this supervisor lets go.
-* ``error``: the epoch store failed beyond its retries.
+* ``error``: the epoch store failed beyond its retries, or was unreachable for longer than
+  ``heartbeat_timeout``.
 
 The decision itself is :func:`airflow_arroyo.supervision.decide_restart`'s, taken inside the store's
 transaction that records the failure (:meth:`~airflow_arroyo.store.EpochStore.record_failure`), so two
@@ -27,18 +30,26 @@ out the same delay.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.exceptions import (
+    ArroyoError,
+    ConcurrencyConflict,
+    ConfigurationError,
+    TransientStoreError,
+    UnknownPipelineError,
+)
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
 from airflow_arroyo.supervision import (
+    PastFailure,
+    RestartDecision,
     SupervisionState,
     decide_restart,
     in_lineage,
@@ -49,7 +60,7 @@ from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["PipelineSupervisorTrigger"]
 
-_LIVE = (PipelineState.REGISTERED, PipelineState.RUNNING, PipelineState.STOPPING)
+_HEARTBEATING = (PipelineState.RUNNING, PipelineState.STOPPING)  # a registered run restores: start_deadline
 
 
 class PipelineSupervisorTrigger(BaseTrigger):
@@ -159,25 +170,42 @@ class PipelineSupervisorTrigger(BaseTrigger):
     async def _supervise(self, store: AsyncEpochStore) -> TriggerEvent:
         self.log.info("Supervising pipeline %s run %s (lineage %s, restart strategy %s)", self.pipeline_id,
                       self.run_id, self.lineage, self.strategy)
+        outage_since: float | None = None
         while True:
             try:
-                record: PipelineRecord | None = await store.get_pipeline(self.pipeline_id)
-            except UnknownPipelineError:
-                record = None
-            if record is not None and not in_lineage(record, self.lineage) and record.state in _LIVE:
-                return self._event("superseded", (
-                    f"pipeline {self.pipeline_id!r} is now run {record.run_id!r}, not of lineage {self.lineage!r}: "
-                    "another submit took it over; this task no longer supervises it"))
-            ours = record is not None and record.run_id == self.run_id
-            if ours and record is not None and record.state is PipelineState.STOPPED:
-                await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage)
-                latest = await store.latest_completed_epoch(self.pipeline_id)
-                return self._event("stopped", f"pipeline {self.pipeline_id!r} run {self.run_id!r} stopped",
-                                   latest=latest.epoch if latest else None)
-            cause = await self._failure(store, record if ours else None)
-            if cause is not None:
-                return await self._decide(store, record, cause)
+                event = await self._look(store)
+                outage_since = None
+            except TransientStoreError as exc:  # the controller's rule: ride out a short outage
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > self.heartbeat_timeout:
+                    raise
+                self.log.warning("Pipeline %s: epoch store unreachable, will look again: %s", self.pipeline_id, exc)
+                event = None
+            if event is not None:
+                return event
             await asyncio.sleep(self.poll_interval)
+
+    async def _look(self, store: AsyncEpochStore) -> TriggerEvent | None:
+        """One look: the final event, or None while the run is up (or starting in time)."""
+        try:
+            record: PipelineRecord | None = await store.get_pipeline(self.pipeline_id)
+        except UnknownPipelineError:
+            record = None
+        if record is not None and not in_lineage(record, self.lineage):
+            # whatever its state: while supervised, the lineage's own runs are always the current one
+            return self._event("superseded", (
+                f"pipeline {self.pipeline_id!r} is now run {record.run_id!r} ({record.state}), not of lineage "
+                f"{self.lineage!r}: another submit took it over; this task no longer supervises it"))
+        ours = record is not None and record.run_id == self.run_id
+        if ours and record is not None and record.state is PipelineState.STOPPED:
+            await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage)
+            latest = await store.latest_completed_epoch(self.pipeline_id)
+            return self._event("stopped", f"pipeline {self.pipeline_id!r} run {self.run_id!r} stopped",
+                               latest=latest.epoch if latest else None)
+        cause = await self._failure(store, record if ours else None)
+        if cause is not None:
+            return await self._decide(store, cause)
+        return None
 
     async def _failure(self, store: AsyncEpochStore, record: PipelineRecord | None) -> str | None:
         """Why run ``run_id`` has failed, or None while it is up (or still starting in time).
@@ -187,7 +215,7 @@ class PipelineSupervisorTrigger(BaseTrigger):
                 return f"the driver of run {self.run_id} failed: {record.failure_cause or 'no cause reported'}"
             if record.state is PipelineState.RUNNING:
                 self.start_deadline = None
-            if record.heartbeat_at is not None:
+            if record.heartbeat_at is not None and record.state in _HEARTBEATING:
                 age = ((await store.db_now()) - record.heartbeat_at).total_seconds()
                 if age > self.heartbeat_timeout:
                     return (f"the driver of run {self.run_id} has not heartbeated for {age:.0f}s (more than "
@@ -213,17 +241,18 @@ class PipelineSupervisorTrigger(BaseTrigger):
             return f"run {self.run_id} did not reach running in time (the submit's register_timeout)"
         return None
 
-    async def _decide(self, store: AsyncEpochStore, record: PipelineRecord | None, cause: str) -> TriggerEvent:
-        stop_requested = record is not None and bool(record.stop_requested)
-        decide = functools.partial(self._decide_in_tx, stop_requested=stop_requested)
+    async def _decide(self, store: AsyncEpochStore, cause: str) -> TriggerEvent:
         try:
             restart = await asyncio.to_thread(store.sync.record_failure, self.pipeline_id, self.lineage,
-                                              self.run_id, cause, decide)
+                                              self.run_id, cause, self._decide_in_tx)
         except ConcurrencyConflict as exc:
             return self._event("superseded", str(exc))
         self.log.warning("Pipeline %s run %s failed (failure %s of lineage %s): %s; %s", self.pipeline_id,
                          self.run_id, restart.attempt, self.lineage, restart.cause, restart.decision)
         if restart.gave_up:
+            if (await store.get_pipeline(self.pipeline_id)).stop_requested:
+                return self._event("cancelled", f"pipeline {self.pipeline_id!r} run {self.run_id!r} failed while a "
+                                                f"stop was requested: not restarted ({restart.cause})", restart=restart)
             return self._event("gave_up", f"pipeline {self.pipeline_id!r}: the restart strategy gave up "
                                           f"({restart.decision}); last cause: {restart.cause}", restart=restart)
         # The delay runs from when the failure was recorded (the database's clock): a triggerer that
@@ -232,10 +261,14 @@ class PipelineSupervisorTrigger(BaseTrigger):
         if left > 0:
             self.log.info("Pipeline %s: restart %s in %.1fs", self.pipeline_id, restart.attempt, left)
             await asyncio.sleep(left)
+        why_not = await asyncio.to_thread(store.sync.claim_restart, self.pipeline_id, self.lineage, restart.attempt)
+        if why_not is not None:  # e.g. a stop came during the backoff
+            return self._event("cancelled", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} not submitted: "
+                                            f"{why_not}", restart=restart)
         return self._event("restart", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} after: "
                                       f"{restart.cause}", restart=restart)
 
-    def _decide_in_tx(self, failures: Any, now: Any, *, stop_requested: bool) -> Any:
+    def _decide_in_tx(self, failures: list[PastFailure], now: datetime, stop_requested: bool) -> RestartDecision:
         return decide_restart(self._strategy, failures, now, lineage=self.lineage, stop_requested=stop_requested)
 
     async def on_kill(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import PipelineFailedError
+from airflow_arroyo.operators.pipeline import StopPipelineOperator
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess
@@ -127,3 +129,51 @@ def test_a_retry_reattaches_to_a_restart_of_its_run_and_supervises_it_again(conn
     assert isinstance(deferred.trigger, PipelineSupervisorTrigger)
     assert (deferred.trigger.lineage, deferred.trigger.run_id) == (LINEAGE, restart)
     assert not list(tmp_path.rglob("*.pid"))  # nothing was submitted
+
+
+def _supervised_run(store: EpochStore, run_id: str = LINEAGE) -> None:
+    store.register_pipeline(PID, stages=["a"], run_id=run_id)
+    store.set_pipeline_state(PID, PipelineState.RUNNING, run_id=run_id)
+    store.supervise(PID, LINEAGE, {"type": "fixed-delay"})
+
+
+def _trigger(**kwargs: Any) -> PipelineSupervisorTrigger:
+    args: dict[str, Any] = dict(pipeline_id=PID, lineage=LINEAGE, run_id=LINEAGE, conn_id="arroyo_test",
+                                strategy={"type": "fixed-delay", "delay": 0}, poll_interval=0.1)
+    return PipelineSupervisorTrigger(**{**args, **kwargs})
+
+
+def test_a_stop_cancels_a_pending_restart_and_the_task_succeeds(conns: EpochStore, tmp_path: Path) -> None:
+    _supervised_run(conns)
+    conns.set_pipeline_state(PID, PipelineState.FAILED, run_id=LINEAGE, failure_cause="executor lost")
+    # the stop operator finds it failed with a restart pending: its stop request cancels the restart
+    result = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id="arroyo_test",
+                                  fail_if_failed=False).execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert result["state"] == "failed" and conns.get_pipeline(PID).stop_requested == "graceful"
+    event = run_trigger(_trigger())
+    assert (event["status"], event["attempt"]) == ("cancelled", 1), event
+    assert "executor lost" in event["message"]
+    op = submit_op(tmp_path, restart_strategy="fixed-delay")
+    assert op.supervise_complete({"ti": _TI()}, event, submit={}, lineage=LINEAGE) == LINEAGE
+    pipeline = conns.get_pipeline(PID)
+    assert pipeline.supervision == "ended" and pipeline.run_id == LINEAGE  # not restarted
+    assert [(r.gave_up, r.new_run_id) for r in conns.restarts(PID)] == [(True, None)]
+
+
+def test_a_takeover_ends_the_supervision_whatever_state_the_new_run_is_in(conns: EpochStore) -> None:
+    _supervised_run(conns)
+    conns.register_pipeline(PID, stages=["a"], run_id="someone-else", takeover=True)
+    conns.set_pipeline_state(PID, PipelineState.FAILED, run_id="someone-else", failure_cause="x")  # ended already
+    event = run_trigger(_trigger())
+    assert event["status"] == "superseded" and "someone-else" in event["message"], event
+    assert conns.restarts(PID) == []  # nothing recorded against the other run
+
+
+def test_a_restart_that_restores_longer_than_the_heartbeat_timeout_is_not_a_failure(conns: EpochStore) -> None:
+    """A registered run restores before its first heartbeat; only the start deadline bounds it."""
+    _supervised_run(conns)
+    restart = f"{LINEAGE}.restart1"
+    conns.register_pipeline(PID, stages=["a"], run_id=restart, takeover=True)  # registered: restoring
+    trigger = _trigger(run_id=restart, heartbeat_timeout=0.01, start_deadline=time.time() + 1.0)
+    event = run_trigger(trigger)  # no heartbeat for far longer than 0.01 s: only the deadline fails it
+    assert event["status"] == "restart" and "did not reach running in time" in event["cause"], event

@@ -324,6 +324,17 @@ def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore,
     assert code == 2 and "no pipeline named 'nope'" in err
 
 
+def test_stop_of_a_failed_run_with_a_restart_pending_cancels_the_restart(store: EpochStore,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    store.register_pipeline("sup", stages=["a"], run_id="L")
+    store.set_pipeline_state("sup", PipelineState.RUNNING, run_id="L")
+    store.supervise("sup", "L", {"type": "fixed-delay"})
+    store.set_pipeline_state("sup", PipelineState.FAILED, run_id="L", failure_cause="OOM")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert code == 0 and "run L failed (OOM); its supervisor's restart is cancelled" in out
+    assert store.get_pipeline("sup").stop_requested == "graceful"  # what the supervisor reads before restarting
+
+
 @pytest.mark.usefixtures("two_pipelines")
 def test_lock_shows_the_holder(store: EpochStore,
                                capsys: pytest.CaptureFixture[str]) -> None:

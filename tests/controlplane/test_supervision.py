@@ -110,6 +110,7 @@ def test_parse_strategy(value: Any, expected: Any) -> None:
     ({"type": "fixed-delay", "tries": 3}, "no setting 'tries'"),
     ({"type": "fixed-delay", "delay": -1}, "delay must be a number of seconds >= 0"),
     ({"type": "fixed-delay", "attempts": 1.5}, "attempts must be a whole number"),
+    ({"type": "fixed-delay", "attempts": "\u00b2"}, "attempts must be a whole number"),
     ({"type": "exponential-delay", "initial": 10, "max": 5}, "max (5 s) is below initial"),
     ({"type": "exponential-delay", "jitter": 2}, "jitter must be a fraction"),
     ({"type": "failure-rate", "max_failures": 0}, "max_failures must be a whole number >= 1"),
@@ -126,7 +127,7 @@ def test_lineage_rules() -> None:
     assert restart_run_id("d.r.try1", 2) == "d.r.try1.restart2"
     assert is_run_of("d.r.try1", "d.r.try1") and is_run_of("d.r.try1.restart12", "d.r.try1")
     assert not is_run_of("d.r.try12", "d.r.try1") and not is_run_of("d.r.try1.restartx", "d.r.try1")
-    assert not is_run_of("d.r.try1", None)
+    assert not is_run_of("d.r.try1", None) and not is_run_of("d.r.try1.restart\uff11", "d.r.try1")
 
 
 # --------------------------------------------------------------------------- the store's record
@@ -135,8 +136,10 @@ def test_lineage_rules() -> None:
 def _always(delay: float = 0.0) -> Any:
     seen: list[list[PastFailure]] = []
 
-    def decide(past: list[PastFailure], now: datetime) -> RestartDecision:
+    def decide(past: list[PastFailure], now: datetime, stop_requested: bool) -> RestartDecision:
         seen.append(list(past))
+        if stop_requested:
+            return RestartDecision(False, 0.0, "stop")
         return RestartDecision(True, delay, f"restart {len(past)}")
 
     decide.seen = seen  # type: ignore[attr-defined]
@@ -165,12 +168,40 @@ def test_the_store_records_failures_once_and_restarts_of_a_lineage(store: EpochS
     assert second.attempt == 2 and [f.restarted_at is not None for f in decide.seen[-1]] == [True, False]
     assert [(r.attempt, r.new_run_id, r.restored_epoch) for r in store.restarts("p")] == [
         (2, None, None), (1, "L.restart1", 7)]
+    assert store.claim_restart("p", "L", 2) is None  # due, nothing against it
+    store.request_stop("p", "graceful")  # a stop during the backoff cancels the restart
+    assert "a stop (graceful) was requested" in (store.claim_restart("p", "L", 2) or "")
     # a run of another lineage takes over: nobody supervises it, the old supervisor is refused
     store.register_pipeline("p", stages=["a"], run_id="other", takeover=True)
     pipeline = store.get_pipeline("p")
     assert pipeline.supervision is None and not restart_pending(pipeline) and not in_lineage(pipeline, "L")
     with pytest.raises(ConcurrencyConflict, match="took it over"):
         store.supervise("p", "L", FixedDelay().to_dict())
+    with pytest.raises(ConcurrencyConflict, match="took it over"):
+        store.record_failure("p", "L", "L.restart2", "late", decide)
+    assert "took it over" in (store.claim_restart("p", "L", 2) or "")
+
+
+def test_a_lineage_supervised_again_counts_its_failures_afresh(store: EpochStore) -> None:
+    """A cleared DAG run reuses its run id: its failures are not the earlier supervision's (which gave up)."""
+    store.register_pipeline("r", stages=["a"], run_id="L")
+    store.set_pipeline_state("r", PipelineState.RUNNING, run_id="L")
+    store.supervise("r", "L", FixedDelay(attempts=0).to_dict())
+    decide = _always()
+    gave_up = store.record_failure("r", "L", "L", "boom", lambda p, n, s: RestartDecision(False, 0.0, "no"))
+    assert gave_up.gave_up and store.get_pipeline("r").supervision == "gave_up"
+    store.set_pipeline_state("r", PipelineState.FAILED, run_id="L", failure_cause="boom")
+    store.register_pipeline("r", stages=["a"], run_id="L")  # the same run id again
+    store.set_pipeline_state("r", PipelineState.RUNNING, run_id="L")
+    again = store.supervise("r", "L", FixedDelay(attempts=1).to_dict())
+    assert again.supervision == "watching"
+    first = store.record_failure("r", "L", "L", "boom again", decide)
+    assert (first.attempt, first.gave_up, first.cause) == (1, False, "boom again")  # not the old row
+    assert len(decide.seen[-1]) == 1
+    # a retried task reattaching keeps counting this supervision's failures
+    assert store.supervise("r", "L", FixedDelay(attempts=1).to_dict()).supervised_since == store.get_pipeline(
+        "r").supervised_since
+    assert [r.attempt for r in store.restarts("r", "L")] == [1, 1]  # one per supervision
 
 
 def test_a_wait_for_a_supervised_run_goes_on_while_it_restarts(store: EpochStore) -> None:

@@ -242,10 +242,10 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
         "interval": INTERVAL, "epochs": 100_000, "minutes": 15, "rows": ROWS, "rows_per_batch": 200,
         "trigger_interval": 0.5, "restore_from": "latest", "restart_strategy": '{"type": "none"}',
     })
-    running = wait_for("the second DAG run's pipeline to run", lambda: (lambda p: p if (
-        p.run_id not in first_runs and p.state is PipelineState.RUNNING) else None)(store.get_pipeline(PIPELINE)),
-        300, diagnose)
-    assert running.supervision == "watching" and running.restored_from_epoch == final.epoch, running
+    running = wait_for("the second DAG run's pipeline to run, supervised", lambda: (lambda p: p if (
+        p.run_id not in first_runs and p.state is PipelineState.RUNNING and p.supervision == "watching"
+        and p.supervised_run == p.run_id) else None)(store.get_pipeline(PIPELINE)), 300, diagnose)
+    assert running.restored_from_epoch == final.epoch, running
     for pid in _driver_pids(str(running.run_id)):
         os.kill(pid, signal.SIGKILL)
     assert airflow.wait_run(EXAMPLE_DAG, second, timeout=300) == "failed"
