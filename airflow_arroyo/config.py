@@ -74,6 +74,12 @@ OPTIONS: dict[str, Option] = {
         "Default of the retention DAG: also keep epochs newer than this age (e.g. 2h, 30m, 1d). Empty: none.",
         "2h",
     ),
+    "retention_compact_after": Option(
+        "7d", "string",
+        "Default of the retention DAG: after pruning, delete the rows of epochs pruned (and history and cleanup "
+        "runs released) longer ago than this, e.g. 7d; 'none': keep them all. Restores never need them.",
+        "30d",
+    ),
     "retention_scrub_budget": Option(
         "60s", "string",
         "Default of the retention DAG: after pruning, re-hash snapshot objects for at most this long (least "

@@ -12,6 +12,9 @@ Configuration (Airflow Variables, or the ``[arroyo]`` section of Airflow's confi
 * ``arroyo_retention_keep_last`` / ``retention_keep_last``: completed epochs to keep (default 10);
 * ``arroyo_retention_keep_newer_than`` / ``retention_keep_newer_than``: also keep epochs newer
   than this, e.g. ``6h`` (default: not set);
+* ``arroyo_retention_compact_after`` / ``retention_compact_after``: then delete the rows of epochs pruned
+  (and history and cleanup runs released) longer ago than this (default ``7d``; ``none``: keep them), so
+  the store stays bounded (docs/retention.md, "Compaction");
 * ``arroyo_retention_scrub_budget`` / ``retention_scrub_budget``: after pruning, re-hash snapshot objects
   for at most this long and report damaged epochs (default ``60s``; empty: no scrub);
 * ``arroyo_retention_conn_id`` / ``conn_id``: the epoch store connection (default ``arroyo_default``).
@@ -45,6 +48,7 @@ with DAG(
         "keep_last": config.get("retention_keep_last"),
         "keep_newer_than": config.get("retention_keep_newer_than"),
         "scrub_budget": config.get("retention_scrub_budget"),
+        "compact_after": config.get("retention_compact_after"),
     },
     tags=["arroyo", "retention"],
     doc_md=__doc__,
@@ -64,5 +68,6 @@ with DAG(
         keep_last="{{ var.value.get('arroyo_retention_keep_last', params.keep_last) }}",
         keep_newer_than="{{ var.value.get('arroyo_retention_keep_newer_than', params.keep_newer_than) }}",
         scrub_budget="{{ var.value.get('arroyo_retention_scrub_budget', params.scrub_budget) }}",
+        compact_after="{{ var.value.get('arroyo_retention_compact_after', params.compact_after) }}",
         map_index_template="{{ task.pipeline_id }}",
     ).expand(pipeline_id=registered_pipelines(conn_id))

@@ -46,6 +46,8 @@ def test_dag_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dag.timetable.expression == "0 * * * *"  # the Variable (@hourly) wins over the default
     assert {t.task_id for t in dag.tasks} == {"registered_pipelines", "prune_epochs"}
     assert dag.get_task("prune_epochs").upstream_task_ids == {"registered_pipelines"}
+    prune = dag.get_task("prune_epochs").partial_kwargs
+    assert "arroyo_retention_compact_after" in prune["compact_after"] and dag.params["compact_after"] == "7d"
 
 
 @pytest.mark.usefixtures("airflow_db")
