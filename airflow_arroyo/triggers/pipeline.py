@@ -57,6 +57,7 @@ from airflow_arroyo.triggers.settle import hold_until
 __all__ = [
     "WAITABLE_STATES",
     "LocalProcess",
+    "WatchesSubmission",
     "PipelineStateTrigger",
     "WaitVerdict",
     "Verdict",
@@ -294,7 +295,73 @@ async def open_async_store(conn_id: str) -> AsyncEpochStore:
     return await ArroyoHook(conn_id).aget_store()
 
 
-class PipelineStateTrigger(BaseTrigger):
+class WatchesSubmission:
+    """What a trigger knows of the run the submit operator started, and the two checks on it that do not
+    ask the epoch store: whether the local ``spark-submit`` exited, and whether the cluster manager says
+    the application ended. Shared by :class:`PipelineStateTrigger` and
+    :class:`~airflow_arroyo.triggers.supervise.PipelineSupervisorTrigger` (their constructors take the
+    same ``submit_*`` / ``cluster_*`` arguments, serialized flat)."""
+
+    submit_pid: int | None
+    submit_host: str | None
+    submit_start_ticks: int | None
+    submit_log: str | None
+    submit_exits: bool
+    cluster_application: dict[str, Any] | None
+    cluster_poll_interval: float
+
+    def _watch_submission(self, submit_pid: int | None, submit_host: str | None, submit_start_ticks: int | None,
+                          submit_log: str | None, submit_exits: bool, cluster_application: dict[str, Any] | None,
+                          cluster_poll_interval: float) -> None:
+        self.submit_pid = submit_pid
+        self.submit_host = submit_host
+        self.submit_start_ticks = submit_start_ticks
+        self.submit_log = submit_log
+        self.submit_exits = submit_exits
+        self.cluster_application = dict(cluster_application) if cluster_application else None
+        self.cluster_poll_interval = float(cluster_poll_interval)
+        self._cluster_checked_at = 0.0
+
+    def _submission_kwargs(self) -> dict[str, Any]:
+        """The constructor arguments of what is watched (for ``serialize``)."""
+        return {"submit_pid": self.submit_pid, "submit_host": self.submit_host,
+                "submit_start_ticks": self.submit_start_ticks, "submit_log": self.submit_log,
+                "submit_exits": self.submit_exits, "cluster_application": self.cluster_application,
+                "cluster_poll_interval": self.cluster_poll_interval}
+
+    @property
+    def process(self) -> LocalProcess | None:
+        """The local spark-submit process the operator started, if any."""
+        if self.submit_pid is None or self.submit_host is None:
+            return None
+        return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
+
+    @property
+    def cluster_app(self) -> ClusterApplication | None:
+        """The cluster application the operator submitted, if any."""
+        return ClusterApplication.from_dict(self.cluster_application)
+
+    def submit_process_exited(self) -> bool:
+        """Whether the local spark-submit (client/local mode: it runs the driver) is known to have exited."""
+        proc = self.process
+        if proc is None or self.submit_exits:
+            return False
+        return proc.alive() is False
+
+    async def cluster_app_ended(self) -> str | None:
+        """What the cluster manager says once the application has ended; None while it runs, when it
+        cannot be told, or when it was asked less than ``cluster_poll_interval`` seconds ago."""
+        app = self.cluster_app
+        if app is None or time.monotonic() - self._cluster_checked_at < self.cluster_poll_interval:
+            return None
+        self._cluster_checked_at = time.monotonic()
+        status = await asyncio.to_thread(app.status)
+        if status is None or not status[0]:
+            return None
+        return status[1]
+
+
+class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
     """Wait until pipeline ``pipeline_id`` reaches ``state`` (running, stopped, failed) or until an
     epoch numbered ``epoch`` or later has completed; fail at once with the cause if it fails.
 
@@ -359,14 +426,8 @@ class PipelineStateTrigger(BaseTrigger):
         self.deadline = deadline
         self.heartbeat_timeout = heartbeat_timeout
         self.stop_on_kill = stop_on_kill
-        self.submit_pid = submit_pid
-        self.submit_host = submit_host
-        self.submit_start_ticks = submit_start_ticks
-        self.submit_log = submit_log
-        self.submit_exits = submit_exits
-        self.cluster_application = dict(cluster_application) if cluster_application else None
-        self.cluster_poll_interval = float(cluster_poll_interval)
-        self._cluster_checked_at = 0.0
+        self._watch_submission(submit_pid, submit_host, submit_start_ticks, submit_log, submit_exits,
+                               cluster_application, cluster_poll_interval)
         self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -383,13 +444,7 @@ class PipelineStateTrigger(BaseTrigger):
                 "deadline": self.deadline,
                 "heartbeat_timeout": self.heartbeat_timeout,
                 "stop_on_kill": self.stop_on_kill,
-                "submit_pid": self.submit_pid,
-                "submit_host": self.submit_host,
-                "submit_start_ticks": self.submit_start_ticks,
-                "submit_log": self.submit_log,
-                "submit_exits": self.submit_exits,
-                "cluster_application": self.cluster_application,
-                "cluster_poll_interval": self.cluster_poll_interval,
+                **self._submission_kwargs(),
                 "not_before": self.not_before,
             },
         )
@@ -398,30 +453,6 @@ class PipelineStateTrigger(BaseTrigger):
     def target_description(self) -> str:
         """What the trigger waits for, for messages."""
         return f"epoch {self.epoch} completed" if self.epoch is not None else f"state {self.state}"
-
-    @property
-    def cluster_app(self) -> ClusterApplication | None:
-        """The cluster application the operator submitted, if any."""
-        return ClusterApplication.from_dict(self.cluster_application)
-
-    async def _cluster_app_ended(self) -> str | None:
-        """What the cluster manager says once the application has ended; None while it runs, when it
-        cannot be told, or when it was asked less than ``cluster_poll_interval`` seconds ago."""
-        app = self.cluster_app
-        if app is None or time.monotonic() - self._cluster_checked_at < self.cluster_poll_interval:
-            return None
-        self._cluster_checked_at = time.monotonic()
-        status = await asyncio.to_thread(app.status)
-        if status is None or not status[0]:
-            return None
-        return status[1]
-
-    @property
-    def process(self) -> LocalProcess | None:
-        """The local spark-submit process the operator started, if any."""
-        if self.submit_pid is None or self.submit_host is None:
-            return None
-        return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
 
     async def _store(self) -> AsyncEpochStore:
         return await open_async_store(self.conn_id)
@@ -475,7 +506,7 @@ class PipelineStateTrigger(BaseTrigger):
                 verdict, pipeline, latest = await self.look(store)
             except ArroyoError as exc:
                 return self._event("error", f"epoch store error while watching {self.pipeline_id!r}: {exc}", None, None)
-            if verdict.verdict is Verdict.WAIT and self._submit_process_exited():
+            if verdict.verdict is Verdict.WAIT and self.submit_process_exited():
                 # The process may have written its last state just before it exited: look once more.
                 verdict, pipeline, latest = await self.look(store)
                 if verdict.verdict is Verdict.WAIT:
@@ -485,7 +516,7 @@ class PipelineStateTrigger(BaseTrigger):
                     if tail:
                         msg += f"; its last lines:\n{tail}"
                     verdict = WaitVerdict(Verdict.UNREACHABLE, msg)
-            if verdict.verdict is Verdict.WAIT and (ended := await self._cluster_app_ended()) is not None:
+            if verdict.verdict is Verdict.WAIT and (ended := await self.cluster_app_ended()) is not None:
                 verdict, pipeline, latest = await self.look(store)
                 if verdict.verdict is Verdict.WAIT:
                     verdict = WaitVerdict(Verdict.UNREACHABLE, (
@@ -503,12 +534,6 @@ class PipelineStateTrigger(BaseTrigger):
                        f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
                 return self._event("timeout", msg, pipeline, latest)
             await asyncio.sleep(self.poll_interval)
-
-    def _submit_process_exited(self) -> bool:
-        proc = self.process
-        if proc is None or self.submit_exits:
-            return False
-        return proc.alive() is False
 
     async def on_kill(self) -> None:
         """The user killed the deferred task: stop what the task started (only with ``stop_on_kill``)."""

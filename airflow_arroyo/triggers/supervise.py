@@ -45,7 +45,6 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
-from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
 from airflow_arroyo.supervision import (
     PastFailure,
@@ -55,7 +54,7 @@ from airflow_arroyo.supervision import (
     in_lineage,
     parse_strategy,
 )
-from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail, open_async_store
+from airflow_arroyo.triggers.pipeline import WatchesSubmission, log_tail, open_async_store
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["PipelineSupervisorTrigger"]
@@ -63,7 +62,7 @@ __all__ = ["PipelineSupervisorTrigger"]
 _HEARTBEATING = (PipelineState.RUNNING, PipelineState.STOPPING)  # a registered run restores: start_deadline
 
 
-class PipelineSupervisorTrigger(BaseTrigger):
+class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
     """Supervise run ``run_id`` of lineage ``lineage`` of a pipeline: end when it stops, restart it
     (through the operator) when it fails, as ``strategy`` decides.
 
@@ -117,14 +116,8 @@ class PipelineSupervisorTrigger(BaseTrigger):
         self.poll_interval = float(poll_interval)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.start_deadline = start_deadline
-        self.submit_pid = submit_pid
-        self.submit_host = submit_host
-        self.submit_start_ticks = submit_start_ticks
-        self.submit_log = submit_log
-        self.submit_exits = submit_exits
-        self.cluster_application = dict(cluster_application) if cluster_application else None
-        self.cluster_poll_interval = float(cluster_poll_interval)
-        self._cluster_checked_at = 0.0
+        self._watch_submission(submit_pid, submit_host, submit_start_ticks, submit_log, submit_exits,
+                               cluster_application, cluster_poll_interval)
         self.not_before = not_before
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -135,19 +128,9 @@ class PipelineSupervisorTrigger(BaseTrigger):
                 "pipeline_id": self.pipeline_id, "lineage": self.lineage, "run_id": self.run_id,
                 "strategy": self.strategy, "conn_id": self.conn_id, "poll_interval": self.poll_interval,
                 "heartbeat_timeout": self.heartbeat_timeout, "start_deadline": self.start_deadline,
-                "submit_pid": self.submit_pid, "submit_host": self.submit_host,
-                "submit_start_ticks": self.submit_start_ticks, "submit_log": self.submit_log,
-                "submit_exits": self.submit_exits, "cluster_application": self.cluster_application,
-                "cluster_poll_interval": self.cluster_poll_interval, "not_before": self.not_before,
+                **self._submission_kwargs(), "not_before": self.not_before,
             },
         )
-
-    @property
-    def process(self) -> LocalProcess | None:
-        """The local spark-submit process of ``run_id``, if the operator started one."""
-        if self.submit_pid is None or self.submit_host is None:
-            return None
-        return LocalProcess(self.submit_pid, self.submit_host, self.submit_start_ticks)
 
     def _event(self, status: str, message: str, *, restart: RestartRecord | None = None,
                latest: int | None = None) -> TriggerEvent:
@@ -220,23 +203,18 @@ class PipelineSupervisorTrigger(BaseTrigger):
                 if age > self.heartbeat_timeout:
                     return (f"the driver of run {self.run_id} has not heartbeated for {age:.0f}s (more than "
                             f"{self.heartbeat_timeout:g}s): it hangs or died without a word")
-        proc = self.process
-        if proc is not None and not self.submit_exits and proc.alive() is False:
+        if self.submit_process_exited():
             again = await store.get_pipeline(self.pipeline_id)  # it may have written its end just before exiting
             if again.run_id == self.run_id and again.state is PipelineState.STOPPED:
                 return None
             tail = log_tail(self.submit_log, 15)
-            return (f"spark-submit of run {self.run_id} (pid {proc.pid}) exited while the run was "
+            return (f"spark-submit of run {self.run_id} (pid {self.submit_pid}) exited while the run was "
                     f"{again.state if again.run_id == self.run_id else 'not registered'}; see {self.submit_log}"
                     + (f"; its last lines:\n{tail}" if tail else ""))
-        app = ClusterApplication.from_dict(self.cluster_application)
-        if app is not None and time.monotonic() - self._cluster_checked_at >= self.cluster_poll_interval:
-            self._cluster_checked_at = time.monotonic()
-            status = await asyncio.to_thread(app.status)
-            if status is not None and status[0]:
-                again = await store.get_pipeline(self.pipeline_id)
-                if not (again.run_id == self.run_id and again.state is PipelineState.STOPPED):
-                    return f"the cluster application of run {self.run_id} ended: {status[1]}"
+        if (ended := await self.cluster_app_ended()) is not None:
+            again = await store.get_pipeline(self.pipeline_id)
+            if not (again.run_id == self.run_id and again.state is PipelineState.STOPPED):
+                return f"the cluster application of run {self.run_id} ended: {ended}"
         if self.start_deadline is not None and time.time() > self.start_deadline:
             return f"run {self.run_id} did not reach running in time (the submit's register_timeout)"
         return None
