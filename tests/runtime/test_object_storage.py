@@ -28,6 +28,7 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.file_sink import TransactionalFileSink, committed_files
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.snapshot import SnapshotStore
+from airflow_arroyo.runtime.spark_checkpoint import BATCH_LOG_ENTRIES
 from airflow_arroyo.store import EpochStore
 from tests.runtime.conftest import S3Server
 
@@ -93,9 +94,14 @@ def write_checkpoint(fs: FileSystem, root: str, batches: int, state: dict[str, b
         fs.write_bytes_atomic(f"{root}/state/0/0/{rel}", data)
 
 
-def tree(fs: FileSystem, root: str) -> dict[str, str]:
-    return {e.path[len(root) + 1:]: hashlib.sha256(fs.read_bytes(e.path)).hexdigest()
-            for e in fs.list_files(root)}
+def tree(fs: FileSystem, root: str, cut: int | None = None) -> dict[str, str]:
+    """The checkpoint's files and hashes; with ``cut``, what a snapshot at that batch keeps of them (the
+    batch logs' last BATCH_LOG_ENTRIES entries)."""
+    files = {e.path[len(root) + 1:]: hashlib.sha256(fs.read_bytes(e.path)).hexdigest() for e in fs.list_files(root)}
+    if cut is None:
+        return files
+    return {rel: h for rel, h in files.items() if rel.split("/")[0] not in ("offsets", "commits")
+            or int(rel.rsplit("/", 1)[1]) > cut - BATCH_LOG_ENTRIES}
 
 
 @pytest.fixture
@@ -126,10 +132,10 @@ def test_snapshot_capture_and_verified_restore_on_s3(store: EpochStore, pipeline
     live = layout.checkpoint("agg")
     write_checkpoint(cfs, live, 2, {"1.delta": b"a" * 3000, "2.delta": b"b" * 2000})
     e1, r1 = snapshot_epoch(store, snaps, pipeline, live, 1)
-    as_of_e1 = tree(cfs, live)
+    as_of_e1 = tree(cfs, live, cut=1)
     write_checkpoint(cfs, live, 4, {"3.delta": b"c" * 1000, "4.delta": b"d" * 500})
     e2, r2 = snapshot_epoch(store, snaps, pipeline, live, 3)
-    as_of_e2 = tree(cfs, live)
+    as_of_e2 = tree(cfs, live, cut=3)
     assert r1.bytes_new == r1.bytes_total and r2.bytes_new < r2.bytes_total  # incremental: 1,2.delta shared
     objects = {k: v for k, v in s3_server.keys(storage).items() if "/snapshots/objects/" in k}
     assert len(objects) == len({e.object_key for e in r1.entries + r2.entries})

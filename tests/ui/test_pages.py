@@ -488,8 +488,8 @@ def test_a_supervised_pipeline_shows_its_supervision_and_every_restart(client: T
 
     strategy = FixedDelay(attempts=2, delay=10)
 
-    def decide(failures: list[PastFailure], now: Any) -> RestartDecision:
-        return decide_restart(strategy, failures, now, lineage="metrics-1")
+    def decide(failures: list[PastFailure], now: Any, stop_requested: bool) -> RestartDecision:
+        return decide_restart(strategy, failures, now, lineage="metrics-1", stop_requested=stop_requested)
 
     cause = ("the driver of run metrics-1 failed: stage 'agg' <b>could not</b> snapshot\n"
              "Traceback (most recent call last):\nOSError")
