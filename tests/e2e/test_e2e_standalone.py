@@ -98,10 +98,13 @@ def test_example_dag_on_airflow_standalone() -> None:
         home = airflow.home
         try:
             _run(airflow, store, home)
+            restarted = sum(1 for r in store.restarts(PIPELINE) if r.new_run_id)
         finally:
             store.close()
         pid_files = sorted((home / "logs" / "arroyo").glob("*/*.pid"))
-        assert len(pid_files) == 3, pid_files  # the first run, the supervisor's restart, the second DAG run
+        # the first DAG run's first run and each restart the supervisor recorded (one for the kill; more if a
+        # restart itself failed, e.g. a slow start at load), and the second DAG run: no other spark-submit
+        assert restarted >= 1 and len(pid_files) == 2 + restarted, (restarted, pid_files)
         groups = [LocalProcess(int(pid), host, int(ticks))
                   for pid, ticks, host in (f.read_text().split() for f in pid_files)]
     # leaving the launcher stopped everything it started, the spark-submit process groups included
@@ -187,14 +190,15 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     for pid in _driver_pids(before.run_id):
         os.kill(pid, signal.SIGKILL)
     restart = wait_for("the supervisor's restart", lambda: next(
-        (r for r in store.restarts(PIPELINE) if r.new_run_id), None), 300, diagnose)
+        (r for r in store.restarts(PIPELINE) if r.new_run_id and r.attempt == 1), None), 300, diagnose)
     assert (restart.attempt, restart.failed_run_id, restart.gave_up) == (1, before.run_id, False), restart
     assert restart.new_run_id == f"{before.run_id}.restart1" and restart.restored_epoch is not None
     assert restart.restored_epoch >= latest.epoch, (restart, latest)
-    wait_for("the restarted run to run", lambda: (lambda p: p.run_id == restart.new_run_id
+    # running a restart of the lineage (restart1, or a later one if restart1 itself failed)
+    wait_for("the restarted run to run", lambda: (lambda p: str(p.run_id).startswith(f"{before.run_id}.restart")
                                                   and p.state is PipelineState.RUNNING)(store.get_pipeline(PIPELINE)),
              300, diagnose)
-    assert store.get_pipeline(PIPELINE).restored_from_epoch == restart.restored_epoch
+    assert (store.get_pipeline(PIPELINE).restored_from_epoch or 0) >= restart.restored_epoch
     wait_for("an epoch completed by the restarted run", lambda: any(
         e.epoch > restart.restored_epoch for e in store.list_epochs(PIPELINE, states=[EpochState.COMPLETED])),
              300, diagnose)  # type: ignore[operator]
