@@ -265,6 +265,14 @@ def openlineage_conf(conf: Mapping[str, Any], context: Context, *, parent: bool,
     return out
 
 
+def _watch_args(submit: Mapping[str, Any]) -> dict[str, Any]:
+    """The triggers' ``submit_*`` / ``cluster_application`` arguments (``WatchesSubmission``) from what
+    ``SubmitPipelineOperator._launch`` returned (an adopted run has none of them)."""
+    return {"submit_pid": submit.get("pid"), "submit_host": submit.get("host"),
+            "submit_start_ticks": submit.get("start_ticks"), "submit_log": submit.get("log"),
+            "submit_exits": bool(submit.get("exits")), "cluster_application": submit.get("cluster_application")}
+
+
 def _store(conn_id: str) -> EpochStore:
     from airflow_arroyo.hooks.arroyo import ArroyoHook
 
@@ -538,13 +546,11 @@ class SubmitPipelineOperator(BaseOperator):
         submit = self._launch(context, run_id, restore, takeover=self.takeover)
         self.log.info("The driver's own log (spark-submit output): %s on %s; its last lines are copied here once "
                       "the run is running", submit["log"], submit["host"])
-        cluster = submit["cluster_application"]
         trigger = PipelineStateTrigger(
             pipeline_id=self.pipeline_id, state=PipelineState.RUNNING.value, run_id=run_id,
             conn_id=self.conn_id, poll_interval=self.poll_interval,
             deadline=time.time() + float(self.register_timeout), stop_on_kill=True,
-            submit_pid=submit["pid"], submit_host=submit["host"], submit_start_ticks=submit["start_ticks"],
-            submit_log=submit["log"], submit_exits=submit["exits"], cluster_application=cluster,
+            **_watch_args(submit),
             not_before=settle_deadline() if self.deferrable else None,  # no deferral round trip inline
         )
         kwargs: dict[str, Any] = {"submit": submit, "lineage": run_id}
@@ -643,11 +649,7 @@ class SubmitPipelineOperator(BaseOperator):
         submit = submit or ti.xcom_pull(task_ids=self.task_id, key="submit_process") or {}
         run_id = str(submit.get("run_id") or event.get("run_id"))
         if event.get("status") != "success":
-            process = None
-            if submit.get("pid") is not None and submit.get("host"):
-                process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
-            stop_run(_store(self.conn_id), self.pipeline_id, run_id, process, log=self.log,
-                     cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
+            self._stop_submitted(_store(self.conn_id), run_id, submit)
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
             raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
@@ -686,10 +688,7 @@ class SubmitPipelineOperator(BaseOperator):
             pipeline_id=self.pipeline_id, lineage=lineage, run_id=run_id, strategy=self._strategy.to_dict(),
             conn_id=self.conn_id, poll_interval=self.supervise_interval, heartbeat_timeout=self.heartbeat_timeout,
             start_deadline=time.time() + float(self.register_timeout) if starting else None,
-            submit_pid=submit.get("pid"), submit_host=submit.get("host"), submit_start_ticks=submit.get("start_ticks"),
-            submit_log=submit.get("log"), submit_exits=bool(submit.get("exits")),
-            cluster_application=submit.get("cluster_application"),
-            not_before=settle_deadline() if self.deferrable else None,
+            **_watch_args(submit), not_before=settle_deadline() if self.deferrable else None,
         )
         kwargs: dict[str, Any] = {"submit": dict(submit), "lineage": lineage}
         if not self.deferrable:
@@ -735,11 +734,7 @@ class SubmitPipelineOperator(BaseOperator):
     def _end_failed_run(self, store: EpochStore, failed_run: str, submit: Mapping[str, Any], cause: str) -> None:
         """End what is left of a failed run (a hung driver, a half-dead process group, a restart still
         restoring) and record it failed, so that nothing waits on it or starts epochs for it."""
-        process = None
-        if submit.get("pid") is not None and submit.get("host"):
-            process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
-        stop_run(store, self.pipeline_id, failed_run, process, log=self.log,
-                 cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
+        self._stop_submitted(store, failed_run, submit)
         with contextlib.suppress(ArroyoError):  # it ended meanwhile, or another run took over: nothing to mark
             record = store.get_pipeline(self.pipeline_id)
             if record.run_id == failed_run and not record.state.terminal:
@@ -762,6 +757,14 @@ class SubmitPipelineOperator(BaseOperator):
         new_submit = self._launch(context, new_run, "latest", takeover=True)
         store.record_restart(self.pipeline_id, lineage, attempt, new_run, latest.epoch if latest is not None else None)
         return self._supervise(context, lineage, new_run, new_submit, starting=True)
+
+    def _stop_submitted(self, store: EpochStore, run_id: str, submit: Mapping[str, Any]) -> None:
+        """:func:`stop_run` for run ``run_id`` and what :meth:`_launch` started for it (``submit``)."""
+        process = None
+        if submit.get("pid") is not None and submit.get("host"):
+            process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
+        stop_run(store, self.pipeline_id, run_id, process, log=self.log,
+                 cluster_app=ClusterApplication.from_dict(submit.get("cluster_application")))
 
     def _log_restarts(self, store: EpochStore, lineage: str) -> None:
         for r in reversed(store.restarts(self.pipeline_id, lineage)):
