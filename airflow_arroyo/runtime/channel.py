@@ -769,20 +769,7 @@ class Channel:
         if not _hadoop_writes(self._fs):
             return self._commit_data(data_dir, _write_partitions_with_arrow(df, self._fs, data_dir), writer,
                                      batch_id)
-        try:
-            df.write.mode("errorifexists").parquet(self._fs.spark_uri_of(data_dir))
-        except Exception as exc:  # only a corrupt task binary is retried; anything else is raised again
-            if not _corrupt_task_binary(exc):
-                raise
-            # Seen twice in ~20 test runs, each time a restarted driver's first Spark-written batch: every
-            # attempt of the job's tasks failed to deserialize the task (java.io.OptionalDataException in
-            # HashMap.readObject), i.e. the binary the driver serialized once per stage was inconsistent
-            # (a map changed while it was written). A new job serializes it again; the entry is committed
-            # only after a write succeeded, so nothing of the failed attempt is ever read.
-            log.warning("channel %s: batch %s of %s: Spark could not deserialize the write's tasks (%s); "
-                        "writing it again", self.uri, batch_id, writer, _first_line(exc))
-            self._fs.delete_tree(data_dir)
-            df.write.mode("errorifexists").parquet(self._fs.spark_uri_of(data_dir))
+        df.write.mode("errorifexists").parquet(self._fs.spark_uri_of(data_dir))
         files = [
             e.path
             for e in self._fs.list_dir(data_dir)
@@ -1066,13 +1053,3 @@ def iter_data_file(fs: FileSystem, path: str, target: pa.Schema, batch_size: int
         for batch in pf.iter_batches(batch_size=batch_size, columns=target.names):
             yield batch.select(target.names).cast(target)
 
-
-def _corrupt_task_binary(exc: BaseException) -> bool:
-    """Whether a Spark job failed because its tasks could not be deserialized (the serialized task binary
-    was inconsistent), not because of the data or the storage."""
-    text = str(exc)
-    return "OptionalDataException" in text or "StreamCorruptedException" in text
-
-
-def _first_line(exc: BaseException) -> str:
-    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]

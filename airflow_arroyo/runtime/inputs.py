@@ -11,8 +11,6 @@ process that must connect back to the JVM within a fixed 10 s.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +18,12 @@ from pyspark.sql.datasource import DataSourceStreamReader
 from pyspark.sql.streaming.datasource import ReadLimit
 from pyspark.sql.types import StructType
 
-from airflow_arroyo.runtime.sources import ChannelDataSource, ChannelStreamReader, register_data_sources
+from airflow_arroyo.runtime.sources import (
+    ChannelDataSource,
+    ChannelStreamReader,
+    register_data_source,
+    register_data_sources,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -59,18 +62,11 @@ class KeyedChannelReader(ChannelStreamReader):
         return self._keyed(super().reportLatestOffset())
 
 
-_registered: weakref.WeakSet[Any] = weakref.WeakSet()
-_registered_lock = threading.Lock()
-
-
 def read_stage_input(spark: SparkSession, uri: str, *, key: str, cap_path: str | None,
                      stop_at_barriers: bool) -> DataFrame:
     """A streaming DataFrame over channel ``uri`` for the stage input named ``key`` (also its cap key)."""
     register_data_sources(spark)
-    with _registered_lock:
-        if spark not in _registered:
-            spark.dataSource.register(StageInputDataSource)
-            _registered.add(spark)
+    register_data_source(spark, StageInputDataSource)
     reader = (spark.readStream.format(StageInputDataSource.name()).option("uri", uri).option("cap_key", key)
               .option("stop_at_barriers", "true" if stop_at_barriers else "false"))
     if cap_path:

@@ -310,12 +310,49 @@ _registered_lock = threading.Lock()
 
 
 def register_data_source(spark: SparkSession, source: type[DataSource]) -> None:
-    """Register the Python data source ``source`` with ``spark`` (once per session)."""
+    """Register the Python data source ``source`` with ``spark`` (once per session), with its environment
+    map already holding what each streaming read of it will put there (see `_prefill_source_env`)."""
     with _registered_lock:
         done = _registered.setdefault(spark, set())
         if source.name() not in done:
             spark.dataSource.register(source)
+            _prefill_source_env(spark, source.name())
             done.add(source.name())
+
+
+#: The keys Spark's `PythonStreamingSourceRunner.init` puts into the environment map of the registered source.
+STREAM_RUNNER_ENV_KEYS = ("SPARK_LOCAL_DIRS", "SPARK_AUTH_SOCKET_TIMEOUT", "SPARK_BUFFER_SIZE", "SPARK_PYTHON_RUNTIME")
+
+
+def _prefill_source_env(spark: SparkSession, name: str) -> None:
+    """Put into the registered source's environment map, once, the entries each streaming query over it puts.
+
+    Every Python function Spark makes for a registered Python data source shares ONE `java.util.HashMap`: the
+    environment of the registered class (`UserDefinedPythonDataSource.createPythonFunction`). In the driver,
+    each streaming query over the source puts four entries into that shared map when its stream thread opens
+    the source (`PythonStreamingSourceRunner.init`, Spark 4.0-4.2), without a lock. The queries of a pipeline
+    start together, so two stream threads could insert the same new keys at once (a plain HashMap then
+    loses an entry but counts it: its size is wrong for good), or one could insert while another thread
+    serialized a task whose reader function holds the map. Either way the tasks could not be deserialized
+    (`java.io.OptionalDataException` in `HashMap.readObject`), every attempt, every batch of that query: seen
+    as a restarted driver's channel write failing. With the keys already present, those puts only replace
+    values (no structural change, nothing to race), and they put the same values as these."""
+    jsession = getattr(spark, "_jsparkSession", None)
+    jvm = spark.sparkContext._jvm if jsession is not None else None
+    if jsession is None or jvm is None:  # a Spark Connect session: the server's JVM holds the map
+        return
+    conf = spark.sparkContext._jsc.sc().conf()
+    env = jsession.sessionState().dataSourceManager().lookupDataSource(name).dataSourceCls().envVars()
+    block_manager = jvm.org.apache.spark.SparkEnv.get().blockManager()
+    values = {
+        "SPARK_LOCAL_DIRS": ",".join(str(d.getPath()) for d in block_manager.diskBlockManager().localDirs()),
+        "SPARK_AUTH_SOCKET_TIMEOUT": str(conf.getTimeAsSeconds("spark.python.authenticate.socketTimeout", "15s")),
+        "SPARK_BUFFER_SIZE": str(conf.getInt("spark.buffer.size", 65536)),
+        "SPARK_PYTHON_RUNTIME": "PYTHON_WORKER",
+    }
+    for key in STREAM_RUNNER_ENV_KEYS:
+        if not env.containsKey(key):
+            env.put(key, values[key])
 
 
 def register_data_sources(spark: SparkSession) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ from airflow_arroyo.runtime.channel import (
     EntryKind,
 )
 from airflow_arroyo.runtime.sources import (
+    STREAM_RUNNER_ENV_KEYS,
     ChannelDataSource,
     ChannelStreamReader,
     plan_batch_end,
     read_cap,
     read_channel,
+    register_data_source,
     write_caps,
 )
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
@@ -232,6 +235,40 @@ def test_available_now_trigger_drains_what_exists_and_stops(spark: Any, tmp_path
     )
     assert query.awaitTermination(300) is True
     assert rec.ends == [2, 4, 6] and rec.ids == list(range(6))
+
+
+@pytest.mark.spark
+def test_starting_streams_never_changes_the_shared_env_map_of_a_source(spark: Any, tmp_path: Path) -> None:
+    """Each streaming read of a Python source puts entries into a map all its reader functions share
+    (`PythonStreamingSourceRunner.init`). Queries started together must only replace values there: an insert
+    racing another insert, or a task being serialized, left tasks that could not be deserialized
+    (`OptionalDataException` in `HashMap.readObject`). So the keys are there from registration on, and no
+    query adds one. (A source of its own, under a new name: the registry is shared by every session of the
+    application, and the channel sources may have been read already.)"""
+    name = f"arroyo_env_probe_{uuid.uuid4().hex[:8]}"
+
+    class Probe(ChannelDataSource):
+        @classmethod
+        def name(cls) -> str:
+            return name
+
+    register_data_source(spark, Probe)
+    env = spark._jsparkSession.sessionState().dataSourceManager().lookupDataSource(name).dataSourceCls().envVars()
+    expected = set(spark.sparkContext.environment) | set(STREAM_RUNNER_ENV_KEYS)
+    assert set(env.keySet()) == expected  # before any query read the source
+
+    uri = str(tmp_path / "chan")
+    ch = Channel.create(uri, SCHEMA)
+    ch.append_table(rows(0, 4), 0, "up")
+    ch.append_barrier(1, "up")
+    reader = spark.readStream.format(name).option("uri", uri).option("stop_at_barriers", "true")
+    seen: list[int] = []
+    query = (reader.load().unionByName(reader.load()).writeStream.trigger(availableNow=True)
+             .foreachBatch(lambda b, _i: seen.append(b.count()))
+             .option("checkpointLocation", str(tmp_path / "ck")).start())
+    assert query.awaitTermination(300) is True and sum(seen) == 8  # two streams read the source
+    assert set(env.keySet()) == expected  # Spark put no key the registration had not
+    assert env.size() == len(list(env.entrySet()))
 
 
 @pytest.mark.spark
