@@ -58,7 +58,7 @@ def demo(
     pg_dsn_env: str | None = None,
     pg_report_table: str = "arroyo_demo_report",
     pg_totals_table: str = "arroyo_demo_totals",
-    chaining: bool = False,
+    chaining: bool | None = None,
 ) -> Pipeline:
     """The demo pipeline. ``rows=None`` makes the generators unbounded (benchmarks); ``rows_per_batch``
     paces them (rows per micro-batch of each source). ``sink_path`` adds an exactly-once Parquet sink
@@ -66,8 +66,9 @@ def demo(
     environment variable holding a PostgreSQL DSN) adds two exactly-once PostgreSQL sinks: ``report_pg``
     appends the report's rows to ``pg_report_table`` (:data:`PG_REPORT_DDL`), ``totals_pg`` upserts per key
     the count and sum of ``total`` into ``pg_totals_table`` (:data:`PG_TOTALS_DDL`; update output mode).
-    ``chaining=True`` fuses both sources, ``joined`` and ``report`` into one query (runtime/plan.py); the sinks
-    ask for a boundary (``chain=False``) so that the report channel stays, readable as in the unfused form."""
+    ``chaining`` is the pipeline's (:class:`~airflow_arroyo.runtime.Pipeline`): by default the graph fuses both
+    sources, ``joined`` and ``report`` into one query (runtime/plan.py); ``chaining=False`` runs one query per
+    stage. The sinks ask for a boundary (``chain=False``) so that the report channel stays in either form."""
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,

@@ -163,7 +163,7 @@ class PipelineDriver:
         self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
         # which are stateful (without that no two stages fuse)
-        self.plan: PhysicalPlan = plan_chains(self.logical, chaining=pipeline.chaining)
+        self.plan: PhysicalPlan = plan_chains(self.logical, chaining=pipeline.chains)
         self.graph: PipelineGraph = self.plan.graph
         self.pipeline = pipeline
         self.pipeline_id = pipeline.pipeline_id
@@ -208,10 +208,20 @@ class PipelineDriver:
     def _plan_chains(self) -> None:
         """A chaining pipeline: ask Spark which stages are stateful, fuse what the rules allow
         (:func:`~airflow_arroyo.runtime.plan.plan_chains`), and run that physical graph from here on (its stage
-        names are what the store records and a restore checks)."""
-        if not self.pipeline.chaining:
+        names are what the store records and a restore checks). When the graph decides (``chaining=None``)
+        and this run restores an epoch taken unfused, it runs unfused: that epoch holds a snapshot per stage,
+        not per fused query."""
+        if not self.pipeline.chains:
             return
-        self.plan = plan_chains(self.logical, stateful_stages(self.logical, self._session()), chaining=True)
+        fused = plan_chains(self.logical, stateful_stages(self.logical, self._session()), chaining=True)
+        if self.pipeline.chaining is None and len(fused.groups) < len(self.logical.stages):
+            restoring = self._restore_facts().epoch
+            if restoring is not None and set(restoring.stages) == set(self.logical.stage_names):
+                log.info("pipeline=%s: epoch %d was taken with every stage its own query; this run restores it "
+                         "and runs unfused (a run that starts afresh fuses; Pipeline(chaining=True) refuses such "
+                         "a restore)", self.pipeline_id, restoring.epoch)
+                return
+        self.plan = fused
         self.graph = self.plan.graph
         self.sinks = self._transactional_sinks()
         log.info("pipeline=%s: physical plan:\n%s", self.pipeline_id, self.plan.explain())
@@ -277,10 +287,11 @@ class PipelineDriver:
     # ------------------------------------------------------------------ restore planning
 
     def _has_state(self) -> bool:
-        for s in self.graph.stages:
-            if self.layout.checkpoint_fs.list_dir(self.layout.checkpoint(s.name)):
+        """Whether an earlier run left state here, in the physical form of this run or in the unfused one."""
+        for name in dict.fromkeys([*self.graph.stage_names, *self.logical.stage_names]):
+            if self.layout.checkpoint_fs.list_dir(self.layout.checkpoint(name)):
                 return True
-        for c in self.graph.channels:
+        for c in dict.fromkeys([*self.graph.channels, *self.logical.channels]):
             if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
                 return True
         return any(sink.has_state() for sink in self.sinks.values())

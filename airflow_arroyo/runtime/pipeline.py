@@ -11,9 +11,9 @@ A pipeline is built from plain functions, the way a bytewax dataflow is::
     joined = p.stage("joined", lambda l, r: l.join(r, "id"), inputs=[left, right])
     p.stage("report", lambda j: j.where("l_value > 10"), inputs=[joined])
 
-Three kinds of stage, each one Structured Streaming query unless the pipeline chains them
-(``Pipeline(..., chaining=True)``: stages the graph allows run fused in one query; see
-:mod:`~airflow_arroyo.runtime.plan` and :meth:`Pipeline.explain`):
+Three kinds of stage; the stages the graph allows run fused in one Structured Streaming query (operator
+chaining, decided by the graph: see :mod:`~airflow_arroyo.runtime.plan` and :meth:`Pipeline.explain`;
+``Pipeline(..., chaining=False)`` runs one query per stage):
 
 * **source** (:meth:`Pipeline.source`): ``read(spark) -> streaming DataFrame`` over any Spark streaming
   source (or the replayable generator); its output goes to a channel.
@@ -141,7 +141,13 @@ def _names(items: Iterable[Stream | str], *, stage: str, what: str) -> tuple[str
 class Pipeline:
     """A graph of named stages. Build it with :meth:`source`, :meth:`stage` and :meth:`sink`."""
 
-    def __init__(self, pipeline_id: str, *, description: str = "", chaining: bool = False) -> None:
+    def __init__(self, pipeline_id: str, *, description: str = "", chaining: bool | None = None) -> None:
+        """``chaining``: which stages run fused in one Structured Streaming query (operator chaining,
+        :mod:`~airflow_arroyo.runtime.plan`). ``None`` (the default): the graph decides, fusing what its rules
+        allow, except that a run restoring an epoch taken unfused runs unfused (so a pipeline checkpointed
+        before chaining keeps restoring). ``True``: always fuse what the rules allow (a restore of an epoch
+        taken in another form is refused, naming the stages). ``False``: every stage its own query, every
+        channel kept (``chain=False`` on a stage keeps only the channel before it)."""
         try:
             validate_pipeline_id(pipeline_id)
         except ConfigurationError as exc:
@@ -248,8 +254,13 @@ class Pipeline:
         from airflow_arroyo.runtime.plan import plan_chains, stateful_stages
 
         graph = self.validate()
-        facts = stateful_stages(graph, spark) if spark is not None and self.chaining else None
-        return plan_chains(graph, facts, chaining=self.chaining)
+        facts = stateful_stages(graph, spark) if spark is not None and self.chains else None
+        return plan_chains(graph, facts, chaining=self.chains)
+
+    @property
+    def chains(self) -> bool:
+        """Whether the graph's rules may fuse stages (``chaining`` is not ``False``)."""
+        return self.chaining is not False
 
     def explain(self, spark: SparkSession | None = None) -> str:
         """The physical plan as text: each query and its stages, each remaining channel and why."""

@@ -74,7 +74,7 @@ class Driver:
             sys.executable, "-m", "airflow_arroyo.runtime.driver",
             "--pipeline", "airflow_arroyo.examples.pipelines:demo",
             "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}",
-            "--arg", f"sink_path={sink}", *(["--arg", "chaining=true"] if chaining else []),
+            "--arg", f"sink_path={sink}", "--arg", f"chaining={'true' if chaining else 'false'}",
             *(["--arg", f"pg_dsn_env={SINK_DSN_ENV}", "--arg", "pg_report_table=report_rows",
                "--arg", "pg_totals_table=key_totals"] if sink_dsn else []),
             "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",

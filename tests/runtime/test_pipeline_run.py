@@ -55,7 +55,7 @@ def pipeline_kwargs(pipeline_id: str, storage: Path) -> dict[str, Any]:
             "sink_path": str(storage / "report_files")}
 
 
-def pipeline(pipeline_id: str, storage: Path, *, chaining: bool = False) -> Any:
+def pipeline(pipeline_id: str, storage: Path, *, chaining: bool | None = False) -> Any:
     return demo(**pipeline_kwargs(pipeline_id, storage), chaining=chaining)
 
 
@@ -82,7 +82,7 @@ class Ran:
 
 def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                run_id: str | None = None, on_step: Callable[[str], None] | None = None,
-               takeover: bool = False, chaining: bool = False) -> PipelineDriver:
+               takeover: bool = False, chaining: bool | None = False) -> PipelineDriver:
     driver = PipelineDriver(pipeline(pipeline_id, storage, chaining=chaining), store, storage_uri=str(storage),
                             run_id=run_id, restore_from=restore_from, spark=spark, takeover=takeover)
     driver.on_step = on_step
@@ -92,7 +92,7 @@ def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
 def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
                epochs: bool = True, run_id: str | None = None, stop: str = "graceful",
                on_step: Callable[[str], None] | None = None, self_contained_every: int = 0,
-               chaining: bool = False) -> Any:
+               chaining: bool | None = False) -> Any:
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
                         on_step=on_step, chaining=chaining)
@@ -226,10 +226,10 @@ def test_the_fused_form_gives_the_same_output_checkpointed_and_restored(ran: Ran
     """Operator chaining (issue 12): the demo with both sources, the join and the filter fused into one query
     (the join's state and both sources' offsets in that query's checkpoint, no channel before the report) gives
     the unfused run's output with epochs, and again restored from a middle epoch; in the report channel and in
-    the exactly-once sink."""
+    the exactly-once sink. The first run leaves chaining to the graph (the default): it fuses."""
     pid = f"fused-{uuid.uuid4().hex[:8]}"
     fused = [f"left~right~joined~{OUTPUT_CHANNEL}", SINK_STAGE]
-    first = run_to_end(spark, module_store, pid, tmp_path, run_id="fused", chaining=True)
+    first = run_to_end(spark, module_store, pid, tmp_path, run_id="fused", chaining=None)
     layout = StorageLayout.at(str(tmp_path), pid)
     record = module_store.get_pipeline(pid)
     assert sorted(record.stages) == sorted(fused)
@@ -505,21 +505,26 @@ def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_out
         if step == "restored":  # the sink rolled back to P's cut: what it committed up to P
             prefix.extend(sink_rows(tmp_path))
 
+    # left to the graph (the default), a run restoring an epoch taken unfused runs unfused: that epoch has a
+    # snapshot per stage, none for a fused query
     again = driver_for(spark, module_store, pid, tmp_path, restore_from=pinned, run_id="from-pin",
-                       on_step=at_restored)
+                       on_step=at_restored, chaining=None)
     result = run_until(again, module_store, lambda: len(sink_rows(tmp_path)) >= len(expected),
                        what="the sink to commit every row")
     assert result.restored_from_epoch == pinned
+    assert again.graph.stage_names == again.logical.stage_names
+    assert sorted(module_store.get_pipeline(pid).stages) == sorted(again.logical.stage_names)
     assert sink_rows(tmp_path) == expected
     # retention truncated the channels' heads (below the pinned epoch's cursors): what is left of the report
     original = channel_rows(again.layout.channel_uri(OUTPUT_CHANNEL))
     assert 0 < len(original) <= len(expected)
 
-    fork = PipelineDriver(pipeline(fork_id, fork_storage), module_store, storage_uri=str(fork_storage),
+    fork = PipelineDriver(pipeline(fork_id, fork_storage, chaining=None), module_store, storage_uri=str(fork_storage),
                           spark=spark, restore_from="latest", run_id="fork-first")
     forked = run_until(fork, module_store, lambda: len(prefix) + len(sink_rows(fork_storage)) >= len(expected),
                        what="the fork's sink to commit the rows after the fork point")
     assert forked.restored_from_epoch == pinned
+    assert fork.graph.stage_names == fork.logical.stage_names  # the fork point was taken unfused
     assert channel_rows(fork.layout.channel_uri(OUTPUT_CHANNEL)) == original  # same rows, same positions
     assert sorted(prefix + sink_rows(fork_storage)) == expected
     # the fork's epochs are its own (numbered after the fork point), and so are its snapshot objects

@@ -31,7 +31,7 @@ def groups(plan: PhysicalPlan) -> list[tuple[str, ...]]:
     return [g.stages for g in plan.groups]
 
 
-def linear(*, chaining: bool = True, **sink: Any) -> Pipeline:
+def linear(*, chaining: bool | None = True, **sink: Any) -> Pipeline:
     p = Pipeline("lin", chaining=chaining)
     src = p.source("src", read)
     a = p.stage("a", ident, inputs=[src])
@@ -66,6 +66,14 @@ def test_the_composed_transform_applies_each_member_in_order_and_a_sink_without_
     merged = ChainedTransform(("l", "r", "j", "c"), (lambda left, right: [left, right], lambda x: [*x, "c"]),
                               branches=(lambda spark: spark + "L", lambda spark: spark + "R"))
     assert merged("S") == ["SL", "SR", "c"]
+
+
+def test_the_graph_decides_by_default() -> None:
+    """Operator chaining is decided by the graph unless the pipeline says otherwise."""
+    assert Pipeline("p").chaining is None and Pipeline("p").chains
+    assert not Pipeline("p", chaining=False).chains
+    assert groups(plan_chains(linear(chaining=None).validate(), STATELESS, chaining=linear(chaining=None).chains)) \
+        == groups(plan_chains(linear().validate(), STATELESS))
 
 
 def test_chaining_off_keeps_every_stage_and_channel_as_declared() -> None:
