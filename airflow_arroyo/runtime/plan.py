@@ -20,7 +20,8 @@ the stage ``w`` that writes its input channel ``c`` when all of these hold (else
   conservative: a stateful stage fuses only with stateless neighbours. A stage is *stateful* when its
   own part of the analyzed plan holds a node that is not a known stateless one (aggregations,
   deduplication, joins, ``*WithState``, limits, sorts, and event-time watermarks are all counted);
-  a stage whose plan could not be analyzed counts as stateful (:func:`stateful_stages`);
+  a stage whose plan could not be analyzed (no session, on or below a loop, or its read or transform
+  raised) fuses with nothing, so that its errors name it (:func:`stateful_stages`);
 * the output modes agree: a stateless stage's ``append`` adopts the stateful stage's mode, any other
   difference keeps the channel (:attr:`Boundary.OUTPUT_MODE`); so do ``state_store`` and ``spark_conf``,
   which apply to a whole query (:attr:`Boundary.STATE_STORE`, :attr:`Boundary.SPARK_CONF`).
@@ -243,11 +244,14 @@ def _merge_reason(upstream: Sequence[_Building], s: StageSpec,
     if other is not None:
         return Boundary.TRIGGER, (f"{other.name!r} triggers every {other.trigger_interval}s, {s.name!r} every "
                                   f"{s.trigger_interval}s")
+    unknown = [m.name for m in members if stateful.get(m.name) is None]
+    if unknown:  # not analyzed (no session, on or below a loop) or its read/transform raised: it runs alone, so
+        # that what it does (an error while it is built included) is its own and names it
+        return Boundary.STATEFUL, (f"{', '.join(unknown)} could not be analyzed (statefulness unknown); a stage "
+                                   "Spark could not analyze runs as its own query")
     holders = [m.name for m in members if _is_stateful(stateful, m.name)]
     if len(holders) > 1:
-        unknown = [n for n in holders if stateful.get(n) is None]
-        what = f" (not known to be stateless: {', '.join(unknown)})" if unknown else ""
-        return Boundary.STATEFUL, (f"one query would hold stateful stages {', '.join(holders)}{what}; a stateful "
+        return Boundary.STATEFUL, (f"one query would hold stateful stages {', '.join(holders)}; a stateful "
                                    "stage fuses only with stateless neighbours")
     modes = {m.output_mode for m in members if m.output_mode != "append" or _is_stateful(stateful, m.name)}
     if len(modes) > 1:

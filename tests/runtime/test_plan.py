@@ -91,6 +91,15 @@ def test_unknown_statefulness_counts_as_stateful_so_nothing_fuses_without_spark(
     assert "not known to be stateless" in plan.explain()
 
 
+def test_a_stage_spark_could_not_analyze_runs_alone_so_that_its_errors_name_it() -> None:
+    """A transform that raised while analyzed (it will raise again when built) is not fused into a neighbour's
+    query: the build error then names the stage, not a fused group."""
+    plan = plan_chains(linear().validate(), {**STATELESS, "a": None})
+    assert groups(plan) == [("src",), ("a",), ("b", "out")]
+    assert reasons(plan)[("src", "a")] is reasons(plan)[("a", "b")] is Boundary.STATEFUL
+    assert "a could not be analyzed" in plan.explain()
+
+
 def test_a_stateful_stage_fuses_with_stateless_neighbours_but_never_with_another_stateful_one() -> None:
     graph = linear().validate()
     plan = plan_chains(graph, {**STATELESS, "a": True})
