@@ -264,7 +264,8 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     then a pipeline that ended ends the trigger; then the one-in-flight rule; then a pipeline that is
     not running, or was asked to stop, gets no epoch; then liveness (a running pipeline whose
     heartbeat is older than ``policy.heartbeat_timeout`` gets no epoch: it would only expire); then
-    the cleanup lock; then the schedule (interval since the last start, min pause since the last end).
+    the cleanup lock; then the schedule (the fixed-rate grid's next point after the last start, min pause since
+    the last end: :func:`next_start_at`).
 
     ``facts.force`` skips the schedule and lets a ``stopping`` pipeline count as running;
     ``facts.final_epoch`` lets the stop request through (a graceful stop's final epoch). Neither
