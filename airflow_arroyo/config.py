@@ -58,7 +58,7 @@ OPTIONS: dict[str, Option] = {
         "Where the spark-submit log of each run goes on the worker host. Empty: $AIRFLOW_HOME/logs/arroyo.",
     ),
     "checkpoint_interval": Option(
-        "30", "float", "Default seconds between the starts of two checkpoint epochs (CheckpointOperator).",
+        "30", "float", "Default checkpoint interval in seconds: the period of the epochs' fixed-rate schedule.",
     ),
     "example_pipeline_id": Option(
         "arroyo-demo", "string", "The pipeline id of the example streaming DAG (and its downstream DAG).",

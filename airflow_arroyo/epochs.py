@@ -21,10 +21,11 @@ Pipeline life cycle (:data:`PIPELINE_TRANSITIONS`)::
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from airflow_arroyo.exceptions import ConfigurationError, IllegalTransitionError
 
@@ -151,7 +152,8 @@ def validate_pipeline_id(pipeline_id: str) -> str:
 class CheckpointPolicy:
     """When checkpoints start and how failures are tolerated (all durations in seconds).
 
-    * ``interval``: time between the starts of two checkpoints (Flink's checkpoint interval).
+    * ``interval``: the period of the checkpoint schedule (Flink's checkpoint interval): epochs are due
+      on a fixed-rate grid, one every ``interval`` at a phase of the pipeline's own (:func:`next_start_at`).
     * ``timeout``: an epoch still in flight this long after its trigger is ``expired``.
       Must be at least ``interval``: otherwise every slow epoch expires before the next is due.
     * ``min_pause``: at least this long between the end of one epoch and the start of the next.
@@ -230,6 +232,7 @@ class TriggerFacts:
     # the final epoch of a graceful stop, asked for by the stopping driver: its own stop request does
     # not hold it back
     final_epoch: bool = False
+    pipeline_id: str = ""  # places the pipeline's schedule in the interval (schedule_phase)
 
 
 class TriggerAction(enum.StrEnum):
@@ -261,7 +264,8 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
     then a pipeline that ended ends the trigger; then the one-in-flight rule; then a pipeline that is
     not running, or was asked to stop, gets no epoch; then liveness (a running pipeline whose
     heartbeat is older than ``policy.heartbeat_timeout`` gets no epoch: it would only expire); then
-    the cleanup lock; then the schedule (interval since the last start, min pause since the last end).
+    the cleanup lock; then the schedule (the fixed-rate grid's next point after the last start, min pause since
+    the last end: :func:`next_start_at`).
 
     ``facts.force`` skips the schedule and lets a ``stopping`` pipeline count as running;
     ``facts.final_epoch`` lets the stop request through (a graceful stop's final epoch). Neither
@@ -300,13 +304,44 @@ def decide_trigger(facts: TriggerFacts, policy: CheckpointPolicy) -> TriggerDeci
 
 
 def next_start_at(facts: TriggerFacts, policy: CheckpointPolicy) -> datetime | None:
-    """Earliest start of the next epoch: interval after the last start, min pause after the last end."""
+    """Earliest start of the next epoch: the schedule's next point after the last start, and the min pause
+    after the last end.
+
+    The schedule is a **fixed-rate** grid, as Flink's periodic checkpoint scheduler (``scheduleAtFixedRate``
+    after a random initial delay): the points ``phase + k * interval`` (seconds since 1970, UTC), where the
+    phase is the pipeline's own (:func:`schedule_phase`). The next epoch is due at the first point after the
+    last start. An epoch started late does not push the schedule back (lateness does not add up from epoch to
+    epoch), an epoch that started a whole interval late or more is followed at the next point (no burst
+    catches up on missed points), and pipelines are spread over the interval instead of all being due at once.
+    """
     candidates: list[datetime] = []
     if facts.last_triggered_at is not None:
-        candidates.append(facts.last_triggered_at + timedelta(seconds=policy.interval))
+        candidates.append(schedule_point_after(facts.last_triggered_at, policy.interval,
+                                               schedule_phase(facts.pipeline_id, policy.interval)))
     if facts.last_ended_at is not None and policy.min_pause > 0:
         candidates.append(facts.last_ended_at + timedelta(seconds=policy.min_pause))
     return max(candidates) if candidates else None
+
+
+def schedule_phase(pipeline_id: str, interval: float) -> float:
+    """Where in each interval the pipeline's epochs are due, in ``[0, interval)`` seconds: a fixed share of the
+    interval drawn from a hash of the pipeline id (the same in every triggerer, run and restart; Flink draws a
+    random initial delay per job for the same reason: many jobs' checkpoints do not all fall at once)."""
+    share = int.from_bytes(hashlib.sha256(pipeline_id.encode()).digest()[:8], "big") / 2.0**64
+    return share * interval
+
+
+def schedule_point_after(t: datetime, interval: float, phase: float) -> datetime:
+    """The first point of the grid ``phase + k * interval`` (seconds since 1970, UTC) strictly after ``t``."""
+    origin = datetime(1970, 1, 1, tzinfo=UTC if t.tzinfo is not None else None)
+    elapsed = (t - origin) // timedelta(microseconds=1)  # exact, in microseconds
+    phase_us, interval_us = phase * 1e6, interval * 1e6
+    k = math.floor((elapsed - phase_us) / interval_us) + 1
+    due = math.ceil(phase_us + k * interval_us)  # rounded up: never before the point itself
+    while due <= elapsed:  # float rounding right at a point
+        k += 1
+        due = math.ceil(phase_us + k * interval_us)
+    return origin + timedelta(microseconds=due)
 
 
 def consecutive_failures(states_newest_first: Iterable[EpochState]) -> int:

@@ -14,7 +14,8 @@ timestamp) in a histogram of 10 ms buckets, and the time it arrived.
   prints its physical plan.
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
-``--rounds``), each with a fresh query/pipeline, ``--warmup`` seconds, then ``--duration`` seconds
+``--rounds``), each in a process of its own (a fresh Spark driver JVM: one JVM for every run ran out of its
+2 GB heap at 20,000 rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds
 measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
 the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
 throughput). Side by side in one run, so load on the machine affects both.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -39,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -231,6 +233,32 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
     return r
 
 
+def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: float, warmup: float,
+                 duration: float) -> None:
+    """One run in a process of its own: its own Spark driver JVM and store connection; the result (or the
+    error's text) goes back through ``out``."""
+    from pyspark.sql import SparkSession
+
+    logging.basicConfig(level=logging.WARNING)
+    spark = (SparkSession.builder.master("local[2]").appName("arroyo-latency")
+             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "2g").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    store = EpochStore(dsn)
+    try:
+        def make() -> Plain | Product:
+            if side == "plain":
+                return Plain(spark, rate, Path(tmp))
+            return Product(spark, store, rate, Path(tmp), interval, chaining=side == "fused")
+        out.put(run_one(make, side, rate, warmup, duration).__dict__)
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        store.close()
+        spark.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=int, nargs="+", default=[2000, 20000], help="rows/s per source")
@@ -244,30 +272,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("arroyo-latency")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
     results: list[Result] = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-latency-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()
+        store.close()
         print(f"local[2], rates {args.rates} rows/s per source, {args.rounds} round(s), warm-up {args.warmup:g} s, "
-              f"{args.duration:g} s measured, epochs every {args.interval:g} s (product)", flush=True)
+              f"{args.duration:g} s measured, epochs every {args.interval:g} s (product); a process per run",
+              flush=True)
+        ctx = mp.get_context("spawn")
         for rate in args.rates:
             sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
             for i in range(args.rounds):
                 for side in sides if i % 2 == 0 else sides[::-1]:
-                    def make(side: str = side, rate: int = rate) -> Plain | Product:
-                        if side == "plain":
-                            return Plain(spark, rate, Path(tmp))
-                        return Product(spark, store, rate, Path(tmp), args.interval, chaining=side == "fused")
-                    results.append(run_one(make, side, rate, args.warmup, args.duration))
-        store.close()
-    spark.stop()
+                    out = ctx.Queue()
+                    child = ctx.Process(target=run_in_child, args=(out, side, rate, pg.dsn, tmp, args.interval,
+                                                                    args.warmup, args.duration))
+                    child.start()
+                    got = out.get(timeout=args.warmup + args.duration + 900)
+                    child.join(120)
+                    if isinstance(got, str):
+                        raise SystemExit(f"the {side} run at {rate} rows/s failed: {got}")
+                    results.append(Result(**got))
 
     print("\nproduct and fused / plain, per rate (median over rounds):")
     summary = []

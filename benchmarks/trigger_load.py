@@ -33,9 +33,10 @@ interleave the modes):
 The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
 
-* **schedule lateness**: ``triggered_at(n) - (triggered_at(n-1) + interval)``, from the database;
+* **schedule lateness**: ``triggered_at(n) - due(n)``, where ``due(n)`` is the point of the pipeline's
+  fixed-rate schedule after ``triggered_at(n-1)`` (``airflow_arroyo.epochs.schedule_point_after``);
 * **controller lateness**: counted from when epoch n could start at all
-  (``max(triggered_at(n-1) + interval, ended_at(n-1))``): the trigger's part, not the acker's;
+  (``max(due(n), ended_at(n-1))``): the trigger's part, not the acker's;
 * epochs fired against the schedule's ``N * window / interval`` (a ratio);
 * CPU seconds of the triggerer processes per epoch fired (``time.process_time()``: all threads);
 * PostgreSQL CPU per epoch fired, by client (``/proc`` times of the server's processes);
@@ -504,19 +505,24 @@ def figures(dsn: str, prefix: str, interval: float, window: tuple[datetime, date
     import psycopg2
 
     from airflow_arroyo.devtools.history import check_history
+    from airflow_arroyo.epochs import schedule_phase, schedule_point_after
 
-    params = {"i": interval, "a": window[0], "b": window[1], "p": f"{prefix}-%"}
+    params = {"a": window[0], "b": window[1], "p": f"{prefix}-%"}
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
         cur.execute(
-            "SELECT EXTRACT(EPOCH FROM triggered_at - (prev_start + make_interval(secs => %(i)s))),"
-            " EXTRACT(EPOCH FROM triggered_at - GREATEST(prev_start + make_interval(secs => %(i)s), prev_end))"
-            " FROM (SELECT triggered_at, lag(triggered_at) OVER w AS prev_start, lag(ended_at) OVER w AS prev_end"
+            "SELECT pipeline_id, triggered_at, prev_start, prev_end"
+            " FROM (SELECT pipeline_id, triggered_at, lag(triggered_at) OVER w AS prev_start,"
+            "              lag(ended_at) OVER w AS prev_end"
             "       FROM arroyo_epochs WHERE pipeline_id LIKE %(p)s"
             "       WINDOW w AS (PARTITION BY pipeline_id ORDER BY epoch)) e"
             " WHERE prev_start IS NOT NULL AND triggered_at >= %(a)s AND triggered_at < %(b)s",
             params,
         )
-        rows = cur.fetchall()
+        rows = []
+        for pid, start, prev_start, prev_end in cur.fetchall():  # the schedule's rule, not a copy of it
+            due = schedule_point_after(prev_start, interval, schedule_phase(pid, interval))
+            could = max(due, prev_end) if prev_end is not None else due
+            rows.append(((start - due).total_seconds(), (start - could).total_seconds()))
         cur.execute("SELECT state, EXTRACT(EPOCH FROM ended_at - triggered_at) FROM arroyo_epochs"
                     " WHERE pipeline_id LIKE %(p)s AND triggered_at >= %(a)s AND triggered_at < %(b)s", params)
         epochs = cur.fetchall()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg2
@@ -29,3 +30,17 @@ def running(store: Any, *pipeline_ids: str, stages: Sequence[str] = ("src", "sin
     for pipeline_id in pipeline_ids:
         store.register_pipeline(pipeline_id, stages=list(stages), run_id=run_id)
         store.set_pipeline_state(pipeline_id, PipelineState.RUNNING, run_id=run_id)
+
+
+def assert_on_schedule(starts: Sequence[datetime], interval: float, pipeline_id: str,
+                       slack: float | None = None, phase: float | None = None) -> None:
+    """Each epoch start after the first is at the point of the pipeline's fixed-rate schedule that follows the
+    start before it (``airflow_arroyo.epochs.next_start_at``): never before it, and (``slack``) late by less.
+    ``phase``: the schedule's phase when the times were moved (a virtual clock), else the pipeline's."""
+    from airflow_arroyo.epochs import schedule_phase, schedule_point_after
+
+    phase = schedule_phase(pipeline_id, interval) if phase is None else phase
+    for before, start in zip(starts, starts[1:], strict=False):
+        due = schedule_point_after(before, interval, phase)
+        assert start >= due, (before, start, due)
+        assert slack is None or start < due + timedelta(seconds=slack), (before, start, due, slack)

@@ -23,6 +23,8 @@ from airflow_arroyo.epochs import (
     consecutive_failures,
     decide_trigger,
     next_start_at,
+    schedule_phase,
+    schedule_point_after,
 )
 from airflow_arroyo.exceptions import ConfigurationError
 
@@ -68,10 +70,18 @@ def facts(draw: st.DrawFn) -> TriggerFacts:
 def _due(f: TriggerFacts, p: CheckpointPolicy) -> bool:
     if f.force:
         return True
-    too_soon = f.last_triggered_at is not None and f.now < f.last_triggered_at + timedelta(seconds=p.interval)
+    too_soon = f.last_triggered_at is not None and not _grid_point_between(f.last_triggered_at, f.now, p.interval,
+                                                                           schedule_phase(f.pipeline_id, p.interval))
     pausing = (f.last_ended_at is not None and p.min_pause > 0
                and f.now < f.last_ended_at + timedelta(seconds=p.min_pause))
     return not (too_soon or pausing)
+
+
+def _grid_point_between(start: datetime, end: datetime, interval: float, phase: float) -> bool:
+    """Whether a point of the schedule ``phase + k * interval`` lies in ``(start, end]`` (counted, not searched)."""
+    def crossed(t: datetime) -> int:
+        return math.floor(((t - datetime(1970, 1, 1, tzinfo=UTC)).total_seconds() - phase) / interval)
+    return crossed(end) > crossed(start)
 
 
 def _lease_live(f: TriggerFacts) -> bool:
@@ -162,20 +172,63 @@ def test_waiting_until_recheck_at_then_starts_if_nothing_else_changed(f: Trigger
 
 
 @settings(max_examples=300, deadline=None)
-@given(facts(), policies())
-def test_the_schedule_is_the_interval_after_a_start_and_the_min_pause_after_an_end(f: TriggerFacts,
-                                                                                 p: CheckpointPolicy) -> None:
+@given(facts(), policies(), st.text(max_size=20))
+def test_the_schedule_is_the_next_point_of_a_fixed_rate_grid_and_the_min_pause_after_an_end(
+        f: TriggerFacts, p: CheckpointPolicy, pipeline_id: str) -> None:
+    f = TriggerFacts(**{**f.__dict__, "pipeline_id": pipeline_id})
     due = next_start_at(f, p)
     if f.last_triggered_at is None and (f.last_ended_at is None or p.min_pause == 0):
         assert due is None
         return
     assert due is not None
+    point = None
     if f.last_triggered_at is not None:
-        assert due >= f.last_triggered_at + timedelta(seconds=p.interval)
+        phase = schedule_phase(pipeline_id, p.interval)
+        assert 0 <= phase < p.interval
+        point = schedule_point_after(f.last_triggered_at, p.interval, phase)
+        # the first point of the grid after the last start: after it, at most an interval after it, on the grid
+        assert f.last_triggered_at < point <= f.last_triggered_at + timedelta(seconds=p.interval, microseconds=1)
+        assert _grid_point_between(f.last_triggered_at, point + timedelta(microseconds=1), p.interval, phase)
+        assert not _grid_point_between(f.last_triggered_at, point - timedelta(microseconds=2), p.interval, phase)
+        assert due >= point
     if f.last_ended_at is not None and p.min_pause > 0:
         assert due >= f.last_ended_at + timedelta(seconds=p.min_pause)
-    assert due in {f.last_triggered_at + timedelta(seconds=p.interval) if f.last_triggered_at else None,
-                   f.last_ended_at + timedelta(seconds=p.min_pause) if f.last_ended_at else None}
+    assert due in {point, f.last_ended_at + timedelta(seconds=p.min_pause) if f.last_ended_at else None}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0.01, max_value=3600), st.floats(min_value=0, max_value=0.999), st.text(max_size=20),
+       st.integers(1, 50))
+def test_lateness_does_not_add_up_and_a_missed_point_is_not_caught_up(interval: float, late: float, pipeline_id: str,
+                                                                      epochs: int) -> None:
+    """Epochs each started late by up to an interval stay on the grid: the n-th is due n intervals after the
+    first point, whatever the lateness before it (Flink's fixed-rate scheduler); one started several intervals
+    late is followed one point later, not by a burst."""
+    p = CheckpointPolicy(interval=interval)
+    f = TriggerFacts(now=NOW, pipeline_state=PipelineState.RUNNING, last_epoch=1, pipeline_id=pipeline_id,
+                     last_triggered_at=NOW)
+    first = next_start_at(f, p)
+    assert first is not None
+    due = first
+    for _ in range(epochs):
+        started = due + timedelta(seconds=late * interval)
+        nxt = next_start_at(TriggerFacts(**{**f.__dict__, "last_triggered_at": started}), p)
+        assert nxt is not None
+        assert abs((nxt - due).total_seconds() - interval) < 1e-5 + 1e-9 * interval
+        due = nxt
+    assert abs((due - first).total_seconds() - epochs * interval) < 1e-4
+    very_late = due + timedelta(seconds=3.5 * interval)
+    after = next_start_at(TriggerFacts(**{**f.__dict__, "last_triggered_at": very_late}), p)
+    assert after is not None and abs((after - due).total_seconds() - 4 * interval) < 1e-4
+
+
+def test_pipelines_are_spread_over_the_interval() -> None:
+    """The phase comes from the pipeline id: the same in every process, and 1000 pipelines fall evenly over
+    the interval (each tenth holds 70-130 of them) instead of all at once."""
+    assert schedule_phase("orders", 30.0) == schedule_phase("orders", 30.0)
+    phases = [schedule_phase(f"pipeline-{i}", 1.0) for i in range(1000)]
+    tenths = [sum(1 for x in phases if k / 10 <= x < (k + 1) / 10) for k in range(10)]
+    assert all(70 <= n <= 130 for n in tenths), tenths
 
 
 # --------------------------------------------------------------------------- exhaustive product
@@ -185,7 +238,9 @@ IN_FLIGHT = {"none": None, "live": NOW + timedelta(seconds=5), "timed_out": NOW 
 LEASE = {"none": None, "live": CleanupLease("retention", NOW + timedelta(seconds=30)),
          "expired": CleanupLease("retention", NOW - timedelta(seconds=1)),
          "expires_now": CleanupLease("retention", NOW)}
-SCHEDULE = {"never": (None, None), "not_due": (NOW - timedelta(seconds=5), None),
+# "not_due": the last epoch started right on its point of the schedule (interval 10 s), the latest at or before NOW
+ON_TIME = schedule_point_after(NOW - timedelta(seconds=10), 10, schedule_phase("", 10))
+SCHEDULE = {"never": (None, None), "not_due": (ON_TIME, None),
             "due": (NOW - timedelta(seconds=10), None), "due_but_paused": (NOW - timedelta(seconds=60), NOW),
             "due_after_pause": (NOW - timedelta(seconds=60), NOW - timedelta(seconds=30))}
 HEARTBEAT = {"never": None, "fresh": NOW - timedelta(seconds=2), "at_bound": NOW - timedelta(seconds=30),

@@ -79,7 +79,8 @@ class CheckpointOperator(BaseOperator):
     :param pipeline_id: the pipeline (as registered by its driver). Templated.
     :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store (default ``[arroyo] conn_id``).
         Templated.
-    :param interval: seconds between the starts of two epochs (default ``[arroyo] checkpoint_interval``).
+    :param interval: the checkpoint interval in seconds: one epoch per interval, on a fixed-rate schedule
+        (default ``[arroyo] checkpoint_interval``).
         Templated.
     :param timeout: seconds after which an unfinished epoch expires (default: ten intervals, at least
         60 s; never below the interval). Templated.

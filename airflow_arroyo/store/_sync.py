@@ -607,6 +607,7 @@ class EpochStore:
                 heartbeat_at=pipe["heartbeat_at"],
                 force=r.force,
                 final_epoch=r.is_final,
+                pipeline_id=r.pipeline_id,
             )
             decision = decide_trigger(tf, r.policy)
             decided[i] = (tf, decision)

@@ -138,7 +138,8 @@ class CheckpointTrigger(BaseTrigger):
 
     :param pipeline_id: the pipeline whose epochs to fire.
     :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store.
-    :param interval: seconds between the starts of two epochs.
+    :param interval: the checkpoint interval in seconds: one epoch per interval, on a fixed-rate schedule
+        (``airflow_arroyo.epochs.next_start_at``).
     :param timeout: seconds after which an epoch still in flight expires (default: ten intervals,
         at least 60 s); at least ``interval``.
     :param min_pause: seconds between the end of an epoch and the start of the next.

@@ -4,7 +4,8 @@ HTML pages (server-rendered, no JavaScript, charts as inline SVG):
 
 * ``/``                                     pipelines: state, health, Spark app, last completed epoch
 * ``/pipelines/{pipeline_id}``              a pipeline and a page of its checkpoint history, with a chart;
-                                            its supervision and restarts when a supervisor ran it
+                                            its supervision and restarts when a supervisor ran it; the
+                                            physical plan its run recorded (queries, remaining channels)
 * ``/pipelines/{pipeline_id}/epochs/{n}``   one epoch: per-stage timeline, stages not acknowledged yet
 * ``/pipelines/{pipeline_id}/retention``    cleanup runs and the cleanup lock
 
@@ -43,6 +44,7 @@ from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.supervision import restart_due, strategy_text
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
+from airflow_arroyo.ui.plan_view import plan_view
 from airflow_arroyo.ui.store_source import StoreSource
 from airflow_arroyo.ui.timeline import stage_timings
 
@@ -310,6 +312,7 @@ def _add_pages(app: FastAPI, ui: _Ui) -> None:
             restart_due=restart_due(o.pipeline, page.restarts), headline=_headline,
             restart_at=lambda r: r.failed_at + timedelta(seconds=r.delay_s),
             strategy=strategy_text(o.pipeline.restart_strategy) if o.pipeline.restart_strategy else None,
+            plan=plan_view(o.pipeline.config),
             # the newest page follows an epoch in flight; a page of older history stays still
             refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
         )

@@ -20,15 +20,18 @@ import psycopg2
 import pytest
 import structlog
 
+from airflow_arroyo import epochs as epochs_module
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
 from airflow_arroyo.triggers import checkpoint as trigger_module
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
+from tests.support import assert_on_schedule
 from tests.support import running as register_running
 
 REAL_SLEEP = asyncio.sleep
+REAL_PHASE = epochs_module.schedule_phase
 PID = "orders"
 STAGES = ["source", "agg"]
 
@@ -60,17 +63,24 @@ def running(store: EpochStore) -> EpochStore:
 
 
 class VirtualClock:
-    """Stands in for ``asyncio.sleep`` in the trigger module: time passes in the database only."""
+    """Stands in for ``asyncio.sleep`` in the trigger module: time passes in the database only (every stored
+    time moves back by the time slept, and so does the fixed-rate schedule's grid: its phase)."""
 
     def __init__(self, dsn: str, pipeline: Callable[[], None] | None = None, max_sleeps: int = 200) -> None:
         self.dsn = dsn
         self.pipeline = pipeline or (lambda: None)
         self.sleeps: list[float] = []
         self.max_sleeps = max_sleeps
+        self.advanced = 0.0
+
+    def phase(self, pipeline_id: str, interval: float) -> float:
+        """The schedule's phase as seen from the moved-back times."""
+        return (REAL_PHASE(pipeline_id, interval) - self.advanced) % interval
 
     def advance(self, seconds: float) -> None:
         if seconds <= 0:
             return
+        self.advanced += seconds
         d = timedelta(seconds=seconds)
         with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
             cur.execute("UPDATE arroyo_epochs SET triggered_at = triggered_at - %(d)s,"
@@ -89,7 +99,8 @@ class VirtualClock:
 
 
 async def first_event(trigger: CheckpointTrigger, clock: VirtualClock) -> dict[str, Any]:
-    with mock.patch.object(trigger_module.asyncio, "sleep", clock.sleep):
+    with mock.patch.object(trigger_module.asyncio, "sleep", clock.sleep), \
+            mock.patch.object(epochs_module, "schedule_phase", clock.phase):
         gen = trigger.run()
         event = await anext(gen)
         await gen.aclose()
@@ -199,10 +210,12 @@ async def test_fires_epochs_on_schedule_and_succeeds_when_the_pipeline_stops(run
         assert entry["state"] == "completed"
         assert entry["bytes_new"] == rec.bytes_new == sum(1000 * rec.epoch + i for i in range(len(STAGES)))
         assert entry["duration_s"] == pytest.approx(rec.duration_s)
-    # starts are one interval apart (never early; late only by the real time a tick takes)
+    # each start is at its point of the fixed-rate schedule (never early; late only by the real time a tick
+    # takes on a busy machine): the points are an interval apart, the first may come sooner after epoch 1
     starts = [e.triggered_at for e in epochs]
-    gaps = [(b - a).total_seconds() for a, b in zip(starts, starts[1:], strict=False)]
-    assert all(10.0 <= g < 11.0 for g in gaps), gaps  # slack: the real time ticks take on a busy machine
+    assert_on_schedule(starts, 10.0, PID, slack=1.0, phase=clock.phase(PID, 10.0))
+    gaps = [(b - a).total_seconds() for a, b in zip(starts[1:], starts[2:], strict=False)]
+    assert all(9.0 < g < 11.0 for g in gaps), gaps
     assert all(s <= 10.0 for s in clock.sleeps), clock.sleeps  # never sleeps past a due start
     text = messages(logs)
     for n in (1, 2, 3):

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import psycopg2
 import psycopg2.errors
@@ -34,6 +33,8 @@ from airflow_arroyo.epochs import (
     EpochState,
     PipelineState,
     TriggerAction,
+    schedule_phase,
+    schedule_point_after,
 )
 from airflow_arroyo.exceptions import (
     CleanupLockHeld,
@@ -473,7 +474,8 @@ def test_trigger_tick_decisions(store: EpochStore) -> None:
     store.ack_epoch("tick", first.started.epoch, "s")
     waiting = store.trigger_tick("tick", SLOW)
     assert waiting.decision.action is TriggerAction.WAIT_SCHEDULE
-    assert waiting.decision.recheck_at == first.started.triggered_at + timedelta(seconds=3600)
+    assert waiting.decision.recheck_at == schedule_point_after(first.started.triggered_at, 3600,
+                                                               schedule_phase("tick", 3600))
     forced = store.trigger_tick("tick", SLOW, force=True, triggered_by="manual")
     assert forced.started is not None and forced.started.triggered_by == "manual"
     store.fail_epoch("tick", forced.started.epoch, "x")

@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 
 from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction, schedule_phase, schedule_point_after
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore, TickRequest, TickResult
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
@@ -52,12 +52,14 @@ def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: Epoch
         store.fail_epoch("timed-out", started.epoch, "stage sink could not snapshot")
     store.trigger_tick("timed-out", POLICY, force=True)
     shift_history(migrated_dsn, "timed-out", 7300)
-    # not-due: one completed epoch, started a minute ago
+    # not-due: one completed epoch, started up to a minute ago, after the point of the schedule before the next
     done = store.trigger_tick("not-due", POLICY).started
     assert done is not None
     for stage in STAGES:
         store.ack_epoch("not-due", done.epoch, stage)
-    shift_history(migrated_dsn, "not-due", 60)
+    not_due_at = schedule_point_after(done.triggered_at, POLICY.interval, schedule_phase("not-due", POLICY.interval))
+    since_point = POLICY.interval - (not_due_at - done.triggered_at).total_seconds()  # since the point before
+    shift_history(migrated_dsn, "not-due", max(0.0, min(60.0, since_point - 1)))  # the next point stays not_due_at
     # leased: a cleanup holds the lock
     store.acquire_cleanup_lock("leased", "retention@w1", ttl=600)
     # watched: epoch 1 completed since the caller saw it in flight; epoch 2 in flight now
@@ -95,7 +97,7 @@ def test_a_batch_decides_each_pipeline_as_it_would_be_decided_alone(store: Epoch
     assert store.get_epoch("timed-out", 3).failure_reason == "not acknowledged by every stage within 7200s"
     not_due = decided["not-due"]
     assert not_due.decision.recheck_at is not None
-    assert 3539 < (not_due.decision.recheck_at - not_due.now).total_seconds() < 3541
+    assert not_due.decision.recheck_at == not_due_at
     assert [e.epoch for e in decided["watched"].ended] == [1]
     assert decided["watched"].ended[0].bytes_new == 10 and decided["watched"].ended[0].state.value == "completed"
     assert all(r.observed_at is not None for r in decided.values())
