@@ -881,7 +881,13 @@ class PipelineDriver:
             exc = q.exception()
             detail = _cause(exc) if exc is not None else "the query stopped unexpectedly"
             self._raise_if_superseded(f"stage {r.name!r}")  # e.g. the new run's restore removed its files
-            raise PipelineFailedError(self.pipeline_id, f"stage {r.name!r} failed: {detail}")
+            raise PipelineFailedError(self.pipeline_id, f"{self._stage_label(r.name)} failed: {detail}")
+
+    def _stage_label(self, name: str) -> str:
+        """How a failure names physical stage ``name``: a fused query lists the stages it runs."""
+        group = next((g for g in self.plan.groups if g.name == name), None)
+        fused = f" (fused: {', '.join(group.stages)})" if group is not None and len(group.stages) > 1 else ""
+        return f"stage {name!r}{fused}"
 
     def _finish(self, final_epoch: int | None, cause: str | None = None) -> DriverResult:
         self._stop_queries()

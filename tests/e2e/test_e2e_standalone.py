@@ -147,8 +147,11 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
 
     # -- 1 + 2: running, and epochs completing, fired by the trigger of the `checkpoints` task
     wait_for("3 completed epochs", lambda: len(completed_epochs()) >= 3, 420, diagnose)
+    # submit supervises the run in the triggerer for its whole life: once the run is up, its task resumes on a
+    # worker for a moment and defers again, to the supervisor (the fused form's epochs can complete before that)
+    wait_for("the submit task to defer to its supervisor",
+             lambda: airflow.task_instances(EXAMPLE_DAG, run_id)["submit"] == "deferred", 120, diagnose)
     tis = airflow.task_instances(EXAMPLE_DAG, run_id)
-    # submit supervises the run in the triggerer for its whole life
     assert tis["submit"] == "deferred" and tis["checkpoints"] == "deferred" and tis["run_for"] == "deferred", tis
     pipeline = store.get_pipeline(PIPELINE)
     assert pipeline.state is PipelineState.RUNNING and pipeline.spark_ui_url

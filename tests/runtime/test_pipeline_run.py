@@ -465,9 +465,10 @@ def test_a_failing_stage_fails_the_pipeline_with_its_cause(module_store: EpochSt
     assert "row 500 is cursed" in str(err.value)
     record = module_store.get_pipeline(pid)
     assert record.state is PipelineState.FAILED
-    # the user's error leads, before Spark's and py4j's traces
-    assert (record.failure_cause or "").startswith("stage 'boom' failed: ValueError: row 500 is cursed\n"), \
-        (record.failure_cause or "")[:500]
+    # the user's error leads, before Spark's and py4j's traces; the stage runs fused with its source (the graph
+    # decides), and the cause names the query and the stages in it
+    cause = record.failure_cause or ""
+    assert cause.startswith("stage 'src~boom' (fused: src, boom) failed: ValueError: row 500 is cursed\n"), cause[:500]
 
 
 def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_output(
