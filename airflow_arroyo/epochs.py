@@ -316,11 +316,16 @@ def next_start_at(facts: TriggerFacts, policy: CheckpointPolicy) -> datetime | N
     """
     candidates: list[datetime] = []
     if facts.last_triggered_at is not None:
-        candidates.append(schedule_point_after(facts.last_triggered_at, policy.interval,
-                                               schedule_phase(facts.pipeline_id, policy.interval)))
+        candidates.append(due_after_start(facts.pipeline_id, facts.last_triggered_at, policy))
     if facts.last_ended_at is not None and policy.min_pause > 0:
         candidates.append(facts.last_ended_at + timedelta(seconds=policy.min_pause))
     return max(candidates) if candidates else None
+
+
+def due_after_start(pipeline_id: str, started: datetime, policy: CheckpointPolicy) -> datetime:
+    """When the schedule has the next epoch due after one started at ``started`` (min pause aside): the
+    first point of the pipeline's fixed-rate grid after it. The trigger sleeps until then."""
+    return schedule_point_after(started, policy.interval, schedule_phase(pipeline_id, policy.interval))
 
 
 def schedule_phase(pipeline_id: str, interval: float) -> float:

@@ -43,6 +43,7 @@ from airflow_arroyo.epochs import (
     EpochState,
     PipelineState,
     TriggerAction,
+    due_after_start,
     validate_pipeline_id,
 )
 from airflow_arroyo.exceptions import (
@@ -579,9 +580,9 @@ class _Controller:
     def _delay(self, tick: TickResult) -> float:
         """How long to sleep before the next tick: until the decision is worth making again.
 
-        After a start: until one interval after it (the next epoch is due then). While waiting for
-        the schedule or a cleanup lease: until ``recheck_at``. While an epoch is in flight: until the
-        next one is due; once it is overdue, until the database announces the epoch's end (sets
+        After a start: until the schedule's next point (``epochs.due_after_start``: the next epoch is due
+        then). While waiting for the schedule or a cleanup lease: until ``recheck_at``. While an epoch is in
+        flight: until the next one is due; once it is overdue, until the database announces the epoch's end (sets
         ``self.wake``), or without a listener in short polls that double (``interval / 50`` at
         first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
         epoch by about as much again at most, not by a whole poll interval. While the pipeline does
@@ -595,14 +596,15 @@ class _Controller:
         delay = self.poll
         overdue = False
         if tick.started is not None:
-            delay = min(delay, self._until(tick, tick.started.triggered_at + timedelta(seconds=self.policy.interval)))
+            delay = min(delay, self._until(tick, due_after_start(self.pipeline_id, tick.started.triggered_at,
+                                                                 self.policy)))
         elif decision.recheck_at is not None:
             delay = min(delay, self._until(tick, decision.recheck_at))
         if decision.action is TriggerAction.WAIT_IN_FLIGHT and decision.recheck_at is not None:
             # The in-flight epoch started one timeout before it times out (read from the database,
             # not remembered: right after a restart too).
             started = decision.recheck_at - timedelta(seconds=self.policy.effective_timeout)
-            due = self._until(tick, started + timedelta(seconds=self.policy.interval))
+            due = self._until(tick, due_after_start(self.pipeline_id, started, self.policy))
             if due > 0:
                 delay = min(delay, due)
             elif self.listening:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from unittest import mock
 
@@ -21,7 +21,7 @@ import pytest
 import structlog
 
 from airflow_arroyo import epochs as epochs_module
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction, schedule_point_after
 from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
@@ -66,12 +66,13 @@ class VirtualClock:
     """Stands in for ``asyncio.sleep`` in the trigger module: time passes in the database only (every stored
     time moves back by the time slept, and so does the fixed-rate schedule's grid: its phase)."""
 
-    def __init__(self, dsn: str, pipeline: Callable[[], None] | None = None, max_sleeps: int = 200) -> None:
+    def __init__(self, dsn: str, pipeline: Callable[[], None] | None = None, max_sleeps: int = 200,
+                 advanced: float = 0.0) -> None:
         self.dsn = dsn
         self.pipeline = pipeline or (lambda: None)
         self.sleeps: list[float] = []
         self.max_sleeps = max_sleeps
-        self.advanced = 0.0
+        self.advanced = advanced  # seconds the stored times were moved back already (by an earlier clock)
 
     def phase(self, pipeline_id: str, interval: float) -> float:
         """The schedule's phase as seen from the moved-back times."""
@@ -329,12 +330,15 @@ async def test_an_overdue_epoch_is_polled_for_in_short_doubling_steps(running: E
     """The next epoch is due but the previous one is still in flight: look again soon (not after a whole
     poll interval), backing off, so the lateness stays within about twice the overrun."""
 
+    def due_after(started: datetime) -> datetime:  # the schedule's next point, as the moved-back times see it
+        return schedule_point_after(started, 10.0, clock.phase(PID, 10.0))
+
     def pipeline() -> None:
         ep = running.in_flight_epoch(PID)
         if ep is None:
             return
-        age = (running.db_now() - ep.triggered_at).total_seconds()
-        if ep.epoch > 1 or age >= 10.9:  # epoch 1 is acknowledged 0.9 s after epoch 2 is due
+        # epoch 1 is acknowledged 0.9 s after epoch 2 is due
+        if ep.epoch > 1 or running.db_now() >= due_after(ep.triggered_at) + timedelta(seconds=0.9):
             ack(running)
         if len(completed(running)) == 2:
             running.set_pipeline_state(PID, PipelineState.STOPPED)
@@ -344,8 +348,8 @@ async def test_an_overdue_epoch_is_polled_for_in_short_doubling_steps(running: E
 
     assert event["status"] == "success"
     first, second = running.list_epochs(PID)[::-1]
-    gap = (second.triggered_at - first.triggered_at).total_seconds()
-    assert 10.9 <= gap < 10.0 + 2 * 0.9 + 1.0, gap  # with 5 s polls it would be 15 s
+    late = (second.triggered_at - due_after(first.triggered_at)).total_seconds()
+    assert 0.9 <= late < 2 * 0.9 + 1.0, late  # with 5 s polls it could be 5 s
     # (real time passes in the database too: the 0.8 s poll is the one that sees the acknowledgement)
     rounded = [round(s, 3) for s in clock.sleeps]
     assert any(rounded[i:i + 3] == [0.2, 0.4, 0.8] for i in range(len(rounded))), clock.sleeps  # interval/50, x2
@@ -463,8 +467,9 @@ async def test_a_restarted_trigger_resumes_from_the_database(running: EpochStore
         ack(running)
 
     first = make_trigger(interval=10.0)
+    before = VirtualClock(connection, crash_when_epoch_2_in_flight)
     with pytest.raises(Crash):
-        await first_event(first, VirtualClock(connection, crash_when_epoch_2_in_flight))
+        await first_event(first, before)
     assert running.in_flight_epoch(PID) is not None
 
     def pipeline() -> None:
@@ -474,15 +479,17 @@ async def test_a_restarted_trigger_resumes_from_the_database(running: EpochStore
 
     classpath, kwargs = first.serialize()
     second = CheckpointTrigger(**kwargs)
+    clock = VirtualClock(connection, pipeline, advanced=before.advanced)
     with structlog.testing.capture_logs() as logs:
-        event = await first_event(second, VirtualClock(connection, pipeline))
+        event = await first_event(second, clock)
 
     assert event["status"] == "success"
     assert [(e["epoch"], e["state"]) for e in event["summary"]["epochs"]] == [(2, "completed"), (3, "completed")]
     assert any("epoch 2 is in flight" in m for m in messages(logs))
     epochs = running.list_epochs(PID)[::-1]
     assert [e.epoch for e in epochs] == [1, 2, 3]
-    assert (epochs[2].triggered_at - epochs[1].triggered_at).total_seconds() >= 10.0  # schedule kept
+    # schedule kept: epoch 3 at its point of the schedule after epoch 2, not before it
+    assert_on_schedule([e.triggered_at for e in epochs[1:]], 10.0, PID, phase=clock.phase(PID, 10.0))
     assert max_in_flight(connection) == 1
 
 

@@ -215,7 +215,7 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     from dataclasses import replace
     from datetime import UTC, datetime, timedelta
 
-    from airflow_arroyo.epochs import PipelineState, TriggerDecision
+    from airflow_arroyo.epochs import PipelineState, TriggerDecision, schedule_phase, schedule_point_after
     from airflow_arroyo.store import EpochRecord, TickReport
     from airflow_arroyo.triggers import checkpoint as trigger_module
     from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
@@ -228,7 +228,8 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     trigger = CheckpointTrigger("p", interval=10.0, timeout=100.0, poll_interval=20.0, triggered_by="copy")
     trigger._metrics = lambda: trigger_module.EpochMetrics("p", stats=Stats())  # type: ignore[method-assign]
     ctl = _Controller(trigger, None, _Summary(limit=10))  # type: ignore[arg-type]  # the store is never asked
-    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    # on the pipeline's fixed-rate schedule: its points are t0 + 10 k
+    t0 = schedule_point_after(datetime(2026, 1, 1, tzinfo=UTC), 10.0, schedule_phase("p", 10.0))
     lag = min(trigger_module.FOLLOWER_LAG * 10.0, trigger_module.FOLLOWER_LAG_MAX)
 
     def epoch(n: int, at: float, by: str = "copy") -> EpochRecord:
@@ -255,13 +256,13 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     assert await delay(in_flight(3, at=0, now=1)) == pytest.approx(9)  # from before a restart: on time
     assert await delay(started(4, now=10)) == pytest.approx(10)
     assert not ctl.follower
-    # a manual checkpoint (another triggered_by) at 12 is no other copy: the schedule counts from it, on time
-    assert await delay(in_flight(5, at=12, now=12.5, by="cli")) == pytest.approx(9.5)
+    # a manual checkpoint (another triggered_by) at 12 is no other copy, and does not move the schedule: next at 20
+    assert await delay(in_flight(5, at=12, now=12.5, by="cli")) == pytest.approx(7.5)
     assert not ctl.follower
-    # the other copy started epoch 6 (due at 22) first: follow, a lag after each due instant
-    assert await delay(in_flight(6, at=22, now=22.01)) == pytest.approx(9.99 + lag)
+    # the other copy started epoch 6 (due at 20) first: follow, a lag after each due instant
+    assert await delay(in_flight(6, at=20, now=20.01)) == pytest.approx(9.99 + lag)
     assert ctl.follower
-    assert await delay(in_flight(7, at=32, now=32 + lag)) == pytest.approx(10)  # already lagging: due at 42 + lag
-    # the leader is gone: the follower starts epoch 8 (late by the lag, once) and leads again
-    assert await delay(started(8, now=42 + lag)) == pytest.approx(10)
+    assert await delay(in_flight(7, at=30, now=30 + lag)) == pytest.approx(10)  # already lagging: due at 40 + lag
+    # the leader is gone: the follower starts epoch 8 (late by the lag, once: the next is due at 50) and leads again
+    assert await delay(started(8, now=40 + lag)) == pytest.approx(10 - lag)
     assert not ctl.follower
