@@ -35,6 +35,16 @@ def dataset(migrated_db: Callable[[str], str]) -> Iterator[Dataset]:
 
 
 @pytest.fixture(scope="module")
+def store(dataset: Dataset) -> Iterator[EpochStore]:
+    """A store on the dataset's database (the page tests register and look at pipelines through it)."""
+    s = EpochStore(dataset.dsn)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
 def airflow_api(airflow_db: str, dataset: Dataset) -> Iterator[Any]:
     """Airflow's own api-server app, plugins loaded, our app mounted at /arroyo, reading ``dataset``."""
     from airflow.api_fastapi.app import create_app, purge_cached_app

@@ -7,7 +7,6 @@ followed the way a browser would.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,15 +20,6 @@ from tests.ui.data import Dataset
 from tests.ui.html import Node, parse
 
 pytestmark = pytest.mark.airflow
-
-
-@pytest.fixture(scope="module")
-def store(dataset: Dataset) -> Iterator[EpochStore]:
-    s = EpochStore(dataset.dsn)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def page(client: TestClient, url: str) -> Node:

@@ -15,7 +15,6 @@ from airflow_arroyo.runtime.plan import Boundary, PhysicalPlan, plan_chains
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.ui.plan_view import ChannelRow, plan_view
 from tests.support import sql
-from tests.ui.data import Dataset
 from tests.ui.html import Node, parse
 
 
@@ -97,15 +96,6 @@ def test_plan_view_tolerates_a_partial_plan() -> None:
 
 
 # --------------------------------------------------------------------------- the page
-
-
-@pytest.fixture(scope="module")
-def store(dataset: Dataset) -> Iterator[EpochStore]:
-    s = EpochStore(dataset.dsn)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture
