@@ -1052,4 +1052,3 @@ def iter_data_file(fs: FileSystem, path: str, target: pa.Schema, batch_size: int
         pf = pq.ParquetFile(handle)
         for batch in pf.iter_batches(batch_size=batch_size, columns=target.names):
             yield batch.select(target.names).cast(target)
-
