@@ -28,7 +28,10 @@ interleave the modes):
   overdue epoch's end (doubling polls);
 * ``new``: the loop's ticks coalesced into shared batch transactions with their report
   (``store/_coalesce.py``, ``store/_batch.py``), the loop's one LISTEN connection waking a trigger
-  when its epoch ends (``WAKE_ON_NOTIFY``), HA followers.
+  when its epoch ends (``WAKE_ON_NOTIFY``), HA followers that skip the ticks of the epochs they heard the
+  leading copy start (``FOLLOWER_SKIPS``);
+* ``new-ticking`` (not run by default): the new path with HA followers ticking once per epoch, as before
+  they heard starts.
 
 The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
@@ -170,11 +173,13 @@ class Variant:
     name: str
     coalesce: bool  # ticks in shared batches (False: a transaction and a worker thread per tick)
     listen: bool  # woken by the database when an epoch ends (False: poll)
+    follower_skips: int = 0  # FOLLOWER_SKIPS: HA followers skip ticks of the starts they heard (0: never)
 
 
 OLD = Variant("old", coalesce=False, listen=False)
-NEW = Variant("new", coalesce=True, listen=True)
-PATHS = {"old": OLD, "new": NEW}
+NEW = Variant("new", coalesce=True, listen=True, follower_skips=4)  # the trigger's FOLLOWER_SKIPS
+NEW_TICKING = Variant("new-ticking", coalesce=True, listen=True)  # the new path, its HA followers ticking every epoch
+PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING}
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     hook_module.AsyncEpochStore = functools.partial(  # type: ignore[attr-defined,assignment]  # the seam
         AsyncEpochStore, coalesce=variant.coalesce, listen=variant.listen)
     trigger_module.WAKE_ON_NOTIFY = variant.listen
+    trigger_module.FOLLOWER_SKIPS = variant.follower_skips
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use

@@ -12,6 +12,10 @@ commits. A notification is only a hint to read the tables again; nothing is deci
   mark (so an end that committed while the tick was in flight is not missed). While the listener is
   down (a server restart), :attr:`Subscription.live` is false and the triggers poll as before; on
   reconnecting it wakes every trigger once, since announcements may have been lost meanwhile.
+  A trigger that follows another copy of itself (triggerer HA) also hears the pipeline's epoch
+  *starts* (:meth:`~Subscription.follow_starts`): they never wake it, but tell it that the leading copy
+  started the epoch it would tick for, so it can skip that tick (a skipped tick decides nothing; a
+  pipeline change or a lost connection since its last tick means no skip).
 * :class:`EpochWatch`: the same for one pipeline driver, synchronous (``select`` on the socket);
   it hears epoch starts too (their own channel, which triggers do not listen to).
 
@@ -41,6 +45,7 @@ __all__ = ["EpochListener", "EpochWatch", "Subscription", "channel_of"]
 log = logging.getLogger(__name__)
 
 RETRY_MIN, RETRY_MAX = 0.1, 2.0  # seconds between attempts to reconnect a listener
+STARTS_KEPT = 64  # epoch starts remembered per pipeline heard starting
 
 
 def channel_of(pipeline_id: str, *, starts: bool = False) -> str:
@@ -64,10 +69,13 @@ class EpochListener:
         self.notifications = 0
         self._conn: PgConnection | None = None
         self._fd = -1  # the connection's socket (fileno() fails once psycopg2 has closed it)
-        self._listening: set[str] = set()
+        self._listening: set[str] = set()  # channel names
         self._refs: collections.Counter[str] = collections.Counter()
-        self._by_channel: dict[str, str] = {}
+        self._start_refs: collections.Counter[str] = collections.Counter()  # pipelines whose starts are heard
+        self._by_channel: dict[str, tuple[str, bool]] = {}  # channel -> (pipeline id, is its starts channel)
         self._seq: collections.Counter[str] = collections.Counter()
+        self._changes: collections.Counter[str] = collections.Counter()  # pipeline changes, lost connections
+        self._starts: dict[str, collections.deque[int]] = {}  # epochs announced started (newest last)
         self._waiters: dict[str, set[asyncio.Future[bool]]] = {}
         self._sync_task: asyncio.Task[None] | None = None
         self._retry = RETRY_MIN
@@ -84,7 +92,8 @@ class EpochListener:
     async def subscribe(self, pipeline_id: str) -> Subscription:
         """Listen to ``pipeline_id``; returns once the LISTEN is in effect (or the listener is down)."""
         self._refs[pipeline_id] += 1
-        self._by_channel[channel_of(pipeline_id)] = pipeline_id
+        self._by_channel[channel_of(pipeline_id)] = (pipeline_id, False)
+        self._by_channel[channel_of(pipeline_id, starts=True)] = (pipeline_id, True)
         await self._sync()
         return Subscription(self, pipeline_id)
 
@@ -93,8 +102,26 @@ class EpochListener:
         if self._refs[pipeline_id] <= 0:
             del self._refs[pipeline_id]
             self._seq.pop(pipeline_id, None)
+            self._changes.pop(pipeline_id, None)
             if not self.loop.is_closed():
                 self._kick()  # UNLISTEN, whenever convenient
+
+    def _hear_starts(self, pipeline_id: str, on: bool) -> None:
+        """Listen to the pipeline's epoch starts too (``on``), or no longer; takes effect whenever the
+        (UN)LISTEN is done: until then starts are simply not heard."""
+        if on:
+            self._start_refs[pipeline_id] += 1
+        else:
+            self._start_refs[pipeline_id] -= 1
+            if self._start_refs[pipeline_id] <= 0:
+                del self._start_refs[pipeline_id]
+                self._starts.pop(pipeline_id, None)
+        if not self.loop.is_closed():
+            self._kick()
+
+    def _wanted(self) -> set[str]:
+        return ({channel_of(p) for p in self._refs}
+                | {channel_of(p, starts=True) for p in self._start_refs if p in self._refs})
 
     def _kick(self) -> None:
         if self._closed:
@@ -123,7 +150,7 @@ class EpochListener:
                     return
                 self._conn, self._fd, self._listening = conn, conn.fileno(), set()
                 self.loop.add_reader(self._fd, self._on_readable)
-            want = set(self._refs)
+            want = self._wanted()
             add, drop = want - self._listening, self._listening - want
             if add or drop:
                 conn, fd = self._conn, self._fd
@@ -143,7 +170,7 @@ class EpochListener:
                 self._retry = RETRY_MIN
                 log.info("epoch store listener: listening for %s pipelines", len(self._refs))
                 self._wake_all()  # announcements may have been lost while we were not listening
-            if set(self._refs) == self._listening:
+            if self._wanted() == self._listening:
                 return
 
     def _open(self) -> PgConnection:
@@ -155,9 +182,9 @@ class EpochListener:
     def _execute(conn: PgConnection, add: set[str], drop: set[str]) -> None:
         with conn.cursor() as cur:
             if add:
-                cur.execute(_listen_sql("LISTEN", {channel_of(p) for p in add}))
+                cur.execute(_listen_sql("LISTEN", add))
             if drop:
-                cur.execute(_listen_sql("UNLISTEN", {channel_of(p) for p in drop}))
+                cur.execute(_listen_sql("UNLISTEN", drop))
 
     def _broken(self, exc: BaseException) -> None:
         """The connection failed (or could not be made): poll meanwhile, reconnect with back-off."""
@@ -224,9 +251,16 @@ class EpochListener:
         del conn.notifies[:]
         for n in notifies:
             self.notifications += 1
-            pipeline_id = self._by_channel.get(n.channel)
-            if pipeline_id is None:
+            pipeline_id, start = self._by_channel.get(n.channel, ("", False))
+            if pipeline_id not in self._refs:
                 continue
+            if start:  # 'epoch <n> triggered': never a wake-up, a hint for a follower (see the module docstring)
+                epoch = _announced_epoch(n.payload)
+                if epoch is not None and pipeline_id in self._start_refs:
+                    self._starts.setdefault(pipeline_id, collections.deque(maxlen=STARTS_KEPT)).append(epoch)
+                continue
+            if not n.payload.startswith("epoch "):
+                self._changes[pipeline_id] += 1
             self._seq[pipeline_id] += 1
             for waiter in self._waiters.pop(pipeline_id, ()):
                 _resolve(waiter, True)
@@ -234,6 +268,7 @@ class EpochListener:
     def _wake_all(self) -> None:
         for pipeline_id in list(self._refs):
             self._seq[pipeline_id] += 1
+            self._changes[pipeline_id] += 1  # announcements may have been lost
         for waiters in self._waiters.values():
             for waiter in waiters:
                 _resolve(waiter, True)
@@ -241,6 +276,12 @@ class EpochListener:
 
     def mark(self, pipeline_id: str) -> int:
         return self._seq[pipeline_id]
+
+    def changes(self, pipeline_id: str) -> int:
+        return self._changes[pipeline_id]
+
+    def starts_after(self, pipeline_id: str, epoch: int) -> list[int]:
+        return sorted({n for n in self._starts.get(pipeline_id, ()) if n > epoch})
 
     async def wait(self, pipeline_id: str, since: int, timeout: float) -> bool:
         """True once anything was announced for the pipeline after ``since``; False after ``timeout``."""
@@ -260,6 +301,14 @@ class EpochListener:
                 waiters.discard(waiter)
 
 
+def _announced_epoch(payload: str) -> int | None:
+    """The epoch number of a start announcement (``epoch <n> <state>``), None for anything else."""
+    parts = payload.split()
+    if len(parts) == 3 and parts[0] == "epoch" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
 def _resolve(waiter: asyncio.Future[bool], value: bool) -> None:
     if not waiter.done():
         waiter.set_result(value)
@@ -272,6 +321,7 @@ class Subscription:
         self.listener = listener
         self.pipeline_id = pipeline_id
         self._closed = False
+        self._starts = False
 
     @property
     def live(self) -> bool:
@@ -283,8 +333,24 @@ class Subscription:
     async def wait(self, since: int, timeout: float) -> bool:
         return await self.listener.wait(self.pipeline_id, since, timeout)
 
+    def changes(self) -> int:
+        """How many announcements other than epoch ends there were (pipeline changes, and every lost
+        connection, when announcements may have been lost): compare two readings."""
+        return self.listener.changes(self.pipeline_id)
+
+    def follow_starts(self, on: bool) -> None:
+        """Hear the pipeline's epoch starts (from when the LISTEN is in effect), or stop hearing them."""
+        if on != self._starts and not self._closed:
+            self._starts = on
+            self.listener._hear_starts(self.pipeline_id, on)
+
+    def starts_after(self, epoch: int) -> list[int]:
+        """The epochs after ``epoch`` heard starting (the newest ``STARTS_KEPT``), ascending."""
+        return self.listener.starts_after(self.pipeline_id, epoch) if self._starts else []
+
     def close(self) -> None:
         if not self._closed:
+            self.follow_starts(False)
             self._closed = True
             self.listener._unsubscribe(self.pipeline_id)
 

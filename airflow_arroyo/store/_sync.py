@@ -637,6 +637,7 @@ class EpochStore:
                                 pipeline_state=PipelineState(pipes[r.pipeline_id]["state"]),
                                 started=started.get(r.pipeline_id), expired=expired.get(r.pipeline_id),
                                 consecutive_failures=consecutive_failures(states), ended=ended,
+                                last_epoch=decision.epoch if r.pipeline_id in started else tf.last_epoch,
                                 observed_at=observed_at)
         return out
 

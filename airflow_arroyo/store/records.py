@@ -249,6 +249,7 @@ class TickResult:
     expired: EpochRecord | None = None
     consecutive_failures: int = 0
     ended: tuple[EpochRecord, ...] = ()  # epochs of the tick's ``watch`` that are no longer in flight
+    last_epoch: int | None = None  # the pipeline's newest epoch number after the tick (0: none yet)
     # this process's ``time.monotonic()`` when the database read ``now`` (the midpoint of that
     # statement's round trip): maps database instants to local timers without another round trip
     observed_at: float | None = None

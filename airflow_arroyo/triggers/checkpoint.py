@@ -70,6 +70,12 @@ OVERDUE_POLL_MIN = 0.02  # shortest look-again while the next epoch is overdue b
 # (late by the lag, once) and leads from then on.
 FOLLOWER_LAG = 0.2
 FOLLOWER_LAG_MAX = 1.0
+# A follower that heard the leading copy start the epoch it was going to tick for (the database announces
+# every start; a follower listens to its pipeline's starts) skips that tick: the tick would decide nothing.
+# It still ticks after this many skips in a row (to see the epochs end, for its log and summary), and
+# whenever it heard no start, or heard the pipeline change, or its listener lost its connection since its
+# last tick. 0: a follower ticks for every epoch.
+FOLLOWER_SKIPS = 4
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
@@ -300,6 +306,11 @@ class _Controller:
         self.not_alive = False  # logged that the driver's heartbeat is stale
         self.overdue_polls = 0  # consecutive ticks that found the next epoch overdue behind an in-flight one
         self.follower = False  # another copy of this trigger started the last epoch seen (FOLLOWER_LAG)
+        self.may_skip = False  # the current wait is a follower's, for the due instant ``follow_due``
+        self.follow_due = 0.0  # (time.monotonic()) when a follower's wait ends: a due instant plus its lag
+        self.skips = 0  # ticks skipped in a row (FOLLOWER_SKIPS)
+        self.changes_seen = 0  # the subscription's count of changes before the last tick
+        self.known = -1  # the highest epoch number seen (in a tick, or heard starting)
         self.ticked = False  # an epoch in flight at the first tick was started before this trigger ran
         self.interval_recorded = False  # the interval is written once the run to control is known
         self.stop_requested = False  # by stop_after_epochs
@@ -363,8 +374,9 @@ class _Controller:
             waited = await self._wait_for_run()
             if waited is not None:
                 return waited
-        if self.sub is not None:
-            self.mark = self.sub.mark()  # announcements from now on end the next wait at once
+        if self._skip():
+            return None, self._skipped_delay()
+        self._mark()
         if not self.interval_recorded:  # before the first tick: no time taken between its ticks
             try:
                 await self._record_interval()
@@ -409,6 +421,41 @@ class _Controller:
 
         await self._log_waits(tick)
         return None, self._delay(tick)
+
+    def _mark(self) -> None:
+        """Right before a tick: what the subscription heard so far (its announcements from now on end the
+        next wait at once, and tell whether the next tick may be skipped)."""
+        self.skips = 0
+        if self.sub is not None:
+            self.mark = self.sub.mark()
+            self.changes_seen = self.sub.changes()
+
+    def _skip(self) -> bool:
+        """A follower skips its tick when it heard the leading copy start the epoch it would tick for, and
+        nothing else happened since its last tick (FOLLOWER_SKIPS). What it heard starting, it watches:
+        its next tick sees those epochs end."""
+        if not (self.may_skip and self.listening and self.skips < FOLLOWER_SKIPS):
+            return False
+        assert self.sub is not None
+        if self.sub.changes() != self.changes_seen:
+            return False
+        heard = self.sub.starts_after(self.known)
+        if not heard:
+            return False
+        self.skips += 1
+        self.watching.update(heard)
+        self.known = heard[-1]
+        return True
+
+    def _skipped_delay(self) -> float:
+        """After a skipped tick: until the schedule's next point, plus the follower's lag."""
+        now = time.monotonic()
+        interval = self.policy.interval
+        due = self.follow_due + interval
+        while due <= now:
+            due += interval
+        self.follow_due = due
+        return due - now
 
     async def _record_interval(self) -> None:
         """Write the interval this controller fires at on the run it controls (UI, overdue warning)."""
@@ -496,7 +543,10 @@ class _Controller:
             else:
                 origin = f"started by {rec.triggered_by or 'another controller'}"
             self.log.info("pipeline %s epoch %s is in flight (%s); watching it", self.pipeline_id, current, origin)
+        if current is None and tick.started is None:
+            await self._unseen(tick)
         self.ticked = True
+        self.known = max(self.known, tick.last_epoch or -1, *self.watching)
         if tick.started is not None:
             self.follower = False
             rec = tick.started
@@ -504,7 +554,20 @@ class _Controller:
             self.watching.add(rec.epoch)
             self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pipeline_id, rec.epoch,
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
+        if self.sub is not None:
+            self.sub.follow_starts(self.follower)  # a follower hears the leading copy's starts (FOLLOWER_SKIPS)
         return new_failure
+
+    async def _unseen(self, tick: TickResult) -> None:
+        """An epoch that started and ended between two of our ticks (none in flight now): if another copy
+        of this trigger started it (it won the race for the epoch we woke for), follow. Watched from now
+        on: the next tick reads its end for the log and the summary."""
+        last = tick.last_epoch
+        if not self.ticked or not last or last <= self.known or last in self.watching:  # 0: no epoch yet
+            return
+        rec = await self.store.get_epoch(self.pipeline_id, last)
+        self.follower = not rec.is_final and rec.triggered_by == self.t.triggered_by
+        self.watching.add(rec.epoch)
 
     async def _measure(self, rec: EpochRecord, tick: TickResult) -> None:
         """Stats of an epoch that ended (the metrics module lists them); never fails the controller.
@@ -587,7 +650,8 @@ class _Controller:
         first, at least 20 ms, then up to ``poll``), so that a late acknowledgement delays the next
         epoch by about as much again at most, not by a whole poll interval. While the pipeline does
         not run: until it changes. A follower (another copy of this trigger started the last epoch
-        it saw) waits ``FOLLOWER_LAG`` of the interval longer for the schedule. Never past ``poll``.
+        it saw) waits ``FOLLOWER_LAG`` of the interval longer for the schedule. Never past ``poll``
+        (but a follower's skipped ticks, ``FOLLOWER_SKIPS``, each wait one more interval).
 
         Database instants become local timers through ``tick.observed_at`` (when the database read
         ``now``), so the time the tick took is not slept again.
@@ -616,9 +680,12 @@ class _Controller:
         if decision.action is TriggerAction.PIPELINE_NOT_RUNNING:
             self.wake = True
         self.overdue_polls = self.overdue_polls + 1 if overdue else 0
+        self.may_skip = False
         if self.follower and decision.action in (TriggerAction.WAIT_SCHEDULE, TriggerAction.WAIT_IN_FLIGHT) \
                 and not self.wake and not overdue:
             delay = min(delay + min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX), self.poll)
+            self.may_skip = True
+            self.follow_due = time.monotonic() + delay
         return max(delay, 0.0)
 
     @staticmethod

@@ -5,6 +5,8 @@
 * the listener: a trigger waiting for an overdue epoch wakes when the database announces its end
   (not by polling), an end committed while the tick was in flight is not missed, other pipelines'
   announcements do not wake it, and it survives a PostgreSQL restart (polling meanwhile);
+* triggerer HA: a copy that follows another skips the ticks whose epochs it heard the leader start, and
+  takes over when the leader is gone;
 * the driver's EpochWatch: wakes on an epoch start, polls when it cannot listen.
 """
 
@@ -97,13 +99,34 @@ async def test_a_subscription_wakes_on_its_pipelines_epoch_end_only(store: Epoch
             await asyncio.sleep(0.01)
         assert await mine.wait(mark, 5.0) is True
         assert time.monotonic() - t0 < 2.0
-        # an epoch start is no reason to wake a trigger
-        mark = mine.mark()
-        await astore.trigger_tick("mine", POLICY, force=True)
+        # an epoch start is no reason to wake a trigger; a follower hears it (once it listens to starts)
+        mark, changes = mine.mark(), mine.changes()
+        forced = await astore.trigger_tick("mine", POLICY, force=True)
+        assert forced.started is not None
         assert await mine.wait(mark, 0.3) is False
-        # a change of the pipeline is
+        assert mine.starts_after(0) == []  # not listening to starts
+        mine.follow_starts(True)
+        while len(mine.listener._listening) < 2:  # the LISTEN is in effect
+            await asyncio.sleep(0.01)
+        mark = mine.mark()
+        await asyncio.to_thread(ack_all, store, "mine")
+        assert await mine.wait(mark, 5.0) is True  # its end
+        mark = mine.mark()
+        again = await astore.trigger_tick("mine", POLICY, force=True)
+        assert again.started is not None and again.last_epoch == again.started.epoch
+        t0 = time.monotonic()
+        while not mine.starts_after(forced.started.epoch) and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        assert mine.starts_after(forced.started.epoch) == [again.started.epoch]
+        assert mine.starts_after(again.started.epoch) == []
+        assert await mine.wait(mark, 0.3) is False and mine.changes() == changes  # heard, not woken
+        # a change of the pipeline is a wake-up, and a change
         await asyncio.to_thread(store.request_stop, "mine")
         assert await mine.wait(mark, 5.0) is True
+        t0 = time.monotonic()
+        while mine.changes() == changes and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        assert mine.changes() == changes + 1
     finally:
         mine.close()
 
@@ -186,6 +209,97 @@ async def test_the_listener_survives_a_server_restart(private_pg: ThrowawayPostg
     finally:
         sub.close()
         store.close()
+
+
+# --------------------------------------------------------------------------- triggerer HA
+
+
+@pytest.mark.parametrize("leader_dies", [False, True], ids=["both-live", "leader-dies"])
+async def test_a_follower_skips_the_ticks_whose_epochs_it_heard_the_leader_start(
+        store: EpochStore, migrated_dsn: str, monkeypatch: pytest.MonkeyPatch, leader_dies: bool) -> None:
+    """Two copies of one trigger (triggerer HA) on one loop, a pipeline acknowledging each epoch at once:
+    the copy that follows hears the leader's starts and ticks about once per ``FOLLOWER_SKIPS + 1``
+    epochs instead of once per epoch; the history has one epoch in flight at most. When the leader is
+    cancelled (its triggerer died) the follower hears no start, ticks, and keeps the schedule."""
+    from airflow_arroyo.devtools.history import check_history
+
+    monkeypatch.setattr(trigger_module, "WAKE_ON_NOTIFY", True)
+    skips = trigger_module.FOLLOWER_SKIPS
+    assert skips >= 2
+    epochs_wanted, interval = 24, 0.25
+    running(store, "ha", stages=STAGES)
+    stop = threading.Event()
+
+    def pipeline() -> None:  # acknowledges every epoch as soon as it sees it; stops after the last
+        while not stop.is_set():
+            epoch = ack_all(store, "ha")
+            if epoch is not None and epoch >= epochs_wanted:
+                store.request_stop("ha", "immediate")
+                store.set_pipeline_state("ha", PipelineState.STOPPED)
+                return
+            stop.wait(0.005)
+
+    ticks: dict[str, list[TickResult]] = {"a": [], "b": []}
+
+    def copy(name: str) -> CheckpointTrigger:
+        class Counting(AsyncEpochStore):
+            async def trigger_tick(self, *args: Any, **kwargs: Any) -> TickResult:
+                result = await super().trigger_tick(*args, **kwargs)
+                ticks[name].append(result)
+                return result
+
+        async def open_store() -> AsyncEpochStore:
+            return Counting(store)
+
+        trigger = CheckpointTrigger("ha", interval=interval, timeout=30, triggered_by="copy")
+        trigger._open_store = open_store  # type: ignore[method-assign]
+        return trigger
+
+    async def first_event(trigger: CheckpointTrigger) -> Any:
+        gen = trigger.run()
+        try:
+            return await anext(gen)
+        finally:
+            await gen.aclose()
+
+    def started(name: str) -> int:
+        return sum(t.started is not None for t in ticks[name])
+
+    thread = threading.Thread(target=pipeline)
+    thread.start()
+    try:
+        a, b = (asyncio.create_task(first_event(copy(n))) for n in ("a", "b"))
+        killed = None
+        if leader_dies:
+            while store.in_flight_epoch("ha") is None or max(e.epoch for e in store.list_epochs("ha")) < 8:
+                await asyncio.sleep(0.01)
+            killed, survivor = (a, b) if started("a") >= started("b") else (b, a)
+            killed.cancel()
+            events = [await asyncio.wait_for(survivor, 60)]
+        else:
+            events = list(await asyncio.wait_for(asyncio.gather(a, b), 60))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert [e.payload["status"] for e in events] == ["success"] * len(events)
+    check_history(migrated_dsn, ["ha"]).assert_clean()
+    epochs = store.list_epochs("ha")[::-1]
+    assert [e.epoch for e in epochs] == list(range(1, epochs_wanted + 1))
+    assert {e.state.value for e in epochs} == {"completed"}
+    if leader_dies:
+        # the survivor started every epoch after the death, on schedule: no gap of more than an interval and a lag
+        late = [e for e in epochs if e.epoch > 9]
+        gaps = [(b.triggered_at - a.triggered_at).total_seconds() for a, b in itertools.pairwise(late)]
+        assert max(gaps) < interval * 3, gaps
+        return
+    leader, follower = sorted(ticks, key=started, reverse=True)
+    # the epochs it heard starting, the follower watched: its summary has them though it ticked for few
+    # (all but those that started and ended before it followed)
+    assert min(e.payload["summary"]["completed"] for e in events) >= epochs_wanted // 2
+    # without skips a follower ticks once per epoch (as many ticks as the leader); with them about once
+    # per FOLLOWER_SKIPS + 1 epochs, plus its first ticks and one when the pipeline stops
+    assert len(ticks[follower]) <= epochs_wanted / (skips + 1) + 6, (len(ticks[leader]), len(ticks[follower]))
+    assert len(ticks[leader]) >= epochs_wanted - started(follower)
 
 
 # --------------------------------------------------------------------------- the driver's watch
