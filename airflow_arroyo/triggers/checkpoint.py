@@ -429,6 +429,13 @@ class _Controller:
         if self.sub is not None:
             self.mark = self.sub.mark()
             self.changes_seen = self.sub.changes()
+            self._heard(self.sub.starts_after(self.known))
+
+    def _heard(self, started: list[int]) -> None:
+        """Epochs heard starting (a follower's): watched, so that a tick reads their ends."""
+        if started:
+            self.watching.update(started)
+            self.known = started[-1]
 
     def _skip(self) -> bool:
         """A follower skips its tick when it heard the leading copy start the epoch it would tick for, and
@@ -443,8 +450,7 @@ class _Controller:
         if not heard:
             return False
         self.skips += 1
-        self.watching.update(heard)
-        self.known = heard[-1]
+        self._heard(heard)
         return True
 
     def _skipped_delay(self) -> float:
