@@ -560,8 +560,8 @@ class _Controller:
             self.watching.add(rec.epoch)
             self.log.info("pipeline %s epoch %s started at %s (times out at %s)", self.pipeline_id, rec.epoch,
                           rec.triggered_at.isoformat(), rec.timeout_at.isoformat())
-        if self.sub is not None:
-            self.sub.follow_starts(self.follower)  # a follower hears the leading copy's starts (FOLLOWER_SKIPS)
+        if self.sub is not None:  # a follower hears the leading copy's starts, to skip ticks (FOLLOWER_SKIPS)
+            self.sub.follow_starts(self.follower and FOLLOWER_SKIPS > 0)
         return new_failure
 
     async def _unseen(self, tick: TickResult) -> None:
