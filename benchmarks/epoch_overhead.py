@@ -57,6 +57,10 @@ class RunResult:
     seconds: float
     source_rows: int
     epoch_durations: list[float] = field(default_factory=list)
+    # per epoch: its duration / the cut micro-batches' durations (Spark's triggerExecution) summed along the
+    # longest path of the physical graph (issue 12's target: <= 1.5x)
+    duration_per_path: list[float] = field(default_factory=list)
+    stages: list[str] = field(default_factory=list)  # the physical graph's (fused) stages
     bytes_new: list[int] = field(default_factory=list)
     bytes_total: list[int] = field(default_factory=list)
     # per epoch: bytes of state Spark wrote for it (the .delta/.changelog files of the state versions after the
@@ -96,6 +100,7 @@ class Running:
     def __init__(self, spark: Any, store: EpochStore, storage: Path, *, epochs: bool, interval: float,
                  rows_per_batch: int, max_backlog: int, copy_full_snapshots: bool = False) -> None:
         self.name = "epochs" if epochs else "no-epochs"
+        self.spark = spark
         self.storage = storage
         self.epochs = epochs
         self.store = store
@@ -109,6 +114,25 @@ class Running:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, daemon=True)
         self._controller = threading.Thread(target=self._control, daemon=True)
+        self.batch_ms: dict[tuple[str, int], float] = {}  # (stage, batch id) -> Spark's triggerExecution
+
+    def sample_batches(self) -> None:
+        """Remember the micro-batch durations Spark still lists (its last 100 per query)."""
+        prefix = f"{self.pid}."
+        for q in self.spark.streams.active:
+            if (q.name or "").startswith(prefix):
+                for p in q.recentProgress:
+                    self.batch_ms[(q.name[len(prefix):], int(p.batchId))] = float(p.durationMs["triggerExecution"])
+
+    def longest_path_ms(self, cut: dict[str, int]) -> float | None:
+        """The cut batches' durations summed along the longest path of the physical graph (None: one unknown)."""
+        graph, best = self.driver.graph, dict[str, float]()
+        for s in graph.stages:  # topological order
+            ms = self.batch_ms.get((s.name, cut.get(s.name, -1)))
+            if ms is None:
+                return None
+            best[s.name] = ms + max((best[graph.writers[c]] for c in s.inputs if c in graph.writers), default=0.0)
+        return max(best.values(), default=None)
 
     def _drive(self) -> None:
         try:
@@ -118,8 +142,12 @@ class Running:
 
     def _control(self) -> None:
         policy = CheckpointPolicy(interval=self.interval, timeout=max(60.0, 6 * self.interval))
+        ticks = 0
         while not self._stop.wait(0.5):
             self.store.trigger_tick(self.pid, policy, triggered_by="benchmark")
+            ticks += 1
+            if ticks % 10 == 0:
+                self.sample_batches()
 
     def start(self) -> None:
         self._thread.start()
@@ -159,6 +187,9 @@ class Running:
                 cut[a.stage] = version
             if e.epoch > first_epoch and e.duration_s is not None:
                 result.epoch_durations.append(e.duration_s)
+                path_ms = self.longest_path_ms({a.stage: int(a.details.get("batch_id", -1)) for a in acks})
+                if path_ms:
+                    result.duration_per_path.append(e.duration_s * 1000 / path_ms)
                 result.bytes_new.append(int(e.bytes_new or 0))
                 result.bytes_total.append(int(e.bytes_total or 0))
                 result.state_written.append(written)
@@ -181,7 +212,8 @@ def measure(runs: list[Running], *, warmup: float, duration: float, windows: int
         t1 = time.monotonic()
         window = []
         for r, rows0, epoch0 in zip(runs, r0, e0, strict=True):
-            result = RunResult(r.name, r.epochs, r.rows() - rows0, t1 - t0, 0)
+            r.sample_batches()
+            result = RunResult(r.name, r.epochs, r.rows() - rows0, t1 - t0, 0, stages=r.driver.graph.stage_names)
             r.epochs_since(epoch0, result)
             window.append(result)
             print(f"  window {w + 1}: {r.name:10s} {result.throughput:8.0f} records/s ({result.rows} rows in "
@@ -253,6 +285,11 @@ def _report(results: list[RunResult], ratios: list[float], *, json_too: bool) ->
     print(f"ratio with/without          {ratio:.3f}   (target >= 0.95)")
     print(f"epochs completed            {len(durations)}")
     print(f"epoch duration p50 / p95    {percentile(durations, 0.5):.2f} s / {percentile(durations, 0.95):.2f} s")
+    per_path = [x for r in with_e for x in r.duration_per_path]
+    if per_path:
+        print(f"epoch duration / its cut micro-batches along the longest path: median "
+              f"{statistics.median(per_path):.2f}x, max {max(per_path):.2f}x over {len(per_path)} epochs   "
+              f"(target <= 1.5x; stages {', '.join(with_e[0].stages)})")
     if new:
         fractions = [n / t for n, t in zip(new, total, strict=True) if t]
         print(f"bytes new / total per epoch median {statistics.median(new):,.0f} / {statistics.median(total):,.0f} "
