@@ -235,6 +235,36 @@ def print_hops(runners: dict[str, StageRunner], progress: dict[str, list[dict[st
           "-> this entry committed. Progress timestamps have ms resolution.")
 
 
+def tree_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its live descendants (the driver JVM, Python workers)."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        p = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in mine:
+                mine.add(child)
+                frontier.append(child)
+    return sum(ticks.get(p, 0) for p in mine) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_percent(since: tuple[float, float]) -> float:
+    """CPU used by this run's processes since ``since`` (wall, CPU seconds), as a share of one core."""
+    wall, cpu = since
+    return 100 * (tree_cpu_seconds() - cpu) / (time.monotonic() - wall)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=int, default=2000, help="rows/s per source")
@@ -242,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs")
     parser.add_argument("--conf", action="append", default=[], help="extra Spark conf k=v")
+    parser.add_argument("--trigger-interval", type=float, default=None,
+                        help="seconds between micro-batch starts of every stage (default: the stages' default, "
+                             f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g} s; 0 = as fast as possible)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from pyspark.sql import SparkSession
@@ -256,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     instrument()
+    if args.trigger_interval is not None:
+        stage_mod.DEFAULT_TRIGGER_INTERVAL = args.trigger_interval
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-hops-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()
@@ -266,13 +301,15 @@ def main(argv: list[str] | None = None) -> int:
                 _times.clear()
             since = time.time()
             start = time.monotonic()
+            cpu0 = (time.monotonic(), tree_cpu_seconds())
             time.sleep(args.duration)
             rows, hist = product.recorder.window(start, time.monotonic())
             from latency import percentile
 
             print(f"unfused, rate {args.rate}/s per source, {args.duration:g} s measured: {rows / args.duration:.0f} "
                   f"rows/s, latency p50 {percentile(hist, 0.5):.2f} s, p99 {percentile(hist, 0.99):.2f} s; "
-                  f"load average {os.getloadavg()[0]:.1f}")
+                  f"load average {os.getloadavg()[0]:.1f}; this run's processes used {cpu_percent(cpu0):.0f} % "
+                  "of one core")
             analyse(product, since)
         finally:
             product.stop()
