@@ -18,7 +18,9 @@ For each input rate (rows/s per source) the runs alternate (plain, product, fuse
 2 GB heap at 20,000 rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds
 measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
 the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
-throughput). Side by side in one run, so load on the machine affects both.
+throughput) and what each channel hop adds: (unfused p50 - fused p50) / the channels on the pipeline's
+longest path (issue 12's target: at most one trigger interval + 200 ms). Side by side in one run, so load
+on the machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -167,6 +169,17 @@ def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool) -> Pipe
     return p
 
 
+def channel_hops(p: Pipeline) -> int:
+    """Channels on the longest path from a source to a sink when every edge is one (the unfused form)."""
+    specs = {s.name: s for s in p.stages}
+    writer = {s.output: s.name for s in specs.values() if s.output}
+
+    def depth(name: str) -> int:
+        return max((1 + depth(writer[c]) for c in specs[name].inputs if c in writer), default=0)
+
+    return max(depth(n) for n in specs)
+
+
 class Product:
     """The logic as an airflow-arroyo pipeline, driven in a thread, with an epoch every ``interval``."""
 
@@ -308,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             summary.append(row)
             print(f"  rate {rate:>6}/s, {side:7s}: latency p50 {row['latency_p50_ratio']:.2f}x, "
                   f"p99 {row['latency_p99_ratio']:.2f}x, throughput {row['throughput_ratio']:.2f}x")
+        if args.chaining:
+            hops = channel_hops(pipeline("hops", rate, Recorder(), chaining=False))
+            per_hop = (med("product", "p50") - med("fused", "p50")) / hops
+            summary.append({"rate": rate, "side": "hop", "hops": hops, "per_hop_p50_s": per_hop})
+            print(f"  rate {rate:>6}/s, per channel hop: (unfused p50 {med('product', 'p50'):.2f} s - fused p50 "
+                  f"{med('fused', 'p50'):.2f} s) / {hops} hops = {per_hop * 1000:.0f} ms")
     if args.json:
         print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
     return 0

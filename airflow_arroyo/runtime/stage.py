@@ -49,7 +49,12 @@ from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import STATE_STORES, StageKind, StageSpec
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import write_caps
-from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
+from airflow_arroyo.runtime.spark_checkpoint import (
+    CHECKPOINT_FILE_MANAGER_CONF,
+    checkpoint_offsets,
+    latest_commit,
+    local_checkpoint_file_manager,
+)
 from airflow_arroyo.store import EpochRecord, EpochStore, FencingToken
 
 if TYPE_CHECKING:
@@ -210,6 +215,14 @@ class StageRunner:
         confs = dict(spec.spark_conf)
         if spec.state_store is not None:
             confs["spark.sql.streaming.stateStore.providerClass"] = STATE_STORES[spec.state_store]
+        if (self.layout.checkpoint_fs.is_local and CHECKPOINT_FILE_MANAGER_CONF not in confs
+                and spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None):
+            # a checkpoint on a local disk: Spark's FileSystem-based writer, which starts 2 processes per file
+            # where the default starts 10 (spark_checkpoint.local_checkpoint_file_manager); a manager the
+            # session or the stage names wins
+            manager = local_checkpoint_file_manager(spark)
+            if manager is not None:
+                confs[CHECKPOINT_FILE_MANAGER_CONF] = manager
         previous = {k: spark.conf.get(k, None) for k in confs}
         try:
             for k, v in confs.items():

@@ -1,0 +1,76 @@
+"""Which of Spark's checkpoint file managers a stage's query writes its checkpoint with.
+
+On a local disk Spark's default (``FileContext``-based) manager starts processes for every file it writes
+(``readlink``, ``chmod``), two files per micro-batch; the stage runner names the ``FileSystem``-based one for
+its query instead (docs/runtime.md, "Channel hops"), unless the stage or the session names a manager.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from airflow_arroyo.runtime.channel import Channel
+from airflow_arroyo.runtime.layout import StorageLayout
+from airflow_arroyo.runtime.pipeline import StageKind, StageSpec
+from airflow_arroyo.runtime.snapshot import SnapshotStore
+from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
+from airflow_arroyo.runtime.stage import StageRunner
+from airflow_arroyo.testing import wait_for
+
+pytestmark = [pytest.mark.spark]
+
+SCHEMA = pa.schema([("id", pa.int64())])
+
+
+@contextmanager
+def started_stage(spark: Any, store: Any, root: Path, spark_conf: dict[str, str]) -> Iterator[StageRunner]:
+    pid = f"ckpt-{uuid.uuid4().hex[:8]}"
+    layout = StorageLayout.at(str(root), pid)
+    Channel.create(layout.channel_uri("a"), SCHEMA).append_table(pa.table({"id": [1, 2]}, schema=SCHEMA), 0, "up")
+    store.register_pipeline(pid, stages=["copy"], run_id="r1")
+    spec = StageSpec(name="copy", kind=StageKind.STAGE, fn=lambda a: a, inputs=("a",), output="copy",
+                     spark_conf=spark_conf)
+    with ThreadPoolExecutor(1) as executor:
+        runner = StageRunner(spec, layout=layout, store=store, snapshots=SnapshotStore(layout.fs, pid, store),
+                             executor=executor)
+        runner.start(spark, runner.build(spark))
+        try:
+            yield runner
+        finally:
+            runner.stop()
+
+
+def managers(runner: StageRunner) -> set[str]:
+    """The classes writing the query's offsets and commits logs."""
+    assert runner.query is not None
+    execution = runner.query._jsq.streamingQuery()
+    return {str(log.fileManager().getClass().getName()) for log in (execution.offsetLog(), execution.commitLog())}
+
+
+def test_a_local_checkpoint_is_written_through_hadoop_filesystem(spark: Any, store: Any, tmp_path: Path) -> None:
+    expected = local_checkpoint_file_manager(spark)
+    assert expected is not None and expected.endswith(".FileSystemBasedCheckpointFileManager")
+    with started_stage(spark, store, tmp_path, {}) as runner:
+        assert managers(runner) == {expected}
+        assert spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None  # for that query only
+        assert runner.output is not None
+        out = runner.output
+        wait_for(lambda: Channel.open(out.uri).read_table().num_rows == 2, timeout=180, what="the rows copied")
+        wait_for(lambda: (runner.layout.checkpoint_fs.exists(f"{runner.checkpoint}/commits/0")), timeout=60,
+                 what="batch 0's commit")
+
+
+def test_a_manager_the_stage_names_is_kept(spark: Any, store: Any, tmp_path: Path) -> None:
+    default = local_checkpoint_file_manager(spark)
+    assert default is not None
+    named = default.replace(".FileSystemBasedCheckpointFileManager", ".FileContextBasedCheckpointFileManager")
+    with started_stage(spark, store, tmp_path, {CHECKPOINT_FILE_MANAGER_CONF: named}) as runner:
+        assert managers(runner) == {named}
