@@ -571,9 +571,10 @@ class _Controller:
         last = tick.last_epoch
         if not self.ticked or not last or last <= self.known or last in self.watching:  # 0: no epoch yet
             return
-        rec = await self.store.get_epoch(self.pipeline_id, last)
-        self.follower = not rec.is_final and rec.triggered_by == self.t.triggered_by
-        self.watching.add(rec.epoch)
+        if not self.follower:  # a follower already knows who leads: no read per tick
+            rec = await self.store.get_epoch(self.pipeline_id, last)
+            self.follower = not rec.is_final and rec.triggered_by == self.t.triggered_by
+        self.watching.add(last)
 
     async def _measure(self, rec: EpochRecord, tick: TickResult) -> None:
         """Stats of an epoch that ended (the metrics module lists them); never fails the controller.
