@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -44,3 +46,20 @@ def assert_on_schedule(starts: Sequence[datetime], interval: float, pipeline_id:
         due = schedule_point_after(before, interval, phase)
         assert start >= due, (before, start, due)
         assert slack is None or start < due + timedelta(seconds=slack), (before, start, due, slack)
+
+
+@contextmanager
+def running_stage(spark: Any, store: Any, layout: Any, spec: Any, *, workers: int = 1) -> Iterator[Any]:
+    """A :class:`~airflow_arroyo.runtime.stage.StageRunner` of ``spec`` started on ``spark`` (its query
+    running), stopped on exit."""
+    from airflow_arroyo.runtime.snapshot import SnapshotStore
+    from airflow_arroyo.runtime.stage import StageRunner
+
+    with ThreadPoolExecutor(workers) as executor:
+        runner = StageRunner(spec, layout=layout, store=store,
+                             snapshots=SnapshotStore(layout.fs, layout.pipeline_id, store), executor=executor)
+        runner.start(spark, runner.build(spark))
+        try:
+            yield runner
+        finally:
+            runner.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,10 @@ from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import StageKind, StageSpec
-from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets
 from airflow_arroyo.runtime.stage import StageRunner
 from airflow_arroyo.testing import wait_for
+from tests.support import running_stage
 
 pytestmark = [pytest.mark.spark]
 
@@ -47,14 +46,8 @@ def runner(spark: Any, store: Any, tmp_path: Path) -> Iterator[StageRunner]:
     store.set_pipeline_state(pid, PipelineState.RUNNING)
     spec = StageSpec(name="merge", kind=StageKind.STAGE, fn=lambda a, b: a.unionByName(b), inputs=("a", "b"),
                      output="merge")
-    with ThreadPoolExecutor(2) as executor:
-        r = StageRunner(spec, layout=layout, store=store, snapshots=SnapshotStore(layout.fs, pid, store),
-                        executor=executor)
-        r.start(spark, r.build(spark))
-        try:
-            yield r
-        finally:
-            r.stop()
+    with running_stage(spark, store, layout, spec, workers=2) as r:
+        yield r
 
 
 def test_held_back_input_caps_the_other_at_its_barrier_until_the_cut(runner: StageRunner, store: Any) -> None:

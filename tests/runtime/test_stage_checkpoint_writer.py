@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ import pytest
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import StageKind, StageSpec
-from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
 from airflow_arroyo.runtime.stage import StageRunner
 from airflow_arroyo.testing import wait_for
+from tests.support import running_stage
 
 pytestmark = [pytest.mark.spark]
 
@@ -38,14 +37,8 @@ def started_stage(spark: Any, store: Any, root: Path, spark_conf: dict[str, str]
     store.register_pipeline(pid, stages=["copy"], run_id="r1")
     spec = StageSpec(name="copy", kind=StageKind.STAGE, fn=lambda a: a, inputs=("a",), output="copy",
                      spark_conf=spark_conf)
-    with ThreadPoolExecutor(1) as executor:
-        runner = StageRunner(spec, layout=layout, store=store, snapshots=SnapshotStore(layout.fs, pid, store),
-                             executor=executor)
-        runner.start(spark, runner.build(spark))
-        try:
-            yield runner
-        finally:
-            runner.stop()
+    with running_stage(spark, store, layout, spec) as runner:
+        yield runner
 
 
 def managers(runner: StageRunner) -> set[str]:
