@@ -75,7 +75,8 @@ class EpochListener:
         self._by_channel: dict[str, tuple[str, bool]] = {}  # channel -> (pipeline id, is its starts channel)
         self._seq: collections.Counter[str] = collections.Counter()
         self._changes: collections.Counter[str] = collections.Counter()  # pipeline changes, lost connections
-        self._starts: dict[str, collections.deque[int]] = {}  # epochs announced started (newest last)
+        # epochs announced started, with this process's time.monotonic() when heard (newest last)
+        self._starts: dict[str, collections.deque[tuple[int, float]]] = {}
         self._waiters: dict[str, set[asyncio.Future[bool]]] = {}
         self._sync_task: asyncio.Task[None] | None = None
         self._retry = RETRY_MIN
@@ -257,7 +258,8 @@ class EpochListener:
             if start:  # 'epoch <n> triggered': never a wake-up, a hint for a follower (see the module docstring)
                 epoch = _announced_epoch(n.payload)
                 if epoch is not None and pipeline_id in self._start_refs:
-                    self._starts.setdefault(pipeline_id, collections.deque(maxlen=STARTS_KEPT)).append(epoch)
+                    heard = self._starts.setdefault(pipeline_id, collections.deque(maxlen=STARTS_KEPT))
+                    heard.append((epoch, time.monotonic()))
                 continue
             if not n.payload.startswith("epoch "):
                 self._changes[pipeline_id] += 1
@@ -280,8 +282,9 @@ class EpochListener:
     def changes(self, pipeline_id: str) -> int:
         return self._changes[pipeline_id]
 
-    def starts_after(self, pipeline_id: str, epoch: int) -> list[int]:
-        return sorted({n for n in self._starts.get(pipeline_id, ()) if n > epoch})
+    def starts_after(self, pipeline_id: str, epoch: int, heard_since: float | None = None) -> list[int]:
+        return sorted({n for n, at in self._starts.get(pipeline_id, ())
+                       if n > epoch and (heard_since is None or at >= heard_since)})
 
     async def wait(self, pipeline_id: str, since: int, timeout: float) -> bool:
         """True once anything was announced for the pipeline after ``since``; False after ``timeout``."""
@@ -344,9 +347,10 @@ class Subscription:
             self._starts = on
             self.listener._hear_starts(self.pipeline_id, on)
 
-    def starts_after(self, epoch: int) -> list[int]:
-        """The epochs after ``epoch`` heard starting (the newest ``STARTS_KEPT``), ascending."""
-        return self.listener.starts_after(self.pipeline_id, epoch) if self._starts else []
+    def starts_after(self, epoch: int, heard_since: float | None = None) -> list[int]:
+        """The epochs after ``epoch`` heard starting (the newest ``STARTS_KEPT``), ascending; with
+        ``heard_since`` (a ``time.monotonic()``), only those heard from then on."""
+        return self.listener.starts_after(self.pipeline_id, epoch, heard_since) if self._starts else []
 
     def close(self) -> None:
         if not self._closed:

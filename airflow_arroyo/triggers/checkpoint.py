@@ -426,6 +426,7 @@ class _Controller:
         """Right before a tick: what the subscription heard so far (its announcements from now on end the
         next wait at once, and tell whether the next tick may be skipped)."""
         self.skips = 0
+        self.may_skip = False  # until this tick's _delay says the wait is a follower's for a due instant
         if self.sub is not None:
             self.mark = self.sub.mark()
             self.changes_seen = self.sub.changes()
@@ -438,23 +439,30 @@ class _Controller:
             self.known = started[-1]
 
     def _skip(self) -> bool:
-        """A follower skips its tick when it heard the leading copy start the epoch it would tick for, and
-        nothing else happened since its last tick (FOLLOWER_SKIPS). What it heard starting, it watches:
-        its next tick sees those epochs end."""
-        if not (self.may_skip and self.listening and self.skips < FOLLOWER_SKIPS):
+        """A follower skips its tick when it heard an epoch start from the instant it was due (the leading
+        copy started it), and nothing else happened since its last tick (FOLLOWER_SKIPS). What it heard
+        starting, it watches: its next tick sees those epochs end."""
+        if not (self.may_skip and self.listening and self.skips < FOLLOWER_SKIPS and self.outage_since is None):
             return False
         assert self.sub is not None
         if self.sub.changes() != self.changes_seen:
             return False
-        heard = self.sub.starts_after(self.known)
-        if not heard:
+        # only a start heard from about the due instant on (a lag's margin for mapping database time to ours)
+        # is the leader's: one heard earlier was a manual checkpoint, and a dead leader would go unnoticed
+        if not self.sub.starts_after(self.known, heard_since=self.follow_due - 2 * self._lag):
             return False
         self.skips += 1
-        self._heard(heard)
+        self._heard(self.sub.starts_after(self.known))
         return True
 
+    @property
+    def _lag(self) -> float:
+        """How much later than the schedule a follower ticks (FOLLOWER_LAG)."""
+        return min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX)
+
     def _skipped_delay(self) -> float:
-        """After a skipped tick: until the schedule's next point, plus the follower's lag."""
+        """After a skipped tick: until the schedule's next point, plus the follower's lag (about an interval:
+        a follower skips only where its waits are not cut short by ``poll``)."""
         now = time.monotonic()
         interval = self.policy.interval
         due = self.follow_due + interval
@@ -570,6 +578,8 @@ class _Controller:
         on: the next tick reads its end for the log and the summary."""
         last = tick.last_epoch
         if not self.ticked or not last or last <= self.known or last in self.watching:  # 0: no epoch yet
+            return
+        if tick.expired is not None and tick.expired.epoch == last:  # recorded already (by _observe)
             return
         if not self.follower:  # a follower already knows who leads: no read per tick
             rec = await self.store.get_epoch(self.pipeline_id, last)
@@ -690,8 +700,10 @@ class _Controller:
         self.may_skip = False
         if self.follower and decision.action in (TriggerAction.WAIT_SCHEDULE, TriggerAction.WAIT_IN_FLIGHT) \
                 and not self.wake and not overdue:
-            delay = min(delay + min(FOLLOWER_LAG * self.policy.interval, FOLLOWER_LAG_MAX), self.poll)
-            self.may_skip = True
+            # a wait that reaches the due instant before poll cuts it short (a cut one is poll exactly) ends up
+            # to the lag after it: the next tick may be skipped
+            self.may_skip = delay < self.poll
+            delay = min(delay + self._lag, self.poll)
             self.follow_due = time.monotonic() + delay
         return max(delay, 0.0)
 

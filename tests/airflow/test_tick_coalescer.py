@@ -266,3 +266,78 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     # the leader is gone: the follower starts epoch 8 (late by the lag, once: the next is due at 50) and leads again
     assert await delay(started(8, now=40 + lag)) == pytest.approx(10 - lag)
     assert not ctl.follower
+
+
+def test_a_follower_skips_only_for_a_start_heard_from_its_due_instant_and_not_across_poll() -> None:
+    """The rules of a follower's skipped tick (``FOLLOWER_SKIPS``), on a made-up subscription: a start heard
+    well before the due instant (a manual checkpoint) is not the leader's; a pipeline change or a failed step
+    since the last tick means a tick; at most ``FOLLOWER_SKIPS`` in a row; a wait cut short by ``poll`` (an
+    interval longer than it) is never followed by a skip."""
+    import time
+    from datetime import UTC, datetime, timedelta
+
+    from airflow_arroyo.epochs import PipelineState, TriggerDecision
+    from airflow_arroyo.triggers import checkpoint as trigger_module
+    from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
+
+    class Heard:
+        live = True
+
+        def __init__(self) -> None:
+            self.starts: list[tuple[int, float]] = []
+            self.count = 0
+
+        def changes(self) -> int:
+            return self.count
+
+        def mark(self) -> int:
+            return 0
+
+        def starts_after(self, epoch: int, heard_since: float | None = None) -> list[int]:
+            return sorted(n for n, at in self.starts if n > epoch and (heard_since is None or at >= heard_since))
+
+    def follower(poll: float) -> tuple[_Controller, Heard]:
+        trigger = CheckpointTrigger("p", interval=10.0, timeout=100.0, poll_interval=poll, triggered_by="copy")
+        ctl = _Controller(trigger, None, _Summary(limit=10))  # type: ignore[arg-type]  # the store is never asked
+        sub = Heard()
+        ctl.sub = sub  # type: ignore[assignment]
+        ctl.follower, ctl.known = True, 5
+        return ctl, sub
+
+    ctl, sub = follower(poll=20.0)
+    lag = ctl._lag
+    assert lag == trigger_module.FOLLOWER_LAG_MAX  # 20 % of 10 s, at most 1 s
+    # a follower's wait for the schedule (due 9 s after its tick) is not cut by poll: it may skip the next tick
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    wait = TickResult(TriggerDecision(TriggerAction.WAIT_SCHEDULE, recheck_at=now + timedelta(seconds=9)), now,
+                      PipelineState.RUNNING, observed_at=time.monotonic())
+    assert ctl._delay(wait) == pytest.approx(9 + lag, abs=0.05) and ctl.may_skip
+    due = ctl.follow_due - lag
+    sub.starts.append((6, due - 5))  # a manual checkpoint, heard 5 s before the due instant
+    assert not ctl._skip()
+    sub.starts.append((7, due + 0.01))  # the leader's start
+    assert ctl._skip() and ctl.known == 7 and {6, 7} <= ctl.watching
+    assert ctl._skipped_delay() == pytest.approx(ctl.follow_due - time.monotonic())
+    assert ctl.follow_due - lag == pytest.approx(due + 10)  # the next due instant
+    assert not ctl._skip()  # nothing heard since: tick
+    sub.starts.append((8, ctl.follow_due - lag))
+    sub.count += 1  # the pipeline changed since the last tick: tick
+    assert not ctl._skip()
+    sub.count -= 1
+    ctl.outage_since = 1.0  # the last step failed (the store unreachable): tick
+    assert not ctl._skip()
+    ctl.outage_since = None
+    for n in range(8, 8 + trigger_module.FOLLOWER_SKIPS - 1):  # up to FOLLOWER_SKIPS in a row
+        sub.starts.append((n, ctl.follow_due - lag))
+        assert ctl._skip()
+        ctl._skipped_delay()
+    sub.starts.append((99, ctl.follow_due - lag))
+    assert not ctl._skip()
+    ctl._mark()  # a tick: the count starts again, and only its _delay may allow a skip
+    assert ctl.skips == 0 and not ctl.may_skip
+
+    # poll 2 s, interval 10 s: the wait is cut at poll, not at the due instant: no skip after it
+    ctl, sub = follower(poll=2.0)
+    assert ctl._delay(wait) == pytest.approx(2.0) and not ctl.may_skip
+    sub.starts.append((6, time.monotonic()))
+    assert not ctl._skip()
