@@ -28,7 +28,8 @@ import psycopg2.extras
 
 from airflow_arroyo.epochs import EpochState, TriggerAction
 from airflow_arroyo.exceptions import ArroyoError
-from airflow_arroyo.store._sync import EpochStore
+from airflow_arroyo.store._prepared import Prepared, execute_prepared
+from airflow_arroyo.store._sync import EpochStore, dict_rows
 from airflow_arroyo.store.records import EpochRecord, TickReport, TickRequest, TickResult, epoch_columns, from_row
 
 __all__ = ["read_reports", "tick_batch"]
@@ -39,13 +40,15 @@ Outcome = TickResult | ArroyoError | None
 
 # The pipelines' heartbeats, and per completed epoch (pipeline, epoch) its stages' slowest alignment
 # (as metrics.slowest_alignment computes it from the acknowledgements).
-_HEARTBEATS_AND_ALIGNMENT = (
+# Prepared once per connection: a batch runs it almost every time (planning it cost more than running it).
+_HEARTBEATS_AND_ALIGNMENT = Prepared(
+    "arroyo_report_heartbeats_alignment", ("text[]", "bigint[]", "text[]"),
     "SELECT p.pipeline_id, p.heartbeat_at, w.epoch,"
     " (SELECT max(a.alignment_ms) FROM arroyo_acks a WHERE a.pipeline_id = w.pipeline_id AND a.epoch = w.epoch)"
     "   AS slowest"
     " FROM arroyo_pipelines p"
-    " LEFT JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) ON w.pipeline_id = p.pipeline_id"
-    " WHERE p.pipeline_id = ANY(%s)"
+    " LEFT JOIN unnest($1, $2) AS w(pipeline_id, epoch) ON w.pipeline_id = p.pipeline_id"
+    " WHERE p.pipeline_id = ANY($3)",
 )
 _EPOCHS = (
     f"SELECT {epoch_columns('e')} FROM arroyo_epochs e"  # noqa: S608
@@ -84,17 +87,17 @@ def read_reports(store: EpochStore, requests: Sequence[TickRequest], results: Se
         with store._connection() as conn:
             conn.autocommit = True
             try:
-                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+                with conn.cursor() as cur:
                     if pids:
-                        cur.execute(_HEARTBEATS_AND_ALIGNMENT,
-                                    ([p for p, _ in completed], [e for _, e in completed], pids))
-                        for row in cur.fetchall():
+                        execute_prepared(cur, _HEARTBEATS_AND_ALIGNMENT,
+                                         ([p for p, _ in completed], [e for _, e in completed], pids))
+                        for row in dict_rows(cur):
                             heartbeats[row["pipeline_id"]] = row["heartbeat_at"]
                             if row["slowest"] is not None:
                                 alignment.setdefault(row["pipeline_id"], {})[int(row["epoch"])] = float(row["slowest"])
                     if unseen:
                         cur.execute(_EPOCHS, ([p for p, _ in unseen], [e for _, e in unseen]))
-                        for row in cur.fetchall():
+                        for row in dict_rows(cur):
                             rec = from_row(EpochRecord, row)
                             in_flight[(rec.pipeline_id, rec.epoch)] = rec
             finally:

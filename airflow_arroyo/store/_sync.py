@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg2
 import psycopg2.extras
 from psycopg2.extensions import connection as PgConnection
+from psycopg2.extensions import cursor as PgRawCursor
 from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import (
@@ -85,7 +86,11 @@ PIN_LABEL_MAX = 200
 # The batch's pipeline row locks: waiting for them, or skipping rows another transaction holds.
 _LOCK_SQL = "SELECT * FROM arroyo_pipelines WHERE pipeline_id = ANY($1) ORDER BY pipeline_id FOR UPDATE"
 _LOCK_PIPELINES = Prepared("arroyo_lock_pipelines", ("text[]",), _LOCK_SQL)
-_LOCK_PIPELINES_SKIP = Prepared("arroyo_lock_pipelines_skip", ("text[]",), _LOCK_SQL + " SKIP LOCKED")
+# A tick batch's locks read only the columns a decision reads (a whole row decoded its JSON columns every tick).
+_TICK_LOCK_SQL = ("SELECT pipeline_id, state, last_epoch, stop_requested, heartbeat_at FROM arroyo_pipelines"
+                  " WHERE pipeline_id = ANY($1) ORDER BY pipeline_id FOR UPDATE")
+_TICK_LOCK = Prepared("arroyo_tick_lock", ("text[]",), _TICK_LOCK_SQL)
+_TICK_LOCK_SKIP = Prepared("arroyo_tick_lock_skip", ("text[]",), _TICK_LOCK_SQL + " SKIP LOCKED")
 # Every locked pipeline's tick facts (see EpochStore._tick_facts), prepared once per connection.
 _TICK_FACTS = Prepared(
     "arroyo_tick_facts", ("text[]", "int[]"),
@@ -101,9 +106,35 @@ _TICK_FACTS = Prepared(
     " ARRAY(SELECT e.epoch FROM arroyo_epochs e WHERE e.pipeline_id = r.pipeline_id"
     "   ORDER BY e.epoch DESC LIMIT r.k) AS recent_epochs"
     " FROM unnest($1, $2) AS r(pipeline_id, k)"
-    " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered'"
-    " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()",
+    " LEFT JOIN arroyo_epochs f ON f.pipeline_id = r.pipeline_id AND f.state = 'triggered' AND f.pipeline_id = ANY($1)"
+    " LEFT JOIN arroyo_cleanup_locks l ON l.pipeline_id = r.pipeline_id AND l.expires_at > clock_timestamp()"
+    "   AND l.pipeline_id = ANY($1)",
 )
+
+# Every START of a batch in one statement, moving the pipelines' last_epoch (see EpochStore._start_epochs).
+_START_EPOCHS = Prepared(
+    "arroyo_start_epochs", ("text[]", "bigint[]", "boolean[]", "text[]", "float8[]", "boolean[]"),
+    "WITH s AS (SELECT * FROM unnest($1, $2, $3, $4, $5, $6)"  # noqa: S608
+    "   AS s(pipeline_id, epoch, is_final, triggered_by, timeout_s, self_contained)),"
+    f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
+    "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
+    "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
+    "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL, NULL, NULL"
+    "   FROM s JOIN arroyo_pipelines p ON p.pipeline_id = s.pipeline_id AND p.pipeline_id = ANY($1)"
+    "   ORDER BY s.pipeline_id"
+    f"   RETURNING {_EPOCH_COLS}),"
+    " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
+    "   WHERE p.pipeline_id = ins.pipeline_id AND p.pipeline_id = ANY($1))"
+    " SELECT * FROM ins",
+)
+
+
+def dict_rows(cur: PgRawCursor) -> list[dict[str, Any]]:
+    """The rows of ``cur``'s result as dicts, built in C: a ``RealDictCursor`` builds each row in Python,
+    column by column, which was the largest Python cost of a tick batch (the hot statements use a plain
+    cursor and this)."""
+    names = [d.name for d in cur.description or ()]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
 def redact_dsn(dsn: str) -> str:
@@ -572,12 +603,13 @@ class EpochStore:
         wait = sorted(r.pipeline_id for r in requests if not r.skip_if_locked)
         skip = sorted(r.pipeline_id for r in requests if r.skip_if_locked)
         pipes: dict[str, dict[str, Any]] = {}
+        raw = cur.connection.cursor()  # the batch's own statements: rows built by dict_rows
         # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
         # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
-        for ids, statement in ((wait, _LOCK_PIPELINES), (skip, _LOCK_PIPELINES_SKIP)):
+        for ids, statement in ((wait, _TICK_LOCK), (skip, _TICK_LOCK_SKIP)):
             if ids:
-                execute_prepared(cur, statement, (ids,))
-                pipes.update((row["pipeline_id"], row) for row in cur.fetchall())
+                execute_prepared(raw, statement, (ids,))
+                pipes.update((row["pipeline_id"], row) for row in dict_rows(raw))
         missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
         if missing:
             cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (missing,))
@@ -588,7 +620,7 @@ class EpochStore:
         todo = [(i, r) for i, r in enumerate(requests) if r.pipeline_id in pipes]
         if not todo:
             return out
-        facts, watched, observed_at = self._tick_facts(cur, [r for _, r in todo])
+        facts, watched, observed_at = self._tick_facts(raw, [r for _, r in todo])
         starts: list[tuple[int, TickRequest, TriggerDecision]] = []
         expires: list[tuple[int, TickRequest, TriggerDecision]] = []
         decided: dict[int, tuple[TriggerFacts, TriggerDecision]] = {}
@@ -615,7 +647,7 @@ class EpochStore:
                 starts.append((i, r, decision))
             elif decision.action is TriggerAction.EXPIRE:
                 expires.append((i, r, decision))
-        started = self._start_epochs(cur, starts)
+        started = self._start_epochs(raw, starts)
         expired = self._expire_epochs(cur, expires)
         for i, r in todo:
             f, (tf, decision) = facts[r.pipeline_id], decided[i]
@@ -642,7 +674,7 @@ class EpochStore:
         return out
 
     @staticmethod
-    def _tick_facts(cur: PgCursor, requests: Sequence[TickRequest]
+    def _tick_facts(cur: PgRawCursor, requests: Sequence[TickRequest]
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[EpochRecord, ...]], float]:
         """Every locked pipeline's facts in one statement (a fresh statement after the locks: READ
         COMMITTED gives it a snapshot with whatever the previous lock holders committed).
@@ -653,7 +685,7 @@ class EpochStore:
         pids = [r.pipeline_id for r in requests]
         t0 = time.monotonic()
         execute_prepared(cur, _TICK_FACTS, (pids, [r.policy.tolerable_failures + 2 for r in requests]))
-        rows = cur.fetchall()
+        rows = dict_rows(cur)
         observed_at = (t0 + time.monotonic()) / 2
         facts: dict[str, dict[str, Any]] = {row["pipeline_id"]: row for row in rows}
         pairs = [(r.pipeline_id, int(e)) for r in requests for e in sorted(set(r.watch))]
@@ -665,36 +697,22 @@ class EpochStore:
                 " ORDER BY pipeline_id, epoch",
                 ([p for p, _ in pairs], [e for _, e in pairs]),
             )
-            for row in cur.fetchall():
+            for row in dict_rows(cur):
                 rec = from_row(EpochRecord, row)
                 watched[rec.pipeline_id] = (*watched.get(rec.pipeline_id, ()), rec)
         return facts, watched, observed_at
 
     @staticmethod
-    def _start_epochs(cur: PgCursor, starts: Sequence[tuple[int, TickRequest, TriggerDecision]]
+    def _start_epochs(cur: PgRawCursor, starts: Sequence[tuple[int, TickRequest, TriggerDecision]]
                       ) -> dict[str, EpochRecord]:
         """Insert every decided START in one statement and move the pipelines' ``last_epoch``."""
         if not starts:
             return {}
-        cur.execute(
-            "WITH s AS (SELECT * FROM unnest(%(p)s::text[], %(n)s::bigint[], %(final)s::boolean[],"  # noqa: S608
-            "   %(by)s::text[], %(timeout)s::float8[], %(whole)s::boolean[])"
-            "   AS s(pipeline_id, epoch, is_final, triggered_by, timeout_s, self_contained)),"
-            f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
-            "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
-            "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-            "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL, NULL, NULL"
-            "   FROM s JOIN arroyo_pipelines p USING (pipeline_id) ORDER BY s.pipeline_id"
-            f"   RETURNING {_EPOCH_COLS}),"
-            " upd AS (UPDATE arroyo_pipelines p SET last_epoch = ins.epoch FROM ins"
-            "   WHERE p.pipeline_id = ins.pipeline_id)"
-            " SELECT * FROM ins",
-            {"p": [r.pipeline_id for _, r, _ in starts], "n": [d.epoch for _, _, d in starts],
-             "final": [r.is_final for _, r, _ in starts], "by": [r.triggered_by for _, r, _ in starts],
-             "timeout": [float(r.policy.effective_timeout) for _, r, _ in starts],
-             "whole": [r.self_contained for _, r, _ in starts]},
-        )
-        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in cur.fetchall())}
+        execute_prepared(cur, _START_EPOCHS, (
+            [r.pipeline_id for _, r, _ in starts], [d.epoch for _, _, d in starts], [r.is_final for _, r, _ in starts],
+            [r.triggered_by for _, r, _ in starts], [float(r.policy.effective_timeout) for _, r, _ in starts],
+            [r.self_contained for _, r, _ in starts]))
+        return {rec.pipeline_id: rec for rec in (from_row(EpochRecord, row) for row in dict_rows(cur))}
 
     @staticmethod
     def _expire_epochs(cur: PgCursor, expires: Sequence[tuple[int, TickRequest, TriggerDecision]]
