@@ -31,7 +31,9 @@ interleave the modes):
   when its epoch ends (``WAKE_ON_NOTIFY``), HA followers that skip the ticks of the epochs they heard the
   leading copy start (``FOLLOWER_SKIPS``);
 * ``new-ticking`` (not run by default): the new path with HA followers ticking once per epoch, as before
-  they heard starts.
+  they heard starts;
+* ``new-3batches`` (not run by default): the new path with three batches in the database at once per
+  triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``).
 
 The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
@@ -174,12 +176,14 @@ class Variant:
     coalesce: bool  # ticks in shared batches (False: a transaction and a worker thread per tick)
     listen: bool  # woken by the database when an epoch ends (False: poll)
     follower_skips: int = 0  # FOLLOWER_SKIPS: HA followers skip ticks of the starts they heard (0: never)
+    batches: int = 1  # _coalesce.MAX_CONCURRENT: batches of a triggerer in the database at once
 
 
 OLD = Variant("old", coalesce=False, listen=False)
 NEW = Variant("new", coalesce=True, listen=True, follower_skips=4)  # the trigger's FOLLOWER_SKIPS
 NEW_TICKING = Variant("new-ticking", coalesce=True, listen=True)  # the new path, its HA followers ticking every epoch
-PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING}
+NEW_3BATCHES = Variant("new-3batches", coalesce=True, listen=True, follower_skips=4, batches=3)  # as before
+PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES}
 
 
 @dataclass(frozen=True)
@@ -309,7 +313,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     import functools
 
     from airflow_arroyo.hooks import arroyo as hook_module
-    from airflow_arroyo.store import AsyncEpochStore
+    from airflow_arroyo.store import AsyncEpochStore, _coalesce
     from airflow_arroyo.store._coalesce import TickCoalescer
     from airflow_arroyo.store._listen import EpochListener
     from airflow_arroyo.triggers import checkpoint as trigger_module
@@ -320,6 +324,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
         AsyncEpochStore, coalesce=variant.coalesce, listen=variant.listen)
     trigger_module.WAKE_ON_NOTIFY = variant.listen
     trigger_module.FOLLOWER_SKIPS = variant.follower_skips
+    _coalesce.MAX_CONCURRENT = variant.batches
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use

@@ -2,11 +2,18 @@
 
 Every :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger` of a triggerer asks for its tick
 through the loop's :class:`TickCoalescer`. The coalescer gathers the ticks asked for in the same turn
-of the event loop (and those asked for while earlier batches were in the database), and sends them as
+of the event loop (and those asked for while the previous batch was in the database), and sends them as
 one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction, followed by one read of the
 batch's report (:mod:`airflow_arroyo.store._batch`), in a worker thread of its own. Under light
 load a batch holds one tick and costs what a tick always cost; under heavy load the batches grow and
 the cost per tick falls, where one thread-pool call and one transaction per tick used to queue up.
+
+One batch is in the database at a time (``MAX_CONCURRENT``): a batch's cost is mostly per batch (its
+round trips, the server's and the client's work per statement), so on a busy machine three smaller
+batches in parallel cost more CPU than one larger one and made ticks later, not earlier
+(``benchmarks/trigger_load.py``, docs/controller.md "Load"). A tick that must wait for its row lock
+(after ``SKIPS_BEFORE_WAITING`` skips) goes in a batch of waiting ticks of its own, beside it
+(``MAX_WAITING`` of those), so that a row held for long holds back only the ticks waiting for it.
 
 Safety is unchanged: each pipeline is still decided by the pure ``decide_trigger`` under its own row
 lock, and the partial unique index still admits one in-flight epoch per pipeline.
@@ -40,7 +47,9 @@ from airflow_arroyo.store.records import TickRequest, TickResult
 __all__ = ["TickCoalescer"]
 
 RETRY_SKIPPED = 0.01  # seconds before a tick whose row was locked is asked for again
-SKIPS_BEFORE_WAITING = 3  # then its batch waits for the lock
+SKIPS_BEFORE_WAITING = 3  # then it goes in a batch that waits for the lock
+MAX_CONCURRENT = 1  # batches of ticks that never wait for a lock, in the database at once
+MAX_WAITING = 2  # batches of ticks that wait for their rows' locks, besides
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +65,29 @@ class TickCoalescer:
     """Batches the ticks of one event loop against one store (get it with :meth:`for_store`).
 
     :param max_batch: most ticks in one transaction.
-    :param max_concurrent: batches in the database at once (each holds one pooled connection and
-        one worker thread); a burst is split evenly over them.
+    :param max_concurrent: batches of ticks that do not wait for locks in the database at once (each holds
+        one pooled connection and one worker thread); a burst is split evenly over them. Default
+        ``MAX_CONCURRENT``.
+    :param max_waiting: batches of ticks waiting for their rows' locks, besides. Default ``MAX_WAITING``.
     """
 
     def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 128,
-                 max_concurrent: int = 3) -> None:
+                 max_concurrent: int | None = None, max_waiting: int | None = None) -> None:
         self.store = store
         self.loop = loop
         self.max_batch = max_batch
-        self.max_concurrent = max_concurrent
-        self._queue: collections.deque[_Pending] = collections.deque()
-        self._running = 0
+        self.max_concurrent = MAX_CONCURRENT if max_concurrent is None else max_concurrent
+        self.max_waiting = MAX_WAITING if max_waiting is None else max_waiting
+        if self.max_concurrent < 1 or self.max_waiting < 1:
+            raise ValueError("a tick coalescer needs at least one batch of each kind in flight")
+        # lane False: ticks that skip locked rows; lane True: ticks that wait for their rows' locks
+        self._queues: dict[bool, collections.deque[_Pending]] = {False: collections.deque(), True: collections.deque()}
+        self._running_in: dict[bool, int] = {False: 0, True: 0}
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         # the batches' own threads: they never queue behind the loop's other blocking calls
-        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="arroyo-tick-batch")
+        self._executor = ThreadPoolExecutor(self.max_concurrent + self.max_waiting,
+                                            thread_name_prefix="arroyo-tick-batch")
         self.batches = 0  # figures for benchmarks and tests
         self.ticks = 0
 
@@ -84,7 +100,10 @@ class TickCoalescer:
     @property
     def running(self) -> int:
         """Batches in the database now."""
-        return self._running
+        return self._running_in[False] + self._running_in[True]
+
+    def _limit(self, waits: bool) -> int:
+        return self.max_waiting if waits else self.max_concurrent
 
     def close(self) -> None:
         """Let the worker threads end once their batches are done (pending batches end with their loop)."""
@@ -93,26 +112,31 @@ class TickCoalescer:
     async def tick(self, request: TickRequest) -> TickResult:
         """The result of ``request``'s tick, decided in the next batch."""
         future: asyncio.Future[TickResult] = self.loop.create_future()
-        self._queue.append(_Pending(replace(request, skip_if_locked=True), future))
+        self._queues[False].append(_Pending(replace(request, skip_if_locked=True), future))
         self._schedule()
         return await future
 
     def _schedule(self) -> None:
-        if not self._scheduled and self._queue and self._running < self.max_concurrent:
+        if not self._scheduled and any(self._queues[w] and self._running_in[w] < self._limit(w) for w in (False, True)):
             self._scheduled = True
             # not now: the other triggers woken in this turn of the loop ask for their ticks first
             self.loop.call_soon(self._launch)
 
     def _launch(self) -> None:
         self._scheduled = False
-        while self._queue and self._running < self.max_concurrent:
-            free = self.max_concurrent - self._running
-            size = min(self.max_batch, -(-len(self._queue) // free))
+        for waits in (False, True):
+            self._launch_lane(waits)
+
+    def _launch_lane(self, waits: bool) -> None:
+        queue, limit = self._queues[waits], self._limit(waits)
+        while queue and self._running_in[waits] < limit:
+            free = limit - self._running_in[waits]
+            size = min(self.max_batch, -(-len(queue) // free))
             batch: list[_Pending] = []
             later: list[_Pending] = []
             seen: set[str] = set()
-            while self._queue and len(batch) < size:
-                pending = self._queue.popleft()
+            while queue and len(batch) < size:
+                pending = queue.popleft()
                 if pending.future.done():  # its trigger was cancelled
                     continue
                 if pending.request.pipeline_id in seen:
@@ -120,17 +144,17 @@ class TickCoalescer:
                     continue
                 seen.add(pending.request.pipeline_id)
                 batch.append(pending)
-            self._queue.extendleft(reversed(later))
+            queue.extendleft(reversed(later))
             if not batch:
                 break
-            self._running += 1
-            task = self.loop.create_task(self._run(batch))
+            self._running_in[waits] += 1
+            task = self.loop.create_task(self._run(batch, waits))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             if later and len(batch) < size:
                 break  # only duplicates left: they go in the next batch
 
-    async def _run(self, batch: list[_Pending]) -> None:
+    async def _run(self, batch: list[_Pending], waits: bool) -> None:
         try:
             results = await self._send([p.request for p in batch])
         except BaseException as exc:  # not the store's (a bug, the loop closing): no trigger waits forever
@@ -143,7 +167,7 @@ class TickCoalescer:
                     pending.future.set_exception(exc)
             raise
         finally:
-            self._running -= 1
+            self._running_in[waits] -= 1
         self.batches += 1
         retry: list[_Pending] = []
         for pending, result in zip(batch, results, strict=True):
@@ -165,7 +189,8 @@ class TickCoalescer:
         self._schedule()
 
     def _requeue(self, retry: list[_Pending]) -> None:
-        self._queue.extendleft(reversed(retry))
+        for waits in (False, True):  # each at the head of its lane, in the order they were asked for
+            self._queues[waits].extendleft(reversed([p for p in retry if p.request.skip_if_locked is not waits]))
         self._schedule()
 
     async def _send(self, requests: list[TickRequest]) -> list[TickResult | ArroyoError | None]:

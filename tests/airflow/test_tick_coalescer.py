@@ -8,7 +8,8 @@ What ``test_checkpoint_wakeups.py`` and ``controlplane/test_trigger_ticks.py`` d
   asked for again (cancelled while its row was locked by another transaction);
 * fairness: ticks are served in the order they were asked for, a burst larger than a batch is split,
   a pipeline asked for twice waits for the next batch instead of pushing others out;
-* a cleanup holding one pipeline's lock holds back that pipeline alone, not its batch;
+* a cleanup holding one pipeline's lock holds back that pipeline alone, not its batch; a tick waiting
+  for a row another transaction holds holds back no other tick;
 * two triggerers (two event loops, each with its own store and coalescer) racing over the same
   pipelines never put two epochs in flight: the history checker replays the database's history.
 """
@@ -153,6 +154,40 @@ async def test_a_cleanup_holds_back_its_pipeline_not_the_batch(store: EpochStore
     store.release_cleanup_lock("leased", run.id)
     again = await coalescer.tick(TickRequest("leased", POLICY))
     assert again.started is not None
+
+
+def waiting_for_a_lock(conn: psycopg2.extensions.connection) -> bool:
+    """Whether a session of the database waits for a lock now (read in ``conn``'s open transaction)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'")
+        row = cur.fetchone()
+    return bool(row and row[0])
+
+
+async def test_a_tick_waiting_for_a_held_row_holds_back_no_other_tick(store: EpochStore, migrated_dsn: str) -> None:
+    """One batch of ticks is in the database at a time; a tick that waits for its row's lock (after
+    SKIPS_BEFORE_WAITING skips) waits in a batch of its own beside it, so the other pipelines' ticks go on."""
+    running(store, "held", "free-1", "free-2", stages=STAGES)
+    holder = psycopg2.connect(migrated_dsn)  # another transaction holds the row (a long one)
+    try:
+        with holder.cursor() as cur:
+            cur.execute("SELECT 1 FROM arroyo_pipelines WHERE pipeline_id = 'held' FOR UPDATE")
+        coalescer = TickCoalescer.for_store(store)
+        assert coalescer.max_concurrent == 1
+        held = asyncio.create_task(coalescer.tick(TickRequest("held", POLICY)))
+        deadline = time.monotonic() + 10
+        while not waiting_for_a_lock(holder):  # its skips are over: its batch waits for the row
+            assert time.monotonic() < deadline and not held.done()
+            await asyncio.sleep(0.01)
+        for pid in ("free-1", "free-2"):  # two batches, one after the other, while it waits
+            result = await asyncio.wait_for(coalescer.tick(TickRequest(pid, POLICY)), timeout=10)
+            assert result.started is not None
+        assert not held.done()
+    finally:
+        holder.rollback()
+        holder.close()
+    assert (await asyncio.wait_for(held, timeout=10)).started is not None
 
 
 def test_two_triggerers_coalescers_never_put_two_epochs_in_flight(store: EpochStore, migrated_dsn: str) -> None:
