@@ -12,15 +12,18 @@ timestamp) in a histogram of 10 ms buckets, and the time it arrived.
   ``joined``, stage ``report``, sink ``sink``) run by the driver in this process on the same SparkSession,
   with an epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger). The fused side
   prints its physical plan.
+* **boundary**: the fused pipeline with ONE channel left, before the sink (``chain=False``, as the demo keeps
+  its ``report`` channel): what one remaining channel hop costs where the plan keeps few, as the default
+  plan does (two queries instead of the unfused form's five sharing the cores).
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
 ``--rounds``), each in a process of its own (a fresh Spark driver JVM: one JVM for every run ran out of its
 2 GB heap at 20,000 rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds
 measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
 the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
-throughput) and what each channel hop adds: (unfused p50 - fused p50) / the channels on the pipeline's
-longest path (issue 12's target: at most one trigger interval + 200 ms). Side by side in one run, so load
-on the machine affects both.
+throughput) and what a channel hop adds (issue 12's target: at most one trigger interval + 200 ms): a
+remaining hop, boundary p50 - fused p50, and a hop of the unfused form, (unfused p50 - fused p50) / the
+channels on its longest path. Side by side in one run, so load on the machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -159,13 +162,13 @@ class Plain:
         self.query.stop()
 
 
-def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool) -> Pipeline:
+def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool, boundary: bool = False) -> Pipeline:
     p = Pipeline(pid, description="benchmark: two rate sources, a stream-stream join, a filter", chaining=chaining)
     left = p.source("left", lambda spark: read_rate(spark, rate, "l"))
     right = p.source("right", lambda spark: read_rate(spark, rate, "r"))
     joined = p.stage("joined", join, inputs=[left, right])
     out = p.stage("report", report, inputs=[joined])
-    p.sink("sink", inputs=[out], foreach_batch=recorder)
+    p.sink("sink", inputs=[out], foreach_batch=recorder, chain=not boundary)  # boundary: the report channel stays
     return p
 
 
@@ -184,11 +187,11 @@ class Product:
     """The logic as an airflow-arroyo pipeline, driven in a thread, with an epoch every ``interval``."""
 
     def __init__(self, spark: SparkSession, store: EpochStore, rate: int, tmp: Path, interval: float, *,
-                 chaining: bool) -> None:
+                 chaining: bool, boundary: bool = False) -> None:
         self.recorder = Recorder()
         self.store = store
         self.pid = f"latency-{uuid.uuid4().hex[:6]}"
-        p = pipeline(self.pid, rate, self.recorder, chaining=chaining)
+        p = pipeline(self.pid, rate, self.recorder, chaining=chaining, boundary=boundary)
         if chaining:
             print("    " + p.explain(spark).replace("\n", "\n    "), flush=True)
         self.driver = PipelineDriver(p, store, storage_uri=str(tmp / self.pid), spark=spark)
@@ -263,7 +266,8 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
         def make() -> Plain | Product:
             if side == "plain":
                 return Plain(spark, rate, Path(tmp))
-            return Product(spark, store, rate, Path(tmp), interval, chaining=side == "fused")
+            return Product(spark, store, rate, Path(tmp), interval, chaining=side in ("fused", "boundary"),
+                           boundary=side == "boundary")
         out.put(run_one(make, side, rate, warmup, duration).__dict__)
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.put(f"{type(exc).__name__}: {exc}")
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs (product)")
     parser.add_argument("--no-chaining", dest="chaining", action="store_false",
                         help="leave out the fused side (the pipeline with Pipeline(chaining=True))")
+    parser.add_argument("--no-boundary", dest="boundary", action="store_false",
+                        help="leave out the boundary side (the fused pipeline with one channel left, before the sink)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -296,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = mp.get_context("spawn")
         for rate in args.rates:
             sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
+            if args.chaining and args.boundary:
+                sides.append("boundary")
             for i in range(args.rounds):
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     out = ctx.Queue()
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         def med(side: str, attr: str, rate: int = rate) -> float:
             return float(statistics.median(getattr(r, attr) for r in results if r.side == side and r.rate == rate))
-        for side in ("product", "fused") if args.chaining else ("product",):
+        for side in ("product", "fused", *(("boundary",) if args.boundary else ())) if args.chaining else ("product",):
             row = {"rate": rate, "side": side,
                    "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
                    "latency_p99_ratio": med(side, "p99") / med("plain", "p99"),
@@ -327,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             summary.append({"rate": rate, "side": "hop", "hops": hops, "per_hop_p50_s": per_hop})
             print(f"  rate {rate:>6}/s, per channel hop: (unfused p50 {med('product', 'p50'):.2f} s - fused p50 "
                   f"{med('fused', 'p50'):.2f} s) / {hops} hops = {per_hop * 1000:.0f} ms")
+            if args.boundary:
+                remaining = med("boundary", "p50") - med("fused", "p50")
+                summary.append({"rate": rate, "side": "remaining-hop", "per_hop_p50_s": remaining})
+                print(f"  rate {rate:>6}/s, one remaining channel hop: boundary p50 {med('boundary', 'p50'):.2f} s - "
+                      f"fused p50 {med('fused', 'p50'):.2f} s = {remaining * 1000:.0f} ms")
     if args.json:
         print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
     return 0

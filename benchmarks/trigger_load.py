@@ -33,7 +33,9 @@ interleave the modes):
 * ``new-ticking`` (not run by default): the new path with HA followers ticking once per epoch, as before
   they heard starts;
 * ``new-3batches`` (not run by default): the new path with three batches in the database at once per
-  triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``).
+  triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``);
+* ``new-gc`` (not run by default): the new path without freezing the process's objects out of Python's
+  cyclic garbage collector when the first trigger runs (``checkpoint.FREEZE_GC``).
 
 The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
@@ -177,13 +179,15 @@ class Variant:
     listen: bool  # woken by the database when an epoch ends (False: poll)
     follower_skips: int = 0  # FOLLOWER_SKIPS: HA followers skip ticks of the starts they heard (0: never)
     batches: int = 1  # _coalesce.MAX_CONCURRENT: batches of a triggerer in the database at once
+    freeze_gc: bool = True  # checkpoint.FREEZE_GC: gc.freeze() when the first trigger runs
 
 
-OLD = Variant("old", coalesce=False, listen=False)
+OLD = Variant("old", coalesce=False, listen=False, batches=3, freeze_gc=False)  # as first shipped
 NEW = Variant("new", coalesce=True, listen=True, follower_skips=4)  # the trigger's FOLLOWER_SKIPS
 NEW_TICKING = Variant("new-ticking", coalesce=True, listen=True)  # the new path, its HA followers ticking every epoch
 NEW_3BATCHES = Variant("new-3batches", coalesce=True, listen=True, follower_skips=4, batches=3)  # as before
-PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES}
+NEW_GC = Variant("new-gc", coalesce=True, listen=True, follower_skips=4, freeze_gc=False)  # full GC scans
+PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES, "new-gc": NEW_GC}
 
 
 @dataclass(frozen=True)
@@ -325,6 +329,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     trigger_module.WAKE_ON_NOTIFY = variant.listen
     trigger_module.FOLLOWER_SKIPS = variant.follower_skips
     _coalesce.MAX_CONCURRENT = variant.batches
+    trigger_module.FREEZE_GC = variant.freeze_gc
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use

@@ -28,7 +28,6 @@ import psycopg2.extras
 
 from airflow_arroyo.epochs import EpochState, TriggerAction
 from airflow_arroyo.exceptions import ArroyoError
-from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._sync import EpochStore, dict_rows
 from airflow_arroyo.store.records import EpochRecord, TickReport, TickRequest, TickResult, epoch_columns, from_row
 
@@ -40,15 +39,14 @@ Outcome = TickResult | ArroyoError | None
 
 # The pipelines' heartbeats, and per completed epoch (pipeline, epoch) its stages' slowest alignment
 # (as metrics.slowest_alignment computes it from the acknowledgements).
-# Prepared once per connection: a batch runs it almost every time (planning it cost more than running it).
-_HEARTBEATS_AND_ALIGNMENT = Prepared(
-    "arroyo_report_heartbeats_alignment", ("text[]", "bigint[]", "text[]"),
+# Not prepared: a generic plan made while arroyo_acks is nearly empty (a new store) would scan it.
+_HEARTBEATS_AND_ALIGNMENT = (
     "SELECT p.pipeline_id, p.heartbeat_at, w.epoch,"
     " (SELECT max(a.alignment_ms) FROM arroyo_acks a WHERE a.pipeline_id = w.pipeline_id AND a.epoch = w.epoch)"
     "   AS slowest"
     " FROM arroyo_pipelines p"
-    " LEFT JOIN unnest($1, $2) AS w(pipeline_id, epoch) ON w.pipeline_id = p.pipeline_id"
-    " WHERE p.pipeline_id = ANY($3)",
+    " LEFT JOIN unnest(%s::text[], %s::bigint[]) AS w(pipeline_id, epoch) ON w.pipeline_id = p.pipeline_id"
+    " WHERE p.pipeline_id = ANY(%s)"
 )
 _EPOCHS = (
     f"SELECT {epoch_columns('e')} FROM arroyo_epochs e"  # noqa: S608
@@ -89,8 +87,8 @@ def read_reports(store: EpochStore, requests: Sequence[TickRequest], results: Se
             try:
                 with conn.cursor() as cur:
                     if pids:
-                        execute_prepared(cur, _HEARTBEATS_AND_ALIGNMENT,
-                                         ([p for p, _ in completed], [e for _, e in completed], pids))
+                        cur.execute(_HEARTBEATS_AND_ALIGNMENT,
+                                    ([p for p, _ in completed], [e for _, e in completed], pids))
                         for row in dict_rows(cur):
                             heartbeats[row["pipeline_id"]] = row["heartbeat_at"]
                             if row["slowest"] is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -79,6 +80,23 @@ FOLLOWER_SKIPS = 4
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
+# When the first of these triggers runs in a process (a triggerer), move every object alive then (the
+# modules Airflow and its providers imported: ~200,000 objects) out of the reach of Python's cyclic
+# garbage collector (``gc.freeze``; the dag processor and the local executor do the same). Without it,
+# a full collection scanned them all every 20-30 s at 1000 triggers and stopped the event loop for
+# 140-470 ms each time, which made a burst of late epochs (docs/controller.md "Load"). Objects
+# freed by reference counting still are; only cycles among the frozen objects would stay in memory.
+# ``benchmarks/trigger_load.py --paths new,new-gc`` compares.
+FREEZE_GC = True
+_gc_frozen = False
+
+
+def _freeze_gc_once() -> None:
+    global _gc_frozen
+    if FREEZE_GC and not _gc_frozen:
+        _gc_frozen = True
+        gc.collect()  # once: what is garbage now is not frozen
+        gc.freeze()
 
 
 def format_bytes(n: int | None) -> str:
@@ -259,6 +277,7 @@ class CheckpointTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Airflow: fire epochs until the pipeline ends (or a failure limit is reached); one final event."""
         summary = _Summary(limit=self.max_summary_epochs)
+        _freeze_gc_once()
         try:
             store = await self._open_store()
         except (ArroyoError, AirflowNotFoundException) as exc:

@@ -10,6 +10,7 @@ function that acknowledges, fails or stops) before the trigger ticks again.
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
@@ -629,6 +630,24 @@ async def test_an_unknown_connection_ends_with_a_failure_event(connection: str) 
     event = await first_event(make_trigger(conn_id="no_such_connection"), VirtualClock(connection))
     assert event["status"] == "failure" and event["reason"] == "store_error"
     assert "no_such_connection" in event["message"]
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_the_first_trigger_of_a_process_freezes_the_objects_alive_then_out_of_the_gc(
+        connection: str, monkeypatch: pytest.MonkeyPatch, freeze: bool) -> None:
+    """gc.freeze() once per process (FREEZE_GC): a full collection no longer scans the imported modules."""
+    monkeypatch.setattr(trigger_module, "FREEZE_GC", freeze)
+    monkeypatch.setattr(trigger_module, "_gc_frozen", False)
+    gc.unfreeze()
+    try:
+        await first_event(make_trigger(conn_id="no_such_connection"), VirtualClock(connection))
+        frozen = gc.get_freeze_count()
+        assert (frozen > 10_000) is freeze  # this process's modules, classes and functions
+        made_later = [[i] for i in range(1000)]
+        await first_event(make_trigger(conn_id="no_such_connection"), VirtualClock(connection))
+        assert gc.get_freeze_count() == frozen and made_later  # once per process
+    finally:
+        gc.unfreeze()
 
 
 async def test_failures_left_by_an_earlier_run_do_not_end_a_new_trigger(store: EpochStore, connection: str) -> None:
