@@ -182,7 +182,7 @@ class Variant:
     freeze_gc: bool = True  # checkpoint.FREEZE_GC: gc.freeze() when the first trigger runs
 
 
-OLD = Variant("old", coalesce=False, listen=False, batches=3, freeze_gc=False)  # as first shipped
+OLD = Variant("old", coalesce=False, listen=False, freeze_gc=False)  # as first shipped
 NEW = Variant("new", coalesce=True, listen=True, follower_skips=4)  # the trigger's FOLLOWER_SKIPS
 NEW_TICKING = Variant("new-ticking", coalesce=True, listen=True)  # the new path, its HA followers ticking every epoch
 NEW_3BATCHES = Variant("new-3batches", coalesce=True, listen=True, follower_skips=4, batches=3)  # as before
