@@ -253,8 +253,9 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str,
         PER_LOGGER_LEVELS["airflow_arroyo"] = logging.WARNING  # one INFO line per epoch is not what we measure
     except ImportError:
         pass
+    global SAMPLER
     profile = os.environ.get("TRIGGER_LOAD_PROFILE")
-    sampler = Sampler() if profile else None
+    sampler = SAMPLER = Sampler() if profile else None  # started with the window (run_triggers)
     try:
         asyncio.run(run_triggers(variant, pids, interval, dsn, out, phases, stagger, tolerable))
     finally:
@@ -262,9 +263,14 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str,
             sampler.dump(f"{profile}.{variant.name}.{os.getpid()}.txt")
 
 
+SAMPLER: Sampler | None = None  # this process's profiler (TRIGGER_LOAD_PROFILE)
+
+
 class Sampler:
     """A cheap sampling profiler over every thread of the process (``TRIGGER_LOAD_PROFILE=prefix``):
-    every 5 ms, each thread's innermost frames are counted; the dump lists self and cumulative counts."""
+    every 5 ms, each thread's innermost frames are counted; the dump lists self and cumulative counts.
+    It samples the measurement window only: started with the 1000 triggers, its walks of every thread's
+    stack (holding the GIL) kept them from starting within the 300 s the parent waits."""
 
     def __init__(self) -> None:
         import collections
@@ -274,6 +280,8 @@ class Sampler:
         self.samples = 0
         self._stop = threading.Event()
         self._me: int | None = None
+
+    def start(self) -> None:
         thread = threading.Thread(target=self._run, daemon=True)
         thread.start()
         self._me = thread.ident
@@ -386,6 +394,8 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
         return marks[name]
 
     cpu0, wall0 = await reached("begin")
+    if SAMPLER is not None:
+        SAMPLER.start()
     b0, t0, _ = figures_of(TickCoalescer)
     n0 = figures_of(EpochListener)[2]
     lag_from = len(loop_lag)
