@@ -32,8 +32,9 @@ interleave the modes):
   leading copy start (``FOLLOWER_SKIPS``);
 * ``new-ticking`` (not run by default): the new path with HA followers ticking once per epoch, as before
   they heard starts;
-* ``new-3batches`` (not run by default): the new path with three batches in the database at once per
-  triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``);
+* ``new-3batches`` (not run by default): the new path with three batches of ticks in the database at once
+  per triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``; ticks waiting for a lock still
+  go alone beside them);
 * ``new-gc`` (not run by default): the new path without freezing the process's objects out of Python's
   cyclic garbage collector when the first trigger runs (``checkpoint.FREEZE_GC``).
 

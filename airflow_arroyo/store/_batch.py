@@ -24,7 +24,6 @@ from dataclasses import replace
 from typing import Any
 
 import psycopg2
-import psycopg2.extras
 
 from airflow_arroyo.epochs import EpochState, TriggerAction
 from airflow_arroyo.exceptions import ArroyoError

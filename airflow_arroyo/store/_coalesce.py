@@ -12,8 +12,8 @@ One batch is in the database at a time (``MAX_CONCURRENT``): a batch's cost is m
 round trips, the server's and the client's work per statement), so on a busy machine three smaller
 batches in parallel cost more CPU than one larger one and made ticks later, not earlier
 (``benchmarks/trigger_load.py``, docs/controller.md "Load"). A tick that must wait for its row lock
-(after ``SKIPS_BEFORE_WAITING`` skips) goes in a batch of waiting ticks of its own, beside it
-(``MAX_WAITING`` of those), so that a row held for long holds back only the ticks waiting for it.
+(after ``SKIPS_BEFORE_WAITING`` skips) goes in a batch of its own, alone, beside it (``MAX_WAITING`` of
+those), so that a row held for long holds back only the tick waiting for it.
 
 Safety is unchanged: each pipeline is still decided by the pure ``decide_trigger`` under its own row
 lock, and the partial unique index still admits one in-flight epoch per pipeline.
@@ -49,7 +49,7 @@ __all__ = ["TickCoalescer"]
 RETRY_SKIPPED = 0.01  # seconds before a tick whose row was locked is asked for again
 SKIPS_BEFORE_WAITING = 3  # then it goes in a batch that waits for the lock
 MAX_CONCURRENT = 1  # batches of ticks that never wait for a lock, in the database at once
-MAX_WAITING = 2  # batches of ticks that wait for their rows' locks, besides
+MAX_WAITING = 2  # batches of one tick that waits for its row's lock, besides
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class TickCoalescer:
     :param max_concurrent: batches of ticks that do not wait for locks in the database at once (each holds
         one pooled connection and one worker thread); a burst is split evenly over them. Default
         ``MAX_CONCURRENT``.
-    :param max_waiting: batches of ticks waiting for their rows' locks, besides. Default ``MAX_WAITING``.
+    :param max_waiting: batches of one tick waiting for its row's lock, besides. Default ``MAX_WAITING``.
     """
 
     def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 128,
@@ -131,7 +131,8 @@ class TickCoalescer:
         queue, limit = self._queues[waits], self._limit(waits)
         while queue and self._running_in[waits] < limit:
             free = limit - self._running_in[waits]
-            size = min(self.max_batch, -(-len(queue) // free))
+            # a waiting tick waits alone: its lock wait holds back no other tick's
+            size = 1 if waits else min(self.max_batch, -(-len(queue) // free))
             batch: list[_Pending] = []
             later: list[_Pending] = []
             seen: set[str] = set()
@@ -168,6 +169,7 @@ class TickCoalescer:
             raise
         finally:
             self._running_in[waits] -= 1
+            self._schedule()  # a slot is free (after a failed batch too: the queued ticks go on)
         self.batches += 1
         retry: list[_Pending] = []
         for pending, result in zip(batch, results, strict=True):

@@ -596,14 +596,18 @@ class EpochStore:
             raise ConfigurationError("trigger_ticks: a pipeline may appear once per batch; tick it again after")
         if not requests:
             return []
-        return self._tx(lambda cur: self._ticks(cur, requests))
+        def tx(cur: PgCursor) -> list[TickResult | ArroyoError | None]:
+            with cur.connection.cursor() as raw:  # the batch's own statements: rows built by dict_rows
+                return self._ticks(cur, raw, requests)
 
-    def _ticks(self, cur: PgCursor, requests: Sequence[TickRequest]) -> list[TickResult | ArroyoError | None]:
+        return self._tx(tx)
+
+    def _ticks(self, cur: PgCursor, raw: PgRawCursor, requests: Sequence[TickRequest]
+               ) -> list[TickResult | ArroyoError | None]:
         out: list[TickResult | ArroyoError | None] = [None] * len(requests)
         wait = sorted(r.pipeline_id for r in requests if not r.skip_if_locked)
         skip = sorted(r.pipeline_id for r in requests if r.skip_if_locked)
         pipes: dict[str, dict[str, Any]] = {}
-        raw = cur.connection.cursor()  # the batch's own statements: rows built by dict_rows
         # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
         # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
         for ids, statement in ((wait, _TICK_LOCK), (skip, _TICK_LOCK_SKIP)):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from typing import Any
 from airflow.sdk.exceptions import AirflowNotFoundException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from airflow_arroyo import config
 from airflow_arroyo.epochs import (
     CheckpointPolicy,
     EpochState,
@@ -86,15 +88,23 @@ WAKE_ON_NOTIFY = True
 # a full collection scanned them all every 20-30 s at 1000 triggers and stopped the event loop for
 # 140-470 ms each time, which made a burst of late epochs (docs/controller.md "Load"). Objects
 # freed by reference counting still are; only cycles among the frozen objects would stay in memory.
-# ``benchmarks/trigger_load.py --paths new,new-gc`` compares.
+# ``benchmarks/trigger_load.py --paths new,new-gc`` compares. ``[arroyo] triggerer_freeze_gc = False`` (or this
+# constant) leaves the process's collector alone.
 FREEZE_GC = True
 _gc_frozen = False
 
 
 def _freeze_gc_once() -> None:
     global _gc_frozen
-    if FREEZE_GC and not _gc_frozen:
-        _gc_frozen = True
+    if _gc_frozen:
+        return
+    _gc_frozen = True
+    try:
+        wanted = config.get_bool("triggerer_freeze_gc")
+    except ValueError as exc:  # a performance setting: never a reason to stop checkpointing
+        logging.getLogger(__name__).warning("%s; freezing the garbage collector's old objects, the default", exc)
+        wanted = True
+    if FREEZE_GC and wanted:
         gc.collect()  # once: what is garbage now is not frozen
         gc.freeze()
 

@@ -632,11 +632,13 @@ async def test_an_unknown_connection_ends_with_a_failure_event(connection: str) 
     assert "no_such_connection" in event["message"]
 
 
-@pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.parametrize("setting", ["True", "False", "nonsense"])
 async def test_the_first_trigger_of_a_process_freezes_the_objects_alive_then_out_of_the_gc(
-        connection: str, monkeypatch: pytest.MonkeyPatch, freeze: bool) -> None:
-    """gc.freeze() once per process (FREEZE_GC): a full collection no longer scans the imported modules."""
-    monkeypatch.setattr(trigger_module, "FREEZE_GC", freeze)
+        connection: str, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    """gc.freeze() once per process ([arroyo] triggerer_freeze_gc): a full collection no longer scans the
+    imported modules."""
+    freeze = setting != "False"  # an unreadable setting: the default (and a warning)
+    monkeypatch.setenv("AIRFLOW__ARROYO__TRIGGERER_FREEZE_GC", setting)
     monkeypatch.setattr(trigger_module, "_gc_frozen", False)
     gc.unfreeze()
     try:

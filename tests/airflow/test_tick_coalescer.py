@@ -156,13 +156,17 @@ async def test_a_cleanup_holds_back_its_pipeline_not_the_batch(store: EpochStore
     assert again.started is not None
 
 
-def waiting_for_a_lock(conn: psycopg2.extensions.connection) -> bool:
-    """Whether a session of the database waits for a lock now (read in ``conn``'s open transaction)."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock'")
-        row = cur.fetchone()
-    return bool(row and row[0])
+def waiting_for_a_lock(dsn: str) -> bool:
+    """Whether a session waits for a lock now (read afresh: a transaction sees one snapshot of the activity)."""
+    conn = psycopg2.connect(dsn)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            row = cur.fetchone()
+        return bool(row and row[0])
+    finally:
+        conn.close()
 
 
 async def test_a_tick_waiting_for_a_held_row_holds_back_no_other_tick(store: EpochStore, migrated_dsn: str) -> None:
@@ -177,7 +181,7 @@ async def test_a_tick_waiting_for_a_held_row_holds_back_no_other_tick(store: Epo
         assert coalescer.max_concurrent == 1
         held = asyncio.create_task(coalescer.tick(TickRequest("held", POLICY)))
         deadline = time.monotonic() + 10
-        while not waiting_for_a_lock(holder):  # its skips are over: its batch waits for the row
+        while not waiting_for_a_lock(migrated_dsn):  # its skips are over: its batch waits for the row
             assert time.monotonic() < deadline and not held.done()
             await asyncio.sleep(0.01)
         for pid in ("free-1", "free-2"):  # two batches, one after the other, while it waits
