@@ -118,14 +118,9 @@ def get_int(option: str) -> int:
 
 
 def get_bool(option: str) -> bool:
-    """An option of the ``[arroyo]`` section as a bool (``True``/``False``, as Airflow spells them; also 1/0,
-    yes/no, on/off); anything else is a :class:`ValueError` naming the option."""
-    value = get(option).strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"[{SECTION}] {option} = {get(option)!r}: use True or False")
+    """An option of the ``[arroyo]`` section as a bool, read as Airflow reads booleans (``conf.getboolean``:
+    a value it cannot read raises its ``AirflowConfigException``, naming the option)."""
+    return bool(_conf().getboolean(SECTION, option, fallback=OPTIONS[option].default.lower() == "true"))
 
 
 def get_float(option: str) -> float:

@@ -36,7 +36,7 @@ interleave the modes):
   per triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``; ticks waiting for a lock still
   go alone beside them);
 * ``new-gc`` (not run by default): the new path without freezing the process's objects out of Python's
-  cyclic garbage collector when the first trigger runs (``checkpoint.FREEZE_GC``).
+  cyclic garbage collector when the first trigger runs (``[arroyo] triggerer_freeze_gc``).
 
 The measurement window is the parent's, common to a mode's processes: ``--warmup`` seconds after
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
@@ -180,7 +180,7 @@ class Variant:
     listen: bool  # woken by the database when an epoch ends (False: poll)
     follower_skips: int = 0  # FOLLOWER_SKIPS: HA followers skip ticks of the starts they heard (0: never)
     batches: int = 1  # _coalesce.MAX_CONCURRENT: batches of a triggerer in the database at once
-    freeze_gc: bool = True  # checkpoint.FREEZE_GC: gc.freeze() when the first trigger runs
+    freeze_gc: bool = True  # [arroyo] triggerer_freeze_gc: gc.freeze() when the first trigger runs
 
 
 OLD = Variant("old", coalesce=False, listen=False, freeze_gc=False)  # as first shipped
@@ -338,7 +338,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     trigger_module.WAKE_ON_NOTIFY = variant.listen
     trigger_module.FOLLOWER_SKIPS = variant.follower_skips
     _coalesce.MAX_CONCURRENT = variant.batches
-    trigger_module.FREEZE_GC = variant.freeze_gc
+    os.environ["AIRFLOW__ARROYO__TRIGGERER_FREEZE_GC"] = str(variant.freeze_gc)
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
     admin = hook_module.ArroyoHook().get_store()  # the same process-wide store the triggers use

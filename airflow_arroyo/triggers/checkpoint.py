@@ -88,9 +88,8 @@ WAKE_ON_NOTIFY = True
 # a full collection scanned them all every 20-30 s at 1000 triggers and stopped the event loop for
 # 140-470 ms each time, which made a burst of late epochs (docs/controller.md "Load"). Objects
 # freed by reference counting still are; only cycles among the frozen objects would stay in memory.
-# ``benchmarks/trigger_load.py --paths new,new-gc`` compares. ``[arroyo] triggerer_freeze_gc = False`` (or this
-# constant) leaves the process's collector alone.
-FREEZE_GC = True
+# ``[arroyo] triggerer_freeze_gc = False`` leaves the process's collector alone;
+# ``benchmarks/trigger_load.py --paths new,new-gc`` compares.
 _gc_frozen = False
 
 
@@ -101,10 +100,10 @@ def _freeze_gc_once() -> None:
     _gc_frozen = True
     try:
         wanted = config.get_bool("triggerer_freeze_gc")
-    except ValueError as exc:  # a performance setting: never a reason to stop checkpointing
+    except Exception as exc:  # noqa: BLE001 - Airflow's config error; a performance setting never stops checkpoints
         logging.getLogger(__name__).warning("%s; freezing the garbage collector's old objects, the default", exc)
         wanted = True
-    if FREEZE_GC and wanted:
+    if wanted:
         gc.collect()  # once: what is garbage now is not frozen
         gc.freeze()
 
