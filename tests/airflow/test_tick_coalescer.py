@@ -19,15 +19,27 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import psycopg2
 import pytest
 
 from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, TriggerAction
+from airflow_arroyo.epochs import (
+    CheckpointPolicy,
+    EpochState,
+    PipelineState,
+    TriggerAction,
+    TriggerDecision,
+    schedule_phase,
+    schedule_point_after,
+)
 from airflow_arroyo.metrics import slowest_alignment
-from airflow_arroyo.store import EpochStore, TickRequest, TickResult, _coalesce
+from airflow_arroyo.store import EpochRecord, EpochStore, TickReport, TickRequest, TickResult, _coalesce
 from airflow_arroyo.store._coalesce import TickCoalescer
+from airflow_arroyo.triggers import checkpoint as trigger_module
+from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
 from tests.support import running
 
 pytestmark = pytest.mark.timeout(60)
@@ -251,13 +263,6 @@ async def test_a_copy_that_lost_the_race_follows_the_schedule_a_little_later_unt
     after each epoch is due (the leader has started it by then: no race for the row); it leads again as
     soon as it starts one itself. An epoch already in flight at the first tick (before a restart) does
     not make a follower. Pure: the ticks are made up, their reports carry the in-flight epochs."""
-    from dataclasses import replace
-    from datetime import UTC, datetime, timedelta
-
-    from airflow_arroyo.epochs import PipelineState, TriggerDecision, schedule_phase, schedule_point_after
-    from airflow_arroyo.store import EpochRecord, TickReport
-    from airflow_arroyo.triggers import checkpoint as trigger_module
-    from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
 
     class Stats:
         def timing(self, *args: object, **kwargs: object) -> None: ...
@@ -312,12 +317,6 @@ def test_a_follower_skips_only_for_a_start_heard_from_its_due_instant_and_not_ac
     well before the due instant (a manual checkpoint) is not the leader's; a pipeline change or a failed step
     since the last tick means a tick; at most ``FOLLOWER_SKIPS`` in a row; a wait cut short by ``poll`` (an
     interval longer than it) is never followed by a skip."""
-    import time
-    from datetime import UTC, datetime, timedelta
-
-    from airflow_arroyo.epochs import PipelineState, TriggerDecision
-    from airflow_arroyo.triggers import checkpoint as trigger_module
-    from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
 
     class Heard:
         live = True
