@@ -200,14 +200,26 @@ class FileSystem:
         """All files (not directories) below ``path``, recursively, sorted by path."""
         return [e for e in self._list(path, recursive=True) if not e.is_dir]
 
+    #: Listings of a tree in which a folder vanished while it was listed (another process finishing a write:
+    #: Spark's job commit deletes its ``_temporary`` folder) are taken again, at most this many times.
+    LIST_ATTEMPTS = 10
+
     def _list(self, path: str, *, recursive: bool) -> list[FileEntry]:
         selector = pafs.FileSelector(self._abs(path), allow_not_found=True, recursive=recursive)
-        try:
-            infos = self._fs.get_file_info(selector)
-        except FileNotFoundError:
-            return []
-        except NotADirectoryError:
-            return []
+        for attempt in range(1, self.LIST_ATTEMPTS + 1):
+            try:
+                infos = self._fs.get_file_info(selector)
+                break
+            except NotADirectoryError:
+                return []
+            except FileNotFoundError:
+                # ``allow_not_found`` covers the folder itself; this is a folder below it (or the folder)
+                # deleted during the listing. An empty answer here would be a lie (the files around it still
+                # exist): list again, and only a folder that is gone itself lists as empty.
+                if not self.is_dir(path):
+                    return []
+                if attempt == self.LIST_ATTEMPTS:
+                    raise
         prefix = self._abs("")
         out = []
         for info in infos:

@@ -70,6 +70,7 @@ from pyspark.sql.streaming.datasource import (
 
 from airflow_arroyo.epochs import CheckpointPolicy
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.sources import register_data_source
 
@@ -452,9 +453,17 @@ def run_until(driver: Any, store: Any, done: Callable[[], bool], *, what: str, e
 
 
 def committed_rows(path: Any) -> list[tuple[Any, ...]]:
-    """What a reader of a file sink's Parquet folder sees, sorted (pyarrow skips '_arroyo_sink', where
-    pending batches wait)."""
+    """What a reader of a file sink's Parquet folder sees, sorted: its files outside hidden folders and
+    files (as pyarrow's dataset discovery skips ``_`` and ``.`` names: '_arroyo_sink', where pending batches
+    wait while Spark writes them). Listed with :meth:`FileSystem.list_files`, which lists again when a
+    folder vanishes during the listing (Spark's job commit deleting ``_temporary``), as pyarrow's own
+    discovery does not."""
     if not os.path.exists(path):
         return []
-    table = ds.dataset(str(path), format="parquet").to_table()
+    fs = FileSystem.from_uri(str(path))
+    files = [fs.arrow_path(e.path) for e in fs.list_files()
+             if not any(part.startswith(("_", ".")) for part in e.path.split("/"))]
+    if not files:
+        return []
+    table = ds.dataset(files, format="parquet", filesystem=fs.arrow_fs).to_table()
     return sorted(tuple(r.values()) for r in table.to_pylist())

@@ -6,7 +6,9 @@ import multiprocessing as mp
 import pickle
 import uuid
 from pathlib import Path
+from typing import Any
 
+import pyarrow.fs as pafs
 import pytest
 
 from airflow_arroyo.exceptions import ConfigurationError
@@ -159,3 +161,37 @@ def test_atomic_write_is_never_seen_partial(tmp_path: Path) -> None:
     writer.join(timeout=60)
     assert writer.exitcode == 0
     assert [e.name for e in fs.list_dir("")] == ["value"]
+
+
+
+class _VanishingFolder:
+    """A pyarrow file system whose recursive listings fail ``fails`` times as pyarrow's local one does when a
+    folder below vanishes while it is listed (another process's job commit deleting ``_temporary``)."""
+
+    def __init__(self, real: Any, fails: int) -> None:
+        self.real, self.fails = real, fails
+
+    def get_file_info(self, what: Any) -> Any:
+        if isinstance(what, pafs.FileSelector) and what.recursive and self.fails:
+            self.fails -= 1
+            raise FileNotFoundError(f"[Errno 2] Cannot list directory '{what.base_dir}/_temporary/0/_temporary'")
+        return self.real.get_file_info(what)
+
+
+@pytest.mark.parametrize("fails", [1, FileSystem.LIST_ATTEMPTS])
+def test_a_folder_vanishing_below_a_listing_is_listed_again_never_answered_empty(tmp_path: Path, fails: int) -> None:
+    """A sink's commit lists its folder while Spark writes the next batch below it: a listing that met a
+    vanishing folder was answered with an empty list, and the commit wrote manifests naming no files. It is
+    taken again; a folder that keeps failing raises, and a folder that is itself gone lists as empty."""
+    real = FileSystem.from_uri(str(tmp_path))
+    files = {f"data/part-{i}.parquet" for i in range(3)}
+    for name in files:
+        real.write_bytes_atomic(name, b"x")
+    flaky = FileSystem(real.uri, _VanishingFolder(real.arrow_fs, fails), real.arrow_path(""))
+    if fails < FileSystem.LIST_ATTEMPTS:
+        assert {e.path for e in flaky.list_files()} == files
+    else:
+        with pytest.raises(FileNotFoundError, match="Cannot list directory"):
+            flaky.list_files()
+    gone = FileSystem(real.uri, _VanishingFolder(real.arrow_fs, 1), real.arrow_path("missing"))
+    assert gone.list_files() == []
