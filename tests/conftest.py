@@ -134,9 +134,14 @@ def airflow_db() -> str:
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
+    from airflow_arroyo.jvm import local_file_system_conf
+
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
+    builder = SparkSession.builder
+    for key, value in local_file_system_conf().items():  # as the driver builds a local session
+        builder = builder.config(key, value)
     session = (
-        SparkSession.builder.master("local[2]")
+        builder.master("local[2]")
         .appName("airflow-arroyo-tests")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.default.parallelism", "2")

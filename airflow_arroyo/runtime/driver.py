@@ -55,6 +55,7 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
+from airflow_arroyo.jvm import local_file_system_conf
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     EpochFacts,
@@ -1106,8 +1107,11 @@ def main(argv: list[str] | None = None) -> int:
         builder = SparkSession.builder.appName(f"arroyo-{pipeline.pipeline_id}")
         if args.master:
             builder = builder.master(args.master)
-        for k, v in _kv(args.conf, "--conf").items():
-            builder = builder.config(k, str(v))
+        confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
+        if str(args.master or "").startswith("local"):  # the jar's path exists where the whole session runs
+            confs.update(local_file_system_conf(confs))
+        for k, v in confs.items():
+            builder = builder.config(k, v)
         spark = builder.getOrCreate()
     driver = PipelineDriver(pipeline, store, storage_uri=args.storage_uri, checkpoint_uri=args.checkpoint_uri,
                             run_id=args.run_id,

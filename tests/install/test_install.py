@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,9 @@ def test_wheel_installs_into_the_previous_airflow_minor_without_constraints(tmp_
     # sdist first, then the wheel from it (uv build's default): also proves the sdist is complete
     _run([*uv, "build", "-q", "--out-dir", str(dist), str(source)])
     wheel = next(dist.glob("airflow_arroyo-*.whl"))
+    with zipfile.ZipFile(wheel) as whl:  # the provider's jar (airflow_arroyo.jvm) and its sources ship
+        assert {"airflow_arroyo/jvm/airflow-arroyo-hadoop.jar",
+                "airflow_arroyo/jvm/src/airflow/arroyo/hadoop/NioRawLocalFileSystem.java"} <= set(whl.namelist())
 
     venv = tmp_path / "venv"
     _run([*uv, "venv", "-q", "--python", python, str(venv)])

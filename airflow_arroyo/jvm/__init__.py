@@ -1,0 +1,92 @@
+"""The provider's JVM side: one small jar, ``airflow-arroyo-hadoop.jar``, built from ``src/`` (Java).
+
+It holds Hadoop's local file system (``file:``) without its ``chmod`` processes: Hadoop's
+``RawLocalFileSystem`` sets the permission of every file and folder it creates with a permission (every
+checkpoint file Spark writes: ``offsets/b``, ``commits/b``, state ``.delta`` files, and their ``.crc``) through
+libhadoop, and where that native library is missing, as in the pip ``pyspark``, by starting a ``chmod``
+process from the JVM. A streaming pipeline on a local disk started ~90 of them a second, ~5 ms of CPU each
+(docs/runtime.md, "Channel hops"). ``airflow.arroyo.hadoop.NioLocalFileSystem`` is Hadoop's
+``LocalFileSystem`` (checksummed, as ``file:`` is by default) whose raw file system sets the same bits
+through ``java.nio``: the same files and modes, no process.
+
+A session uses it when its JVM starts with the jar on the class path and ``spark.hadoop.fs.file.impl`` naming
+the class: :func:`local_file_system_conf`. The driver applies it to sessions it builds for a ``local`` master,
+and a local-master ``spark-submit`` gets it from the operator; elsewhere it is the user's choice
+(docs/clusters.md), since the jar's path must exist on every node.
+
+``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
+Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/`` compiles to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "local_file_system_conf"]
+
+JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
+SOURCES = Path(__file__).with_name("src")
+LOCAL_FILE_SYSTEM = "airflow.arroyo.hadoop.NioLocalFileSystem"
+FS_IMPL_CONF = "spark.hadoop.fs.file.impl"
+_CLASS_PATHS = ("spark.driver.extraClassPath", "spark.executor.extraClassPath")
+#: zip entries' time (the zip format's earliest): the jar's bytes depend on the classes only
+_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Spark confs that make a session about to start read and write ``file:`` paths through
+    :data:`LOCAL_FILE_SYSTEM`, merged with ``conf`` (the user's class paths are kept, the jar after them).
+
+    Empty when ``conf`` already names a ``file:`` implementation (the user's choice stands) or the jar is
+    missing (an incomplete install: Hadoop's own file system, as without this module). Only for a JVM that
+    starts with these confs: a running session's class path does not change."""
+    given = dict(conf or {})
+    if FS_IMPL_CONF in given or not JAR.is_file():
+        return {}
+    out = {FS_IMPL_CONF: LOCAL_FILE_SYSTEM}
+    for key in _CLASS_PATHS:
+        out[key] = os.pathsep.join(filter(None, [given.get(key), str(JAR)]))
+    return out
+
+
+def hadoop_jars() -> list[Path]:
+    """The Hadoop client jars of the installed pyspark (what the classes compile against)."""
+    import pyspark
+
+    home = os.environ.get("SPARK_HOME")
+    folders = [Path(pyspark.__file__).parent / "jars", *([Path(home) / "jars"] if home else [])]
+    for folder in folders:
+        jars = sorted(folder.glob("hadoop-client-*.jar"))
+        if jars:
+            return jars
+    raise FileNotFoundError(f"no hadoop-client jars in {', '.join(map(str, folders))}: install pyspark")
+
+
+def compile_classes(out: Path) -> dict[str, bytes]:
+    """Compile :data:`SOURCES` into ``out``; the class files by their path inside the jar."""
+    javac = shutil.which("javac")
+    if javac is None:
+        raise FileNotFoundError("javac not found: building the jar needs a JDK (17 or newer)")
+    sources = sorted(str(p) for p in SOURCES.rglob("*.java"))
+    classpath = os.pathsep.join(str(j) for j in hadoop_jars())
+    subprocess.run([javac, "--release", "17", "-nowarn", "-cp", classpath, "-d", str(out), *sources],
+                   check=True)
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*.class"))}
+
+
+def build_jar(target: Path = JAR) -> Path:
+    """Compile the sources and write the jar, its entries in a fixed order with a fixed time."""
+    with tempfile.TemporaryDirectory(prefix="arroyo-jvm-") as tmp:
+        classes = compile_classes(Path(tmp))
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as jar:
+        entries = {"META-INF/MANIFEST.MF": b"Manifest-Version: 1.0\r\nCreated-By: airflow-arroyo\r\n\r\n",
+                   **classes}
+        for name, data in entries.items():
+            jar.writestr(zipfile.ZipInfo(name, _EPOCH), data)
+    return target

@@ -1,0 +1,124 @@
+"""The provider's jar (``airflow_arroyo.jvm``): it holds what its Java sources compile to; sessions the
+provider starts for a local master use it; and its ``file:`` file system creates the same files with the same
+modes as Hadoop's, fails on a missing file with an IOException naming it as Hadoop's does, and starts no
+process (real Spark, real Hadoop classes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from py4j.protocol import Py4JJavaError
+
+from airflow_arroyo.hooks.spark_deploy import ClusterManager, DeployTarget, plan_submit
+from airflow_arroyo.jvm import FS_IMPL_CONF, JAR, LOCAL_FILE_SYSTEM, compile_classes, local_file_system_conf
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.mark.skipif(shutil.which("javac") is None, reason="needs a JDK's javac")
+def test_the_committed_jar_holds_what_the_sources_compile_to(tmp_path: Path) -> None:
+    classes = compile_classes(tmp_path)
+    with zipfile.ZipFile(JAR) as jar:
+        held = {name: jar.read(name) for name in jar.namelist() if name.endswith(".class")}
+    assert held == classes, "rebuild the jar: python -m airflow_arroyo.jvm"
+    assert f"{LOCAL_FILE_SYSTEM.replace('.', '/')}.class" in held
+
+
+def test_the_conf_puts_the_jar_after_the_users_class_path_and_leaves_a_chosen_file_system() -> None:
+    conf = local_file_system_conf({"spark.driver.extraClassPath": "/opt/mine.jar"})
+    assert conf[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM
+    assert conf["spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
+    assert conf["spark.executor.extraClassPath"] == str(JAR)
+    assert local_file_system_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.RawLocalFileSystem"}) == {}
+
+
+def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not() -> None:
+    local = plan_submit(DeployTarget.of("local[2]", None), dsn="postgresql://x", driver_application="d.py")
+    assert local.conf[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM and str(JAR) in local.conf["spark.driver.extraClassPath"]
+    standalone = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x",
+                             driver_application="d.py")
+    assert FS_IMPL_CONF not in standalone.conf
+    assert DeployTarget.of("spark://h:7077", "client").manager is ClusterManager.STANDALONE
+
+
+def _fs(spark: Any, raw: bool, ours: bool) -> Any:
+    jvm = spark.sparkContext._jvm
+    hadoop = jvm.org.apache.hadoop
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    if ours:
+        mine = jvm.airflow.arroyo.hadoop
+        fs = mine.NioRawLocalFileSystem() if raw else mine.NioLocalFileSystem()
+    else:
+        fs = hadoop.fs.RawLocalFileSystem() if raw else hadoop.fs.LocalFileSystem()
+    fs.initialize(jvm.java.net.URI.create("file:///"), conf)
+    return fs
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in sorted(root.rglob("*"))}
+
+
+def test_the_sessions_file_system_is_the_providers(spark: Any, tmp_path: Path) -> None:
+    jvm = spark.sparkContext._jvm
+    fs = jvm.org.apache.hadoop.fs.Path(f"file://{tmp_path}").getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    assert fs.getClass().getName() == LOCAL_FILE_SYSTEM
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "checksummed"])
+def test_it_writes_what_hadoops_writes_with_the_same_modes(spark: Any, tmp_path: Path, raw: bool) -> None:
+    jvm = spark.sparkContext._jvm
+    hadoop = jvm.org.apache.hadoop
+    perm = hadoop.fs.permission.FsPermission
+    trees = {}
+    for ours in (False, True):
+        fs = _fs(spark, raw, ours)
+        root = tmp_path / ("ours" if ours else "hadoops")
+        base = f"file://{root}"
+        assert fs.mkdirs(hadoop.fs.Path(f"{base}/a/b"), perm.createImmutable(0o750))
+        for name, mode in (("f640", 0o640), ("f755", 0o755), ("f600", 0o600)):
+            out = fs.create(hadoop.fs.Path(f"{base}/a/b/{name}"), perm.createImmutable(mode), True, 4096, 1,
+                            1 << 20, None)
+            out.write(bytearray(b"x" * 100))
+            out.close()
+        fs.setPermission(hadoop.fs.Path(f"{base}/a/b/f600"), perm.createImmutable(0o604))
+        with pytest.raises(Py4JJavaError) as missing:  # Hadoop's: chmod's exit status; ours: FileNotFoundException
+            fs.setPermission(hadoop.fs.Path(f"{base}/missing"), perm.createImmutable(0o644))
+        assert jvm.java.lang.Class.forName("java.io.IOException").isInstance(missing.value.java_exception)
+        assert f"{root.name}/missing" in str(missing.value.java_exception.getMessage())
+        trees[ours] = _modes(root)
+    assert trees[True] == trees[False]
+    assert trees[True]["a/b/f600"] == 0o604
+    assert any(name.endswith(".crc") for name in trees[True]) is not raw  # the checksummed one writes .crc files
+
+
+def test_it_starts_no_process(spark: Any, tmp_path: Path) -> None:
+    """Hadoop's own starts a chmod per permission set here (no libhadoop in the pip pyspark); the provider's
+    starts none: counted in /proc/stat, which counts every process started on the machine (other processes
+    may start some meanwhile, never hundreds)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("counts processes in /proc/stat")
+    hadoop = spark.sparkContext._jvm.org.apache.hadoop
+    path = hadoop.fs.Path(f"file://{tmp_path}/f")
+    (tmp_path / "f").write_text("x")
+    perm = hadoop.fs.permission.FsPermission.createImmutable(0o640)
+
+    def started(fs: Any) -> int:
+        before = _processes_started()
+        for _ in range(200):
+            fs.setPermission(path, perm)
+        return _processes_started() - before
+
+    assert started(_fs(spark, True, ours=False)) >= 200
+    assert started(_fs(spark, True, ours=True)) < 50
+
+
+def _processes_started() -> int:
+    with open("/proc/stat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("processes "))
