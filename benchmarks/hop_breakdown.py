@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 from latency import Product
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+from airflow_arroyo.jvm import local_file_system_conf
 from airflow_arroyo.runtime import channel as channel_mod
 from airflow_arroyo.runtime import stage as stage_mod
 from airflow_arroyo.runtime.channel import Channel, EntryKind
@@ -259,6 +260,12 @@ def tree_cpu_seconds() -> float:
     return sum(ticks.get(p, 0) for p in mine) / os.sysconf("SC_CLK_TCK")
 
 
+def processes_started() -> int:
+    """Processes started on the machine since boot (``/proc/stat``): the JVM's ``chmod`` processes show here."""
+    with open("/proc/stat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("processes "))
+
+
 def cpu_percent(since: tuple[float, float]) -> float:
     """CPU used by this run's processes since ``since`` (wall, CPU seconds), as a share of one core."""
     wall, cpu = since
@@ -275,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trigger-interval", type=float, default=None,
                         help="seconds between micro-batch starts of every stage (default: the stages' default, "
                              f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g} s; 0 = as fast as possible)")
+    parser.add_argument("--boundary", action="store_true",
+                        help="the latency benchmark's boundary form instead: the pipeline fused, one channel left "
+                             "before the sink (two queries)")
+    parser.add_argument("--hadoop-local-fs", action="store_true",
+                        help="Hadoop's own file: file system (chmod processes) instead of the provider's, "
+                             "as before airflow_arroyo.jvm")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from pyspark.sql import SparkSession
@@ -283,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.memory", "2g").config("spark.sql.streaming.numRecentProgressUpdates", "2000"))
-    for kv in args.conf:
-        k, _, v = kv.partition("=")
+    confs = dict(kv.partition("=")[::2] for kv in args.conf)
+    if not args.hadoop_local_fs:
+        confs.update(local_file_system_conf(confs))  # as the driver builds a local session
+    for k, v in confs.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -294,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-hops-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()
-        product = Product(spark, store, args.rate, Path(tmp), args.interval, chaining=False)
+        product = Product(spark, store, args.rate, Path(tmp), args.interval, chaining=args.boundary,
+                          boundary=args.boundary)
         try:
             time.sleep(args.warmup)
             with _lock:
@@ -302,14 +318,18 @@ def main(argv: list[str] | None = None) -> int:
             since = time.time()
             start = time.monotonic()
             cpu0 = (time.monotonic(), tree_cpu_seconds())
+            forks0 = processes_started()
             time.sleep(args.duration)
-            rows, hist = product.recorder.window(start, time.monotonic())
+            forks = (processes_started() - forks0) / args.duration
+            rows, hist, delivered = product.recorder.window(start, time.monotonic())
             from latency import percentile
 
-            print(f"unfused, rate {args.rate}/s per source, {args.duration:g} s measured: {rows / args.duration:.0f} "
-                  f"rows/s, latency p50 {percentile(hist, 0.5):.2f} s, p99 {percentile(hist, 0.99):.2f} s; "
+            print(f"{'boundary' if args.boundary else 'unfused'}, rate {args.rate}/s per source, {args.duration:g} s "
+                  f"measured: {rows / args.duration:.0f} rows/s, latency at the sink's call p50 "
+                  f"{percentile(hist, 0.5):.2f} s, p99 {percentile(hist, 0.99):.2f} s, delivered p50 "
+                  f"{percentile(delivered, 0.5):.2f} s; "
                   f"load average {os.getloadavg()[0]:.1f}; this run's processes used {cpu_percent(cpu0):.0f} % "
-                  "of one core")
+                  f"of one core; processes started on the machine: {forks:.0f} a second")
             analyse(product, since)
         finally:
             product.stop()
