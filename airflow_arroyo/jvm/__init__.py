@@ -28,7 +28,8 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "local_file_system_conf"]
+__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "compile_classes", "hadoop_jars",
+           "local_file_system_conf"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")

@@ -218,8 +218,8 @@ class StageRunner:
         if (self.layout.checkpoint_fs.is_local and CHECKPOINT_FILE_MANAGER_CONF not in confs
                 and spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None):
             # a checkpoint on a local disk: Spark's FileSystem-based writer, which starts 2 processes per file
-            # where the default starts 10 (spark_checkpoint.local_checkpoint_file_manager); a manager the
-            # session or the stage names wins
+            # where the default starts 10 (spark_checkpoint.local_checkpoint_file_manager), none on the
+            # provider's file: file system (airflow_arroyo.jvm); a manager the session or the stage names wins
             manager = local_checkpoint_file_manager(spark)
             if manager is not None:
                 confs[CHECKPOINT_FILE_MANAGER_CONF] = manager
