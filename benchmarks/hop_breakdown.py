@@ -15,6 +15,10 @@ process, with an epoch every ``--interval`` seconds, and times, in the driver pr
   started (split into "the reader was busy in a batch" and "the reader was idle until its next trigger"),
   and how long that batch then took until it had appended its own output (or, for the sink, ended).
 
+``--boundary`` runs the benchmark's boundary form instead (the pipeline fused, one channel left before the
+sink: two queries). Also prints the processes the machine started per second (``/proc/stat``: Hadoop's
+``chmod`` processes show there; ``--hadoop-local-fs`` runs without the provider's ``file:`` file system).
+
 Prints medians. ``python benchmarks/hop_breakdown.py --rate 2000 --warmup 15 --duration 30``.
 """
 
