@@ -214,8 +214,9 @@ class FileSystem:
                 return []
             except FileNotFoundError:
                 # ``allow_not_found`` covers the folder itself; this is a folder below it (or the folder)
-                # deleted during the listing. An empty answer here would be a lie (the files around it still
-                # exist): list again, and only a folder that is gone itself lists as empty.
+                # deleted during the listing (pyarrow's dataset discovery raised so; its local listing with
+                # ``allow_not_found`` did not in our tries). An empty answer would be a lie (the files around
+                # it still exist): list again, and only a folder that is gone itself lists as empty.
                 if not self.is_dir(path):
                     return []
                 if attempt == self.LIST_ATTEMPTS:

@@ -4,10 +4,14 @@ It holds Hadoop's local file system (``file:``) without its ``chmod`` processes:
 ``RawLocalFileSystem`` sets the permission of every file and folder it creates with a permission (every
 checkpoint file Spark writes: ``offsets/b``, ``commits/b``, state ``.delta`` files, and their ``.crc``) through
 libhadoop, and where that native library is missing, as in the pip ``pyspark``, by starting a ``chmod``
-process from the JVM. A streaming pipeline on a local disk started ~90 of them a second, ~5 ms of CPU each
-(docs/runtime.md, "Channel hops"). ``airflow.arroyo.hadoop.NioLocalFileSystem`` is Hadoop's
+process from the JVM. A two-query pipeline on a local disk started ~100 of them a second (108 measured), ~5 ms
+of CPU each (docs/runtime.md, "Channel hops"). ``airflow.arroyo.hadoop.NioLocalFileSystem`` is Hadoop's
 ``LocalFileSystem`` (checksummed, as ``file:`` is by default) whose raw file system sets the same bits
-through ``java.nio``: the same files and modes, no process.
+through ``java.nio``: the same files and modes, no process. Files with a setuid or setgid bit still go
+Hadoop's way (``chmod`` keeps a folder's setgid bit, ``java.nio`` clears it), as does the sticky bit. Spark's
+default checkpoint file manager writes through Hadoop's ``FileContext``, whose local file system is Hadoop's
+own: a stage's query switches to the ``FileSystem`` manager (``runtime/spark_checkpoint.py``); a user's own
+query on the session keeps its processes.
 
 A session uses it when its JVM starts with the jar on the class path and ``spark.hadoop.fs.file.impl`` naming
 the class: :func:`local_file_system_conf`. The driver applies it to sessions it builds for a ``local`` master,
@@ -29,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "compile_classes", "hadoop_jars",
-           "local_file_system_conf"]
+           "local_file_system_conf", "spark_defaults"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -42,18 +46,39 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)
 
 def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The Spark confs that make a session about to start read and write ``file:`` paths through
-    :data:`LOCAL_FILE_SYSTEM`, merged with ``conf`` (the user's class paths are kept, the jar after them).
+    :data:`LOCAL_FILE_SYSTEM`, merged with ``conf`` and the ``spark-defaults.conf`` spark-submit would read
+    (the user's class paths are kept, the jar after them: a ``--conf`` replaces the defaults file's value).
 
-    Empty when ``conf`` already names a ``file:`` implementation (the user's choice stands) or the jar is
+    Empty when either already names a ``file:`` implementation (the user's choice stands) or the jar is
     missing (an incomplete install: Hadoop's own file system, as without this module). Only for a JVM that
     starts with these confs: a running session's class path does not change."""
-    given = dict(conf or {})
+    given = {**spark_defaults(), **(conf or {})}
     if FS_IMPL_CONF in given or not JAR.is_file():
         return {}
     out = {FS_IMPL_CONF: LOCAL_FILE_SYSTEM}
     for key in _CLASS_PATHS:
         out[key] = os.pathsep.join(filter(None, [given.get(key), str(JAR)]))
     return out
+
+
+def spark_defaults() -> dict[str, str]:
+    """The properties of the ``spark-defaults.conf`` spark-submit reads (``$SPARK_CONF_DIR``, else
+    ``$SPARK_HOME/conf``, else the installed pyspark's ``conf``); empty without one."""
+    import importlib.util
+
+    folders = [os.environ.get("SPARK_CONF_DIR"),
+               os.path.join(os.environ["SPARK_HOME"], "conf") if os.environ.get("SPARK_HOME") else None]
+    spec = importlib.util.find_spec("pyspark")
+    if spec is not None and spec.origin:
+        folders.append(os.path.join(os.path.dirname(spec.origin), "conf"))
+    for folder in filter(None, folders):
+        path = Path(folder, "spark-defaults.conf")
+        if path.is_file():
+            pairs = (line.strip().split(None, 1) for line in path.read_text().splitlines())
+            return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs if p and not p[0].startswith("#")}
+        if folder == os.environ.get("SPARK_CONF_DIR"):
+            return {}  # spark-submit reads this folder only
+    return {}
 
 
 def hadoop_jars() -> list[Path]:

@@ -476,6 +476,11 @@ class SubmitPipelineOperator(BaseOperator):
             **self.spark_submit_kwargs,
         )
         target = DeployTarget.from_hook(hook)
+        if hook._driver_class_path:
+            # --driver-class-path IS spark.driver.extraClassPath, and the hook writes it after the --confs (so it
+            # wins): one conf value instead, which the plan may extend (the provider's jar, local masters)
+            conf["spark.driver.extraClassPath"] = hook._driver_class_path
+            hook._driver_class_path = None
         if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:
             secret_dir = tempfile.mkdtemp(prefix="arroyo-submit-")  # 0700: only this user reads the DSN file
         plan = plan_submit(

@@ -74,6 +74,23 @@ def test_standalone_client_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _confs(command)["spark.pyspark.driver.python"] == sys.executable
 
 
+def test_a_driver_class_path_stays_with_the_providers_jar_on_a_local_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--driver-class-path is spark.driver.extraClassPath and the hook writes it after the --confs: it would
+    drop the provider's jar while fs.file.impl names its class. It travels as the conf, the jar after it."""
+    from airflow_arroyo.jvm import FS_IMPL_CONF, JAR, LOCAL_FILE_SYSTEM
+
+    conn = _conn(monkeypatch, "spark_local", "local[2]")
+    command, *_ = _op(conn, spark_submit_kwargs={"driver_class_path": "/opt/mine.jar"}).build_spark_submit(
+        "r1", None, DSN)
+    assert "--driver-class-path" not in command
+    assert _confs(command)["spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
+    assert _confs(command)[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM
+    conn = _conn(monkeypatch, "spark_sa", "spark://10.0.0.5:7077")
+    command, *_ = _op(conn, spark_submit_kwargs={"driver_class_path": "/opt/mine.jar"}).build_spark_submit(
+        "r1", None, DSN)
+    assert _confs(command)["spark.driver.extraClassPath"] == "/opt/mine.jar" and FS_IMPL_CONF not in _confs(command)
+
+
 def test_yarn_client_mode_keeps_the_dsn_off_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The provider sends env_vars to YARN as spark.yarn.appMasterEnv.* --conf values: the DSN must not
     go that way (the driver runs here in client mode)."""

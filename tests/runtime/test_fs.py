@@ -181,8 +181,9 @@ class _VanishingFolder:
 @pytest.mark.parametrize("fails", [1, FileSystem.LIST_ATTEMPTS])
 def test_a_folder_vanishing_below_a_listing_is_listed_again_never_answered_empty(tmp_path: Path, fails: int) -> None:
     """A sink's commit lists its folder while Spark writes the next batch below it: a listing that met a
-    vanishing folder was answered with an empty list, and the commit wrote manifests naming no files. It is
-    taken again; a folder that keeps failing raises, and a folder that is itself gone lists as empty."""
+    vanishing folder (as pyarrow raises it) was answered with an empty list, from which the commit would write
+    manifests naming no files. It is taken again (this fails on the old code); a folder that keeps failing
+    raises, and a folder that is itself gone lists as empty."""
     real = FileSystem.from_uri(str(tmp_path))
     files = {f"data/part-{i}.parquet" for i in range(3)}
     for name in files:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -22,7 +23,15 @@ from airflow_arroyo.jvm import FS_IMPL_CONF, JAR, LOCAL_FILE_SYSTEM, compile_cla
 pytestmark = pytest.mark.spark
 
 
-@pytest.mark.skipif(shutil.which("javac") is None, reason="needs a JDK's javac")
+def _javac_major() -> int | None:
+    javac = shutil.which("javac")
+    if javac is None:
+        return None
+    out = subprocess.run([javac, "-version"], capture_output=True, text=True, check=True)
+    return int((out.stdout or out.stderr).split()[1].split(".")[0])
+
+
+@pytest.mark.skipif(_javac_major() != 17, reason="the jar is built with JDK 17's javac (others emit other bytes)")
 def test_the_committed_jar_holds_what_the_sources_compile_to(tmp_path: Path) -> None:
     classes = compile_classes(tmp_path)
     with zipfile.ZipFile(JAR) as jar:
@@ -37,6 +46,19 @@ def test_the_conf_puts_the_jar_after_the_users_class_path_and_leaves_a_chosen_fi
     assert conf["spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
     assert conf["spark.executor.extraClassPath"] == str(JAR)
     assert local_file_system_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.RawLocalFileSystem"}) == {}
+
+
+def test_a_class_path_or_file_system_in_spark_defaults_is_kept(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """spark-submit reads spark-defaults.conf, and a --conf replaces what it says: the defaults' class path
+    is kept before the jar, and a file: implementation named there stands (nothing is added)."""
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))
+    (tmp_path / "spark-defaults.conf").write_text("# site\nspark.driver.extraClassPath   /opt/jdbc.jar\n")
+    conf = local_file_system_conf()
+    assert conf["spark.driver.extraClassPath"] == f"/opt/jdbc.jar{os.pathsep}{JAR}"
+    assert conf["spark.executor.extraClassPath"] == str(JAR)
+    (tmp_path / "spark-defaults.conf").write_text(f"{FS_IMPL_CONF}\torg.apache.hadoop.fs.RawLocalFileSystem\n")
+    assert local_file_system_conf() == {}
 
 
 def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not() -> None:
@@ -88,6 +110,9 @@ def test_it_writes_what_hadoops_writes_with_the_same_modes(spark: Any, tmp_path:
             out.write(bytearray(b"x" * 100))
             out.close()
         fs.setPermission(hadoop.fs.Path(f"{base}/a/b/f600"), perm.createImmutable(0o604))
+        (root / "a" / "g").mkdir()
+        os.chmod(root / "a" / "g", 0o2755)  # a group-shared folder: what is made below it inherits setgid
+        assert fs.mkdirs(hadoop.fs.Path(f"{base}/a/g/sub"), perm.createImmutable(0o750))
         with pytest.raises(Py4JJavaError) as missing:  # Hadoop's: chmod's exit status; ours: FileNotFoundException
             fs.setPermission(hadoop.fs.Path(f"{base}/missing"), perm.createImmutable(0o644))
         assert jvm.java.lang.Class.forName("java.io.IOException").isInstance(missing.value.java_exception)
@@ -95,6 +120,7 @@ def test_it_writes_what_hadoops_writes_with_the_same_modes(spark: Any, tmp_path:
         trees[ours] = _modes(root)
     assert trees[True] == trees[False]
     assert trees[True]["a/b/f600"] == 0o604
+    assert trees[True]["a/g/sub"] == 0o2750  # chmod keeps a folder's setgid bit (java.nio would clear it)
     assert any(name.endswith(".crc") for name in trees[True]) is not raw  # the checksummed one writes .crc files
 
 
@@ -105,6 +131,8 @@ def test_it_starts_no_process(spark: Any, tmp_path: Path) -> None:
     if not sys.platform.startswith("linux"):
         pytest.skip("counts processes in /proc/stat")
     hadoop = spark.sparkContext._jvm.org.apache.hadoop
+    if hadoop.io.nativeio.NativeIO.isAvailable():
+        pytest.skip("libhadoop is loaded here: Hadoop's own file system starts no chmod either")
     path = hadoop.fs.Path(f"file://{tmp_path}/f")
     (tmp_path / "f").write_text("x")
     perm = hadoop.fs.permission.FsPermission.createImmutable(0o640)

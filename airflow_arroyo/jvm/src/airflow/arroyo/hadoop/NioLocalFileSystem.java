@@ -1,6 +1,6 @@
 /*
  * airflow-arroyo: Hadoop's LocalFileSystem (checksummed, as `file:` is by default) over NioRawLocalFileSystem.
- * Spark uses it for `file:` paths when `spark.hadoop.fs.file.impl` names it (airflow_arroyo.runtime.jvm).
+ * Spark uses it for `file:` paths when `spark.hadoop.fs.file.impl` names it (airflow_arroyo.jvm).
  */
 package airflow.arroyo.hadoop;
 
