@@ -29,26 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from airflow_arroyo.jvm import spark_home
+
 __all__ = ["StandaloneCluster", "spark_home"]
 
 _MASTER_URL = re.compile(r"Starting Spark master at (spark://[\w.\-]+:\d+)")
 _REGISTERED = "Successfully registered with master"
-
-
-def spark_home() -> Path:
-    """The pip ``pyspark`` package folder: it holds ``bin/spark-class`` and ``jars/``."""
-    env = os.environ.get("SPARK_HOME")
-    if env and (Path(env) / "bin" / "spark-class").exists():
-        return Path(env)
-    import pyspark
-
-    home = Path(pyspark.__file__).resolve().parent
-    if not (home / "bin" / "spark-class").exists():
-        raise RuntimeError(
-            f"{home} has no bin/spark-class: install the full 'pyspark' package (the apache-spark provider's "
-            "[pyspark] extra), not only 'pyspark-client', or set SPARK_HOME to a Spark distribution"
-        )
-    return home
 
 
 @dataclass

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "compile_classes", "hadoop_jars",
-           "local_file_system_conf", "spark_defaults"]
+           "local_file_system_conf", "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -61,37 +61,46 @@ def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, s
     return out
 
 
-def spark_defaults() -> dict[str, str]:
-    """The properties of the ``spark-defaults.conf`` spark-submit reads (``$SPARK_CONF_DIR``, else
-    ``$SPARK_HOME/conf``, else the installed pyspark's ``conf``); empty without one."""
-    import importlib.util
+def spark_home() -> Path:
+    """The Spark installation spark-submit runs from: ``$SPARK_HOME`` when it holds ``bin/spark-class``, else
+    the pip ``pyspark`` package folder (it holds ``bin/spark-class``, ``conf/`` and ``jars/``)."""
+    env = os.environ.get("SPARK_HOME")
+    if env and (Path(env) / "bin" / "spark-class").exists():
+        return Path(env)
+    import pyspark
 
-    folders = [os.environ.get("SPARK_CONF_DIR"),
-               os.path.join(os.environ["SPARK_HOME"], "conf") if os.environ.get("SPARK_HOME") else None]
-    spec = importlib.util.find_spec("pyspark")
-    if spec is not None and spec.origin:
-        folders.append(os.path.join(os.path.dirname(spec.origin), "conf"))
-    for folder in filter(None, folders):
-        path = Path(folder, "spark-defaults.conf")
-        if path.is_file():
-            pairs = (line.strip().split(None, 1) for line in path.read_text().splitlines())
-            return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs if p and not p[0].startswith("#")}
-        if folder == os.environ.get("SPARK_CONF_DIR"):
-            return {}  # spark-submit reads this folder only
-    return {}
+    home = Path(pyspark.__file__).resolve().parent
+    if not (home / "bin" / "spark-class").exists():
+        raise RuntimeError(
+            f"{home} has no bin/spark-class: install the full 'pyspark' package (the apache-spark provider's "
+            "[pyspark] extra), not only 'pyspark-client', or set SPARK_HOME to a Spark distribution"
+        )
+    return home
+
+
+def spark_defaults() -> dict[str, str]:
+    """The properties of the ``spark-defaults.conf`` spark-submit reads (``$SPARK_CONF_DIR``, else the
+    ``conf/`` folder of :func:`spark_home`); empty without one."""
+    folder = os.environ.get("SPARK_CONF_DIR")
+    if not folder:
+        try:
+            folder = str(spark_home() / "conf")
+        except (ImportError, RuntimeError):  # no Spark to submit with: no defaults file either
+            return {}
+    path = Path(folder, "spark-defaults.conf")
+    if not path.is_file():
+        return {}
+    pairs = (line.strip().split(None, 1) for line in path.read_text().splitlines())
+    return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs if p and not p[0].startswith("#")}
 
 
 def hadoop_jars() -> list[Path]:
-    """The Hadoop client jars of the installed pyspark (what the classes compile against)."""
-    import pyspark
-
-    home = os.environ.get("SPARK_HOME")
-    folders = [Path(pyspark.__file__).parent / "jars", *([Path(home) / "jars"] if home else [])]
-    for folder in folders:
-        jars = sorted(folder.glob("hadoop-client-*.jar"))
-        if jars:
-            return jars
-    raise FileNotFoundError(f"no hadoop-client jars in {', '.join(map(str, folders))}: install pyspark")
+    """The Hadoop client jars of the Spark installation (what the classes compile against)."""
+    folder = spark_home() / "jars"
+    jars = sorted(folder.glob("hadoop-client-*.jar"))
+    if not jars:
+        raise FileNotFoundError(f"no hadoop-client jars in {folder}: install pyspark")
+    return jars
 
 
 def compile_classes(out: Path) -> dict[str, bytes]:
