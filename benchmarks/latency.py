@@ -23,13 +23,14 @@ arrived before their batch's join ran, while a channel's reader gets rows its wr
   plan does (two queries instead of the unfused form's five sharing the cores).
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
-``--rounds``), each in a process of its own (a fresh Spark driver JVM: one JVM for every run ran out of its
-2 GB heap at 20,000 rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds
-measured: throughput (rows reaching the sink per second) and latency p50/p99 of the rows that reached
-the sink in the window. Prints each run, then per rate the ratios product/plain (latency p50, p99,
-throughput) and what a channel hop adds (issue 12's target: at most one trigger interval + 200 ms): a
-remaining hop, boundary p50 - fused p50, and a hop of the unfused form, (unfused p50 - fused p50) / the
-channels on its longest path. Side by side in one run, so load on the machine affects both.
+``--rounds``; ``--masters local[2] local[4]`` alternates those too), each in a process of its own (a fresh
+Spark driver JVM: one JVM for every run ran out of its 2 GB heap at 20,000 rows/s after seven runs),
+``--warmup`` seconds, then ``--duration`` seconds measured: throughput (rows reaching the sink per second)
+and latency p50/p99 of the rows that reached the sink in the window. Prints each run, then per rate the
+ratios product/plain (latency p50, p99, throughput) and what a channel hop adds (issue 12's target: at most
+one trigger interval + 200 ms): a remaining hop, boundary p50 - fused p50, and a hop of the unfused form,
+(unfused p50 - fused p50) / the channels on its longest path. Side by side in one run, so load on the
+machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -149,6 +150,7 @@ class Result:
     epoch_p50: float = float("nan")
     delivered_p50: float = float("nan")
     delivered_p99: float = float("nan")
+    master: str = "local[2]"
 
     @property
     def throughput(self) -> float:
@@ -243,7 +245,8 @@ class Product:
             raise SystemExit(f"the pipeline failed: {self.failure[0]}")
 
 
-def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: float, duration: float) -> Result:
+def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: float, duration: float,
+            master: str) -> Result:
     running = make()
     try:
         time.sleep(warmup)
@@ -255,16 +258,17 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
     finally:
         running.stop()
     r = Result(side, rate, rows, end - start, percentile(hist, 0.5), percentile(hist, 0.99), epochs, epoch_p50,
-               percentile(delivered, 0.5), percentile(delivered, 0.99))
+               percentile(delivered, 0.5), percentile(delivered, 0.99), master)
     extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side != "plain" else ""
-    print(f"  {side:8s} rate {rate:>6}/s: {r.throughput:9.0f} rows/s, latency at the sink's call p50 {r.p50:6.2f} s, "
-          f"p99 {r.p99:6.2f} s; delivered p50 {r.delivered_p50:6.2f} s, p99 {r.delivered_p99:6.2f} s{extra}",
+    print(f"  {master} {side:8s} rate {rate:>6}/s: {r.throughput:9.0f} rows/s, latency at the sink's call "
+          f"p50 {r.p50:6.2f} s, p99 {r.p99:6.2f} s; delivered p50 {r.delivered_p50:6.2f} s, "
+          f"p99 {r.delivered_p99:6.2f} s{extra}",
           flush=True)
     return r
 
 
 def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: float, warmup: float,
-                 duration: float, hadoop_local_fs: bool = False) -> None:
+                 duration: float, hadoop_local_fs: bool = False, master: str = "local[2]") -> None:
     """One run in a process of its own: its own Spark driver JVM and store connection; the result (or the
     error's text) goes back through ``out``."""
     from pyspark.sql import SparkSession
@@ -274,7 +278,7 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     if side != "plain" and not hadoop_local_fs:  # as the driver builds a local session; plain: Spark's defaults
         for key, value in local_file_system_conf().items():
             builder = builder.config(key, value)
-    spark = (builder.master("local[2]").appName("arroyo-latency")
+    spark = (builder.master(master).appName("arroyo-latency")
              .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.memory", "2g").getOrCreate())
@@ -286,12 +290,50 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
                 return Plain(spark, rate, Path(tmp))
             return Product(spark, store, rate, Path(tmp), interval, chaining=side in ("fused", "boundary"),
                            boundary=side == "boundary")
-        out.put(run_one(make, side, rate, warmup, duration).__dict__)
+        out.put(run_one(make, side, rate, warmup, duration, master).__dict__)
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         out.put(f"{type(exc).__name__}: {exc}")
     finally:
         store.close()
         spark.stop()
+
+
+def summarize(results: list[Result], master: str, rate: int, *, chaining: bool, boundary: bool
+              ) -> list[dict[str, Any]]:
+    """Print (and return) the ratios to plain and the hops, for the runs on ``master`` at ``rate``."""
+    def med(side: str, attr: str) -> float:
+        return float(statistics.median(getattr(r, attr) for r in results
+                                       if r.side == side and r.rate == rate and r.master == master))
+
+    summary: list[dict[str, Any]] = []
+    at = f"{master} rate {rate:>6}/s"
+    for side in ("product", "fused", *(("boundary",) if boundary else ())) if chaining else ("product",):
+        row = {"master": master, "rate": rate, "side": side,
+               "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
+               "latency_p99_ratio": med(side, "p99") / med("plain", "p99"),
+               "delivered_p50_ratio": med(side, "delivered_p50") / med("plain", "delivered_p50"),
+               "delivered_p99_ratio": med(side, "delivered_p99") / med("plain", "delivered_p99"),
+               "throughput_ratio": med(side, "throughput") / med("plain", "throughput")}
+        summary.append(row)
+        print(f"  {at}, {side:8s}: latency at the sink's call p50 {row['latency_p50_ratio']:.2f}x, "
+              f"p99 {row['latency_p99_ratio']:.2f}x; delivered p50 {row['delivered_p50_ratio']:.2f}x, "
+              f"p99 {row['delivered_p99_ratio']:.2f}x; throughput {row['throughput_ratio']:.2f}x")
+    if chaining:
+        hops = channel_hops(pipeline("hops", rate, Recorder(), chaining=False))
+        for attr, measure in (("p50", "at the sink's call"), ("delivered_p50", "delivered")):
+            per_hop = (med("product", attr) - med("fused", attr)) / hops
+            summary.append({"master": master, "rate": rate, "side": "hop", "measure": attr, "hops": hops,
+                            "per_hop_p50_s": per_hop})
+            print(f"  {at}, per channel hop ({measure}): (unfused p50 {med('product', attr):.2f} s - "
+                  f"fused p50 {med('fused', attr):.2f} s) / {hops} hops = {per_hop * 1000:.0f} ms")
+            if boundary:
+                remaining = med("boundary", attr) - med("fused", attr)
+                summary.append({"master": master, "rate": rate, "side": "remaining-hop", "measure": attr,
+                                "per_hop_p50_s": remaining})
+                print(f"  {at}, one remaining channel hop ({measure}): boundary p50 "
+                      f"{med('boundary', attr):.2f} s - fused p50 {med('fused', attr):.2f} s = "
+                      f"{remaining * 1000:.0f} ms")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hadoop-local-fs", action="store_true",
                         help="the product's sessions on Hadoop's own file: file system (chmod processes), as before "
                              "airflow_arroyo.jvm")
+    parser.add_argument("--masters", nargs="+", default=["local[2]"],
+                        help="Spark masters to compare, alternating (local[N]: N task slots; this machine has 2 "
+                             "cores); the ratios and hops are printed per master")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -317,56 +362,33 @@ def main(argv: list[str] | None = None) -> int:
         store = EpochStore(pg.dsn)
         store.migrate()
         store.close()
-        print(f"local[2], rates {args.rates} rows/s per source, {args.rounds} round(s), warm-up {args.warmup:g} s, "
-              f"{args.duration:g} s measured, epochs every {args.interval:g} s (product); a process per run",
-              flush=True)
+        print(f"{' / '.join(args.masters)}, rates {args.rates} rows/s per source, {args.rounds} round(s), "
+              f"warm-up {args.warmup:g} s, {args.duration:g} s measured, epochs every {args.interval:g} s (product); "
+              "a process per run", flush=True)
         ctx = mp.get_context("spawn")
         for rate in args.rates:
             sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
             if args.chaining and args.boundary:
                 sides.append("boundary")
             for i in range(args.rounds):
-                for side in sides if i % 2 == 0 else sides[::-1]:
-                    out = ctx.Queue()
-                    child = ctx.Process(target=run_in_child, args=(out, side, rate, pg.dsn, tmp, args.interval,
-                                                                    args.warmup, args.duration, args.hadoop_local_fs))
-                    child.start()
-                    got = out.get(timeout=args.warmup + args.duration + 900)
-                    child.join(120)
-                    if isinstance(got, str):
-                        raise SystemExit(f"the {side} run at {rate} rows/s failed: {got}")
-                    results.append(Result(**got))
+                for master in args.masters if i % 2 == 0 else args.masters[::-1]:
+                    for side in sides if i % 2 == 0 else sides[::-1]:
+                        out = ctx.Queue()
+                        child = ctx.Process(target=run_in_child, args=(
+                            out, side, rate, pg.dsn, tmp, args.interval, args.warmup, args.duration,
+                            args.hadoop_local_fs, master))
+                        child.start()
+                        got = out.get(timeout=args.warmup + args.duration + 900)
+                        child.join(120)
+                        if isinstance(got, str):
+                            raise SystemExit(f"the {side} run at {rate} rows/s on {master} failed: {got}")
+                        results.append(Result(**got))
 
-    print("\nproduct and fused / plain, per rate (median over rounds):")
+    print("\nproduct and fused / plain, per master and rate (median over rounds):")
     summary = []
-    for rate in args.rates:
-        def med(side: str, attr: str, rate: int = rate) -> float:
-            return float(statistics.median(getattr(r, attr) for r in results if r.side == side and r.rate == rate))
-        for side in ("product", "fused", *(("boundary",) if args.boundary else ())) if args.chaining else ("product",):
-            row = {"rate": rate, "side": side,
-                   "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
-                   "latency_p99_ratio": med(side, "p99") / med("plain", "p99"),
-                   "delivered_p50_ratio": med(side, "delivered_p50") / med("plain", "delivered_p50"),
-                   "delivered_p99_ratio": med(side, "delivered_p99") / med("plain", "delivered_p99"),
-                   "throughput_ratio": med(side, "throughput") / med("plain", "throughput")}
-            summary.append(row)
-            print(f"  rate {rate:>6}/s, {side:8s}: latency at the sink's call p50 {row['latency_p50_ratio']:.2f}x, "
-                  f"p99 {row['latency_p99_ratio']:.2f}x; delivered p50 {row['delivered_p50_ratio']:.2f}x, "
-                  f"p99 {row['delivered_p99_ratio']:.2f}x; throughput {row['throughput_ratio']:.2f}x")
-        if args.chaining:
-            hops = channel_hops(pipeline("hops", rate, Recorder(), chaining=False))
-            for attr, measure in (("p50", "at the sink's call"), ("delivered_p50", "delivered")):
-                per_hop = (med("product", attr) - med("fused", attr)) / hops
-                summary.append({"rate": rate, "side": "hop", "measure": attr, "hops": hops, "per_hop_p50_s": per_hop})
-                print(f"  rate {rate:>6}/s, per channel hop ({measure}): (unfused p50 {med('product', attr):.2f} s - "
-                      f"fused p50 {med('fused', attr):.2f} s) / {hops} hops = {per_hop * 1000:.0f} ms")
-                if args.boundary:
-                    remaining = med("boundary", attr) - med("fused", attr)
-                    summary.append({"rate": rate, "side": "remaining-hop", "measure": attr,
-                                    "per_hop_p50_s": remaining})
-                    print(f"  rate {rate:>6}/s, one remaining channel hop ({measure}): boundary p50 "
-                          f"{med('boundary', attr):.2f} s - fused p50 {med('fused', attr):.2f} s = "
-                          f"{remaining * 1000:.0f} ms")
+    for master in args.masters:
+        for rate in args.rates:
+            summary += summarize(results, master, rate, chaining=args.chaining, boundary=args.boundary)
     if args.json:
         print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
     return 0
