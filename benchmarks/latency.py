@@ -23,14 +23,14 @@ arrived before their batch's join ran, while a channel's reader gets rows its wr
   plan does (two queries instead of the unfused form's five sharing the cores).
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
-``--rounds``; ``--masters local[2] local[4]`` alternates those too), each in a process of its own (a fresh
-Spark driver JVM: one JVM for every run ran out of its 2 GB heap at 20,000 rows/s after seven runs),
-``--warmup`` seconds, then ``--duration`` seconds measured: throughput (rows reaching the sink per second)
-and latency p50/p99 of the rows that reached the sink in the window. Prints each run, then per rate the
-ratios product/plain (latency p50, p99, throughput) and what a channel hop adds (issue 12's target: at most
-one trigger interval + 200 ms): a remaining hop, boundary p50 - fused p50, and a hop of the unfused form,
-(unfused p50 - fused p50) / the channels on its longest path. Side by side in one run, so load on the
-machine affects both.
+``--rounds``; ``--masters local[2] local[4]`` alternates those too; ``--driver-memory``, default 2g), each
+in a process of its own (a fresh Spark driver JVM: one JVM for every run ran out of its 2 GB heap at 20,000
+rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds measured: throughput (rows
+reaching the sink per second) and latency p50/p99 of the rows that reached the sink in the window. Prints
+each run, then per rate the ratios product/plain (latency p50, p99, throughput) and what a channel hop adds
+(issue 12's target: at most one trigger interval + 200 ms): a remaining hop, boundary p50 - fused p50, and a
+hop of the unfused form, (unfused p50 - fused p50) / the channels on its longest path. Side by side in one
+run, so load on the machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -106,10 +107,15 @@ class Recorder:
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:  # noqa: ARG002 - foreach_batch's signature
         now = time.time()
-        rows = df.selectExpr(f"CAST(FLOOR(({now} - CAST(ts AS DOUBLE)) / {BUCKET_S}) AS BIGINT) AS b") \
-            .groupBy("b").count().collect()
+        # Counted per 10 ms of event time, the same expression every batch: with the clock in it (a literal)
+        # Spark would generate, compile and warm up new code for every batch of every side.
+        rows = df.selectExpr(f"CAST(FLOOR(CAST(ts AS DOUBLE) / {BUCKET_S}) AS BIGINT) AS t") \
+            .groupBy("t").count().collect()
         job_buckets = round((time.time() - now) / BUCKET_S)  # the job's time, added for "delivered"
-        hist = Counter({int(r["b"]): int(r["count"]) for r in rows})
+        # latency bucket of an event-time bucket's middle: at most half a bucket (5 ms) from each row's own
+        hist = Counter[int]()
+        for r in rows:
+            hist[math.floor(now / BUCKET_S - int(r["t"]) - 0.5)] += int(r["count"])
         with self.lock:
             self.batches.append((time.monotonic(), sum(hist.values()), hist, job_buckets))
 
@@ -268,7 +274,8 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
 
 
 def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: float, warmup: float,
-                 duration: float, hadoop_local_fs: bool = False, master: str = "local[2]") -> None:
+                 duration: float, hadoop_local_fs: bool = False, master: str = "local[2]",
+                 driver_memory: str = "2g") -> None:
     """One run in a process of its own: its own Spark driver JVM and store connection; the result (or the
     error's text) goes back through ``out``."""
     from pyspark.sql import SparkSession
@@ -281,7 +288,7 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     spark = (builder.master(master).appName("arroyo-latency")
              .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "2g").getOrCreate())
+             .config("spark.driver.memory", driver_memory).getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     store = EpochStore(dsn)
     try:
@@ -353,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--masters", nargs="+", default=["local[2]"],
                         help="Spark masters to compare, alternating (local[N]: N task slots; this machine has 2 "
                              "cores); the ratios and hops are printed per master")
+    parser.add_argument("--driver-memory", default="2g",
+                        help="the driver JVM's heap, every side (local mode: the whole run's; the join's state lives "
+                             "there)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -376,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                         out = ctx.Queue()
                         child = ctx.Process(target=run_in_child, args=(
                             out, side, rate, pg.dsn, tmp, args.interval, args.warmup, args.duration,
-                            args.hadoop_local_fs, master))
+                            args.hadoop_local_fs, master, args.driver_memory))
                         child.start()
                         got = out.get(timeout=args.warmup + args.duration + 900)
                         child.join(120)
