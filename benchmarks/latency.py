@@ -23,14 +23,14 @@ arrived before their batch's join ran, while a channel's reader gets rows its wr
   plan does (two queries instead of the unfused form's five sharing the cores).
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
-``--rounds``; ``--masters local[2] local[4]`` alternates those too; ``--driver-memory``, default 2g), each
-in a process of its own (a fresh Spark driver JVM: one JVM for every run ran out of its 2 GB heap at 20,000
-rows/s after seven runs), ``--warmup`` seconds, then ``--duration`` seconds measured: throughput (rows
-reaching the sink per second) and latency p50/p99 of the rows that reached the sink in the window. Prints
-each run, then per rate the ratios product/plain (latency p50, p99, throughput) and what a channel hop adds
-(issue 12's target: at most one trigger interval + 200 ms): a remaining hop, boundary p50 - fused p50, and a
-hop of the unfused form, (unfused p50 - fused p50) / the channels on its longest path. Side by side in one
-run, so load on the machine affects both.
+``--rounds``; ``--masters local[2] local[4]`` alternates those too; ``--driver-memory``, default 2g;
+``--conf K=V`` for every side's session), each in a process of its own (a fresh Spark driver JVM: one JVM
+for every run ran out of its 2 GB heap at 20,000 rows/s after seven runs), ``--warmup`` seconds, then
+``--duration`` seconds measured: throughput (rows reaching the sink per second) and latency p50/p99 of the
+rows that reached the sink in the window. Prints each run, then per rate the ratios product/plain (latency
+p50, p99, throughput) and what a channel hop adds (issue 12's target: at most one trigger interval + 200
+ms): a remaining hop, boundary p50 - fused p50, and a hop of the unfused form, (unfused p50 - fused p50) /
+the channels on its longest path. Side by side in one run, so load on the machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -275,7 +275,7 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
 
 def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: float, warmup: float,
                  duration: float, hadoop_local_fs: bool = False, master: str = "local[2]",
-                 driver_memory: str = "2g") -> None:
+                 driver_memory: str = "2g", confs: dict[str, str] | None = None) -> None:
     """One run in a process of its own: its own Spark driver JVM and store connection; the result (or the
     error's text) goes back through ``out``."""
     from pyspark.sql import SparkSession
@@ -285,10 +285,13 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     if side != "plain" and not hadoop_local_fs:  # as the driver builds a local session; plain: Spark's defaults
         for key, value in local_file_system_conf().items():
             builder = builder.config(key, value)
-    spark = (builder.master(master).appName("arroyo-latency")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", driver_memory).getOrCreate())
+    builder = (builder.master(master).appName("arroyo-latency")
+               .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", driver_memory))
+    for key, value in (confs or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     store = EpochStore(dsn)
     try:
@@ -363,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-memory", default="2g",
                         help="the driver JVM's heap, every side (local mode: the whole run's; the join's state lives "
                              "there)")
+    parser.add_argument("--conf", action="append", default=[], metavar="K=V",
+                        help="a Spark conf for every side's session (e.g. the state store provider)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    confs = dict(kv.partition("=")[::2] for kv in args.conf)
 
     results: list[Result] = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-latency-") as tmp:
@@ -386,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                         out = ctx.Queue()
                         child = ctx.Process(target=run_in_child, args=(
                             out, side, rate, pg.dsn, tmp, args.interval, args.warmup, args.duration,
-                            args.hadoop_local_fs, master, args.driver_memory))
+                            args.hadoop_local_fs, master, args.driver_memory, confs))
                         child.start()
                         got = out.get(timeout=args.warmup + args.duration + 900)
                         child.join(120)
