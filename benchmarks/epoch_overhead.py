@@ -40,6 +40,8 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
+from _spark import conf_pair, local_session_builder
+
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, demo
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-per-batch", type=int, default=5000, help="generator rows per micro-batch")
     parser.add_argument("--max-backlog", type=int, default=PipelineDriver.DEFAULT_MAX_BACKLOG,
                         help="flow control: entries a channel may hold unread (default: the driver's)")
-    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
                         help="a Spark setting, repeatable; e.g. spark.sql.streaming.stateStore.maintenanceInterval=5s "
                         "and spark.sql.streaming.stateStore.minDeltasForSnapshot=3 make Spark write full state "
                         "snapshots often (defaults 60s and 10)")
@@ -345,18 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.duration = 3, 180.0
     logging.basicConfig(level=logging.WARNING)
 
-    from pyspark.sql import SparkSession
-
-    builder = (SparkSession.builder.master("local[2]").appName("arroyo-epoch-overhead")
-               .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", "2g"))
-    for setting in args.conf:
-        key, sep, value = setting.partition("=")
-        if not sep or not key:
-            parser.error(f"--conf expects KEY=VALUE, got {setting!r}")
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = local_session_builder("arroyo-epoch-overhead", confs=dict(args.conf)).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-bench-") as tmp:
         store = EpochStore(pg.dsn)

@@ -46,6 +46,7 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pyarrow.parquet as pq
+from _spark import conf_pair, local_session_builder
 from latency import Product
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=15.0)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs")
-    parser.add_argument("--conf", action="append", default=[], help="extra Spark conf k=v")
+    parser.add_argument("--conf", action="append", default=[], type=conf_pair, help="extra Spark conf k=v")
     parser.add_argument("--trigger-interval", type=float, default=None,
                         help="seconds between micro-batch starts of every stage (default: the stages' default, "
                              f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g} s; 0 = as fast as possible)")
@@ -294,18 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                              "as before airflow_arroyo.jvm")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master("local[2]").appName("arroyo-hop-breakdown")
-               .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", "2g").config("spark.sql.streaming.numRecentProgressUpdates", "2000"))
-    confs = dict(kv.partition("=")[::2] for kv in args.conf)
+    confs = {"spark.sql.streaming.numRecentProgressUpdates": "2000", **dict(args.conf)}
     if not args.hadoop_local_fs:
         confs.update(local_file_system_conf(confs))  # as the driver builds a local session
-    for k, v in confs.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
+    spark = local_session_builder("arroyo-hop-breakdown", confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     instrument()
     if args.trigger_interval is not None:

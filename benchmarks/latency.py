@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
+from _spark import conf_pair, local_session_builder
+
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.jvm import local_file_system_conf
@@ -278,20 +280,12 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
                  driver_memory: str = "2g", confs: dict[str, str] | None = None) -> None:
     """One run in a process of its own: its own Spark driver JVM and store connection; the result (or the
     error's text) goes back through ``out``."""
-    from pyspark.sql import SparkSession
-
     logging.basicConfig(level=logging.WARNING)
-    builder = SparkSession.builder
+    confs = dict(confs or {})
     if side != "plain" and not hadoop_local_fs:  # as the driver builds a local session; plain: Spark's defaults
-        for key, value in local_file_system_conf().items():
-            builder = builder.config(key, value)
-    builder = (builder.master(master).appName("arroyo-latency")
-               .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", driver_memory))
-    for key, value in (confs or {}).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+        confs = {**local_file_system_conf(), **confs}
+    spark = local_session_builder("arroyo-latency", master=master, driver_memory=driver_memory,
+                                  confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     store = EpochStore(dsn)
     try:
@@ -366,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-memory", default="2g",
                         help="the driver JVM's heap, every side (local mode: the whole run's; the join's state lives "
                              "there)")
-    parser.add_argument("--conf", action="append", default=[], metavar="K=V",
+    parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="K=V",
                         help="a Spark conf for every side's session (e.g. the state store provider)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    confs = dict(kv.partition("=")[::2] for kv in args.conf)
+    confs = dict(args.conf)
 
     results: list[Result] = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-latency-") as tmp:
