@@ -17,7 +17,8 @@ process, with an epoch every ``--interval`` seconds, and times, in the driver pr
 
 ``--boundary`` runs the benchmark's boundary form instead (the pipeline fused, one channel left before the
 sink: two queries). Also prints the processes the machine started per second (``/proc/stat``: Hadoop's
-``chmod`` processes show there; ``--hadoop-local-fs`` runs without the provider's ``file:`` file system).
+``chmod`` processes show there; ``--hadoop-local-fs`` runs without the provider's ``file:`` file system). The
+session starts as the driver starts a local one (``airflow_arroyo.jvm.local_master_conf``); ``--conf`` values win.
 
 Prints medians. ``python benchmarks/hop_breakdown.py --rate 2000 --warmup 15 --duration 30``.
 """
@@ -50,7 +51,7 @@ from _spark import conf_pair, local_session_builder
 from latency import Product
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.jvm import local_file_system_conf
+from airflow_arroyo.jvm import FS_IMPL_CONF, local_master_conf
 from airflow_arroyo.runtime import channel as channel_mod
 from airflow_arroyo.runtime import stage as stage_mod
 from airflow_arroyo.runtime.channel import Channel, EntryKind
@@ -297,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
 
     confs = {"spark.sql.streaming.numRecentProgressUpdates": "2000", **dict(args.conf)}
-    if not args.hadoop_local_fs:
-        confs.update(local_file_system_conf(confs))  # as the driver builds a local session
+    if args.hadoop_local_fs:  # a file: implementation the user names stands: Hadoop's own
+        confs.setdefault(FS_IMPL_CONF, "org.apache.hadoop.fs.LocalFileSystem")
+    confs.update(local_master_conf(confs))  # as the driver builds a local session
     spark = local_session_builder("arroyo-hop-breakdown", confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     instrument()

@@ -16,8 +16,10 @@ arrived before their batch's join ran, while a channel's reader gets rows its wr
   operator chaining): the same logic as an airflow-arroyo ``Pipeline`` (sources ``left``/``right``, stage
   ``joined``, stage ``report``, sink ``sink``) run by the driver in this process on the same SparkSession,
   with an epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger). The fused side
-  prints its physical plan. Their sessions start as the driver starts a local one: ``file:`` through the
-  provider's jar (``airflow_arroyo.jvm``: no ``chmod`` processes); ``--hadoop-local-fs`` leaves Hadoop's.
+  prints its physical plan. Their sessions start as the driver starts a local one
+  (``airflow_arroyo.jvm.local_master_conf``): ``file:`` through the provider's jar (no ``chmod`` processes),
+  Python workers over a Unix domain socket; ``--hadoop-local-fs`` leaves Hadoop's ``file:``, and ``--conf
+  spark.python.unix.domain.socket.enabled=false`` loopback TCP.
 * **boundary**: the fused pipeline with ONE channel left, before the sink (``chain=False``, as the demo keeps
   its ``report`` channel): what one remaining channel hop costs where the plan keeps few, as the default
   plan does (two queries instead of the unfused form's five sharing the cores).
@@ -63,7 +65,7 @@ from _spark import conf_pair, local_session_builder
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
-from airflow_arroyo.jvm import local_file_system_conf
+from airflow_arroyo.jvm import FS_IMPL_CONF, local_master_conf
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
@@ -282,8 +284,10 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     error's text) goes back through ``out``."""
     logging.basicConfig(level=logging.WARNING)
     confs = dict(confs or {})
-    if side != "plain" and not hadoop_local_fs:  # as the driver builds a local session; plain: Spark's defaults
-        confs = {**local_file_system_conf(), **confs}
+    if side != "plain":  # as the driver builds a local session; plain: Spark's defaults (a user's query)
+        if hadoop_local_fs:  # a file: implementation the user names stands: Hadoop's own
+            confs.setdefault(FS_IMPL_CONF, "org.apache.hadoop.fs.LocalFileSystem")
+        confs.update(local_master_conf(confs))
     spark = local_session_builder("arroyo-latency", master=master, driver_memory=driver_memory,
                                   confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

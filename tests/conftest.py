@@ -134,11 +134,11 @@ def airflow_db() -> str:
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
-    from airflow_arroyo.jvm import local_file_system_conf
+    from airflow_arroyo.jvm import local_master_conf
 
     warehouse = tmp_path_factory.mktemp("spark-warehouse")
     builder = SparkSession.builder
-    for key, value in local_file_system_conf().items():  # as the driver builds a local session
+    for key, value in local_master_conf().items():  # as the driver builds a local session
         builder = builder.config(key, value)
     session = (
         builder.master("local[2]")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.jvm import local_file_system_conf
+from airflow_arroyo.jvm import local_master_conf
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -152,7 +152,7 @@ def plan_submit(
         env = {"ARROYO_DSN": dsn}
         if target.manager is ClusterManager.LOCAL:
             env["PYSPARK_PYTHON"] = here
-            confs.update(local_file_system_conf(confs))  # the whole session runs here, where the jar is
+            confs.update(local_master_conf(confs))  # the whole session runs here, where the jar is
         else:
             env["PYSPARK_DRIVER_PYTHON"] = here  # the driver runs here; executors on the cluster's nodes
             if cluster_python is None and target.manager is ClusterManager.STANDALONE:

@@ -18,6 +18,12 @@ the class: :func:`local_file_system_conf`. The driver applies it to sessions it 
 and a local-master ``spark-submit`` gets it from the operator; elsewhere it is the user's choice
 (docs/clusters.md), since the jar's path must exist on every node.
 
+:func:`local_master_conf` is everything the provider adds to a Spark application it starts on a ``local``
+master, in one place: the jar's file system, and Python workers reached over a Unix domain socket
+(``spark.python.unix.domain.socket.enabled``, Spark 4.1+) instead of loopback TCP, where each Python task
+(a channel's read, any Python data source or UDF) spent ~40 ms more (docs/runtime.md, "Python workers over
+a Unix domain socket"). A value the user gave for either stands.
+
 ``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
 Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/`` compiles to.
 """
@@ -32,13 +38,16 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "SOURCES", "build_jar", "compile_classes", "hadoop_jars",
-           "local_file_system_conf", "spark_defaults", "spark_home"]
+__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOURCES", "build_jar",
+           "compile_classes", "hadoop_jars", "local_file_system_conf", "local_master_conf", "spark_defaults",
+           "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
 LOCAL_FILE_SYSTEM = "airflow.arroyo.hadoop.NioLocalFileSystem"
 FS_IMPL_CONF = "spark.hadoop.fs.file.impl"
+#: Spark 4.1+: the JVM reaches its Python workers over a Unix domain socket instead of loopback TCP
+PYTHON_WORKER_SOCKET_CONF = "spark.python.unix.domain.socket.enabled"
 _CLASS_PATHS = ("spark.driver.extraClassPath", "spark.executor.extraClassPath")
 #: zip entries' time (the zip format's earliest): the jar's bytes depend on the classes only
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -58,6 +67,17 @@ def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, s
     out = {FS_IMPL_CONF: LOCAL_FILE_SYSTEM}
     for key in _CLASS_PATHS:
         out[key] = os.pathsep.join(filter(None, [given.get(key), str(JAR)]))
+    return out
+
+
+def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Spark confs the provider adds to an application it starts on a ``local`` master, merged with
+    ``conf`` as :func:`local_file_system_conf` merges: the jar's ``file:`` file system, and Python workers over
+    a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`). A key the user set, in ``conf`` or in
+    ``spark-defaults.conf``, keeps the user's value (nothing is added for it)."""
+    out = local_file_system_conf(conf)
+    if PYTHON_WORKER_SOCKET_CONF not in {**spark_defaults(), **(conf or {})}:
+        out[PYTHON_WORKER_SOCKET_CONF] = "true"
     return out
 
 

@@ -55,7 +55,7 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.jvm import local_file_system_conf
+from airflow_arroyo.jvm import local_master_conf
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     EpochFacts,
@@ -1109,7 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
             builder = builder.master(args.master)
         confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
         if str(args.master or "").startswith("local"):  # the jar's path exists where the whole session runs
-            confs.update(local_file_system_conf(confs))
+            confs.update(local_master_conf(confs))
         for k, v in confs.items():
             builder = builder.config(k, v)
         spark = builder.getOrCreate()

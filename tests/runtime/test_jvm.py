@@ -18,7 +18,15 @@ import pytest
 from py4j.protocol import Py4JJavaError
 
 from airflow_arroyo.hooks.spark_deploy import ClusterManager, DeployTarget, plan_submit
-from airflow_arroyo.jvm import FS_IMPL_CONF, JAR, LOCAL_FILE_SYSTEM, compile_classes, local_file_system_conf
+from airflow_arroyo.jvm import (
+    FS_IMPL_CONF,
+    JAR,
+    LOCAL_FILE_SYSTEM,
+    PYTHON_WORKER_SOCKET_CONF,
+    compile_classes,
+    local_file_system_conf,
+    local_master_conf,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -61,12 +69,50 @@ def test_a_class_path_or_file_system_in_spark_defaults_is_kept(tmp_path: Path,
     assert local_file_system_conf() == {}
 
 
+def test_a_local_master_gets_the_jar_and_python_workers_over_a_unix_socket_unless_the_user_chose(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
+    conf = local_master_conf()
+    assert conf == {**local_file_system_conf(), PYTHON_WORKER_SOCKET_CONF: "true"} and conf[FS_IMPL_CONF]
+    assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf({PYTHON_WORKER_SOCKET_CONF: "false"})
+    (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
+    assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf() and FS_IMPL_CONF in local_master_conf()
+
+
+def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) -> None:
+    """The session is built as the driver builds a local one: a Python task's connection to the JVM is a Unix
+    domain socket (with loopback TCP each Python task took ~40 ms more: docs/runtime.md)."""
+    import pyarrow as pa
+
+    def socket_families(batches: Any) -> Any:
+        import os as os_
+        import socket
+        import stat as stat_
+
+        found = set()
+        for fd in range(3, 1024):
+            try:
+                if not stat_.S_ISSOCK(os_.fstat(fd).st_mode):
+                    continue
+            except OSError:
+                continue
+            with socket.socket(fileno=os_.dup(fd)) as sock:
+                found.add(sock.family.name)
+        for _ in batches:
+            pass
+        yield pa.record_batch({"family": sorted(found)})
+
+    families = {r["family"] for r in spark.range(1).mapInArrow(socket_families, "family string").collect()}
+    assert "AF_UNIX" in families and not families & {"AF_INET", "AF_INET6"}, families
+
+
 def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not() -> None:
     local = plan_submit(DeployTarget.of("local[2]", None), dsn="postgresql://x", driver_application="d.py")
     assert local.conf[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM and str(JAR) in local.conf["spark.driver.extraClassPath"]
+    assert local.conf[PYTHON_WORKER_SOCKET_CONF] == "true"
     standalone = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x",
                              driver_application="d.py")
-    assert FS_IMPL_CONF not in standalone.conf
+    assert FS_IMPL_CONF not in standalone.conf and PYTHON_WORKER_SOCKET_CONF not in standalone.conf
     assert DeployTarget.of("spark://h:7077", "client").manager is ClusterManager.STANDALONE
 
 
