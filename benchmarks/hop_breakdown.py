@@ -47,11 +47,10 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pyarrow.parquet as pq
-from _spark import conf_pair, local_session_builder
+from _spark import conf_pair, local_session_builder, product_confs
 from latency import Product
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.jvm import FS_IMPL_CONF, local_master_conf
 from airflow_arroyo.runtime import channel as channel_mod
 from airflow_arroyo.runtime import stage as stage_mod
 from airflow_arroyo.runtime.channel import Channel, EntryKind
@@ -297,10 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    confs = {"spark.sql.streaming.numRecentProgressUpdates": "2000", **dict(args.conf)}
-    if args.hadoop_local_fs:  # a file: implementation the user names stands: Hadoop's own
-        confs.setdefault(FS_IMPL_CONF, "org.apache.hadoop.fs.LocalFileSystem")
-    confs.update(local_master_conf(confs))  # as the driver builds a local session
+    confs = product_confs({"spark.sql.streaming.numRecentProgressUpdates": "2000", **dict(args.conf)},
+                          hadoop_local_fs=args.hadoop_local_fs)  # as the driver builds a local session
     spark = local_session_builder("arroyo-hop-breakdown", confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     instrument()

@@ -61,11 +61,10 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import conf_pair, local_session_builder
+from _spark import conf_pair, local_session_builder, product_confs
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState
-from airflow_arroyo.jvm import FS_IMPL_CONF, local_master_conf
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
@@ -285,9 +284,7 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     logging.basicConfig(level=logging.WARNING)
     confs = dict(confs or {})
     if side != "plain":  # as the driver builds a local session; plain: Spark's defaults (a user's query)
-        if hadoop_local_fs:  # a file: implementation the user names stands: Hadoop's own
-            confs.setdefault(FS_IMPL_CONF, "org.apache.hadoop.fs.LocalFileSystem")
-        confs.update(local_master_conf(confs))
+        confs = product_confs(confs, hadoop_local_fs=hadoop_local_fs)
     spark = local_session_builder("arroyo-latency", master=master, driver_memory=driver_memory,
                                   confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

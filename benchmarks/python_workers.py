@@ -36,9 +36,9 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import local_session_builder
+from _spark import local_session_builder, product_confs
 
-from airflow_arroyo.jvm import PYTHON_WORKER_SOCKET_CONF, local_master_conf
+from airflow_arroyo.jvm import PYTHON_WORKER_SOCKET_CONF
 
 SETTINGS = {"tcp": "false", "socket": "true"}
 MEASURES = ("reader addBatch", "reader batch", "python task", "same collect without python")
@@ -68,7 +68,7 @@ def _sink(df: Any, batch_id: int) -> None:  # noqa: ARG001 - foreach_batch's sig
 def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, tasks: int) -> None:
     """One run in a JVM of its own; the medians (ms) or the error's text go back through ``out``."""
     try:
-        confs = {**local_master_conf(), PYTHON_WORKER_SOCKET_CONF: SETTINGS[setting]}
+        confs = product_confs({PYTHON_WORKER_SOCKET_CONF: SETTINGS[setting]})
         spark = local_session_builder("arroyo-python-workers", confs=confs).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         from airflow_arroyo.runtime.sources import read_channel

@@ -152,7 +152,7 @@ def plan_submit(
         env = {"ARROYO_DSN": dsn}
         if target.manager is ClusterManager.LOCAL:
             env["PYSPARK_PYTHON"] = here
-            confs.update(local_master_conf(confs))  # the whole session runs here, where the jar is
+            confs.update(local_master_conf(confs))  # the whole session runs here (the jar, the sockets)
         else:
             env["PYSPARK_DRIVER_PYTHON"] = here  # the driver runs here; executors on the cluster's nodes
             if cluster_python is None and target.manager is ClusterManager.STANDALONE:

@@ -61,7 +61,16 @@ def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, s
     Empty when either already names a ``file:`` implementation (the user's choice stands) or the jar is
     missing (an incomplete install: Hadoop's own file system, as without this module). Only for a JVM that
     starts with these confs: a running session's class path does not change."""
-    given = {**spark_defaults(), **(conf or {})}
+    return _file_system_conf(_given(conf))
+
+
+def _given(conf: Mapping[str, str] | None) -> dict[str, str]:
+    """What the application starts with before the provider adds anything: ``spark-defaults.conf``, then
+    ``conf`` (a ``--conf`` replaces the defaults file's value)."""
+    return {**spark_defaults(), **(conf or {})}
+
+
+def _file_system_conf(given: Mapping[str, str]) -> dict[str, str]:
     if FS_IMPL_CONF in given or not JAR.is_file():
         return {}
     out = {FS_IMPL_CONF: LOCAL_FILE_SYSTEM}
@@ -72,11 +81,12 @@ def local_file_system_conf(conf: Mapping[str, str] | None = None) -> dict[str, s
 
 def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The Spark confs the provider adds to an application it starts on a ``local`` master, merged with
-    ``conf`` as :func:`local_file_system_conf` merges: the jar's ``file:`` file system, and Python workers over
-    a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`). A key the user set, in ``conf`` or in
-    ``spark-defaults.conf``, keeps the user's value (nothing is added for it)."""
-    out = local_file_system_conf(conf)
-    if PYTHON_WORKER_SOCKET_CONF not in {**spark_defaults(), **(conf or {})}:
+    ``conf`` and ``spark-defaults.conf``: the jar's ``file:`` file system (:func:`local_file_system_conf`: the
+    user's class paths kept before the jar, a ``file:`` implementation the user names stands), and Python
+    workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands)."""
+    given = _given(conf)
+    out = _file_system_conf(given)
+    if PYTHON_WORKER_SOCKET_CONF not in given:
         out[PYTHON_WORKER_SOCKET_CONF] = "true"
     return out
 

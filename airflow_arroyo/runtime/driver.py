@@ -1108,7 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.master:
             builder = builder.master(args.master)
         confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
-        if str(args.master or "").startswith("local"):  # the jar's path exists where the whole session runs
+        if str(args.master or "").startswith("local"):  # the whole session runs here (the jar, the sockets)
             confs.update(local_master_conf(confs))
         for k, v in confs.items():
             builder = builder.config(k, v)

@@ -77,6 +77,11 @@ def test_a_local_master_gets_the_jar_and_python_workers_over_a_unix_socket_unles
     assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf({PYTHON_WORKER_SOCKET_CONF: "false"})
     (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
     assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf() and FS_IMPL_CONF in local_master_conf()
+    # a file: implementation the user names stands, and the socket is still added
+    assert local_master_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.LocalFileSystem"}) == {}
+    (tmp_path / "spark-defaults.conf").unlink()
+    assert local_master_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.LocalFileSystem"}) == {
+        PYTHON_WORKER_SOCKET_CONF: "true"}
 
 
 def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) -> None:
@@ -90,23 +95,25 @@ def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) 
         import stat as stat_
 
         found = set()
-        for fd in range(3, 1024):
+        for fd in range(3, 4096):
             try:
                 if not stat_.S_ISSOCK(os_.fstat(fd).st_mode):
                     continue
             except OSError:
                 continue
             with socket.socket(fileno=os_.dup(fd)) as sock:
-                found.add(sock.family.name)
+                found.add(getattr(sock.family, "name", str(sock.family)))
         for _ in batches:
             pass
-        yield pa.record_batch({"family": sorted(found)})
+        yield pa.record_batch({"family": pa.array(sorted(found), pa.string())})
 
     families = {r["family"] for r in spark.range(1).mapInArrow(socket_families, "family string").collect()}
     assert "AF_UNIX" in families and not families & {"AF_INET", "AF_INET6"}, families
 
 
-def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not() -> None:
+def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
     local = plan_submit(DeployTarget.of("local[2]", None), dsn="postgresql://x", driver_application="d.py")
     assert local.conf[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM and str(JAR) in local.conf["spark.driver.extraClassPath"]
     assert local.conf[PYTHON_WORKER_SOCKET_CONF] == "true"
