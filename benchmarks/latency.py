@@ -101,6 +101,14 @@ def report(joined: DataFrame) -> DataFrame:
 # ------------------------------------------------------------------------------------------ measuring
 
 
+def count_per_bucket(df: DataFrame) -> list[Any]:
+    """The sink's Spark job: rows per 10 ms of event time (``t``, ``count``), collected.
+
+    The same expression every batch: with the clock in it (a literal) Spark would generate, compile and warm
+    up new code for every batch of every side."""
+    return df.selectExpr(f"CAST(FLOOR(CAST(ts AS DOUBLE) / {BUCKET_S}) AS BIGINT) AS t").groupBy("t").count().collect()
+
+
 @dataclass
 class Recorder:
     """What the sink saw: per micro-batch, when it ran, its rows and their latency histogram."""
@@ -110,10 +118,7 @@ class Recorder:
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:  # noqa: ARG002 - foreach_batch's signature
         now = time.time()
-        # Counted per 10 ms of event time, the same expression every batch: with the clock in it (a literal)
-        # Spark would generate, compile and warm up new code for every batch of every side.
-        rows = df.selectExpr(f"CAST(FLOOR(CAST(ts AS DOUBLE) / {BUCKET_S}) AS BIGINT) AS t") \
-            .groupBy("t").count().collect()
+        rows = count_per_bucket(df)
         job_buckets = round((time.time() - now) / BUCKET_S)  # the job's time, added for "delivered"
         # latency bucket of an event-time bucket's middle: at most half a bucket (5 ms) from each row's own
         hist = Counter[int]()

@@ -37,6 +37,7 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 from _spark import local_session_builder, product_confs
+from latency import count_per_bucket
 
 from airflow_arroyo.jvm import PYTHON_WORKER_SOCKET_CONF
 
@@ -62,7 +63,7 @@ def _channel(uri: str, entries: int, rows: int) -> None:
 
 
 def _sink(df: Any, batch_id: int) -> None:  # noqa: ARG001 - foreach_batch's signature
-    df.selectExpr("CAST(FLOOR(CAST(ts AS DOUBLE) / 0.01) AS BIGINT) AS t").groupBy("t").count().collect()
+    count_per_bucket(df)
 
 
 def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, tasks: int) -> None:
@@ -95,6 +96,7 @@ def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, t
             measured = progress[warmup:warmup + batches]
             result = {"reader addBatch": statistics.median(p["durationMs"]["addBatch"] for p in measured),
                       "reader batch": statistics.median(p["durationMs"]["triggerExecution"] for p in measured)}
+
             def identity(batches: Any) -> Any:  # nested: shipped by value (a spawned child's module is not importable)
                 yield from batches
 
