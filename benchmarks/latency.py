@@ -23,6 +23,10 @@ arrived before their batch's join ran, while a channel's reader gets rows its wr
 * **boundary**: the fused pipeline with ONE channel left, before the sink (``chain=False``, as the demo keeps
   its ``report`` channel): what one remaining channel hop costs where the plan keeps few, as the default
   plan does (two queries instead of the unfused form's five sharing the cores).
+* **spark-hop** (``--spark-hop``): the plain logic as two plain queries split at the same place, Spark's
+  ``parquet`` file sink into its file source (exactly-once through the sink's ``_spark_metadata`` log),
+  Spark's defaults as plain: the hop a user builds without the product, against which the remaining hop
+  compares (spark-hop p50 - plain p50).
 
 For each input rate (rows/s per source) the runs alternate (plain, product, fused, then reversed, ... over
 ``--rounds``; ``--masters local[2] local[4]`` alternates those too; ``--driver-memory``, default 2g;
@@ -31,8 +35,9 @@ for every run ran out of its 2 GB heap at 20,000 rows/s after seven runs), ``--w
 ``--duration`` seconds measured: throughput (rows reaching the sink per second) and latency p50/p99 of the
 rows that reached the sink in the window. Prints each run, then per rate the ratios product/plain (latency
 p50, p99, throughput) and what a channel hop adds (issue 12's target: at most one trigger interval + 200
-ms): a remaining hop, boundary p50 - fused p50, and a hop of the unfused form, (unfused p50 - fused p50) /
-the channels on its longest path. Side by side in one run, so load on the machine affects both.
+ms): a remaining hop, boundary p50 - fused p50, a hop of the unfused form, (unfused p50 - fused p50) /
+the channels on its longest path, and with ``--spark-hop`` Spark's own hop. Side by side in one run, so load
+on the machine affects both.
 
     python benchmarks/latency.py                               # 2 rates x 1 round: about 6 minutes
     python benchmarks/latency.py --rates 2000 20000 --rounds 2 --duration 60
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 BUCKET_S = 0.01
+PLAIN_SIDES = ("plain", "spark-hop")  # Spark's own queries: Spark's defaults, no epochs
 JOIN_WINDOW = "30 seconds"  # the two sources of the product start a little apart: matching ids are this close
 
 
@@ -190,6 +196,29 @@ class Plain:
         self.query.stop()
 
 
+class SparkHop:
+    """The plain logic as TWO plain queries, split where the boundary side keeps its channel (before the sink):
+    the first writes Spark's ``parquet`` file sink, the second reads its folder with Spark's file source (which
+    follows the sink's ``_spark_metadata`` log: exactly-once) into the sink. The hop a user builds without
+    the product; Spark's defaults, default trigger, as ``Plain``."""
+
+    def __init__(self, spark: SparkSession, rate: int, tmp: Path) -> None:
+        self.recorder = Recorder()
+        base = tmp / f"spark-hop-{uuid.uuid4().hex[:6]}"
+        rows = report(join(read_rate(spark, rate, "l"), read_rate(spark, rate, "r")))
+        self.writer = (rows.writeStream.format("parquet").option("path", str(base / "data"))
+                       .option("checkpointLocation", str(base / "writer")).start())
+        self.query = (spark.readStream.schema(rows.schema).parquet(str(base / "data")).writeStream
+                      .foreachBatch(self.recorder).option("checkpointLocation", str(base / "reader")).start())
+
+    def epochs(self, since: float) -> tuple[int, float]:  # noqa: ARG002 - the same interface as Product
+        return 0, float("nan")
+
+    def stop(self) -> None:
+        self.query.stop()
+        self.writer.stop()
+
+
 def pipeline(pid: str, rate: int, recorder: Recorder, *, chaining: bool, boundary: bool = False) -> Pipeline:
     p = Pipeline(pid, description="benchmark: two rate sources, a stream-stream join, a filter", chaining=chaining)
     left = p.source("left", lambda spark: read_rate(spark, rate, "l"))
@@ -259,7 +288,7 @@ class Product:
             raise SystemExit(f"the pipeline failed: {self.failure[0]}")
 
 
-def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: float, duration: float,
+def run_one(make: Callable[[], Plain | SparkHop | Product], side: str, rate: int, warmup: float, duration: float,
             master: str) -> Result:
     running = make()
     try:
@@ -273,7 +302,7 @@ def run_one(make: Callable[[], Plain | Product], side: str, rate: int, warmup: f
         running.stop()
     r = Result(side, rate, rows, end - start, percentile(hist, 0.5), percentile(hist, 0.99), epochs, epoch_p50,
                percentile(delivered, 0.5), percentile(delivered, 0.99), master)
-    extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side != "plain" else ""
+    extra = f", {r.epochs} epochs (duration p50 {r.epoch_p50:.2f} s)" if side not in PLAIN_SIDES else ""
     print(f"  {master} {side:8s} rate {rate:>6}/s: {r.throughput:9.0f} rows/s, latency at the sink's call "
           f"p50 {r.p50:6.2f} s, p99 {r.p99:6.2f} s; delivered p50 {r.delivered_p50:6.2f} s, "
           f"p99 {r.delivered_p99:6.2f} s{extra}",
@@ -288,16 +317,18 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
     error's text) goes back through ``out``."""
     logging.basicConfig(level=logging.WARNING)
     confs = dict(confs or {})
-    if side != "plain":  # as the driver builds a local session; plain: Spark's defaults (a user's query)
+    if side not in PLAIN_SIDES:  # as the driver builds a local session; plain: Spark's defaults (a user's query)
         confs = product_confs(confs, hadoop_local_fs=hadoop_local_fs)
     spark = local_session_builder("arroyo-latency", master=master, driver_memory=driver_memory,
                                   confs=confs).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     store = EpochStore(dsn)
     try:
-        def make() -> Plain | Product:
+        def make() -> Plain | SparkHop | Product:
             if side == "plain":
                 return Plain(spark, rate, Path(tmp))
+            if side == "spark-hop":
+                return SparkHop(spark, rate, Path(tmp))
             return Product(spark, store, rate, Path(tmp), interval, chaining=side in ("fused", "boundary"),
                            boundary=side == "boundary")
         out.put(run_one(make, side, rate, warmup, duration, master).__dict__)
@@ -308,8 +339,8 @@ def run_in_child(out: Any, side: str, rate: int, dsn: str, tmp: str, interval: f
         spark.stop()
 
 
-def summarize(results: list[Result], master: str, rate: int, *, chaining: bool, boundary: bool
-              ) -> list[dict[str, Any]]:
+def summarize(results: list[Result], master: str, rate: int, *, chaining: bool, boundary: bool,
+              spark_hop: bool = False) -> list[dict[str, Any]]:
     """Print (and return) the ratios to plain and the hops, for the runs on ``master`` at ``rate``."""
     def med(side: str, attr: str) -> float:
         return float(statistics.median(getattr(r, attr) for r in results
@@ -343,6 +374,13 @@ def summarize(results: list[Result], master: str, rate: int, *, chaining: bool, 
                 print(f"  {at}, one remaining channel hop ({measure}): boundary p50 "
                       f"{med('boundary', attr):.2f} s - fused p50 {med('fused', attr):.2f} s = "
                       f"{remaining * 1000:.0f} ms")
+    if spark_hop:
+        for attr, measure in (("p50", "at the sink's call"), ("delivered_p50", "delivered")):
+            own = med("spark-hop", attr) - med("plain", attr)
+            summary.append({"master": master, "rate": rate, "side": "spark-hop", "measure": attr,
+                            "per_hop_p50_s": own})
+            print(f"  {at}, Spark's own hop ({measure}): spark-hop p50 {med('spark-hop', attr):.2f} s - "
+                  f"plain p50 {med('plain', attr):.2f} s = {own * 1000:.0f} ms")
     return summary
 
 
@@ -357,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the fused side (the pipeline with Pipeline(chaining=True))")
     parser.add_argument("--no-boundary", dest="boundary", action="store_false",
                         help="leave out the boundary side (the fused pipeline with one channel left, before the sink)")
+    parser.add_argument("--spark-hop", action="store_true",
+                        help="add the spark-hop side: the plain logic as two plain queries joined by Spark's parquet "
+                             "file sink and file source (Spark's own hop, against which the remaining hop compares)")
     parser.add_argument("--hadoop-local-fs", action="store_true",
                         help="the product's sessions on Hadoop's own file: file system (chmod processes), as before "
                              "airflow_arroyo.jvm")
@@ -386,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
             if args.chaining and args.boundary:
                 sides.append("boundary")
+            if args.spark_hop:
+                sides.append("spark-hop")
             for i in range(args.rounds):
                 for master in args.masters if i % 2 == 0 else args.masters[::-1]:
                     for side in sides if i % 2 == 0 else sides[::-1]:
@@ -404,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for master in args.masters:
         for rate in args.rates:
-            summary += summarize(results, master, rate, chaining=args.chaining, boundary=args.boundary)
+            summary += summarize(results, master, rate, chaining=args.chaining, boundary=args.boundary,
+                                 spark_hop=args.spark_hop)
     if args.json:
         print(json.dumps({"runs": [r.__dict__ | {"throughput": r.throughput} for r in results], "ratios": summary}))
     return 0
