@@ -1,14 +1,17 @@
-"""The local Spark session every benchmark starts, its ``--conf KEY=VALUE`` option, and the confs a product side's
-session gets as the driver's would, in one place."""
+"""The local Spark session every benchmark starts, its ``--conf KEY=VALUE`` option, the confs a product side's
+session gets as the driver's would, and reading a query's progress, in one place."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StreamingQuery
 
 
 def conf_pair(text: str) -> tuple[str, str]:
@@ -42,3 +45,20 @@ def local_session_builder(app: str, *, master: str = "local[2]", driver_memory: 
     for key, value in (confs or {}).items():
         builder = builder.config(key, value)
     return builder
+
+
+def batches_with_rows(query: StreamingQuery, count: int) -> list[dict[str, Any]]:
+    """The progress (as JSON) of ``query``'s first ``count`` micro-batches with rows, once it has run them.
+
+    The query is stopped then; a failed query's error is raised. Spark keeps the last
+    ``spark.sql.streaming.numRecentProgressUpdates`` (100 by default)."""
+    try:
+        progress: list[dict[str, Any]] = []
+        while len(progress) < count:
+            if query.exception() is not None:
+                raise RuntimeError(str(query.exception()))
+            progress = [json.loads(p.json) for p in query.recentProgress if p.numInputRows > 0]
+            time.sleep(0.2)
+    finally:
+        query.stop()
+    return progress

@@ -20,19 +20,18 @@ Prints each run, then per measure the median over rounds per side and the ratio 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import local_session_builder, product_confs
+from _spark import batches_with_rows, local_session_builder, product_confs
 from latency import count_per_bucket
 from python_workers import _channel
 
@@ -64,16 +63,7 @@ def run_side(spark: SparkSession, side: str, tmp: Path, rows: int, warmup: int, 
 
     query = (df.writeStream.foreachBatch(sink).option("checkpointLocation", str(folder / "checkpoint"))
              .trigger(processingTime="0 seconds").start())
-    try:
-        progress: list[dict[str, Any]] = []
-        while len(progress) < warmup + batches:
-            if query.exception() is not None:
-                raise RuntimeError(str(query.exception()))
-            progress = [json.loads(p.json) for p in query.recentProgress if p.numInputRows > 0]
-            time.sleep(0.2)
-    finally:
-        query.stop()
-    measured = progress[warmup:warmup + batches]
+    measured = batches_with_rows(query, warmup + batches)[warmup:warmup + batches]
     return {"addBatch": statistics.median(p["durationMs"]["addBatch"] for p in measured),
             "triggerExecution": statistics.median(p["durationMs"]["triggerExecution"] for p in measured),
             "sink job": statistics.median(sink_ms[warmup:warmup + batches])}

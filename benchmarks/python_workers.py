@@ -23,7 +23,6 @@ Prints each run, then per measure the median per setting and the ratio socket / 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -36,7 +35,7 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import local_session_builder, product_confs
+from _spark import batches_with_rows, local_session_builder, product_confs
 from latency import count_per_bucket
 
 from airflow_arroyo.jvm import PYTHON_WORKER_SOCKET_CONF
@@ -84,16 +83,7 @@ def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, t
             _channel(uri, warmup + batches, rows)
             query = (read_channel(spark, uri, max_files_per_batch=1).writeStream.foreachBatch(_sink)
                      .option("checkpointLocation", f"{tmp}/checkpoint").trigger(processingTime="0 seconds").start())
-            try:
-                progress: list[dict[str, Any]] = []
-                while len(progress) < warmup + batches:
-                    if query.exception() is not None:
-                        raise RuntimeError(str(query.exception()))
-                    progress = [json.loads(p.json) for p in query.recentProgress if p.numInputRows > 0]
-                    time.sleep(0.2)
-            finally:
-                query.stop()
-            measured = progress[warmup:warmup + batches]
+            measured = batches_with_rows(query, warmup + batches)[warmup:warmup + batches]
             result = {"reader addBatch": statistics.median(p["durationMs"]["addBatch"] for p in measured),
                       "reader batch": statistics.median(p["durationMs"]["triggerExecution"] for p in measured)}
 
