@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.jvm import local_master_conf
+from airflow_arroyo.jvm import master_conf
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -150,9 +150,9 @@ def plan_submit(
 
     if not target.cluster_mode:
         env = {"ARROYO_DSN": dsn}
+        confs.update(master_conf(target.master, confs))  # local: the jar, the sockets; standalone: the sockets
         if target.manager is ClusterManager.LOCAL:
             env["PYSPARK_PYTHON"] = here
-            confs.update(local_master_conf(confs))  # the whole session runs here (the jar, the sockets)
         else:
             env["PYSPARK_DRIVER_PYTHON"] = here  # the driver runs here; executors on the cluster's nodes
             if cluster_python is None and target.manager is ClusterManager.STANDALONE:

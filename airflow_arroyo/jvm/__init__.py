@@ -18,11 +18,14 @@ the class: :func:`local_file_system_conf`. The driver applies it to sessions it 
 and a local-master ``spark-submit`` gets it from the operator; elsewhere it is the user's choice
 (docs/clusters.md), since the jar's path must exist on every node.
 
-:func:`local_master_conf` is everything the provider adds to a Spark application it starts on a ``local``
-master, in one place: the jar's file system, and Python workers reached over a Unix domain socket
+:func:`master_conf` is everything the provider adds to a Spark application it starts, by master, in one
+place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
+(:func:`local_master_conf`): the jar's file system, and Python workers reached over a Unix domain socket
 (``spark.python.unix.domain.socket.enabled``, Spark 4.1+) instead of loopback TCP, where each Python task
 (a channel's read, any Python data source or UDF) spent ~40 ms more (docs/runtime.md, "Python workers over
-a Unix domain socket"). A value the user gave for either stands.
+a Unix domain socket"). On a standalone master (``spark://``): the socket (each executor's workers are on its
+own node; its socket files go to the JVM's temporary folder). On YARN and Kubernetes nothing: a container's
+temporary folder can make a socket's path longer than Linux allows (108 bytes). A value the user gave stands.
 
 ``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
 Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/`` compiles to.
@@ -39,8 +42,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOURCES", "build_jar",
-           "compile_classes", "hadoop_jars", "local_file_system_conf", "local_master_conf", "spark_defaults",
-           "spark_home"]
+           "compile_classes", "hadoop_jars", "local_file_system_conf", "local_master_conf", "master_conf",
+           "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -85,10 +88,23 @@ def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     user's class paths kept before the jar, a ``file:`` implementation the user names stands), and Python
     workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands)."""
     given = _given(conf)
-    out = _file_system_conf(given)
-    if PYTHON_WORKER_SOCKET_CONF not in given:
-        out[PYTHON_WORKER_SOCKET_CONF] = "true"
-    return out
+    return {**_file_system_conf(given), **_socket_conf(given)}
+
+
+def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Spark confs the provider adds to an application it starts on ``master`` (the master URL), merged
+    with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
+    standalone master (``spark://``) gets Python workers over a Unix domain socket
+    (:data:`PYTHON_WORKER_SOCKET_CONF`); other masters nothing. A value the user set stands."""
+    if master.startswith("local"):
+        return local_master_conf(conf)
+    if master.startswith("spark://"):
+        return _socket_conf(_given(conf))
+    return {}
+
+
+def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
+    return {} if PYTHON_WORKER_SOCKET_CONF in given else {PYTHON_WORKER_SOCKET_CONF: "true"}
 
 
 def spark_home() -> Path:

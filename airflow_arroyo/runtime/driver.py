@@ -55,7 +55,7 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.jvm import local_master_conf
+from airflow_arroyo.jvm import master_conf
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     EpochFacts,
@@ -1108,8 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.master:
             builder = builder.master(args.master)
         confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
-        if str(args.master or "").startswith("local"):  # the whole session runs here (the jar, the sockets)
-            confs.update(local_master_conf(confs))
+        confs.update(master_conf(str(args.master or ""), confs))  # local: the jar, the sockets; spark://: sockets
         for k, v in confs.items():
             builder = builder.config(k, v)
         spark = builder.getOrCreate()

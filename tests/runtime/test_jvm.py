@@ -26,6 +26,7 @@ from airflow_arroyo.jvm import (
     compile_classes,
     local_file_system_conf,
     local_master_conf,
+    master_conf,
 )
 
 pytestmark = pytest.mark.spark
@@ -111,16 +112,33 @@ def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) 
     assert "AF_UNIX" in families and not families & {"AF_INET", "AF_INET6"}, families
 
 
-def test_a_local_master_submission_carries_it_and_a_cluster_one_does_not(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_master_gets_what_the_provider_adds_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """local: the jar and the socket; standalone: the socket (executors' workers are on their own node; the
+    standalone cluster test runs the demo with it); YARN and Kubernetes: nothing (a container's temporary
+    folder can exceed a socket path's 108 bytes). A value the user set stands."""
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
+    assert master_conf("local[2]") == local_master_conf()
+    assert master_conf("spark://h:7077") == {PYTHON_WORKER_SOCKET_CONF: "true"}
+    assert master_conf("spark://h:7077", {PYTHON_WORKER_SOCKET_CONF: "false"}) == {}
+    assert master_conf("yarn") == {} and master_conf("k8s://https://h:6443") == {}
+    (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
+    assert master_conf("spark://h:7077") == {}
+
+
+def test_a_submission_carries_its_masters_confs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
     local = plan_submit(DeployTarget.of("local[2]", None), dsn="postgresql://x", driver_application="d.py")
     assert local.conf[FS_IMPL_CONF] == LOCAL_FILE_SYSTEM and str(JAR) in local.conf["spark.driver.extraClassPath"]
     assert local.conf[PYTHON_WORKER_SOCKET_CONF] == "true"
     standalone = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x",
                              driver_application="d.py")
-    assert FS_IMPL_CONF not in standalone.conf and PYTHON_WORKER_SOCKET_CONF not in standalone.conf
+    assert FS_IMPL_CONF not in standalone.conf and standalone.conf[PYTHON_WORKER_SOCKET_CONF] == "true"
     assert DeployTarget.of("spark://h:7077", "client").manager is ClusterManager.STANDALONE
+    mine = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x", driver_application="d.py",
+                       conf={PYTHON_WORKER_SOCKET_CONF: "false"})
+    assert mine.conf[PYTHON_WORKER_SOCKET_CONF] == "false"
+    yarn = plan_submit(DeployTarget.of("yarn", "client"), dsn="postgresql://x", driver_application="d.py")
+    assert FS_IMPL_CONF not in yarn.conf and PYTHON_WORKER_SOCKET_CONF not in yarn.conf
 
 
 def _fs(spark: Any, raw: bool, ours: bool) -> Any:
