@@ -16,13 +16,18 @@ with ``false`` (TCP) and one with the provider's confs (the socket), in alternat
   collect without Python.
 
 Prints each run, then per measure the median per setting and the ratio socket / TCP, measured side by side.
+``--standalone`` runs every session against a Spark standalone cluster on 127.0.0.1 instead (a master and
+one worker of 2 cores, each a JVM of its own: ``devtools.spark_cluster``; client mode, as the operator
+submits there): the Python tasks then run in the worker's executor.
 
     python benchmarks/python_workers.py                  # 2 rounds: about 3 minutes
+    python benchmarks/python_workers.py --standalone     # the same on a loopback standalone cluster
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -65,11 +70,12 @@ def _sink(df: Any, batch_id: int) -> None:  # noqa: ARG001 - foreach_batch's sig
     count_per_bucket(df)
 
 
-def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, tasks: int) -> None:
+def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, tasks: int,
+                 master: str = "local[2]") -> None:
     """One run in a JVM of its own; the medians (ms) or the error's text go back through ``out``."""
     try:
         confs = product_confs({PYTHON_WORKER_SOCKET_CONF: SETTINGS[setting]})
-        spark = local_session_builder("arroyo-python-workers", confs=confs).getOrCreate()
+        spark = local_session_builder("arroyo-python-workers", master=master, confs=confs).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         from airflow_arroyo.runtime.sources import read_channel
         from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
@@ -113,8 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="reader batches left out")
     parser.add_argument("--batches", type=int, default=15, help="reader batches measured")
     parser.add_argument("--tasks", type=int, default=25, help="one-row Python tasks timed")
+    parser.add_argument("--standalone", action="store_true",
+                        help="run against a standalone cluster on 127.0.0.1 (a master, one worker of 2 cores)")
     args = parser.parse_args(argv)
-    print(f"{args.rounds} round(s), local[2], a JVM per run; reader: {args.rows:,} rows per entry, "
+    with contextlib.ExitStack() as stack:
+        master = "local[2]"
+        if args.standalone:
+            from airflow_arroyo.devtools.spark_cluster import StandaloneCluster
+
+            cluster = StandaloneCluster(workers=1, cores=2)
+            cluster.start()
+            stack.callback(cluster.stop)
+            master = cluster.master_url
+        return _rounds(args, master)
+
+
+def _rounds(args: argparse.Namespace, master: str) -> int:
+    print(f"{args.rounds} round(s), {master}, a driver JVM per run; reader: {args.rows:,} rows per entry, "
           f"{args.batches} batches after {args.warmup}; {args.tasks} one-row Python tasks", flush=True)
     ctx = mp.get_context("spawn")
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in SETTINGS}
@@ -122,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         for setting in list(SETTINGS) if i % 2 == 0 else list(SETTINGS)[::-1]:
             out = ctx.Queue()
             child = ctx.Process(target=run_in_child, args=(out, setting, args.rows, args.warmup, args.batches,
-                                                           args.tasks))
+                                                           args.tasks, master))
             child.start()
             got = out.get(timeout=900)
             child.join(120)
