@@ -47,6 +47,16 @@ def local_session_builder(app: str, *, master: str = "local[2]", driver_memory: 
     return builder
 
 
+def use_stage_checkpoint_manager(spark: SparkSession) -> None:
+    """Give ``spark``'s queries the checkpoint file manager a stage's query uses on a local disk
+    (``runtime/stage.py``), so a benchmark's own reader query writes its checkpoint as a stage would."""
+    from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
+
+    manager = local_checkpoint_file_manager(spark)
+    if manager is not None:
+        spark.conf.set(CHECKPOINT_FILE_MANAGER_CONF, manager)
+
+
 def batches_with_rows(query: StreamingQuery, count: int) -> list[dict[str, Any]]:
     """The progress (as JSON) of ``query``'s first ``count`` micro-batches with rows, once it has run them.
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import batches_with_rows, local_session_builder, product_confs
+from _spark import batches_with_rows, local_session_builder, product_confs, use_stage_checkpoint_manager
 from latency import count_per_bucket
 from python_workers import _channel
 
@@ -77,13 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8, help="batches left out per run")
     parser.add_argument("--batches", type=int, default=20, help="batches measured per run")
     args = parser.parse_args(argv)
-    from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
-
     spark = local_session_builder("arroyo-channel-reader", confs=product_confs({})).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    manager = local_checkpoint_file_manager(spark)  # as a stage's query on a local disk (runtime/stage.py)
-    if manager is not None:
-        spark.conf.set(CHECKPOINT_FILE_MANAGER_CONF, manager)
+    use_stage_checkpoint_manager(spark)
     print(f"{args.rounds} round(s), local[2], one session; {args.rows:,} rows per entry, one entry per batch, "
           f"{args.batches} batches measured after {args.warmup}", flush=True)
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in SIDES}

@@ -40,7 +40,7 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import batches_with_rows, local_session_builder, product_confs
+from _spark import batches_with_rows, local_session_builder, product_confs, use_stage_checkpoint_manager
 from latency import count_per_bucket
 
 from airflow_arroyo.jvm import PYTHON_WORKER_SOCKET_CONF
@@ -78,11 +78,8 @@ def run_in_child(out: Any, setting: str, rows: int, warmup: int, batches: int, t
         spark = local_session_builder("arroyo-python-workers", master=master, confs=confs).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         from airflow_arroyo.runtime.sources import read_channel
-        from airflow_arroyo.runtime.spark_checkpoint import CHECKPOINT_FILE_MANAGER_CONF, local_checkpoint_file_manager
 
-        manager = local_checkpoint_file_manager(spark)  # as a stage's query on a local disk (runtime/stage.py)
-        if manager is not None:
-            spark.conf.set(CHECKPOINT_FILE_MANAGER_CONF, manager)
+        use_stage_checkpoint_manager(spark)
 
         with tempfile.TemporaryDirectory(prefix="arroyo-pyworkers-") as tmp:
             uri = Path(tmp, "channel").as_uri()
