@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.jvm import master_conf
+from airflow_arroyo.jvm import master_conf, master_kind
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -78,17 +78,10 @@ class DeployTarget:
     @classmethod
     def of(cls, master: str, deploy_mode: str | None, namespace: str | None = None) -> DeployTarget:
         """The target of ``master`` and ``deploy_mode`` (``namespace`` for Kubernetes)."""
-        if master.startswith("local"):
-            manager = ClusterManager.LOCAL
-        elif master.startswith("spark://"):
-            manager = ClusterManager.STANDALONE
-        elif master.startswith("k8s://"):
-            manager = ClusterManager.KUBERNETES
-        elif master.startswith("yarn"):
-            manager = ClusterManager.YARN
-        else:
+        kind = master_kind(master)
+        if kind is None:
             raise ConfigurationError(f"unsupported Spark master {master!r}: use local[N], spark://, yarn or k8s://")
-        return cls(manager, (deploy_mode or "client") == "cluster", master, namespace)
+        return cls(ClusterManager(kind), (deploy_mode or "client") == "cluster", master, namespace)
 
     @classmethod
     def from_hook(cls, hook: SparkSubmitHook) -> DeployTarget:

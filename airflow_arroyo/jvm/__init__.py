@@ -43,7 +43,7 @@ from pathlib import Path
 
 __all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOURCES", "build_jar",
            "compile_classes", "hadoop_jars", "local_file_system_conf", "local_master_conf", "master_conf",
-           "spark_defaults", "spark_home"]
+           "master_kind", "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -91,14 +91,25 @@ def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**_file_system_conf(given), **_socket_conf(given)}
 
 
+def master_kind(master: str) -> str | None:
+    """The cluster manager a Spark master URL names: ``"local"`` (``local``, ``local[N]``...), ``"standalone"``
+    (``spark://``), ``"kubernetes"`` (``k8s://``), ``"yarn"``; None for any other. The one reading of a master
+    URL: :func:`master_conf` and the operator's ``DeployTarget`` (``hooks/spark_deploy.py``) use it."""
+    for prefix, kind in (("local", "local"), ("spark://", "standalone"), ("k8s://", "kubernetes"), ("yarn", "yarn")):
+        if master.startswith(prefix):
+            return kind
+    return None
+
+
 def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The Spark confs the provider adds to an application it starts on ``master`` (the master URL), merged
     with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
     standalone master (``spark://``) gets Python workers over a Unix domain socket
     (:data:`PYTHON_WORKER_SOCKET_CONF`); other masters nothing. A value the user set stands."""
-    if master.startswith("local"):
+    kind = master_kind(master)
+    if kind == "local":
         return local_master_conf(conf)
-    if master.startswith("spark://"):
+    if kind == "standalone":
         return _socket_conf(_given(conf))
     return {}
 
