@@ -149,9 +149,15 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     wait_for("3 completed epochs", lambda: len(completed_epochs()) >= 3, 420, diagnose)
     # submit supervises the run in the triggerer for its whole life: once the run is up, its task resumes on a
     # worker for a moment and defers again, to the supervisor (the fused form's epochs can complete before that)
-    wait_for("the submit task to defer to its supervisor",
-             lambda: airflow.task_instances(EXAMPLE_DAG, run_id)["submit"] == "deferred", 120, diagnose)
-    tis = airflow.task_instances(EXAMPLE_DAG, run_id)
+    # one read for the wait and the assertion: the supervisor resumes the submit task for a moment when the run
+    # changes, so a second read can catch it between two deferrals ('scheduled')
+    tis: dict[str, Any] = {}
+
+    def submit_deferred() -> bool:
+        tis.update(airflow.task_instances(EXAMPLE_DAG, run_id))
+        return bool(tis["submit"] == "deferred")
+
+    wait_for("the submit task to defer to its supervisor", submit_deferred, 120, diagnose)
     assert tis["submit"] == "deferred" and tis["checkpoints"] == "deferred" and tis["run_for"] == "deferred", tis
     pipeline = store.get_pipeline(PIPELINE)
     assert pipeline.state is PipelineState.RUNNING and pipeline.spark_ui_url
