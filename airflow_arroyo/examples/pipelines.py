@@ -50,6 +50,7 @@ def demo(
     pipeline_id: str = "arroyo-demo",
     rows: int | None = 20_000,
     rows_per_batch: int = 1_000,
+    rows_per_second: int | None = None,
     keys: int = 100,
     state_store: Literal["hdfs", "rocksdb"] | None = None,
     trigger_interval: float | None = None,
@@ -61,7 +62,8 @@ def demo(
     chaining: bool | None = None,
 ) -> Pipeline:
     """The demo pipeline. ``rows=None`` makes the generators unbounded (benchmarks); ``rows_per_batch``
-    paces them (rows per micro-batch of each source). ``sink_path`` adds an exactly-once Parquet sink
+    paces them (rows per micro-batch of each source), ``rows_per_second`` in time (each source's rows exist at
+    that rate from its query's start). ``sink_path`` adds an exactly-once Parquet sink
     ``report_files`` writing the report there (committed epoch by epoch). ``pg_dsn_env`` (the name of an
     environment variable holding a PostgreSQL DSN) adds two exactly-once PostgreSQL sinks: ``report_pg``
     appends the report's rows to ``pg_report_table`` (:data:`PG_REPORT_DDL`), ``totals_pg`` upserts per key
@@ -72,12 +74,12 @@ def demo(
 
     def left(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=LEFT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,
-                              partitions=partitions)
+                              rows_per_second=rows_per_second, partitions=partitions)
         return df.selectExpr("id", "key", "value AS left_value")
 
     def right(spark: SparkSession) -> DataFrame:
         df = generator_source(spark, seed=RIGHT_SEED, keys=keys, total_rows=rows, rows_per_batch=rows_per_batch,
-                              partitions=partitions)
+                              rows_per_second=rows_per_second, partitions=partitions)
         return df.selectExpr("id", "value AS right_value")
 
     def join(lhs: DataFrame, rhs: DataFrame) -> DataFrame:

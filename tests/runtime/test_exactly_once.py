@@ -67,7 +67,7 @@ class Driver:
 
     def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path,
                  rows: int = ROWS, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                 sink_dsn: str | None = None, chaining: bool = False) -> None:
+                 sink_dsn: str | None = None, chaining: bool = False, args: dict[str, object] | None = None) -> None:
         self.run_id = run_id
         self.log_path = logs / f"{run_id}.log"
         cmd = [
@@ -75,6 +75,7 @@ class Driver:
             "--pipeline", "airflow_arroyo.examples.pipelines:demo",
             "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}",
             "--arg", f"sink_path={sink}", "--arg", f"chaining={'true' if chaining else 'false'}",
+            *(a for key, value in (args or {}).items() for a in ("--arg", f"{key}={json.dumps(value)}")),
             *(["--arg", f"pg_dsn_env={SINK_DSN_ENV}", "--arg", "pg_report_table=report_rows",
                "--arg", "pg_totals_table=key_totals"] if sink_dsn else []),
             "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",

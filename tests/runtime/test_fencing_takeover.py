@@ -30,7 +30,12 @@ from tests.support import sql
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 1200  # 12 micro-batches per source: the old run is still far from the end when it is stalled
+ROWS = 1200
+# The old run's sources are paced in time, so that it is still far from the end of its input when its first epoch
+# completes and it is stalled: unpaced, they had read 900 of 1,200 rows by then on a quiet machine, all 1,200 in a CI
+# run. At 20 rows/s the input lasts 60 s; epoch 1 completed 10-15 s after the sources' start on a quiet machine (the
+# sink's and the other stages' queries start first, then the barrier's trip). The new run reads the rest unpaced.
+OLD_RUN_RATE = {"rows_per_second": 20}
 
 
 def stall(store: EpochStore, driver: Driver, pid: str) -> None:
@@ -63,7 +68,7 @@ def test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact(store:
     t0 = time.monotonic()
     # the old driver heartbeats once at start only: it can learn of the takeover from its refused writes alone
     old = Driver(dsn=store.dsn, storage=storage, pipeline_id=pid, run_id="run-old", logs=logs, sink=sink, rows=ROWS,
-                 env={"ARROYO_HEARTBEAT_INTERVAL": "600"})
+                 env={"ARROYO_HEARTBEAT_INTERVAL": "600"}, args=OLD_RUN_RATE)
     new: Driver | None = None
     controller = CheckpointTicker(store, pid, interval=1.0)
     try:
