@@ -1,6 +1,6 @@
 """The provider's JVM side: one small jar, ``airflow-arroyo-hadoop.jar``, built from ``src/`` (Java).
 
-It holds Hadoop's local file system (``file:``) without its ``chmod`` processes: Hadoop's
+It holds two things. Hadoop's local file system (``file:``) without its ``chmod`` processes: Hadoop's
 ``RawLocalFileSystem`` sets the permission of every file and folder it creates with a permission (every
 checkpoint file Spark writes: ``offsets/b``, ``commits/b``, state ``.delta`` files, and their ``.crc``) through
 libhadoop, and where that native library is missing, as in the pip ``pyspark``, by starting a ``chmod``
@@ -18,14 +18,23 @@ the class: :func:`local_file_system_conf`. The driver applies it to sessions it 
 and a local-master ``spark-submit`` gets it from the operator; elsewhere it is the user's choice
 (docs/clusters.md), since the jar's path must exist on every node.
 
+And ``airflow.arroyo.spark.SocketPaths``, for Python workers over Unix domain sockets (below): Spark registers
+each socket file it binds (every ``toArrow()`` or ``collect()`` to Python, every Python worker's start) with
+``File.deleteOnExit()`` and deletes the file itself when the transfer ends, but the JDK keeps every registered
+path until the JVM exits: ~0.4 KB of the driver's heap per micro-batch a stage collects, without bound.
+:class:`SocketPathPruner` (a pipeline's driver runs one) has the JVM forget the paths of files already gone.
+It needs the jar on the driver's class path only: :func:`master_conf` puts it there on local and standalone
+masters.
+
 :func:`master_conf` is everything the provider adds to a Spark application it starts, by master, in one
 place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
 (:func:`local_master_conf`): the jar's file system, and Python workers reached over a Unix domain socket
 (``spark.python.unix.domain.socket.enabled``, Spark 4.1+) instead of loopback TCP, where each Python task
 (a channel's read, any Python data source or UDF) spent ~40 ms more (docs/runtime.md, "Python workers over
 a Unix domain socket"). On a standalone master (``spark://``): the socket (each executor's workers are on its
-own node; its socket files go to the JVM's temporary folder). On YARN and Kubernetes nothing: a container's
-temporary folder can make a socket's path longer than Linux allows (108 bytes). A value the user gave stands.
+own node; its socket files go to the JVM's temporary folder), and the jar on the driver's class path only.
+On YARN and Kubernetes nothing: a container's temporary folder can make a socket's path longer than Linux
+allows (108 bytes). A value the user gave stands.
 
 ``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
 Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/`` compiles to.
@@ -33,17 +42,24 @@ Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds 
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOURCES", "build_jar",
-           "compile_classes", "hadoop_jars", "local_file_system_conf", "local_master_conf", "master_conf",
-           "master_kind", "spark_defaults", "spark_home"]
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOCKET_PATHS", "SOURCES",
+           "SocketPathPruner", "build_jar", "compile_classes", "hadoop_jars", "local_file_system_conf",
+           "local_master_conf", "master_conf", "master_kind", "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -51,7 +67,12 @@ LOCAL_FILE_SYSTEM = "airflow.arroyo.hadoop.NioLocalFileSystem"
 FS_IMPL_CONF = "spark.hadoop.fs.file.impl"
 #: Spark 4.1+: the JVM reaches its Python workers over a Unix domain socket instead of loopback TCP
 PYTHON_WORKER_SOCKET_CONF = "spark.python.unix.domain.socket.enabled"
-_CLASS_PATHS = ("spark.driver.extraClassPath", "spark.executor.extraClassPath")
+#: the jar's class that forgets deleted socket files (:class:`SocketPathPruner`)
+SOCKET_PATHS = "airflow.arroyo.spark.SocketPaths"
+_DRIVER_CLASS_PATH = "spark.driver.extraClassPath"
+_CLASS_PATHS = (_DRIVER_CLASS_PATH, "spark.executor.extraClassPath")
+log = logging.getLogger(__name__)
+
 #: zip entries' time (the zip format's earliest): the jar's bytes depend on the classes only
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 
@@ -76,19 +97,24 @@ def _given(conf: Mapping[str, str] | None) -> dict[str, str]:
 def _file_system_conf(given: Mapping[str, str]) -> dict[str, str]:
     if FS_IMPL_CONF in given or not JAR.is_file():
         return {}
-    out = {FS_IMPL_CONF: LOCAL_FILE_SYSTEM}
-    for key in _CLASS_PATHS:
-        out[key] = os.pathsep.join(filter(None, [given.get(key), str(JAR)]))
-    return out
+    return {FS_IMPL_CONF: LOCAL_FILE_SYSTEM, **_jar_on(_CLASS_PATHS, given)}
+
+
+def _jar_on(class_paths: tuple[str, ...], given: Mapping[str, str]) -> dict[str, str]:
+    """The jar after the class path ``given`` has for each of ``class_paths`` (nothing without the jar)."""
+    if not JAR.is_file():
+        return {}
+    return {key: os.pathsep.join(filter(None, [given.get(key), str(JAR)])) for key in class_paths}
 
 
 def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """The Spark confs the provider adds to an application it starts on a ``local`` master, merged with
     ``conf`` and ``spark-defaults.conf``: the jar's ``file:`` file system (:func:`local_file_system_conf`: the
     user's class paths kept before the jar, a ``file:`` implementation the user names stands), and Python
-    workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands)."""
+    workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands), with the
+    jar on the driver's class path for :class:`SocketPathPruner` even where the user's ``file:`` stands."""
     given = _given(conf)
-    return {**_file_system_conf(given), **_socket_conf(given)}
+    return {**_socket_conf(given), **(_file_system_conf(given) or _socket_paths_conf(given))}
 
 
 def master_kind(master: str) -> str | None:
@@ -105,17 +131,26 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     """The Spark confs the provider adds to an application it starts on ``master`` (the master URL), merged
     with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
     standalone master (``spark://``) gets Python workers over a Unix domain socket
-    (:data:`PYTHON_WORKER_SOCKET_CONF`); other masters nothing. A value the user set stands."""
+    (:data:`PYTHON_WORKER_SOCKET_CONF`) and the jar on the driver's class path (:class:`SocketPathPruner`); other
+    masters nothing. A value the user set stands."""
     kind = master_kind(master)
     if kind == "local":
         return local_master_conf(conf)
     if kind == "standalone":
-        return _socket_conf(_given(conf))
+        given = _given(conf)
+        return {**_socket_conf(given), **_socket_paths_conf(given)}
     return {}
 
 
 def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
     return {} if PYTHON_WORKER_SOCKET_CONF in given else {PYTHON_WORKER_SOCKET_CONF: "true"}
+
+
+def _socket_paths_conf(given: Mapping[str, str]) -> dict[str, str]:
+    """The jar on the driver's class path where its Python workers use the socket (given or added)."""
+    if given.get(PYTHON_WORKER_SOCKET_CONF, "true").strip().lower() != "true":
+        return {}
+    return _jar_on((_DRIVER_CLASS_PATH,), given)
 
 
 def spark_home() -> Path:
@@ -182,3 +217,76 @@ def build_jar(target: Path = JAR) -> Path:
         for name, data in entries.items():
             jar.writestr(zipfile.ZipInfo(name, _EPOCH), data)
     return target
+
+
+class SocketPathPruner:
+    """Keeps the driver JVM's delete-on-exit list from growing by one path per transfer to Python.
+
+    Where the session's Python workers use Unix domain sockets (:data:`PYTHON_WORKER_SOCKET_CONF`), Spark
+    registers every socket file it binds with ``File.deleteOnExit()`` and deletes the file itself when the
+    transfer ends; the JDK keeps the path until the JVM exits (~0.4 KB; a stage's micro-batch collected to the
+    driver is one). :meth:`prune_if_due` (every ``every`` seconds) has the jar's :data:`SOCKET_PATHS` drop the
+    paths of socket files that no longer exist, under the list's own lock, leaving the newest ``keep_newest``
+    (a path is registered just before its socket is bound) and every other path alone. Without the socket it
+    does nothing; without the jar on the driver's class path it logs once what grows and how to add it."""
+
+    def __init__(self, spark: SparkSession, *, every: float = 2.0, keep_newest: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.keep_newest = keep_newest  # more than the transfers that can be binding their socket at one moment
+        self.forgotten = 0  # paths dropped so far
+        self._clock = clock
+        self._due = clock() + every
+        self._helper: Any = None
+        # unset, Spark's default is the PYSPARK_UDS_MODE environment variable's (the driver's environment)
+        on = spark.sparkContext.getConf().get(PYTHON_WORKER_SOCKET_CONF) or os.environ.get("PYSPARK_UDS_MODE", "")
+        if on.strip().lower() != "true":
+            return
+        helper = _java_class(spark, SOCKET_PATHS)
+        if helper is None:
+            log.warning("Python workers use Unix domain sockets (%s) but %s is not on the driver's class path: the "
+                        "driver JVM keeps the path of every socket file Spark deleted until it exits (~0.4 KB per "
+                        "transfer to Python); put %s on spark.driver.extraClassPath",
+                        PYTHON_WORKER_SOCKET_CONF, SOCKET_PATHS, JAR)
+            return
+        self._helper = helper
+
+    @property
+    def active(self) -> bool:
+        """Whether it prunes (the socket is on and the jar's class is there)."""
+        return self._helper is not None
+
+    def prune_if_due(self) -> int:
+        """:meth:`prune` when ``every`` seconds have passed since the last one; else 0."""
+        now = self._clock()
+        if self._helper is None or now < self._due:
+            return 0
+        self._due = now + self.every
+        return self.prune()
+
+    def prune(self, keep_newest: int | None = None) -> int:
+        """Drop the paths of deleted socket files now; how many were dropped."""
+        if self._helper is None:
+            return 0
+        from py4j.protocol import Py4JError
+
+        try:
+            dropped = int(self._helper.forgetDeleted(self.keep_newest if keep_newest is None else keep_newest))
+        except Py4JError as exc:  # e.g. java.io not opened to the class path (Spark's launcher opens it)
+            log.warning("could not prune the JVM's delete-on-exit list, not trying again: %s", exc)
+            self._helper = None
+            return 0
+        self.forgotten += dropped
+        return dropped
+
+    def registered(self) -> int:
+        """How many paths the JVM's delete-on-exit list holds (-1 when not active)."""
+        return -1 if self._helper is None else int(self._helper.registered())
+
+
+def _java_class(spark: SparkSession, name: str) -> Any:
+    """The py4j class ``name`` in the session's JVM; None when its class path has no such class."""
+    from py4j.java_gateway import JavaClass
+
+    found = functools.reduce(getattr, name.split("."), spark._jvm)
+    return found if isinstance(found, JavaClass) else None

@@ -55,7 +55,7 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.jvm import master_conf
+from airflow_arroyo.jvm import SocketPathPruner, master_conf
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     EpochFacts,
@@ -188,6 +188,7 @@ class PipelineDriver:
         self.snapshots = SnapshotStore(self.layout.fs, self.pipeline_id, store, checkpoints=self.layout.checkpoint_fs)
         self._executor: ThreadPoolExecutor | None = None
         self._epoch_watch: EpochWatch | None = None
+        self.socket_paths: SocketPathPruner | None = None  # with the session: airflow_arroyo.jvm
         self._stop = threading.Event()
         self._stop_mode: StopMode | None = None
         self._epochs_seen: list[int] = []
@@ -259,6 +260,7 @@ class PipelineDriver:
             for sink in self.sinks.values():
                 sink.claim()
             spark = self._session()
+            self.socket_paths = SocketPathPruner(spark, every=self.heartbeat_interval)
             self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, len(self.graph.stages))),
                                                 thread_name_prefix=f"arroyo-snapshot-{self.pipeline_id}")
             self._start_stages(spark)
@@ -727,7 +729,9 @@ class PipelineDriver:
 
     def _run_loop(self) -> DriverResult:
         """Every turn: watch the queries, follow the in-flight epoch (inject a new one at the sources, commit the
-        sinks when one ended), cut idle sources, heartbeat, and ask :func:`decide_stop` what to do about a stop.
+        sinks when one ended), cut idle sources, heartbeat, keep the JVM's list of socket files to delete at exit
+        from growing (:class:`~airflow_arroyo.jvm.SocketPathPruner`), and ask :func:`decide_stop` what to do
+        about a stop.
         Epoch starts and ends are announced by the database (LISTEN/NOTIFY): the in-flight epoch is read when one
         was, and at least every EPOCH_READ_FALLBACK seconds (every poll while the watch cannot listen); the
         stages are polled every poll_interval regardless."""
@@ -743,6 +747,8 @@ class PipelineDriver:
             for r in self.runners:
                 r.cut_if_idle()
             self._heartbeat_if_due(turn)
+            if self.socket_paths is not None:
+                self.socket_paths.prune_if_due()
             decision = decide_stop(self._stop_facts(turn))
             if decision.action is not StopAction.RUN:
                 ended = self._apply_stop(decision, turn)

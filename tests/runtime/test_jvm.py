@@ -23,6 +23,7 @@ from airflow_arroyo.jvm import (
     JAR,
     LOCAL_FILE_SYSTEM,
     PYTHON_WORKER_SOCKET_CONF,
+    SocketPathPruner,
     compile_classes,
     local_file_system_conf,
     local_master_conf,
@@ -78,11 +79,12 @@ def test_a_local_master_gets_the_jar_and_python_workers_over_a_unix_socket_unles
     assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf({PYTHON_WORKER_SOCKET_CONF: "false"})
     (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
     assert PYTHON_WORKER_SOCKET_CONF not in local_master_conf() and FS_IMPL_CONF in local_master_conf()
-    # a file: implementation the user names stands, and the socket is still added
+    # a file: implementation the user names stands, and the socket is still added, with the jar on the driver's
+    # class path for the SocketPathPruner
     assert local_master_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.LocalFileSystem"}) == {}
     (tmp_path / "spark-defaults.conf").unlink()
     assert local_master_conf({FS_IMPL_CONF: "org.apache.hadoop.fs.LocalFileSystem"}) == {
-        PYTHON_WORKER_SOCKET_CONF: "true"}
+        PYTHON_WORKER_SOCKET_CONF: "true", "spark.driver.extraClassPath": str(JAR)}
 
 
 def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) -> None:
@@ -118,8 +120,11 @@ def test_each_master_gets_what_the_provider_adds_there(tmp_path: Path, monkeypat
     folder can exceed a socket path's 108 bytes). A value the user set stands."""
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
     assert master_conf("local[2]") == local_master_conf()
-    assert master_conf("spark://h:7077") == {PYTHON_WORKER_SOCKET_CONF: "true"}
+    # the jar on the driver's class path only (SocketPathPruner); executors' nodes need not have its path
+    assert master_conf("spark://h:7077") == {PYTHON_WORKER_SOCKET_CONF: "true", "spark.driver.extraClassPath": str(JAR)}
     assert master_conf("spark://h:7077", {PYTHON_WORKER_SOCKET_CONF: "false"}) == {}
+    assert master_conf("spark://h:7077", {"spark.driver.extraClassPath": "/opt/mine.jar"})[
+        "spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
     assert master_conf("yarn") == {} and master_conf("k8s://https://h:6443") == {}
     (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
     assert master_conf("spark://h:7077") == {}
@@ -133,12 +138,64 @@ def test_a_submission_carries_its_masters_confs(tmp_path: Path, monkeypatch: pyt
     standalone = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x",
                              driver_application="d.py")
     assert FS_IMPL_CONF not in standalone.conf and standalone.conf[PYTHON_WORKER_SOCKET_CONF] == "true"
+    assert standalone.conf["spark.driver.extraClassPath"] == str(JAR)
+    assert "spark.executor.extraClassPath" not in standalone.conf
     assert DeployTarget.of("spark://h:7077", "client").manager is ClusterManager.STANDALONE
     mine = plan_submit(DeployTarget.of("spark://h:7077", "client"), dsn="postgresql://x", driver_application="d.py",
                        conf={PYTHON_WORKER_SOCKET_CONF: "false"})
     assert mine.conf[PYTHON_WORKER_SOCKET_CONF] == "false"
     yarn = plan_submit(DeployTarget.of("yarn", "client"), dsn="postgresql://x", driver_application="d.py")
     assert FS_IMPL_CONF not in yarn.conf and PYTHON_WORKER_SOCKET_CONF not in yarn.conf
+
+
+def test_the_jvm_forgets_the_socket_files_spark_deleted_and_nothing_else(spark: Any, tmp_path: Path) -> None:
+    """Spark's leak, then the rule: each transfer to Python (here ``toArrow()``) leaves its socket file's path in
+    the JVM's delete-on-exit list though the file is gone; the pruner drops exactly the paths of Spark-named
+    socket files that no longer exist and are not among the newest ``keep_newest``: a socket file that exists
+    stays, another file's path stays (gone or not), and so do the newest entries."""
+    pruner = SocketPathPruner(spark, every=0)
+    assert pruner.active  # the session is built as the driver builds a local one: the socket and the jar
+    jvm = spark.sparkContext._jvm
+    helper = jvm.airflow.arroyo.spark.SocketPaths
+    pruner.prune(keep_newest=0)
+    before = pruner.registered()
+    for _ in range(5):
+        spark.range(3).toArrow()
+    assert pruner.registered() >= before + 5  # Spark's: one path per transfer, kept though the file is gone
+
+    def registered(path: Path) -> Path:
+        jvm.java.io.File(str(path)).deleteOnExit()
+        return path
+
+    live = registered(tmp_path / ".00000000-0000-4000-8000-000000000001.sock")
+    live.write_bytes(b"")  # stands for a socket being served
+    other = registered(tmp_path / "gone.txt")  # another file's path: never ours to drop, though it is gone
+    oldest_gone = registered(tmp_path / ".00000000-0000-4000-8000-000000000002.sock")
+    newest_gone = registered(tmp_path / ".00000000-0000-4000-8000-000000000003.sock")
+    assert pruner.prune(keep_newest=1) >= 5 + 1  # the five transfers' paths and the oldest gone one
+    assert helper.isRegistered(str(live)) and helper.isRegistered(str(other))
+    assert not helper.isRegistered(str(oldest_gone)) and helper.isRegistered(str(newest_gone))
+    assert pruner.prune(keep_newest=0) == 1 and not helper.isRegistered(str(newest_gone))
+    live.unlink()
+    assert pruner.prune(keep_newest=0) == 1 and not helper.isRegistered(str(live))
+    assert helper.isRegistered(str(other)) and pruner.prune(keep_newest=0) == 0
+    assert pruner.registered() <= before + 1  # what was there, and the other file's path
+
+
+def test_the_pruner_prunes_when_due(spark: Any) -> None:
+    now = [0.0]
+    pruner = SocketPathPruner(spark, every=10.0, keep_newest=0, clock=lambda: now[0])
+    pruner.prune()
+    spark.range(3).toArrow()
+    assert pruner.prune_if_due() == 0 and pruner.forgotten == 0  # due at 10 s
+    now[0] = 10.0
+    assert pruner.prune_if_due() >= 1 and pruner.forgotten >= 1
+    spark.range(3).toArrow()
+    forgotten = pruner.forgotten
+    now[0] = 15.0
+    assert pruner.prune_if_due() == 0 and pruner.forgotten == forgotten  # due at 20 s
+    now[0] = 20.0
+    assert pruner.prune_if_due() >= 1 and pruner.forgotten > forgotten
 
 
 def _fs(spark: Any, raw: bool, ours: bool) -> Any:

@@ -78,6 +78,7 @@ class Ran:
     result: Any
     expected: list[tuple[Any, ...]]
     layout: StorageLayout
+    driver: PipelineDriver
 
 
 def driver_for(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *, restore_from: Any = None,
@@ -96,6 +97,12 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
     """Run the demo until its report has every expected row, then stop (graceful: with a final epoch)."""
     driver = driver_for(spark, store, pipeline_id, storage, restore_from=restore_from, run_id=run_id,
                         on_step=on_step, chaining=chaining)
+    return run_driver_to_end(driver, store, epochs=epochs, stop=stop, self_contained_every=self_contained_every)
+
+
+def run_driver_to_end(driver: PipelineDriver, store: EpochStore, *, epochs: bool = True, stop: str = "graceful",
+                      self_contained_every: int = 0) -> Any:
+    """Run the demo's ``driver`` until its report has every expected row, then stop."""
     expected = len(expected_report(ROWS))
     return run_until(driver, store, lambda: channel_row_count(driver.layout.channel_uri(OUTPUT_CHANNEL)) >= expected,
                      what=f"{expected} rows in the report channel", epochs=epochs, stop=stop,
@@ -106,8 +113,18 @@ def run_to_end(spark: Any, store: EpochStore, pipeline_id: str, storage: Path, *
 def ran(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathFactory) -> Ran:
     pid = f"run-{uuid.uuid4().hex[:8]}"
     storage = tmp_path_factory.mktemp("storage")
-    result = run_to_end(spark, module_store, pid, storage, run_id="straight", self_contained_every=2)
-    return Ran(pid, storage, result, expected_report(ROWS), StorageLayout.at(str(storage), pid))
+    driver = driver_for(spark, module_store, pid, storage, run_id="straight")
+    result = run_driver_to_end(driver, module_store, self_contained_every=2)
+    return Ran(pid, storage, result, expected_report(ROWS), StorageLayout.at(str(storage), pid), driver)
+
+
+def test_the_driver_has_the_jvm_forget_the_socket_files_spark_deleted(ran: Ran) -> None:
+    """Each micro-batch a stage collects to the driver leaves its socket file's path in the JVM's delete-on-exit
+    list (Spark 4.2, Python workers over the socket); the driver's loop has the JVM forget the paths of files
+    already gone, every heartbeat (airflow_arroyo.jvm.SocketPathPruner; test_jvm.py checks its rule)."""
+    pruner = ran.driver.socket_paths
+    assert pruner is not None and pruner.active
+    assert pruner.forgotten >= len(ran.result.epochs_seen), pruner.forgotten  # at least one batch per epoch
 
 
 def test_output_equals_plain_python(ran: Ran) -> None:
