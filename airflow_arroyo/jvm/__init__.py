@@ -21,7 +21,7 @@ and a local-master ``spark-submit`` gets it from the operator; elsewhere it is t
 And ``airflow.arroyo.spark.SocketPaths``, for Python workers over Unix domain sockets (below): Spark registers
 each socket file it binds (every ``toArrow()`` or ``collect()`` to Python, every Python worker's start) with
 ``File.deleteOnExit()`` and deletes the file itself when the transfer ends, but the JDK keeps every registered
-path until the JVM exits: ~0.4 KB of the driver's heap per micro-batch a stage collects, without bound.
+path until the JVM exits: ~130 bytes of the driver's heap per micro-batch a stage collects, without bound.
 :class:`SocketPathPruner` (a pipeline's driver runs one) has the JVM forget the paths of files already gone.
 It needs the jar on the driver's class path only: :func:`master_conf` puts it there on local and standalone
 masters.
@@ -224,7 +224,7 @@ class SocketPathPruner:
 
     Where the session's Python workers use Unix domain sockets (:data:`PYTHON_WORKER_SOCKET_CONF`), Spark
     registers every socket file it binds with ``File.deleteOnExit()`` and deletes the file itself when the
-    transfer ends; the JDK keeps the path until the JVM exits (~0.4 KB; a stage's micro-batch collected to the
+    transfer ends; the JDK keeps the path until the JVM exits (~130 bytes; a stage's micro-batch collected to the
     driver is one). :meth:`prune_if_due` (every ``every`` seconds) has the jar's :data:`SOCKET_PATHS` drop the
     paths of socket files that no longer exist, under the list's own lock, leaving the newest ``keep_newest``
     (a path is registered just before its socket is bound) and every other path alone. Without the socket it
@@ -245,7 +245,7 @@ class SocketPathPruner:
         helper = _java_class(spark, SOCKET_PATHS)
         if helper is None:
             log.warning("Python workers use Unix domain sockets (%s) but %s is not on the driver's class path: the "
-                        "driver JVM keeps the path of every socket file Spark deleted until it exits (~0.4 KB per "
+                        "driver JVM keeps the path of every socket file Spark deleted until it exits (~130 bytes per "
                         "transfer to Python); put %s on spark.driver.extraClassPath",
                         PYTHON_WORKER_SOCKET_CONF, SOCKET_PATHS, JAR)
             return
