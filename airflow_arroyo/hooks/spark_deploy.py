@@ -143,7 +143,8 @@ def plan_submit(
 
     if not target.cluster_mode:
         env = {"ARROYO_DSN": dsn}
-        confs.update(master_conf(target.master, confs))  # local: the jar, the sockets; standalone: the sockets
+        # local: the jar, the sockets; standalone: the sockets and the jar on the driver's class path
+        confs.update(master_conf(target.master, confs))
         if target.manager is ClusterManager.LOCAL:
             env["PYSPARK_PYTHON"] = here
         else:

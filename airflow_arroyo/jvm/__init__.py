@@ -18,13 +18,11 @@ the class: :func:`local_file_system_conf`. The driver applies it to sessions it 
 and a local-master ``spark-submit`` gets it from the operator; elsewhere it is the user's choice
 (docs/clusters.md), since the jar's path must exist on every node.
 
-And ``airflow.arroyo.spark.SocketPaths``, for Python workers over Unix domain sockets (below): Spark registers
-each socket file it binds (every ``toArrow()`` or ``collect()`` to Python, every Python worker's start) with
-``File.deleteOnExit()`` and deletes the file itself when the transfer ends, but the JDK keeps every registered
-path until the JVM exits: ~130 bytes of the driver's heap per micro-batch a stage collects, without bound.
-:class:`SocketPathPruner` (a pipeline's driver runs one) has the JVM forget the paths of files already gone.
-It needs the jar on the driver's class path only: :func:`master_conf` puts it there on local and standalone
-masters.
+And ``airflow.arroyo.spark.SocketPaths``, for Python workers over Unix domain sockets (below): it has the JVM
+forget the socket files Spark registered for deletion at exit and already deleted, a path per transfer to
+Python that the JDK would keep until the JVM exits (docs/runtime.md, "The JVM's delete-on-exit list").
+:class:`SocketPathPruner` (a pipeline's driver runs one) calls it; it needs the jar on the driver's class path
+only: :func:`master_conf` puts it there on local and standalone masters.
 
 :func:`master_conf` is everything the provider adds to a Spark application it starts, by master, in one
 place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
@@ -48,9 +46,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +55,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 __all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOCKET_PATHS", "SOURCES",
-           "SocketPathPruner", "build_jar", "compile_classes", "hadoop_jars", "local_file_system_conf",
+           "SocketPathPruner", "build_jar", "compile_classes", "find_class", "hadoop_jars", "local_file_system_conf",
            "local_master_conf", "master_conf", "master_kind", "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
@@ -95,9 +92,10 @@ def _given(conf: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def _file_system_conf(given: Mapping[str, str]) -> dict[str, str]:
-    if FS_IMPL_CONF in given or not JAR.is_file():
+    class_paths = _jar_on(_CLASS_PATHS, given)
+    if FS_IMPL_CONF in given or not class_paths:
         return {}
-    return {FS_IMPL_CONF: LOCAL_FILE_SYSTEM, **_jar_on(_CLASS_PATHS, given)}
+    return {FS_IMPL_CONF: LOCAL_FILE_SYSTEM, **class_paths}
 
 
 def _jar_on(class_paths: tuple[str, ...], given: Mapping[str, str]) -> dict[str, str]:
@@ -131,8 +129,8 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     """The Spark confs the provider adds to an application it starts on ``master`` (the master URL), merged
     with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
     standalone master (``spark://``) gets Python workers over a Unix domain socket
-    (:data:`PYTHON_WORKER_SOCKET_CONF`) and the jar on the driver's class path (:class:`SocketPathPruner`); other
-    masters nothing. A value the user set stands."""
+    (:data:`PYTHON_WORKER_SOCKET_CONF`) and the jar on the driver's class path (:class:`SocketPathPruner`), after
+    the user's class path; other masters nothing. A value the user set for the socket stands."""
     kind = master_kind(master)
     if kind == "local":
         return local_master_conf(conf)
@@ -148,9 +146,12 @@ def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
 
 def _socket_paths_conf(given: Mapping[str, str]) -> dict[str, str]:
     """The jar on the driver's class path where its Python workers use the socket (given or added)."""
-    if given.get(PYTHON_WORKER_SOCKET_CONF, "true").strip().lower() != "true":
-        return {}
-    return _jar_on((_DRIVER_CLASS_PATH,), given)
+    return _jar_on((_DRIVER_CLASS_PATH,), given) if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")) else {}
+
+
+def _socket_on(value: str | None) -> bool:
+    """Whether a value of :data:`PYTHON_WORKER_SOCKET_CONF` turns the socket on."""
+    return (value or "").strip().lower() == "true"
 
 
 def spark_home() -> Path:
@@ -220,61 +221,51 @@ def build_jar(target: Path = JAR) -> Path:
 
 
 class SocketPathPruner:
-    """Keeps the driver JVM's delete-on-exit list from growing by one path per transfer to Python.
+    """Has the driver's JVM forget the socket files Spark registered for deletion at exit and already deleted
+    (docs/runtime.md, "The JVM's delete-on-exit list"): a pipeline's driver calls :meth:`prune` after each
+    heartbeat. It works through the jar's :data:`SOCKET_PATHS`, which leaves the newest ``keep_newest`` paths (a
+    path is registered just before its socket is bound) and every path that is not a Spark socket file's alone.
+    Without that class on the driver's class path it does nothing, and logs once if the session's Python workers
+    use the socket (:data:`PYTHON_WORKER_SOCKET_CONF`)."""
 
-    Where the session's Python workers use Unix domain sockets (:data:`PYTHON_WORKER_SOCKET_CONF`), Spark
-    registers every socket file it binds with ``File.deleteOnExit()`` and deletes the file itself when the
-    transfer ends; the JDK keeps the path until the JVM exits (~130 bytes; a stage's micro-batch collected to the
-    driver is one). :meth:`prune_if_due` (every ``every`` seconds) has the jar's :data:`SOCKET_PATHS` drop the
-    paths of socket files that no longer exist, under the list's own lock, leaving the newest ``keep_newest``
-    (a path is registered just before its socket is bound) and every other path alone. Without the socket it
-    does nothing; without the jar on the driver's class path it logs once what grows and how to add it."""
+    def __init__(self, spark: SparkSession, *, keep_newest: int = 16) -> None:
+        from py4j.protocol import Py4JError
 
-    def __init__(self, spark: SparkSession, *, every: float = 2.0, keep_newest: int = 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.every = every
         self.keep_newest = keep_newest  # more than the transfers that can be binding their socket at one moment
         self.forgotten = 0  # paths dropped so far
-        self._clock = clock
-        self._due = clock() + every
         self._helper: Any = None
-        # unset, Spark's default is the PYSPARK_UDS_MODE environment variable's (the driver's environment)
-        on = spark.sparkContext.getConf().get(PYTHON_WORKER_SOCKET_CONF) or os.environ.get("PYSPARK_UDS_MODE", "")
-        if on.strip().lower() != "true":
-            return
-        helper = _java_class(spark, SOCKET_PATHS)
-        if helper is None:
-            log.warning("Python workers use Unix domain sockets (%s) but %s is not on the driver's class path: the "
-                        "driver JVM keeps the path of every socket file Spark deleted until it exits (~130 bytes per "
-                        "transfer to Python); put %s on spark.driver.extraClassPath",
-                        PYTHON_WORKER_SOCKET_CONF, SOCKET_PATHS, JAR)
-            return
-        self._helper = helper
+        try:
+            jvm = spark.sparkContext._jvm
+            if find_class(jvm, [SOCKET_PATHS]) is not None:
+                self._helper = functools.reduce(getattr, SOCKET_PATHS.split("."), jvm)
+            elif _socket_on(spark.sparkContext.getConf().get(PYTHON_WORKER_SOCKET_CONF)):
+                log.warning("Python workers use Unix domain sockets (%s) but %s is not on the driver's class "
+                            "path: the driver's JVM keeps the path of every socket file Spark deleted until it exits "
+                            "(docs/runtime.md, \"The JVM's delete-on-exit list\"); put %s on "
+                            "spark.driver.extraClassPath", PYTHON_WORKER_SOCKET_CONF, SOCKET_PATHS, JAR)
+        except Py4JError as exc:
+            log.warning("cannot look for %s in the driver's JVM; not pruning its delete-on-exit list: %s",
+                        SOCKET_PATHS, exc)
 
     @property
     def active(self) -> bool:
-        """Whether it prunes (the socket is on and the jar's class is there)."""
+        """Whether it prunes (the jar's class is in the driver's JVM)."""
         return self._helper is not None
 
-    def prune_if_due(self) -> int:
-        """:meth:`prune` when ``every`` seconds have passed since the last one; else 0."""
-        now = self._clock()
-        if self._helper is None or now < self._due:
-            return 0
-        self._due = now + self.every
-        return self.prune()
-
     def prune(self, keep_newest: int | None = None) -> int:
-        """Drop the paths of deleted socket files now; how many were dropped."""
+        """Drop the paths of Spark's socket files that are gone now; how many were dropped."""
         if self._helper is None:
             return 0
-        from py4j.protocol import Py4JError
+        from py4j.protocol import Py4JError, Py4JJavaError
 
         try:
             dropped = int(self._helper.forgetDeleted(self.keep_newest if keep_newest is None else keep_newest))
-        except Py4JError as exc:  # e.g. java.io not opened to the class path (Spark's launcher opens it)
-            log.warning("could not prune the JVM's delete-on-exit list, not trying again: %s", exc)
+        except Py4JJavaError as exc:  # e.g. java.io not opened to the class path (Spark's launcher opens it)
+            log.warning("cannot prune the JVM's delete-on-exit list, not trying again: %s", exc)
             self._helper = None
+            return 0
+        except Py4JError as exc:  # the gateway: the next heartbeat tries again
+            log.warning("could not prune the JVM's delete-on-exit list: %s", exc)
             return 0
         self.forgotten += dropped
         return dropped
@@ -284,9 +275,16 @@ class SocketPathPruner:
         return -1 if self._helper is None else int(self._helper.registered())
 
 
-def _java_class(spark: SparkSession, name: str) -> Any:
-    """The py4j class ``name`` in the session's JVM; None when its class path has no such class."""
-    from py4j.java_gateway import JavaClass
-
-    found = functools.reduce(getattr, name.split("."), spark._jvm)
-    return found if isinstance(found, JavaClass) else None
+def find_class(jvm: Any, names: Iterable[str]) -> str | None:
+    """The first of ``names`` (Java class names) that the JVM behind py4j's ``jvm`` has; None when it has none
+    (or there is no JVM)."""
+    if jvm is None:
+        return None
+    loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
+    for name in names:
+        try:
+            jvm.java.lang.Class.forName(name, False, loader)
+        except Exception:  # noqa: BLE001 - py4j's error for a class this JVM does not have
+            continue
+        return name
+    return None

@@ -478,7 +478,7 @@ class SubmitPipelineOperator(BaseOperator):
         target = DeployTarget.from_hook(hook)
         if hook._driver_class_path:
             # --driver-class-path IS spark.driver.extraClassPath, and the hook writes it after the --confs (so it
-            # wins): one conf value instead, which the plan may extend (the provider's jar, local masters)
+            # wins): one conf value instead, which the plan may extend (the provider's jar: local, standalone)
             conf["spark.driver.extraClassPath"] = hook._driver_class_path
             hook._driver_class_path = None
         if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:

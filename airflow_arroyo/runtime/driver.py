@@ -260,7 +260,7 @@ class PipelineDriver:
             for sink in self.sinks.values():
                 sink.claim()
             spark = self._session()
-            self.socket_paths = SocketPathPruner(spark, every=self.heartbeat_interval)
+            self.socket_paths = SocketPathPruner(spark)
             self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, len(self.graph.stages))),
                                                 thread_name_prefix=f"arroyo-snapshot-{self.pipeline_id}")
             self._start_stages(spark)
@@ -729,9 +729,7 @@ class PipelineDriver:
 
     def _run_loop(self) -> DriverResult:
         """Every turn: watch the queries, follow the in-flight epoch (inject a new one at the sources, commit the
-        sinks when one ended), cut idle sources, heartbeat, keep the JVM's list of socket files to delete at exit
-        from growing (:class:`~airflow_arroyo.jvm.SocketPathPruner`), and ask :func:`decide_stop` what to do
-        about a stop.
+        sinks when one ended), cut idle sources, heartbeat, and ask :func:`decide_stop` what to do about a stop.
         Epoch starts and ends are announced by the database (LISTEN/NOTIFY): the in-flight epoch is read when one
         was, and at least every EPOCH_READ_FALLBACK seconds (every poll while the watch cannot listen); the
         stages are polled every poll_interval regardless."""
@@ -747,8 +745,6 @@ class PipelineDriver:
             for r in self.runners:
                 r.cut_if_idle()
             self._heartbeat_if_due(turn)
-            if self.socket_paths is not None:
-                self.socket_paths.prune_if_due()
             decision = decide_stop(self._stop_facts(turn))
             if decision.action is not StopAction.RUN:
                 ended = self._apply_stop(decision, turn)
@@ -776,7 +772,8 @@ class PipelineDriver:
             r.request_epoch(in_flight.epoch)
 
     def _heartbeat_if_due(self, turn: _LoopState) -> None:
-        """Heartbeat every ``heartbeat_interval``; the heartbeat's answer carries a stop asked through the store."""
+        """Heartbeat every ``heartbeat_interval``; the heartbeat's answer carries a stop asked through the store.
+        After each, the JVM forgets the socket files Spark deleted (:class:`~airflow_arroyo.jvm.SocketPathPruner`)."""
         now = time.monotonic()
         if now - turn.last_heartbeat < self.heartbeat_interval:
             return
@@ -786,6 +783,8 @@ class PipelineDriver:
         except FencedError as exc:
             raise self._superseded(exc) from None
         turn.last_heartbeat = now
+        if self.socket_paths is not None:
+            self.socket_paths.prune()
         if record.stop_requested and self._stop_mode is None:
             self._stop_mode = StopMode(record.stop_requested)
             self._stop.set()
@@ -1114,7 +1113,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.master:
             builder = builder.master(args.master)
         confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
-        confs.update(master_conf(str(args.master or ""), confs))  # local: the jar, the sockets; spark://: sockets
+        # local: the jar, the sockets; spark://: the sockets and the jar on the driver's class path
+        confs.update(master_conf(str(args.master or ""), confs))
         for k, v in confs.items():
             builder = builder.config(k, v)
         spark = builder.getOrCreate()

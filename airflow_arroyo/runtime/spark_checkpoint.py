@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.jvm import find_class
 from airflow_arroyo.runtime.channel import ChannelError
 
 if TYPE_CHECKING:
@@ -87,21 +88,8 @@ def local_checkpoint_file_manager(spark: SparkSession) -> str | None:
         return None
     key = str(context.applicationId)
     if key not in _file_system_manager:
-        _file_system_manager[key] = _find_class(getattr(context, "_jvm", None), _FILE_SYSTEM_MANAGERS)
+        _file_system_manager[key] = find_class(getattr(context, "_jvm", None), _FILE_SYSTEM_MANAGERS)
     return _file_system_manager[key]
-
-
-def _find_class(jvm: Any, names: Iterable[str]) -> str | None:
-    if jvm is None:
-        return None
-    loader = jvm.java.lang.Thread.currentThread().getContextClassLoader()
-    for name in names:
-        try:
-            jvm.java.lang.Class.forName(name, False, loader)
-        except Exception:  # noqa: BLE001 - py4j's error for a class this Spark does not have
-            continue
-        return name
-    return None
 
 
 def offsets_path(checkpoint: str, batch_id: int) -> str:

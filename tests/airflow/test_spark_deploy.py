@@ -74,7 +74,7 @@ def test_standalone_client_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _confs(command)["spark.pyspark.driver.python"] == sys.executable
 
 
-def test_a_driver_class_path_stays_with_the_providers_jar_on_a_local_master(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_driver_class_path_stays_with_the_providers_jar(monkeypatch: pytest.MonkeyPatch) -> None:
     """--driver-class-path is spark.driver.extraClassPath and the hook writes it after the --confs: it would
     drop the provider's jar while fs.file.impl names its class. It travels as the conf, the jar after it."""
     from airflow_arroyo.jvm import FS_IMPL_CONF, JAR, LOCAL_FILE_SYSTEM
@@ -88,7 +88,9 @@ def test_a_driver_class_path_stays_with_the_providers_jar_on_a_local_master(monk
     conn = _conn(monkeypatch, "spark_sa", "spark://10.0.0.5:7077")
     command, *_ = _op(conn, spark_submit_kwargs={"driver_class_path": "/opt/mine.jar"}).build_spark_submit(
         "r1", None, DSN)
-    assert _confs(command)["spark.driver.extraClassPath"] == "/opt/mine.jar" and FS_IMPL_CONF not in _confs(command)
+    # a standalone driver gets the jar too (the socket's SocketPathPruner), not the file system
+    assert _confs(command)["spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
+    assert FS_IMPL_CONF not in _confs(command)
 
 
 def test_yarn_client_mode_keeps_the_dsn_off_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,7 @@ from airflow_arroyo.jvm import (
     local_master_conf,
     master_conf,
 )
+from airflow_arroyo.testing import wait_for
 
 pytestmark = pytest.mark.spark
 
@@ -148,54 +149,53 @@ def test_a_submission_carries_its_masters_confs(tmp_path: Path, monkeypatch: pyt
     assert FS_IMPL_CONF not in yarn.conf and PYTHON_WORKER_SOCKET_CONF not in yarn.conf
 
 
-def test_the_jvm_forgets_the_socket_files_spark_deleted_and_nothing_else(spark: Any, tmp_path: Path) -> None:
-    """Spark's leak, then the rule: each transfer to Python (here ``toArrow()``) leaves its socket file's path in
-    the JVM's delete-on-exit list though the file is gone; the pruner drops exactly the paths of Spark-named
-    socket files that no longer exist and are not among the newest ``keep_newest``: a socket file that exists
-    stays, another file's path stays (gone or not), and so do the newest entries."""
-    pruner = SocketPathPruner(spark, every=0)
-    assert pruner.active  # the session is built as the driver builds a local one: the socket and the jar
+def test_the_rule_drops_only_the_paths_of_spark_socket_files_gone_and_not_among_the_newest(spark: Any,
+                                                                                           tmp_path: Path) -> None:
+    """SocketPaths' rule, on a set of this test's own (in the JVM's delete-on-exit list's order, oldest first):
+    a Spark-named socket file that is gone goes; one that exists stays (its socket is being served), as do
+    another file's path (gone or not) and the newest ``keep_newest`` entries."""
     jvm = spark.sparkContext._jvm
-    helper = jvm.airflow.arroyo.spark.SocketPaths
-    pruner.prune(keep_newest=0)
+    rule = jvm.airflow.arroyo.spark.SocketPaths.forgetDeletedIn
+    paths = jvm.java.util.LinkedHashSet()
+
+    def sock(n: int) -> str:
+        return str(tmp_path / f".00000000-0000-4000-8000-{n:012d}.sock")
+
+    live = tmp_path / ".00000000-0000-4000-8000-000000000009.sock"
+    live.write_bytes(b"")
+    for path in (sock(1), str(live), str(tmp_path / "gone.txt"), str(tmp_path / ".not-a-uuid.sock"), sock(2),
+                 sock(3)):
+        paths.add(path)
+    assert rule(paths, 1) == 2  # sock(1) and sock(2); sock(3) is the newest
+    assert list(paths) == [str(live), str(tmp_path / "gone.txt"), str(tmp_path / ".not-a-uuid.sock"), sock(3)]
+    assert rule(paths, 1) == 0 and rule(paths, 0) == 1 and not paths.contains(sock(3))
+    live.unlink()
+    assert rule(paths, 0) == 1 and list(paths) == [str(tmp_path / "gone.txt"), str(tmp_path / ".not-a-uuid.sock")]
+
+
+def test_spark_leaves_a_path_per_transfer_and_the_pruner_forgets_it(spark: Any, tmp_path: Path) -> None:
+    """Spark's leak in this session (Python workers over the socket): each transfer to Python (here
+    ``toArrow()``) leaves its socket file's path in the JVM's delete-on-exit list though the file is gone; the
+    pruner drops those from the JVM's own list (and a path of this test's registered the same way)."""
+    pruner = SocketPathPruner(spark, keep_newest=0)
+    assert pruner.active  # the session is built as the driver builds a local one: the jar on its class path
+    jvm = spark.sparkContext._jvm
     before = pruner.registered()
     for _ in range(5):
         spark.range(3).toArrow()
-    assert pruner.registered() >= before + 5  # Spark's: one path per transfer, kept though the file is gone
+    assert pruner.registered() >= before + 5  # Spark's: one path per transfer
+    mine = str(tmp_path / ".00000000-0000-4000-8000-000000000001.sock")  # never created: gone
+    jvm.java.io.File(mine).deleteOnExit()
+    helper = jvm.airflow.arroyo.spark.SocketPaths
+    assert helper.isRegistered(mine)
+    dropped = [0]
 
-    def registered(path: Path) -> Path:
-        jvm.java.io.File(str(path)).deleteOnExit()
-        return path
+    def forgot_them() -> bool:  # Spark deletes a transfer's file just after the transfer returns
+        dropped[0] += pruner.prune()
+        return dropped[0] >= 5 + 1
 
-    live = registered(tmp_path / ".00000000-0000-4000-8000-000000000001.sock")
-    live.write_bytes(b"")  # stands for a socket being served
-    other = registered(tmp_path / "gone.txt")  # another file's path: never ours to drop, though it is gone
-    oldest_gone = registered(tmp_path / ".00000000-0000-4000-8000-000000000002.sock")
-    newest_gone = registered(tmp_path / ".00000000-0000-4000-8000-000000000003.sock")
-    assert pruner.prune(keep_newest=1) >= 5 + 1  # the five transfers' paths and the oldest gone one
-    assert helper.isRegistered(str(live)) and helper.isRegistered(str(other))
-    assert not helper.isRegistered(str(oldest_gone)) and helper.isRegistered(str(newest_gone))
-    assert pruner.prune(keep_newest=0) == 1 and not helper.isRegistered(str(newest_gone))
-    live.unlink()
-    assert pruner.prune(keep_newest=0) == 1 and not helper.isRegistered(str(live))
-    assert helper.isRegistered(str(other)) and pruner.prune(keep_newest=0) == 0
-    assert pruner.registered() <= before + 1  # what was there, and the other file's path
-
-
-def test_the_pruner_prunes_when_due(spark: Any) -> None:
-    now = [0.0]
-    pruner = SocketPathPruner(spark, every=10.0, keep_newest=0, clock=lambda: now[0])
-    pruner.prune()
-    spark.range(3).toArrow()
-    assert pruner.prune_if_due() == 0 and pruner.forgotten == 0  # due at 10 s
-    now[0] = 10.0
-    assert pruner.prune_if_due() >= 1 and pruner.forgotten >= 1
-    spark.range(3).toArrow()
-    forgotten = pruner.forgotten
-    now[0] = 15.0
-    assert pruner.prune_if_due() == 0 and pruner.forgotten == forgotten  # due at 20 s
-    now[0] = 20.0
-    assert pruner.prune_if_due() >= 1 and pruner.forgotten > forgotten
+    wait_for(forgot_them, timeout=30, what="the pruner to drop the five transfers' paths and this test's")
+    assert not helper.isRegistered(mine) and pruner.forgotten == dropped[0]
 
 
 def _fs(spark: Any, raw: bool, ours: bool) -> Any:

@@ -1,12 +1,8 @@
 /*
  * airflow-arroyo: forgets, from the JVM's delete-on-exit list, the Unix domain socket files Spark has already
- * deleted (airflow_arroyo.jvm.SocketPathPruner calls it from a pipeline's driver).
- *
- * With spark.python.unix.domain.socket.enabled (Spark 4.1+), every transfer between the JVM and Python (a
- * DataFrame's toArrow() or collect(), a Python worker's start) binds a socket file named ".<uuid>.sock",
- * registers it with File.deleteOnExit() and deletes it itself when the transfer ends. The JDK keeps every
- * registered path until the JVM exits: ~150 bytes of heap per transfer, without bound in a driver that runs
- * for months.
+ * deleted. Spark 4.1+ registers the socket file of every transfer to Python with File.deleteOnExit() and deletes
+ * the file itself when the transfer ends; the JDK keeps each path until the JVM exits (docs/runtime.md, "The
+ * JVM's delete-on-exit list"). airflow_arroyo.jvm.SocketPathPruner calls it from a pipeline's driver.
  */
 package airflow.arroyo.spark;
 
@@ -24,9 +20,8 @@ public final class SocketPaths {
   private SocketPaths() {}
 
   /**
-   * Drops from the delete-on-exit list the paths of Spark's socket files that no longer exist, leaving the
-   * newest {@code keepNewest} entries alone (Spark registers a path just before it binds the socket there).
-   * Other paths are never touched. Runs under the list's own lock (the one File.deleteOnExit() takes).
+   * {@link #forgetDeletedIn} on the JVM's delete-on-exit list, under the list's own lock (the one
+   * File.deleteOnExit() takes).
    *
    * @return how many paths were dropped (0 once the JVM is shutting down)
    */
@@ -35,21 +30,29 @@ public final class SocketPaths {
     Field field = filesField(hook);
     synchronized (hook) {
       Set<String> files = files(field);
-      if (files == null) {
-        return 0;
-      }
-      int candidates = files.size() - Math.max(0, keepNewest);
-      int dropped = 0;
-      Iterator<String> it = files.iterator();  // oldest first: the list keeps the order of registration
-      for (int i = 0; i < candidates && it.hasNext(); i++) {
-        File file = new File(it.next());
-        if (SPARK_SOCKET.matcher(file.getName()).matches() && !file.exists()) {
-          it.remove();
-          dropped++;
-        }
-      }
-      return dropped;
+      return files == null ? 0 : forgetDeletedIn(files, keepNewest);
     }
+  }
+
+  /**
+   * Drops from {@code files} (in the order of registration, oldest first) the paths of Spark's socket files that
+   * no longer exist, leaving the newest {@code keepNewest} entries alone (Spark registers a path just before it
+   * binds the socket) and every other path. The caller holds the set's lock.
+   *
+   * @return how many paths were dropped
+   */
+  public static int forgetDeletedIn(Set<String> files, int keepNewest) {
+    int candidates = files.size() - Math.max(0, keepNewest);
+    int dropped = 0;
+    Iterator<String> it = files.iterator();
+    for (int i = 0; i < candidates && it.hasNext(); i++) {
+      File file = new File(it.next());
+      if (SPARK_SOCKET.matcher(file.getName()).matches() && !file.exists()) {
+        it.remove();
+        dropped++;
+      }
+    }
+    return dropped;
   }
 
   /** How many paths the delete-on-exit list holds (-1 once the JVM is shutting down). */
