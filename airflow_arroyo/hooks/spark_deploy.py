@@ -143,7 +143,7 @@ def plan_submit(
 
     if not target.cluster_mode:
         env = {"ARROYO_DSN": dsn}
-        # local: the jar, the sockets; standalone: the sockets and the jar on the driver's class path
+        # what the provider adds on this master, the user's values kept (airflow_arroyo.jvm.master_conf)
         confs.update(master_conf(target.master, confs))
         if target.manager is ClusterManager.LOCAL:
             env["PYSPARK_PYTHON"] = here

@@ -112,7 +112,7 @@ def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands), with the
     jar on the driver's class path for :class:`SocketPathPruner` even where the user's ``file:`` stands."""
     given = _given(conf)
-    return {**_socket_conf(given), **(_file_system_conf(given) or _socket_paths_conf(given))}
+    return {**_socket_conf(given), **_file_system_conf(given)}
 
 
 def master_kind(master: str) -> str | None:
@@ -135,18 +135,17 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     if kind == "local":
         return local_master_conf(conf)
     if kind == "standalone":
-        given = _given(conf)
-        return {**_socket_conf(given), **_socket_paths_conf(given)}
+        return _socket_conf(_given(conf))
     return {}
 
 
 def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
-    return {} if PYTHON_WORKER_SOCKET_CONF in given else {PYTHON_WORKER_SOCKET_CONF: "true"}
-
-
-def _socket_paths_conf(given: Mapping[str, str]) -> dict[str, str]:
-    """The jar on the driver's class path where its Python workers use the socket (given or added)."""
-    return _jar_on((_DRIVER_CLASS_PATH,), given) if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")) else {}
+    """Python workers over the socket unless the user set it, and where it is on (given or added) the jar on the
+    driver's class path for :class:`SocketPathPruner` (the same value :func:`_file_system_conf` gives it)."""
+    out = {} if PYTHON_WORKER_SOCKET_CONF in given else {PYTHON_WORKER_SOCKET_CONF: "true"}
+    if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")):
+        out.update(_jar_on((_DRIVER_CLASS_PATH,), given))
+    return out
 
 
 def _socket_on(value: str | None) -> bool:

@@ -1113,7 +1113,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.master:
             builder = builder.master(args.master)
         confs = {k: str(v) for k, v in _kv(args.conf, "--conf").items()}
-        # local: the jar, the sockets; spark://: the sockets and the jar on the driver's class path
+        # what the provider adds on this master, the user's values kept (airflow_arroyo.jvm.master_conf)
         confs.update(master_conf(str(args.master or ""), confs))
         for k, v in confs.items():
             builder = builder.config(k, v)

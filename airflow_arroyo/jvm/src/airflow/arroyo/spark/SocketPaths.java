@@ -10,6 +10,7 @@ import java.io.File;
 import java.lang.reflect.Field;
 import java.util.Iterator;
 import java.util.Set;
+import java.util.function.Function;
 import java.util.regex.Pattern;
 
 public final class SocketPaths {
@@ -26,12 +27,7 @@ public final class SocketPaths {
    * @return how many paths were dropped (0 once the JVM is shutting down)
    */
   public static int forgetDeleted(int keepNewest) throws ReflectiveOperationException {
-    Class<?> hook = hookClass();
-    Field field = filesField(hook);
-    synchronized (hook) {
-      Set<String> files = files(field);
-      return files == null ? 0 : forgetDeletedIn(files, keepNewest);
-    }
+    return withList(files -> files == null ? 0 : forgetDeletedIn(files, keepNewest));
   }
 
   /**
@@ -57,37 +53,25 @@ public final class SocketPaths {
 
   /** How many paths the delete-on-exit list holds (-1 once the JVM is shutting down). */
   public static int registered() throws ReflectiveOperationException {
-    Class<?> hook = hookClass();
-    Field field = filesField(hook);
-    synchronized (hook) {
-      Set<String> files = files(field);
-      return files == null ? -1 : files.size();
-    }
+    return withList(files -> files == null ? -1 : files.size());
   }
 
   /** Whether the delete-on-exit list holds {@code path}. */
   public static boolean isRegistered(String path) throws ReflectiveOperationException {
-    Class<?> hook = hookClass();
-    Field field = filesField(hook);
-    synchronized (hook) {
-      Set<String> files = files(field);
-      return files != null && files.contains(path);
-    }
+    return withList(files -> files != null && files.contains(path));
   }
 
-  private static Class<?> hookClass() throws ClassNotFoundException {
-    return Class.forName("java.io.DeleteOnExitHook");
-  }
-
-  /** Needs java.base/java.io opened to this class's module (Spark's launcher opens it: --add-opens). */
-  private static Field filesField(Class<?> hook) throws NoSuchFieldException {
+  /**
+   * {@code action} on the JVM's delete-on-exit list (null once the JVM is shutting down), under the list's own
+   * lock. Needs java.base/java.io opened to this class's module (Spark's launcher opens it: --add-opens).
+   */
+  @SuppressWarnings("unchecked")
+  private static <T> T withList(Function<Set<String>, T> action) throws ReflectiveOperationException {
+    Class<?> hook = Class.forName("java.io.DeleteOnExitHook");
     Field field = hook.getDeclaredField("files");
     field.setAccessible(true);
-    return field;
-  }
-
-  @SuppressWarnings("unchecked")
-  private static Set<String> files(Field field) throws IllegalAccessException {
-    return (Set<String>) field.get(null);
+    synchronized (hook) {
+      return action.apply((Set<String>) field.get(null));
+    }
   }
 }
