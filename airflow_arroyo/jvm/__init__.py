@@ -21,8 +21,11 @@ and a local-master ``spark-submit`` gets it from the operator; elsewhere it is t
 And ``airflow.arroyo.spark.SocketPaths``, for Python workers over Unix domain sockets (below): it has the JVM
 forget the socket files Spark registered for deletion at exit and already deleted, a path per transfer to
 Python that the JDK would keep until the JVM exits (docs/runtime.md, "The JVM's delete-on-exit list").
-:class:`SocketPathPruner` (a pipeline's driver runs one) calls it; it needs the jar on the driver's class path
-only: :func:`master_conf` puts it there on local and standalone masters.
+:class:`SocketPathPruner` (a pipeline's driver runs one) calls it; it needs the jar on the driver's class path:
+:func:`master_conf` puts it there on local and standalone masters. On a standalone master, whose executors are
+JVMs of their own (an executor registers a path per task of a Python ``transformWithState``), the jar's Spark
+plugin ``airflow.arroyo.spark.SocketPathsPlugin`` (:data:`SOCKET_PATHS_PLUGIN`) runs the same rule in each
+executor: :func:`master_conf` adds it to ``spark.plugins`` and ships the jar in ``spark.jars``.
 
 :func:`master_conf` is everything the provider adds to a Spark application it starts, by master, in one
 place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
@@ -30,12 +33,14 @@ place (the driver's own session and the operator's ``spark-submit`` both call it
 (``spark.python.unix.domain.socket.enabled``, Spark 4.1+) instead of loopback TCP, where each Python task
 (a channel's read, any Python data source or UDF) spent ~40 ms more (docs/runtime.md, "Python workers over
 a Unix domain socket"). On a standalone master (``spark://``): the socket (each executor's workers are on its
-own node; its socket files go to the JVM's temporary folder), and the jar on the driver's class path only.
+own node; its socket files go to the JVM's temporary folder), the jar on the driver's class path and the
+executors' plugin.
 On YARN and Kubernetes nothing: a container's temporary folder can make a socket's path longer than Linux
 allows (108 bytes). A value the user gave stands.
 
 ``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
-Hadoop jars); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/`` compiles to.
+jars: :data:`COMPILE_JARS`); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/``
+compiles to.
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOCKET_PATHS", "SOURCES",
-           "SocketPathPruner", "build_jar", "compile_classes", "find_class", "hadoop_jars", "local_file_system_conf",
-           "local_master_conf", "master_conf", "master_kind", "spark_defaults", "spark_home"]
+__all__ = ["COMPILE_JARS", "FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOCKET_PATHS",
+           "SOCKET_PATHS_PLUGIN", "SOURCES", "SocketPathPruner", "build_jar", "compile_classes", "compile_jars",
+           "find_class", "local_file_system_conf", "local_master_conf", "master_conf", "master_kind", "spark_defaults",
+           "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -66,7 +72,11 @@ FS_IMPL_CONF = "spark.hadoop.fs.file.impl"
 PYTHON_WORKER_SOCKET_CONF = "spark.python.unix.domain.socket.enabled"
 #: the jar's class that forgets deleted socket files (:class:`SocketPathPruner`)
 SOCKET_PATHS = "airflow.arroyo.spark.SocketPaths"
+#: the jar's Spark plugin that runs :data:`SOCKET_PATHS` in each executor's JVM (standalone masters)
+SOCKET_PATHS_PLUGIN = "airflow.arroyo.spark.SocketPathsPlugin"
 _DRIVER_CLASS_PATH = "spark.driver.extraClassPath"
+_PLUGINS = "spark.plugins"
+_JARS = "spark.jars"
 _CLASS_PATHS = (_DRIVER_CLASS_PATH, "spark.executor.extraClassPath")
 log = logging.getLogger(__name__)
 
@@ -129,13 +139,15 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     """The Spark confs the provider adds to an application it starts on ``master`` (the master URL), merged
     with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
     standalone master (``spark://``) gets Python workers over a Unix domain socket
-    (:data:`PYTHON_WORKER_SOCKET_CONF`) and the jar on the driver's class path (:class:`SocketPathPruner`), after
-    the user's class path; other masters nothing. A value the user set for the socket stands."""
+    (:data:`PYTHON_WORKER_SOCKET_CONF`), the jar on the driver's class path (:class:`SocketPathPruner`) and the
+    executors' :data:`SOCKET_PATHS_PLUGIN`, each after the user's entries; other masters nothing. A value the user
+    set for the socket stands."""
     kind = master_kind(master)
     if kind == "local":
         return local_master_conf(conf)
     if kind == "standalone":
-        return _socket_conf(_given(conf))
+        given = _given(conf)
+        return {**_socket_conf(given), **_executor_socket_conf(given)}
     return {}
 
 
@@ -146,6 +158,22 @@ def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
     if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")):
         out.update(_jar_on((_DRIVER_CLASS_PATH,), given))
     return out
+
+
+def _executor_socket_conf(given: Mapping[str, str]) -> dict[str, str]:
+    """Where the socket is on (given or added) and executors are JVMs of their own: :data:`SOCKET_PATHS_PLUGIN`
+    in ``spark.plugins`` and the jar in ``spark.jars`` (each executor fetches it from the driver before it loads
+    its plugins: the jar's path need not exist on the workers), after the user's entries."""
+    if not JAR.is_file() or not _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")):
+        return {}
+    return {_PLUGINS: _listed(given.get(_PLUGINS), SOCKET_PATHS_PLUGIN),
+            _JARS: _listed(given.get(_JARS), str(JAR))}
+
+
+def _listed(value: str | None, item: str) -> str:
+    """A comma-separated Spark list with ``item`` at its end (kept where it is if already there)."""
+    items = [part.strip() for part in (value or "").split(",") if part.strip()]
+    return ",".join(items if item in items else [*items, item])
 
 
 def _socket_on(value: str | None) -> bool:
@@ -186,12 +214,21 @@ def spark_defaults() -> dict[str, str]:
     return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs if p and not p[0].startswith("#")}
 
 
-def hadoop_jars() -> list[Path]:
-    """The Hadoop client jars of the Spark installation (what the classes compile against)."""
+#: what the classes compile against, by file name in the Spark installation's ``jars/``: Hadoop's client, and
+#: Spark's plugin API (``spark-core``) with what its signatures name (Scala, Spark's utils, metrics, slf4j)
+COMPILE_JARS = ("hadoop-client-*.jar", "spark-core_*.jar", "spark-common-utils_*.jar", "scala-library-*.jar",
+                "metrics-core-*.jar", "slf4j-api-*.jar")
+
+
+def compile_jars() -> list[Path]:
+    """The jars of the Spark installation the classes compile against (:data:`COMPILE_JARS`)."""
     folder = spark_home() / "jars"
-    jars = sorted(folder.glob("hadoop-client-*.jar"))
-    if not jars:
-        raise FileNotFoundError(f"no hadoop-client jars in {folder}: install pyspark")
+    jars = []
+    for pattern in COMPILE_JARS:
+        found = sorted(folder.glob(pattern))
+        if not found:
+            raise FileNotFoundError(f"no {pattern} in {folder}: install pyspark")
+        jars += found
     return jars
 
 
@@ -201,7 +238,7 @@ def compile_classes(out: Path) -> dict[str, bytes]:
     if javac is None:
         raise FileNotFoundError("javac not found: building the jar needs a JDK (17 or newer)")
     sources = sorted(str(p) for p in SOURCES.rglob("*.java"))
-    classpath = os.pathsep.join(str(j) for j in hadoop_jars())
+    classpath = os.pathsep.join(str(j) for j in compile_jars())
     subprocess.run([javac, "--release", "17", "-nowarn", "-cp", classpath, "-d", str(out), *sources],
                    check=True)
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*.class"))}

@@ -481,6 +481,11 @@ class SubmitPipelineOperator(BaseOperator):
             # wins): one conf value instead, which the plan may extend (the provider's jar: local, standalone)
             conf["spark.driver.extraClassPath"] = hook._driver_class_path
             hook._driver_class_path = None
+        if hook._jars:
+            # --jars wins over spark.jars in spark-submit: one conf value too, which the plan may extend (the
+            # provider's jar for its executor plugin: standalone)
+            conf["spark.jars"] = hook._jars
+            hook._jars = None
         if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:
             secret_dir = tempfile.mkdtemp(prefix="arroyo-submit-")  # 0700: only this user reads the DSN file
         plan = plan_submit(

@@ -93,6 +93,32 @@ def test_a_driver_class_path_stays_with_the_providers_jar(monkeypatch: pytest.Mo
     assert FS_IMPL_CONF not in _confs(command)
 
 
+def test_standalone_executors_get_the_socket_path_plugin_after_the_users_jars_and_plugins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executors on a standalone master register a socket path per Python transformWithState task: the jar's
+    plugin prunes their delete-on-exit lists, shipped in spark.jars (--jars would win over that conf: it travels
+    as the conf, the jar after the user's). A local master's one JVM is the driver's own pruner's: no plugin."""
+    from airflow_arroyo.jvm import JAR, SOCKET_PATHS_PLUGIN
+
+    conn = _conn(monkeypatch, "spark_sa", "spark://10.0.0.5:7077")
+    op = _op(conn, spark_submit_kwargs={"jars": "/opt/a.jar,/opt/b.jar"},
+             conf={"spark.plugins": "com.acme.Plugin"})
+    command, *_ = op.build_spark_submit("r1", None, DSN)
+    assert "--jars" not in command
+    confs = _confs(command)
+    assert confs["spark.jars"] == f"/opt/a.jar,/opt/b.jar,{JAR}"
+    assert confs["spark.plugins"] == f"com.acme.Plugin,{SOCKET_PATHS_PLUGIN}"
+    command, *_ = _op(conn).build_spark_submit("r1", None, DSN)
+    assert _confs(command)["spark.jars"] == str(JAR) and _confs(command)["spark.plugins"] == SOCKET_PATHS_PLUGIN
+    # the socket turned off: nothing to prune, no plugin
+    command, *_ = _op(conn, conf={"spark.python.unix.domain.socket.enabled": "false"}).build_spark_submit(
+        "r1", None, DSN)
+    assert "spark.plugins" not in _confs(command) and "spark.jars" not in _confs(command)
+    conn = _conn(monkeypatch, "spark_local", "local[2]")
+    command, *_ = _op(conn, spark_submit_kwargs={"jars": "/opt/a.jar"}).build_spark_submit("r1", None, DSN)
+    assert "spark.plugins" not in _confs(command) and _confs(command)["spark.jars"] == "/opt/a.jar"
+
+
 def test_yarn_client_mode_keeps_the_dsn_off_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The provider sends env_vars to YARN as spark.yarn.appMasterEnv.* --conf values: the DSN must not
     go that way (the driver runs here in client mode)."""

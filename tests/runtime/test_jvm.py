@@ -23,6 +23,7 @@ from airflow_arroyo.jvm import (
     JAR,
     LOCAL_FILE_SYSTEM,
     PYTHON_WORKER_SOCKET_CONF,
+    SOCKET_PATHS_PLUGIN,
     SocketPathPruner,
     compile_classes,
     local_file_system_conf,
@@ -117,12 +118,14 @@ def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) 
 
 def test_each_master_gets_what_the_provider_adds_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """local: the jar and the socket; standalone: the socket (executors' workers are on their own node; the
-    standalone cluster test runs the demo with it); YARN and Kubernetes: nothing (a container's temporary
-    folder can exceed a socket path's 108 bytes). A value the user set stands."""
+    standalone cluster test runs the demo with it) and the executors' socket path plugin; YARN and Kubernetes:
+    nothing (a container's temporary folder can exceed a socket path's 108 bytes). A value the user set stands."""
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
     assert master_conf("local[2]") == local_master_conf()
-    # the jar on the driver's class path only (SocketPathPruner); executors' nodes need not have its path
-    assert master_conf("spark://h:7077") == {PYTHON_WORKER_SOCKET_CONF: "true", "spark.driver.extraClassPath": str(JAR)}
+    # the jar on the driver's class path (SocketPathPruner); executors fetch it from the driver (spark.jars) for
+    # the plugin that prunes theirs: their nodes need not have its path
+    assert master_conf("spark://h:7077") == {PYTHON_WORKER_SOCKET_CONF: "true", "spark.driver.extraClassPath": str(JAR),
+                                             "spark.plugins": SOCKET_PATHS_PLUGIN, "spark.jars": str(JAR)}
     assert master_conf("spark://h:7077", {PYTHON_WORKER_SOCKET_CONF: "false"}) == {}
     assert master_conf("spark://h:7077", {"spark.driver.extraClassPath": "/opt/mine.jar"})[
         "spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
