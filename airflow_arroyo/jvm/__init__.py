@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -77,6 +78,9 @@ SOCKET_PATHS_PLUGIN = "airflow.arroyo.spark.SocketPathsPlugin"
 _DRIVER_CLASS_PATH = "spark.driver.extraClassPath"
 _PLUGINS = "spark.plugins"
 _JARS = "spark.jars"
+#: a line of ``spark-defaults.conf`` as ``java.util.Properties`` reads it: a key, then whitespace, ``=`` or ``:``
+#: (comments start with ``#`` or ``!``; continued lines are not supported)
+_PROPERTY = re.compile(r"^\s*([^\s=:#!][^\s=:]*)(?:\s*[=:]\s*|\s+|$)(.*)$")
 _CLASS_PATHS = (_DRIVER_CLASS_PATH, "spark.executor.extraClassPath")
 log = logging.getLogger(__name__)
 
@@ -146,28 +150,23 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     if kind == "local":
         return local_master_conf(conf)
     if kind == "standalone":
-        given = _given(conf)
-        return {**_socket_conf(given), **_executor_socket_conf(given)}
+        return _socket_conf(_given(conf), executors=True)
     return {}
 
 
-def _socket_conf(given: Mapping[str, str]) -> dict[str, str]:
+def _socket_conf(given: Mapping[str, str], *, executors: bool = False) -> dict[str, str]:
     """Python workers over the socket unless the user set it, and where it is on (given or added) the jar on the
-    driver's class path for :class:`SocketPathPruner` (the same value :func:`_file_system_conf` gives it)."""
+    driver's class path for :class:`SocketPathPruner` (the same value :func:`_file_system_conf` gives it); with
+    ``executors`` (JVMs of their own) also :data:`SOCKET_PATHS_PLUGIN` in ``spark.plugins`` and the jar in
+    ``spark.jars`` (each executor fetches it from the driver before it loads its plugins: the jar's path need
+    not exist on the workers), each after the user's entries. No jar, no class path and no plugin."""
     out = {} if PYTHON_WORKER_SOCKET_CONF in given else {PYTHON_WORKER_SOCKET_CONF: "true"}
-    if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")):
+    if _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")) and JAR.is_file():
         out.update(_jar_on((_DRIVER_CLASS_PATH,), given))
+        if executors:
+            out[_PLUGINS] = _listed(given.get(_PLUGINS), SOCKET_PATHS_PLUGIN)
+            out[_JARS] = _listed(given.get(_JARS), str(JAR))
     return out
-
-
-def _executor_socket_conf(given: Mapping[str, str]) -> dict[str, str]:
-    """Where the socket is on (given or added) and executors are JVMs of their own: :data:`SOCKET_PATHS_PLUGIN`
-    in ``spark.plugins`` and the jar in ``spark.jars`` (each executor fetches it from the driver before it loads
-    its plugins: the jar's path need not exist on the workers), after the user's entries."""
-    if not JAR.is_file() or not _socket_on(given.get(PYTHON_WORKER_SOCKET_CONF, "true")):
-        return {}
-    return {_PLUGINS: _listed(given.get(_PLUGINS), SOCKET_PATHS_PLUGIN),
-            _JARS: _listed(given.get(_JARS), str(JAR))}
 
 
 def _listed(value: str | None, item: str) -> str:
@@ -210,8 +209,12 @@ def spark_defaults() -> dict[str, str]:
     path = Path(folder, "spark-defaults.conf")
     if not path.is_file():
         return {}
-    pairs = (line.strip().split(None, 1) for line in path.read_text().splitlines())
-    return {p[0]: p[1].strip() if len(p) > 1 else "" for p in pairs if p and not p[0].startswith("#")}
+    out = {}
+    for line in path.read_text().splitlines():
+        m = _PROPERTY.match(line)
+        if m is not None:
+            out[m.group(1)] = m.group(2).strip()
+    return out
 
 
 #: what the classes compile against, by file name in the Spark installation's ``jars/``: Hadoop's client, and

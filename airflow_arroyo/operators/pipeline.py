@@ -113,6 +113,9 @@ __all__ = [
 DRIVER_APPLICATION = str(Path(__file__).resolve().parent.parent / "runtime" / "driver.py")
 
 _CLUSTER_WAIT_CONFS = ("spark.yarn.submit.waitAppCompletion", "spark.kubernetes.submission.waitAppCompletion")
+#: SparkSubmitHook arguments that are a Spark conf spark-submit takes over the --conf (hook attribute, conf key):
+#: --driver-class-path and --jars; build_spark_submit passes them as the conf, which the plan may extend
+_HOOK_CONF_ARGUMENTS = (("_driver_class_path", "spark.driver.extraClassPath"), ("_jars", "spark.jars"))
 
 
 class SubmitCommand(NamedTuple):
@@ -476,16 +479,12 @@ class SubmitPipelineOperator(BaseOperator):
             **self.spark_submit_kwargs,
         )
         target = DeployTarget.from_hook(hook)
-        if hook._driver_class_path:
-            # --driver-class-path IS spark.driver.extraClassPath, and the hook writes it after the --confs (so it
-            # wins): one conf value instead, which the plan may extend (the provider's jar: local, standalone)
-            conf["spark.driver.extraClassPath"] = hook._driver_class_path
-            hook._driver_class_path = None
-        if hook._jars:
-            # --jars wins over spark.jars in spark-submit: one conf value too, which the plan may extend (the
-            # provider's jar for its executor plugin: standalone)
-            conf["spark.jars"] = hook._jars
-            hook._jars = None
+        for attribute, key in _HOOK_CONF_ARGUMENTS:
+            # the hook writes these options after the --confs and spark-submit takes the option over the conf:
+            # one conf value instead, which the plan may extend (the provider's jar: airflow_arroyo.jvm.master_conf)
+            if getattr(hook, attribute):
+                conf[key] = getattr(hook, attribute)
+                setattr(hook, attribute, None)
         if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:
             secret_dir = tempfile.mkdtemp(prefix="arroyo-submit-")  # 0700: only this user reads the DSN file
         plan = plan_submit(

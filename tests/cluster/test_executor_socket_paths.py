@@ -15,7 +15,9 @@ import csv
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -35,10 +37,19 @@ def gauge(metrics: Path, name: str) -> dict[str, int]:
     values = {}
     for path in metrics.glob(f"*.{GAUGES}.{name}.csv"):
         with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        if rows:
-            values[path.name] = int(rows[-1]["value"])
+            rows = [r["value"] for r in csv.DictReader(f) if (r.get("value") or "").strip().lstrip("-").isdigit()]
+        if rows:  # a line being written does not parse yet: the last whole one
+            values[path.name] = int(rows[-1])
     return values
+
+
+def first_line(stream: IO[str], timeout: float) -> str:
+    """The first line of ``stream``, or "" when none comes within ``timeout`` seconds."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else ""
 
 
 def test_executors_forget_the_socket_files_of_transform_with_state_tasks(
@@ -51,7 +62,7 @@ def test_executors_forget_the_socket_files_of_transform_with_state_tasks(
                            str(BATCHES)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as app:
         assert app.stdin is not None and app.stdout is not None
         try:
-            assert app.stdout.readline().strip() == "ready", "the application ended before its batches ran"
+            assert first_line(app.stdout, 300).strip() == "ready", "the application ended or hung before its batches"
             # each batch ran a task per partition, each registering its state server's socket file
             tasks = BATCHES * PARTITIONS
 
@@ -60,12 +71,15 @@ def test_executors_forget_the_socket_files_of_transform_with_state_tasks(
                 return sum(forgotten.values()) >= tasks - 2 * (KEEP_NEWEST + PARTITIONS)
 
             wait_for(pruned, timeout=60, what="the executors' plugins to forget the tasks' socket paths")
-            assert len(gauge(metrics, "forgotten")) == 2, gauge(metrics, "forgotten")  # both executors pruned
+            assert len(gauge(metrics, "forgotten")) >= 2, gauge(metrics, "forgotten")  # both executors pruned
             # what each list holds after a prune: the newest few and paths that are not Spark's socket files
             assert all(0 <= n <= KEEP_NEWEST + PARTITIONS + 8 for n in gauge(metrics, "registered").values()), \
                 gauge(metrics, "registered")
         finally:
-            app.stdin.write("stop\n")
-            app.stdin.flush()
-            app.wait(timeout=120)
+            try:
+                app.stdin.write("stop\n")
+                app.stdin.flush()
+                app.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):  # gone already, or stuck: the assertion above says why
+                app.kill()
     assert app.returncode == 0

@@ -130,6 +130,12 @@ def test_each_master_gets_what_the_provider_adds_there(tmp_path: Path, monkeypat
     assert master_conf("spark://h:7077", {"spark.driver.extraClassPath": "/opt/mine.jar"})[
         "spark.driver.extraClassPath"] == f"/opt/mine.jar{os.pathsep}{JAR}"
     assert master_conf("yarn") == {} and master_conf("k8s://https://h:6443") == {}
+    # the defaults file as Spark reads it (java.util.Properties): 'key value', 'key=value' and 'key: value'
+    (tmp_path / "spark-defaults.conf").write_text("! site\nspark.jars=/opt/a.jar,/opt/b.jar\n"
+                                                  "spark.plugins : com.acme.Plugin\n")
+    conf = master_conf("spark://h:7077")
+    assert conf["spark.jars"] == f"/opt/a.jar,/opt/b.jar,{JAR}"
+    assert conf["spark.plugins"] == f"com.acme.Plugin,{SOCKET_PATHS_PLUGIN}"
     (tmp_path / "spark-defaults.conf").write_text(f"{PYTHON_WORKER_SOCKET_CONF} false\n")
     assert master_conf("spark://h:7077") == {}
 

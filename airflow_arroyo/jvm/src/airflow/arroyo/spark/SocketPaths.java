@@ -2,7 +2,8 @@
  * airflow-arroyo: forgets, from the JVM's delete-on-exit list, the Unix domain socket files Spark has already
  * deleted. Spark 4.1+ registers the socket file of every transfer to Python with File.deleteOnExit() and deletes
  * the file itself when the transfer ends; the JDK keeps each path until the JVM exits (docs/runtime.md, "The
- * JVM's delete-on-exit list"). airflow_arroyo.jvm.SocketPathPruner calls it from a pipeline's driver.
+ * JVM's delete-on-exit list"). airflow_arroyo.jvm.SocketPathPruner calls it from a pipeline's driver, and
+ * SocketPathsPlugin from each executor of a standalone cluster.
  */
 package airflow.arroyo.spark;
 

@@ -29,7 +29,8 @@ import org.slf4j.LoggerFactory;
  * <p>It reports two gauges in the executor's metrics ({@code plugin.airflow.arroyo.spark.SocketPathsPlugin.*}):
  * {@code registered}, the paths the JVM's list holds at the last prune, and {@code forgotten}, the paths dropped
  * since the executor started. A Java error from {@link SocketPaths} (e.g. {@code java.io} not opened to the class
- * path; Spark's launcher opens it) stops the schedule with one log line: the executor runs on without it.
+ * path; Spark's launcher opens it) stops the schedule with one log line, and an interval of 0 or less, or a
+ * setting that does not parse, turns it off (logged): the executor runs on without it.
  */
 public final class SocketPathsPlugin implements SparkPlugin {
   /** How often an executor prunes, a Spark time string. */
@@ -60,8 +61,19 @@ public final class SocketPathsPlugin implements SparkPlugin {
 
     @Override
     public void init(PluginContext ctx, Map<String, String> extraConf) {
-      long intervalMs = ctx.conf().getTimeAsMs(INTERVAL_CONF, DEFAULT_INTERVAL);
-      keepNewest = ctx.conf().getInt(KEEP_NEWEST_CONF, DEFAULT_KEEP_NEWEST);
+      // a bad setting must not stop the executor (Spark does not catch a plugin's init): log it, do not prune
+      long intervalMs;
+      try {
+        intervalMs = ctx.conf().getTimeAsMs(INTERVAL_CONF, DEFAULT_INTERVAL);
+        keepNewest = Math.max(0, ctx.conf().getInt(KEEP_NEWEST_CONF, DEFAULT_KEEP_NEWEST));
+      } catch (RuntimeException e) {
+        LOG.warn("{} or {} is not valid; not pruning the delete-on-exit list", INTERVAL_CONF, KEEP_NEWEST_CONF, e);
+        return;
+      }
+      if (intervalMs <= 0) {
+        LOG.info("{} is {} ms: not pruning the delete-on-exit list", INTERVAL_CONF, intervalMs);
+        return;
+      }
       ctx.metricRegistry().register("registered", (Gauge<Long>) registered::get);
       ctx.metricRegistry().register("forgotten", (Gauge<Long>) forgotten::get);
       schedule = Executors.newSingleThreadScheduledExecutor(task -> {
@@ -69,7 +81,7 @@ public final class SocketPathsPlugin implements SparkPlugin {
         thread.setDaemon(true);
         return thread;
       });
-      schedule.scheduleWithFixedDelay(this::prune, intervalMs, Math.max(1, intervalMs), TimeUnit.MILLISECONDS);
+      schedule.scheduleWithFixedDelay(this::prune, intervalMs, intervalMs, TimeUnit.MILLISECONDS);
       LOG.info("pruning the delete-on-exit list every {} ms, keeping the newest {} paths", intervalMs, keepNewest);
     }
 
@@ -77,7 +89,7 @@ public final class SocketPathsPlugin implements SparkPlugin {
       try {
         forgotten.addAndGet(SocketPaths.forgetDeleted(keepNewest));
         registered.set(SocketPaths.registered());
-      } catch (ReflectiveOperationException | RuntimeException e) {
+      } catch (Throwable e) { // any: the scheduler would swallow it and stop without a word
         LOG.warn("cannot prune the JVM's delete-on-exit list, not trying again", e);
         schedule.shutdown();
       }
