@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -75,7 +75,13 @@ from airflow_arroyo.runtime.decisions import (
 )
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
-from airflow_arroyo.runtime.plan import PhysicalPlan, plan_chains, stateful_stages
+from airflow_arroyo.runtime.plan import (
+    PhysicalPlan,
+    compose_stages,
+    plan_chains,
+    stateful_stages,
+    watermarks_not_crossing,
+)
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
@@ -208,14 +214,23 @@ class PipelineDriver:
                 if (sink := transactional_sink(self.pipeline_id, s)) is not None}
 
     def _plan_chains(self) -> None:
-        """A chaining pipeline: ask Spark which stages are stateful, fuse what the rules allow
-        (:func:`~airflow_arroyo.runtime.plan.plan_chains`), and run that physical graph from here on (its stage
-        names are what the store records and a restore checks). When the graph decides (``chaining=None``)
-        and this run restores an epoch taken unfused, it runs unfused: that epoch holds a snapshot per stage,
-        not per fused query."""
-        if not self.pipeline.chains:
-            return
-        fused = plan_chains(self.logical, stateful_stages(self.logical, self._session()), chaining=True)
+        """Ask Spark's analyzer about the stages (composed, no query started); warn of a watermark that a
+        remaining channel drops (:func:`~airflow_arroyo.runtime.plan.watermarks_not_crossing`); for a chaining
+        pipeline, :meth:`_fuse`."""
+        spark = self._session()
+        frames = compose_stages(self.logical, spark)
+        stateful = stateful_stages(self.logical, spark, frames)
+        if self.pipeline.chains:
+            self._fuse(stateful)
+        for warning in watermarks_not_crossing(self.logical, self.plan, frames, stateful):
+            log.warning("pipeline=%s: %s", self.pipeline_id, warning)
+
+    def _fuse(self, stateful: Mapping[str, bool | None]) -> None:
+        """Fuse what the rules allow (:func:`~airflow_arroyo.runtime.plan.plan_chains`) and run that physical
+        graph from here on (its stage names are what the store records and a restore checks). When the graph
+        decides (``chaining=None``) and this run restores an epoch taken unfused, it runs unfused: that epoch
+        holds a snapshot per stage, not per fused query."""
+        fused = plan_chains(self.logical, stateful, chaining=True)
         if self.pipeline.chaining is None and len(fused.groups) < len(self.logical.stages):
             restoring = self._restore_facts().epoch
             if restoring is not None and set(restoring.stages) == set(self.logical.stage_names):
@@ -241,7 +256,7 @@ class PipelineDriver:
         Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
-        self._plan_chains()  # which stages run fused (asks Spark's analyzer when the pipeline chains)
+        self._plan_chains()  # which stages run fused; watermarks a channel drops (Spark's analyzer)
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()

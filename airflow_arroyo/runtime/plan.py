@@ -51,8 +51,8 @@ from airflow_arroyo.runtime.pipeline import PipelineGraph, StageKind, StageSpec
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["Boundary", "ChainedTransform", "ChannelEdge", "FusedGroup", "PhysicalPlan", "plan_chains",
-           "stateful_stages"]
+__all__ = ["WATERMARK_DELAY_KEY", "Boundary", "ChainedTransform", "ChannelEdge", "FusedGroup", "PhysicalPlan",
+           "compose_stages", "plan_chains", "stateful_stages", "watermarks_not_crossing"]
 
 log = logging.getLogger(__name__)
 
@@ -391,17 +391,11 @@ def _stateful_count(df: DataFrame) -> int:
     return sum(1 for n in plan_nodes(tree) if n not in STATELESS_NODES)
 
 
-def stateful_stages(graph: PipelineGraph, spark: SparkSession) -> dict[str, bool | None]:
-    """Whether each stage's own transform holds state, from Spark's analyzed plans.
-
-    Every stage is composed over its inputs' DataFrames (a source's ``read(spark)``, then the transforms in
-    topological order, with no channel in between) and analyzed; a stage is stateful when its plan holds
-    more non-stateless nodes than its inputs' plans together. A stage on a loop or below one, or whose
-    read/transform raised, is None (unknown: counted as stateful; the driver's build reports the error).
-    """
+def compose_stages(graph: PipelineGraph, spark: SparkSession) -> dict[str, DataFrame | None]:
+    """Every stage composed over its inputs' DataFrames (a source's ``read(spark)``, then the transforms in
+    topological order, with no channel in between), for Spark's analyzer; None for a stage on a loop or below
+    one, or whose read/transform raised (the driver's build reports the error)."""
     frames: dict[str, DataFrame | None] = {}
-    counts: dict[str, int] = {}
-    out: dict[str, bool | None] = {}
     for s in graph.stages:
         inputs = [frames.get(graph.writers[c]) for c in s.all_inputs]
         df: DataFrame | None = None
@@ -413,15 +407,75 @@ def stateful_stages(graph: PipelineGraph, spark: SparkSession) -> dict[str, bool
                 else:
                     df = s.fn(*inputs) if s.fn is not None else inputs[0]
                 assert df is not None
-                counts[s.name] = _stateful_count(df)
+                df.schema  # noqa: B018 - analyzes the plan: an error shows here, not later
             except Exception as exc:  # noqa: BLE001 - user code: the build reports it by stage; here it only blocks fusion
                 log.info("pipeline=%s stage=%s: could not analyze the stage (%s: %s); counted as stateful",
                          graph.pipeline_id, s.name, type(exc).__name__, str(exc)[:200])
                 df = None
         frames[s.name] = df
+    return frames
+
+
+def stateful_stages(graph: PipelineGraph, spark: SparkSession,
+                    frames: Mapping[str, DataFrame | None] | None = None) -> dict[str, bool | None]:
+    """Whether each stage's own transform holds state, from Spark's analyzed plans.
+
+    A stage is stateful when its plan, composed over its inputs' (:func:`compose_stages`, or ``frames`` from
+    it), holds more non-stateless nodes than its inputs' plans together. A stage that could not be composed is
+    None (unknown: counted as stateful).
+    """
+    frames = compose_stages(graph, spark) if frames is None else frames
+    counts: dict[str, int] = {}
+    out: dict[str, bool | None] = {}
+    for s in graph.stages:
+        df = frames.get(s.name)
         if df is None:
             out[s.name] = None
             continue
-        below = sum(counts[graph.writers[c]] for c in s.all_inputs)
+        counts[s.name] = _stateful_count(df)
+        below = sum(counts.get(graph.writers[c], 0) for c in s.all_inputs)
         out[s.name] = counts[s.name] > below
     return out
+
+
+#: the column metadata Spark gives an event-time column under a watermark (``EventTimeWatermark.delayKey``)
+WATERMARK_DELAY_KEY = "spark.watermarkDelayMs"
+
+
+def _watermarks(df: DataFrame) -> dict[str, int]:
+    """The event-time columns of ``df``'s output that carry a watermark, with its delay in ms."""
+    return {f.name: int(f.metadata[WATERMARK_DELAY_KEY]) for f in df.schema.fields
+            if WATERMARK_DELAY_KEY in (f.metadata or {})}
+
+
+def watermarks_not_crossing(graph: PipelineGraph, plan: PhysicalPlan, frames: Mapping[str, DataFrame | None],
+                            stateful: Mapping[str, bool | None]) -> list[str]:
+    """A warning for each remaining channel read by a stateful stage that relies on a watermark set before the
+    channel: each query has its own event-time watermark and a channel's reader starts with none, so such a
+    stage runs without it (a stream-stream join or deduplication then keeps every row in its state; an
+    append-mode aggregation is refused by Spark). None where the reader sets its own watermark. ``graph`` is the
+    logical graph ``plan`` was made from, ``frames`` its stages composed (:func:`compose_stages`), ``stateful``
+    what :func:`stateful_stages` found (a stage known stateless needs no watermark)."""
+    out = []
+    for edge in plan.channels:
+        written = frames.get(edge.writer)
+        marks = _watermarks(written) if written is not None else {}
+        for reader, _, _ in edge.readers:
+            df = frames.get(reader)
+            if not marks or df is None or stateful.get(reader) is False:
+                continue
+            below = sum(_watermark_nodes(frames.get(graph.writers[c])) for c in graph.stage(reader).all_inputs)
+            if _watermark_nodes(df) > below:
+                continue  # the reader sets its own watermark
+            cols = ", ".join(f"{c!r} ({ms} ms)" for c, ms in sorted(marks.items()))
+            out.append(f"stage {reader!r} reads channel {edge.channel!r}, whose rows carry an event-time watermark on "
+                       f"{cols} set before the channel; a channel does not carry a watermark (each query has its "
+                       f"own), so {reader!r} runs without one and its state is not bounded by it: call "
+                       f"withWatermark in {reader!r} on its input")
+    return out
+
+
+def _watermark_nodes(df: DataFrame | None) -> int:
+    if df is None:
+        return 0
+    return plan_nodes(str(df._jdf.queryExecution().analyzed().treeString())).count("EventTimeWatermark")

@@ -227,6 +227,50 @@ def test_spark_analysis_finds_the_stateful_stages(spark: Any, tmp_path: Any) -> 
     assert plan.group_of(OUTPUT_CHANNEL).stages == ("joined", OUTPUT_CHANNEL)
 
 
+def _watermark_warnings(p: Pipeline, spark: Any) -> list[str]:
+    """What the driver warns at start (its _plan_chains: the same calls)."""
+    from airflow_arroyo.runtime.plan import compose_stages, stateful_stages, watermarks_not_crossing
+
+    graph = p.validate()
+    frames = compose_stages(graph, spark)
+    stateful = stateful_stages(graph, spark, frames)
+    return watermarks_not_crossing(graph, plan_chains(graph, stateful, chaining=p.chains), frames, stateful)
+
+
+@pytest.mark.spark
+def test_a_watermark_set_before_a_remaining_channel_is_named_where_a_stateful_stage_relies_on_it(spark: Any) -> None:
+    """A channel does not carry a watermark: a join reading a channel whose writer set one runs without it (its
+    state then grows without bound). The driver warns, naming the stage, the channel and the column; not where
+    the reader sets its own watermark, nor for a stateless reader."""
+    from airflow_arroyo.testing import generator_source
+
+    def left(spark: Any) -> Any:
+        return generator_source(spark, seed=1, rows_per_batch=10).withWatermark("ts", "5 seconds")
+
+    def right(spark: Any) -> Any:
+        return generator_source(spark, seed=2, rows_per_batch=10).selectExpr("id AS rid", "ts AS rts")
+
+    def join(lhs: Any, rhs: Any) -> Any:
+        return lhs.join(rhs, lhs["id"] == rhs["rid"])
+
+    def join_with_watermarks(lhs: Any, rhs: Any) -> Any:
+        return join(lhs.withWatermark("ts", "5 seconds"), rhs.withWatermark("rts", "5 seconds"))
+
+    relies = Pipeline("wm-relies")  # the watermark makes 'left' stateful: a channel remains before the join
+    relies.stage("joined", join, inputs=[relies.source("left", left), relies.source("right", right)])
+    [warning] = _watermark_warnings(relies, spark)
+    assert "stage 'joined' reads channel 'left'" in warning and "'ts' (5000 ms)" in warning
+    assert "withWatermark in 'joined'" in warning
+
+    own = Pipeline("wm-own", chaining=False)  # every channel remains; the join sets its own watermarks
+    own.stage("joined", join_with_watermarks, inputs=[own.source("left", left), own.source("right", right)])
+    assert _watermark_warnings(own, spark) == []
+
+    stateless = Pipeline("wm-stateless", chaining=False)
+    stateless.stage("filtered", lambda df: df.where("value > 10"), inputs=[stateless.source("left", left)])
+    assert _watermark_warnings(stateless, spark) == []
+
+
 def test_a_long_chain_gets_a_short_stable_name_that_no_stage_can_take() -> None:
     p = Pipeline("long", chaining=True)
     prev = p.source("s" * 40, read)
