@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.runtime.sinks import TransactionalSink
 
-__all__ = ["DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner"]
+__all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,14 @@ DEFAULT_TRIGGER_INTERVAL = 0.1
 # --------------------------------------------------------------------------- the runner
 
 
+#: the cuts a stage keeps in memory (:attr:`StageRunner.cuts`), newest last: one a stage per epoch would grow for
+#: as long as the run lasts (benchmarks/soak.py found it)
+CUTS_KEPT = 256
+
+
 @dataclass(frozen=True)
 class CutRecord:
-    """What a stage did at one cut (kept for tests and logs)."""
+    """What a stage did at one cut (the newest :data:`CUTS_KEPT` kept, for tests and logs)."""
 
     epoch: int
     batch_id: int
@@ -137,7 +143,7 @@ class StageRunner:
         self.output: Channel | None = None
         self.inputs: dict[str, Channel] = {}
         self.query: StreamingQuery | None = None
-        self.cuts: list[CutRecord] = []
+        self.cuts: deque[CutRecord] = deque(maxlen=CUTS_KEPT)  # the newest: a run may last months
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # source stages: epochs to inject

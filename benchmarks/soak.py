@@ -1,0 +1,347 @@
+"""What grows while a pipeline runs for a long time? A pipeline supervised as in production, sampled.
+
+One driver (local[2], the provider's confs), one throwaway PostgreSQL: the demo's shape with bounded state
+(:func:`bounded_pipeline`: two paced, unbounded generators, a stream-stream join under watermarks and a filter
+fused in one query, the report channel, an exactly-once Parquet sink outside the pipeline's storage; the demo
+itself keeps every row in its join's state, by design, so its heap and storage grow with its input), with an
+epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger: ``trigger_tick`` every 0.5 s) and
+retention every ``--prune-every`` seconds (``prune_pipeline``, keep the last 3 completed epochs, as the
+retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
+
+* the driver JVM: heap in use after a full collection, metaspace, threads, open files, and the paths its
+  delete-on-exit list holds;
+* this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, threads, open
+  files;
+* Spark's Python workers: processes and their resident memory;
+* the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, and
+  the epoch store's database size;
+* the epochs completed (the rate the rest is read against).
+
+Prints, per quantity, the first and last sample and the least-squares slope per hour over the samples of
+the whole window and of its second half, side by side: a quantity that levels off has a second-half slope
+well below the whole window's; one that leaks keeps the same slope. Then the storage's fullest folders.
+Figures measured here are in docs/runtime.md ("Supervised for months").
+
+    python benchmarks/soak.py                       # 15 minutes measured after 2 of warm-up
+    python benchmarks/soak.py --duration 3600       # an hour
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+from _spark import conf_pair, local_session_builder, product_confs
+
+from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+from airflow_arroyo.epochs import CheckpointPolicy, RetentionPolicy
+from airflow_arroyo.retention import prune_pipeline
+from airflow_arroyo.runtime import Pipeline
+from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import generator_source
+
+_HEAP_USED = re.compile(r"heap\s+total \d+K, used (\d+)K")
+_META_USED = re.compile(r"Metaspace\s+used (\d+)K")
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from ``/proc/<pid>/status`` (``VmRSS`` in kB, ``Threads``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    return 0
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def live_heap(jcmd: str, pid: int) -> tuple[int, int]:
+    """Bytes of the JVM's heap in use after a full collection (``GC.run`` is ``System.gc()``, which waits for
+    one), and of its metaspace (classes: Spark generates code per query and per batch)."""
+    subprocess.run([jcmd, str(pid), "GC.run"], capture_output=True, check=True)
+    out = subprocess.run([jcmd, str(pid), "GC.heap_info"], capture_output=True, text=True, check=True).stdout
+    heap, meta = _HEAP_USED.search(out), _META_USED.search(out)
+    if heap is None or meta is None:
+        raise RuntimeError(f"unexpected GC.heap_info: {out[-300:]}")
+    return int(heap.group(1)) * 1024, int(meta.group(1)) * 1024
+
+
+def python_workers() -> tuple[int, int]:
+    """Spark's Python worker processes (daemons and their forks) and their resident memory in kB."""
+    count = rss = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline:
+                count += 1
+                rss += proc_status(int(entry), "VmRSS")
+        except OSError:  # gone meanwhile
+            continue
+    return count, rss
+
+
+def tree(path: Path) -> tuple[int, int]:
+    """Files and bytes under ``path``."""
+    files = size = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            try:
+                size += os.stat(os.path.join(folder, name)).st_size
+                files += 1
+            except OSError:
+                continue
+    return files, size
+
+
+def largest_folders(path: Path, depth: int = 4, top: int = 8) -> list[tuple[str, int, int]]:
+    """The folders ``depth`` levels below ``path`` holding the most files: (folder, files, bytes)."""
+    totals: dict[str, list[int]] = {}
+    for folder, _, names in os.walk(path):
+        parts = Path(folder).relative_to(path).parts[:depth]
+        key = "/".join(parts) or "."
+        entry = totals.setdefault(key, [0, 0])
+        for name in names:
+            try:
+                entry[1] += os.stat(os.path.join(folder, name)).st_size
+                entry[0] += 1
+            except OSError:
+                continue
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(k, v[0], v[1]) for k, v in ranked]
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, value) points, per hour."""
+    if len(points) < 2:
+        return float("nan")
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return float("nan") if var == 0 else 3600 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
+
+
+def bounded_pipeline(pipeline_id: str, *, rate: int, rows_per_batch: int, sink: str) -> Pipeline:
+    """The demo's shape with bounded state, as a pipeline meant to run for months has: two paced generators
+    (event time follows wall-clock time), a stream-stream join on ``id`` within 2 s of event time under 5 s
+    watermarks (Spark drops what no later row can match), a filter, and an exactly-once Parquet sink behind
+    the report channel. Fused by the graph into one query, plus the sink's (the benchmark prints the plan)."""
+    ms_per_row = max(1, 1000 // rate)
+
+    def left(spark: Any) -> Any:
+        return generator_source(spark, seed=1, keys=100, total_rows=None, rows_per_batch=rows_per_batch,
+                                rows_per_second=rate, ms_per_row=ms_per_row)
+
+    def right(spark: Any) -> Any:
+        df = generator_source(spark, seed=2, keys=100, total_rows=None, rows_per_batch=rows_per_batch,
+                              rows_per_second=rate, ms_per_row=ms_per_row)
+        return df.selectExpr("id AS rid", "value AS right_value", "ts AS rts")
+
+    def join(lhs: Any, rhs: Any) -> Any:
+        from pyspark.sql import functions as F
+
+        # the watermarks in the stage that needs them: a stage's query has its own, none crosses a channel
+        lhs, rhs = lhs.withWatermark("ts", "5 seconds"), rhs.withWatermark("rts", "5 seconds")
+        cond = F.expr("id = rid AND rts BETWEEN ts - INTERVAL 2 SECONDS AND ts + INTERVAL 2 SECONDS")
+        return lhs.join(rhs, cond).selectExpr("id", "key", "value AS left_value", "right_value")
+
+    def report(joined: Any) -> Any:
+        return joined.where("(left_value + right_value) % 7 <> 0")
+
+    p = Pipeline(pipeline_id, description="the demo's shape with bounded state (soak benchmark)")
+    joined = p.stage("joined", join, inputs=[p.source("left", left), p.source("right", right)])
+    p.stage("report", report, inputs=[joined])
+    p.sink("report_files", inputs=["report"], format="parquet", options={"path": sink}, chain=False)
+    return p
+
+
+class Soak:
+    """The pipeline, its controller and retention threads, and the sampler."""
+
+    def __init__(self, spark: Any, store: EpochStore, dsn: str, storage: Path, sink: Path, args: argparse.Namespace):
+        self.spark, self.store, self.dsn, self.storage, self.args = spark, store, dsn, storage, args
+        self.pid = f"soak-{uuid.uuid4().hex[:6]}"
+        pipeline = bounded_pipeline(self.pid, rate=args.rate, rows_per_batch=args.rows_per_batch, sink=str(sink))
+        self.driver = PipelineDriver(pipeline, store, storage_uri=str(storage), spark=spark)
+        self.failure: list[BaseException] = []
+        self.stop = threading.Event()
+        self.prunes = 0
+        self.types: list[Counter[str]] = []  # the driver process's live objects by type, per sample
+        jcmd = shutil.which("jcmd") or str(Path(os.environ.get("JAVA_HOME", "/usr")) / "bin" / "jcmd")
+        self.jcmd = jcmd
+        self.jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+
+    def _guard(self, body: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                self.failure.append(exc)
+                self.stop.set()
+        return run
+
+    def _control(self) -> None:
+        policy = CheckpointPolicy(interval=self.args.interval, timeout=max(60.0, 6 * self.args.interval))
+        while not self.stop.wait(0.5):
+            self.store.trigger_tick(self.pid, policy, triggered_by="soak")
+
+    def _retain(self) -> None:
+        while not self.stop.wait(self.args.prune_every):
+            prune_pipeline(self.store, self.pid, RetentionPolicy(keep_last=3), holder="soak")
+            self.prunes += 1
+
+    def completed_epochs(self) -> int:
+        newest = self.store.latest_completed_epoch(self.pid)
+        return 0 if newest is None else newest.epoch
+
+    def db_size(self) -> int:
+        import psycopg2
+
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pg_database_size(current_database())")
+            row = cur.fetchone()
+        conn.close()
+        return int(row[0]) if row else 0
+
+    def tables(self) -> list[tuple[str, int, int, int]]:
+        """The epoch store's tables, largest first: (table, live rows, dead rows, bytes with indexes)."""
+        import psycopg2
+
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT relname, n_live_tup, n_dead_tup, pg_total_relation_size(relid) FROM "
+                        "pg_stat_user_tables ORDER BY pg_total_relation_size(relid) DESC LIMIT 8")
+            rows = [(str(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in cur.fetchall()]
+        conn.close()
+        return rows
+
+    def sample(self) -> dict[str, float]:
+        gc.collect()
+        self.types.append(Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()))
+        me = os.getpid()
+        workers, workers_rss = python_workers()
+        files, size = tree(self.storage)
+        pruner = self.driver.socket_paths
+        heap, metaspace = live_heap(self.jcmd, self.jvm_pid)
+        return {
+            "epochs completed": self.completed_epochs(),
+            "JVM heap after full GC (MB)": heap / 1e6,
+            "JVM metaspace (MB)": metaspace / 1e6,
+            "JVM threads": proc_status(self.jvm_pid, "Threads"),
+            "JVM open files": open_files(self.jvm_pid),
+            "JVM delete-on-exit paths": pruner.registered() if pruner is not None else -1,
+            "driver Python objects": len(gc.get_objects()),
+            "driver Python RSS (MB)": proc_status(me, "VmRSS") / 1e3,
+            "driver Python threads": threading.active_count(),
+            "driver Python open files": open_files(me),
+            "Python workers": workers,
+            "Python workers RSS (MB)": workers_rss / 1e3,
+            "storage files": files,
+            "storage (MB)": size / 1e6,
+            "epoch store DB (MB)": self.db_size() / 1e6,
+        }
+
+    def run(self) -> list[tuple[float, dict[str, float]]]:
+        threads = [threading.Thread(target=self._guard(self.driver.run), daemon=True)]
+        threads[0].start()
+        if not self.driver.started.wait(900) or self.failure:
+            raise SystemExit(f"the pipeline did not start: {self.failure}")
+        for body in (self._control, self._retain):
+            threads.append(threading.Thread(target=self._guard(body), daemon=True))
+            threads[-1].start()
+        if self.stop.wait(self.args.warmup):
+            raise SystemExit(f"failed during the warm-up: {self.failure}")
+        samples: list[tuple[float, dict[str, float]]] = []
+        start = time.monotonic()
+        while True:
+            samples.append((time.monotonic() - start, self.sample()))
+            print(f"{samples[-1][0]:7.0f}s " + ", ".join(f"{k} {v:,.1f}" for k, v in samples[-1][1].items()),
+                  flush=True)
+            left = self.args.duration - (time.monotonic() - start)
+            if left <= 0 or self.stop.wait(min(self.args.every, left)):
+                break
+        self.stop.set()
+        self.store.request_stop(self.pid, "immediate")
+        threads[0].join(300)
+        if self.failure:
+            raise SystemExit(f"the pipeline failed: {self.failure[0]}")
+        return samples
+
+
+def report(samples: list[tuple[float, dict[str, float]]], prunes: int) -> None:
+    seconds = samples[-1][0]
+    half = [s for s in samples if s[0] >= seconds / 2]
+    print(f"\n{len(samples)} samples over {seconds / 60:.1f} min, {prunes} retention runs; slopes per hour "
+          "(least squares), the whole window and its second half:")
+    print(f"{'quantity':28} {'first':>12} {'last':>12} {'per hour':>12} {'2nd half':>12} {'2nd / whole':>12}")
+    for key in samples[0][1]:
+        whole = slope_per_hour([(t, v[key]) for t, v in samples])
+        second = slope_per_hour([(t, v[key]) for t, v in half])
+        ratio = second / whole if whole and abs(whole) > 1e-9 else float("nan")
+        print(f"{key:28} {samples[0][1][key]:12,.1f} {samples[-1][1][key]:12,.1f} {whole:12,.1f} {second:12,.1f} "
+              f"{ratio:12.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=900.0, help="seconds measured (default 900)")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before the first sample (default 120)")
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples (default 30)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between epochs (default 5)")
+    parser.add_argument("--prune-every", type=float, default=30.0, help="seconds between retention runs (default 30)")
+    parser.add_argument("--rate", type=int, default=500, help="rows per second per source (default 500)")
+    parser.add_argument("--rows-per-batch", type=int, default=500, help="generator rows per micro-batch")
+    parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
+                        help="a Spark setting, repeatable")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    spark = local_session_builder("arroyo-soak", confs=product_confs(dict(args.conf))).getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-soak-") as tmp:
+        store = EpochStore(pg.dsn)
+        store.migrate()
+        print(f"bounded_pipeline, local[2], {args.rate} rows/s per source, epochs every {args.interval:g}s, retention "
+              f"every {args.prune_every:g}s (keep 3); {args.duration:g}s sampled every {args.every:g}s after "
+              f"{args.warmup:g}s", flush=True)
+        soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
+        print(soak.driver.pipeline.explain(spark), flush=True)
+        samples = soak.run()
+        report(samples, soak.prunes)
+        grown = (soak.types[-1] - soak.types[len(soak.types) // 2]).most_common(8)
+        print("\nthe driver's live objects that grew most over the second half, by type:")
+        for name, more in grown:
+            print(f"  {name:70} +{more:,}")
+        print("\nthe epoch store's largest tables at the end (live rows, dead rows, MB):")
+        for table, live, dead, size in soak.tables():
+            print(f"  {table:40} {live:10,} {dead:10,} {size / 1e6:10.1f}")
+        print("\nthe storage's fullest folders at the end (files, MB):")
+        for folder, files, size in largest_folders(Path(tmp) / "storage"):
+            print(f"  {folder:70} {files:8,} {size / 1e6:10.1f}")
+        store.close()
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
