@@ -432,7 +432,13 @@ def stateful_stages(graph: PipelineGraph, spark: SparkSession,
         if df is None:
             out[s.name] = None
             continue
-        counts[s.name] = _stateful_count(df)
+        try:
+            counts[s.name] = _stateful_count(df)
+        except Exception as exc:  # noqa: BLE001 - py4j: unknown, counted as stateful
+            log.info("pipeline=%s stage=%s: could not read the stage's plan (%s); counted as stateful",
+                     graph.pipeline_id, s.name, exc)
+            out[s.name] = None
+            continue
         below = sum(counts.get(graph.writers[c], 0) for c in s.all_inputs)
         out[s.name] = counts[s.name] > below
     return out
@@ -458,21 +464,33 @@ def watermarks_not_crossing(graph: PipelineGraph, plan: PhysicalPlan, frames: Ma
     what :func:`stateful_stages` found (a stage known stateless needs no watermark)."""
     out = []
     for edge in plan.channels:
-        written = frames.get(edge.writer)
-        marks = _watermarks(written) if written is not None else {}
         for reader, _, _ in edge.readers:
-            df = frames.get(reader)
-            if not marks or df is None or stateful.get(reader) is False:
+            try:
+                marks = _lost_watermarks(graph, frames, edge.writer, reader, stateful)
+            except Exception as exc:  # noqa: BLE001 - a warning's check: never the reason a run does not start
+                log.info("pipeline=%s: could not check the watermarks of channel %s: %s", graph.pipeline_id,
+                         edge.channel, exc)
                 continue
-            below = sum(_watermark_nodes(frames.get(graph.writers[c])) for c in graph.stage(reader).all_inputs)
-            if _watermark_nodes(df) > below:
-                continue  # the reader sets its own watermark
+            if not marks:
+                continue
             cols = ", ".join(f"{c!r} ({ms} ms)" for c, ms in sorted(marks.items()))
             out.append(f"stage {reader!r} reads channel {edge.channel!r}, whose rows carry an event-time watermark on "
                        f"{cols} set before the channel; a channel does not carry a watermark (each query has its "
                        f"own), so {reader!r} runs without one and its state is not bounded by it: call "
                        f"withWatermark in {reader!r} on its input")
     return out
+
+
+def _lost_watermarks(graph: PipelineGraph, frames: Mapping[str, DataFrame | None], writer: str, reader: str,
+                     stateful: Mapping[str, bool | None]) -> dict[str, int]:
+    """The watermarks on ``writer``'s output that stateful ``reader``, reading it through a channel, relies on
+    and does not set itself (empty: none)."""
+    written, df = frames.get(writer), frames.get(reader)
+    if written is None or df is None or stateful.get(reader) is False:
+        return {}
+    marks = _watermarks(written)
+    below = sum(_watermark_nodes(frames.get(graph.writers[c])) for c in graph.stage(reader).all_inputs)
+    return {} if not marks or _watermark_nodes(df) > below else marks
 
 
 def _watermark_nodes(df: DataFrame | None) -> int:
