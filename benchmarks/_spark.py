@@ -47,6 +47,13 @@ def local_session_builder(app: str, *, master: str = "local[2]", driver_memory: 
     return builder
 
 
+def jvm_pid(spark: SparkSession) -> int:
+    """The process id of ``spark``'s JVM (the driver's; in local mode every executor's too), for ``jcmd``."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    return int(jvm.java.lang.ProcessHandle.current().pid())
+
+
 def use_stage_checkpoint_manager(spark: SparkSession) -> None:
     """Give ``spark``'s queries the checkpoint file manager a stage's query uses on a local disk
     (``runtime/stage.py``), so a benchmark's own reader query writes its checkpoint as a stage would."""

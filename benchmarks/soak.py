@@ -33,7 +33,6 @@ import gc
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import conf_pair, local_session_builder, product_confs
+from _spark import conf_pair, jvm_pid, local_session_builder, product_confs
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.epochs import CheckpointPolicy, RetentionPolicy
@@ -74,11 +73,11 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def live_heap(jcmd: str, pid: int) -> tuple[int, int]:
+def heap_after_gc(pid: int) -> tuple[int, int]:
     """Bytes of the JVM's heap in use after a full collection (``GC.run`` is ``System.gc()``, which waits for
     one), and of its metaspace (classes: Spark generates code per query and per batch)."""
-    subprocess.run([jcmd, str(pid), "GC.run"], capture_output=True, check=True)
-    out = subprocess.run([jcmd, str(pid), "GC.heap_info"], capture_output=True, text=True, check=True).stdout
+    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, check=True)
+    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, check=True).stdout
     heap, meta = _HEAP_USED.search(out), _META_USED.search(out)
     if heap is None or meta is None:
         raise RuntimeError(f"unexpected GC.heap_info: {out[-300:]}")
@@ -188,9 +187,7 @@ class Soak:
         self.stop = threading.Event()
         self.prunes = 0
         self.types: list[Counter[str]] = []  # the driver process's live objects by type, per sample
-        jcmd = shutil.which("jcmd") or str(Path(os.environ.get("JAVA_HOME", "/usr")) / "bin" / "jcmd")
-        self.jcmd = jcmd
-        self.jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+        self.jvm_pid = jvm_pid(spark)
 
     def _guard(self, body: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
@@ -242,7 +239,7 @@ class Soak:
         workers, workers_rss = python_workers()
         files, size = tree(self.storage)
         pruner = self.driver.socket_paths
-        heap, metaspace = live_heap(self.jcmd, self.jvm_pid)
+        heap, metaspace = heap_after_gc(self.jvm_pid)
         return {
             "epochs completed": self.completed_epochs(),
             "JVM heap after full GC (MB)": heap / 1e6,

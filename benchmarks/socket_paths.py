@@ -37,7 +37,7 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import local_session_builder, product_confs
+from _spark import jvm_pid, local_session_builder, product_confs
 
 from airflow_arroyo.jvm import SocketPathPruner
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the provider's jar is not on the driver's class path (airflow_arroyo.jvm.master_conf)")
     jvm = spark.sparkContext._jvm
     assert jvm is not None
-    pid = int(jvm.java.lang.ProcessHandle.current().pid())
+    pid = jvm_pid(spark)
     socket_dir = str(spark.sparkContext.getConf().get("spark.python.unix.domain.socket.dir")
                      or jvm.java.lang.System.getProperty("java.io.tmpdir"))
     transfers(spark, args.warmup, pruner, args.every)

@@ -116,7 +116,7 @@ def _jar_on(class_paths: tuple[str, ...], given: Mapping[str, str]) -> dict[str,
     """The jar after the class path ``given`` has for each of ``class_paths`` (nothing without the jar)."""
     if not JAR.is_file():
         return {}
-    return {key: os.pathsep.join(filter(None, [given.get(key), str(JAR)])) for key in class_paths}
+    return {key: _listed(given.get(key), str(JAR), os.pathsep) for key in class_paths}
 
 
 def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -169,10 +169,11 @@ def _socket_conf(given: Mapping[str, str], *, executors: bool = False) -> dict[s
     return out
 
 
-def _listed(value: str | None, item: str) -> str:
-    """A comma-separated Spark list with ``item`` at its end (kept where it is if already there)."""
-    items = [part.strip() for part in (value or "").split(",") if part.strip()]
-    return ",".join(items if item in items else [*items, item])
+def _listed(value: str | None, item: str, sep: str = ",") -> str:
+    """A Spark list (``sep``-separated: a comma, or a class path's separator) with ``item`` after the user's
+    entries (kept where it is if already there)."""
+    items = [part.strip() for part in (value or "").split(sep) if part.strip()]
+    return sep.join(items if item in items else [*items, item])
 
 
 def _socket_on(value: str | None) -> bool:
