@@ -19,6 +19,7 @@ The tree is small on purpose::
     │   ├── TransientStoreError      a transient failure that survived the bounded retries
     │   └── SchemaError              (see above: newer than this release, or an edited migration)
     ├── SnapshotError                a snapshot file is missing or corrupt (names epoch and file)
+    │   └── UnrestorableEpochError   an epoch's snapshot can never rebuild a checkpoint Spark accepts
     └── PipelineFailedError          the pipeline reported failure (carries the cause)
         └── StageBuildError          a stage's source or transform raised while the pipeline was built
 
@@ -48,6 +49,7 @@ __all__ = [
     "TransientStoreError",
     "UnknownEpochError",
     "UnknownPipelineError",
+    "UnrestorableEpochError",
 ]
 
 
@@ -175,6 +177,19 @@ class SnapshotError(ArroyoError):
         super().__init__(message)
         self.epoch = epoch
         self.path = path
+
+
+class UnrestorableEpochError(SnapshotError):
+    """An epoch's snapshot of a stage is not a checkpoint Spark can restart from (its objects are missing or
+    corrupt, or its files break Spark's own rules for a checkpoint); found before a restore's commit point, so
+    nothing was changed. Restoring it again can never succeed: the driver records why in the store, and a
+    supervisor stops instead of restarting into it (``stage`` and ``problems`` say where and what)."""
+
+    def __init__(self, message: str, *, epoch: int, stage: str, problems: tuple[str, ...] = (),
+                 path: str | None = None) -> None:
+        super().__init__(message, epoch=epoch, path=path)
+        self.stage = stage
+        self.problems = problems
 
 
 class PipelineFailedError(ArroyoError):

@@ -22,6 +22,11 @@ alone would share the wrong file; content addresses cannot. A file whose object 
 what it references.
 Hashes are cached by (path, size, mtime) so unchanged files are not even re-read.
 
+Before a snapshot is recorded, and again before a restore copies anything, its files are checked against
+Spark's rules for a checkpoint it restarts from
+(:func:`~airflow_arroyo.runtime.spark_checkpoint.check_restorable`): an epoch whose checkpoint Spark would
+refuse never completes, and one recorded before the check is refused by
+:class:`~airflow_arroyo.exceptions.UnrestorableEpochError` before anything changed.
 Restore rebuilds a checkpoint folder from an epoch's entries into a fresh folder, verifying every
 object's size and hash (:class:`~airflow_arroyo.exceptions.SnapshotError` names the epoch and the
 file; nothing is deleted), and only then points the stage at it by rewriting its checkpoint pointer
@@ -53,10 +58,11 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from airflow_arroyo.exceptions import ConfigurationError, SnapshotError
+from airflow_arroyo.exceptions import ConfigurationError, SnapshotError, UnrestorableEpochError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.layout import StorageLayout, epoch_object_key, object_digest, object_key, object_path
 from airflow_arroyo.runtime.spark_checkpoint import (
+    check_restorable,
     commit_path,
     rocksdb_zip_references,
     select_checkpoint_files,
@@ -185,6 +191,11 @@ class SnapshotStore:
             held = None if self_contained else self._held_snapshots(infos, batch_id)
             selected = select_checkpoint_files(infos, batch_id, zip_refs, held_bases=held,
                                                max_chain=self.max_delta_chain)
+            problems = check_restorable(selected)
+            if problems:  # an epoch that completed with it could never be restored
+                raise SnapshotError(
+                    f"the snapshot of stage {stage!r} as of batch {batch_id} for epoch {epoch} would not be a "
+                    f"checkpoint Spark can restart from: {'; '.join(problems)}", epoch=epoch)
             for rel in selected:
                 info = infos[rel]
                 key = self._hash(info)
@@ -293,6 +304,12 @@ class SnapshotStore:
         pipeline's objects)."""
         storage, owner = source if source is not None else (self.fs, self.pipeline_id)
         entries = self.store.snapshot_entries(owner, epoch, stage)
+        problems = check_restorable(e.rel_path for e in entries)
+        if problems:
+            raise UnrestorableEpochError(
+                f"epoch {epoch} cannot be restored: its snapshot of stage {stage!r} is not a checkpoint Spark can "
+                f"restart from ({'; '.join(problems)}); nothing was changed", epoch=epoch, stage=stage,
+                problems=tuple(problems))
         folder = self.layout.new_checkpoint(stage, epoch)
         total = 0
         try:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINT_FILE_MANAGER_CONF",
     "checkpoint_offsets",
+    "check_restorable",
     "commit_path",
     "latest_commit",
     "local_checkpoint_file_manager",
@@ -211,10 +212,13 @@ def select_checkpoint_files(
             elif n <= batch_id and (top not in _BATCH_LOGS or n > batch_id - BATCH_LOG_ENTRIES):
                 keep.append(rel)
             continue
+        if top == "state" and batch_id < 0:
+            continue  # batch 0 writes state files as it runs: none belongs to a cut before it
         if top == "state" and len(parts) >= 4:
             if "_metadata" in parts or any(p.startswith("_stateSchema") for p in parts):
-                # operator metadata and state schemas; v2 operator metadata files are named by batch id
-                n = _leading_int(name) if "v2" in parts else None
+                # operator metadata and state schemas; v2 operator metadata and v3 schema files are named by
+                # the batch that wrote them
+                n = _leading_int(name) if "v2" in parts or any(p.startswith("_stateSchema") for p in parts) else None
                 if n is None or n <= batch_id:
                     keep.append(rel)
                 continue
@@ -234,6 +238,68 @@ def select_checkpoint_files(
         keep += _state_as_of(folder, files, side_files.get(folder, []), version, zip_references,
                              _held_chain_base(files, version, held_bases, max_chain))
     return sorted(set(keep))
+
+
+def check_restorable(rel_paths: Iterable[str]) -> list[str]:
+    """What keeps a rebuilt checkpoint (its files, relative to it) from being one Spark restarts from; empty
+    when nothing does. Checked before a snapshot is recorded and before a restore's commit point, so an epoch
+    whose restore Spark would refuse never completes, and one that did (before this check) fails its restore
+    before anything changed.
+
+    The rules are Spark's own for a restart (``MicroBatchExecution.populateStartOffsets`` and the state
+    store's load): the query's ``metadata``; with a committed batch *b*, ``offsets/b`` and ``offsets/b-1``;
+    with none, no state files at all (Spark requires an empty state folder for batch 0:
+    ``STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY``); no batch log entry after *b*; and in every state store
+    partition a base at or below version *b + 1* with every delta or changelog after it up to *b + 1*.
+    """
+    files = [rel for rel in rel_paths if not any(_hidden(p) for p in rel.split("/"))]
+    logs: dict[str, set[int]] = {d: set() for d in _BATCH_LOGS}
+    partitions: dict[str, list[tuple[int, str]]] = {}
+    state_files = 0
+    for rel in files:
+        parts = rel.split("/")
+        n = _leading_int(parts[-1])
+        if parts[0] in _BATCH_LOGS and len(parts) == 2 and n is not None:
+            logs[parts[0]].add(n)
+        elif parts[0] == "state":
+            state_files += 1
+            version = state_file_version(parts[-1])
+            if version is not None and not any(p.startswith(("_metadata", "_stateSchema")) for p in parts):
+                partitions.setdefault("/".join(parts[:-1]), []).append(version)
+    problems = [] if "metadata" in files else ["no 'metadata' file (the query's id)"]
+    committed = logs[COMMITS_DIR] | logs["asyncCommits"]
+    batch = max(committed, default=-1)
+    if batch < 0 and state_files:
+        problems.append(f"{state_files} state file(s) but no committed batch: Spark refuses a non-empty state "
+                        "folder for batch 0 (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY)")
+    offsets = logs[OFFSETS_DIR] | logs["asyncOffsets"]
+    needed = [b for b in (batch - 1, batch) if b >= 0]
+    problems += [f"offsets/{b} is missing (Spark reads it to restart after batch {batch})"
+                 for b in needed if b not in offsets]
+    later = sorted(f"{d}/{b}" for d, ids in logs.items() for b in ids if b > batch)
+    if later:
+        problems.append(f"batch log entries after the committed batch {batch}: {', '.join(later[:4])}")
+    if batch >= 0:
+        for folder, versions in sorted(partitions.items()):
+            gap = _chain_gap(versions, batch + 1)
+            if gap is not None:
+                problems.append(f"{folder} cannot load state version {batch + 1}: {gap}")
+    return problems
+
+
+def _chain_gap(versions: list[tuple[int, str]], version: int) -> str | None:
+    """Why one state store partition's files cannot load ``version`` (None: they can)."""
+    bases = [v for v, kind in versions if kind in _BASE_KINDS and v <= version]
+    base = max(bases, default=0)
+    steps = {v for v, kind in versions if kind in ("delta", "changelog")}
+    missing = [v for v in range(base + 1, version + 1) if v not in steps]
+    if missing:
+        return (f"no {'delta or changelog' if steps or not bases else 'file'} for version(s) "
+                f"{', '.join(map(str, missing[:4]))}{' ...' if len(missing) > 4 else ''} after base {base}")
+    beyond = sorted(v for v, _ in versions if v > version)
+    if beyond:
+        return f"files of later versions ({', '.join(map(str, beyond[:4]))})"
+    return None
 
 
 def _held_chain_base(files: list[tuple[int, str, str]], version: int, held_bases: Callable[[str], bool] | None,

@@ -26,7 +26,12 @@ from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
-from airflow_arroyo.runtime.spark_checkpoint import BATCH_LOG_ENTRIES, select_checkpoint_files, snapshot_files
+from airflow_arroyo.runtime.spark_checkpoint import (
+    BATCH_LOG_ENTRIES,
+    check_restorable,
+    select_checkpoint_files,
+    snapshot_files,
+)
 from airflow_arroyo.scrub import verify_pipeline
 from airflow_arroyo.testing import generate_rows, generator_source
 
@@ -86,6 +91,67 @@ def test_selection_rocksdb_unreadable_zip_keeps_every_sst_and_missing_sst_is_an_
 
 def test_selection_before_any_batch_keeps_only_metadata() -> None:
     assert select_checkpoint_files(["metadata", "offsets/0", "state/0/0/1.delta"], -1, no_zips) == ["metadata"]
+
+
+#: What a stream-stream join's checkpoint holds while its batch 0 runs (issue 30, finding 1): the operator
+#: metadata, the state schemas and the first state files are written before ``commits/0``.
+BATCH_0_RUNNING = [
+    "metadata", "offsets/0", "sources/0/0",
+    "state/0/_metadata/metadata",
+    "state/0/_stateSchema/default/0_5d8e7f2a-51c4-4bd0-9d55-7f3d4c1a2b3c",
+    *[f"state/0/{p}/{store}/_metadata/schema" for p in range(2)
+      for store in ("left-keyToNumValues", "left-keyWithIndexToValue")],
+    "state/0/0/left-keyToNumValues/1.delta",
+]
+
+
+def test_selection_cut_before_batch_0_takes_no_state_file_batch_0_wrote() -> None:
+    assert select_checkpoint_files(BATCH_0_RUNNING, -1, no_zips) == ["metadata"]
+
+
+def test_selection_drops_schema_files_written_after_the_cut() -> None:
+    files = ["metadata", "offsets/2", "commits/2", "offsets/3", "state/0/_stateSchema/default/0_a",
+             "state/0/_stateSchema/default/3_b", "state/0/0/3.delta", "state/0/0/4.delta",
+             *[f"state/0/0/{v}.delta" for v in (1, 2)]]
+    assert select_checkpoint_files(files, 2, no_zips) == [
+        "commits/2", "metadata", "offsets/2", "state/0/0/1.delta", "state/0/0/2.delta", "state/0/0/3.delta",
+        "state/0/_stateSchema/default/0_a"]
+
+
+def test_restorable_checkpoints_pass_the_check() -> None:
+    files = ["metadata", "offsets/3", "offsets/4", "commits/3", "commits/4", "sources/0/0",
+             "state/0/_metadata/metadata", "state/0/0/_metadata/schema", "state/0/0/5.snapshot",
+             *[f"state/0/1/{v}.delta" for v in range(1, 6)], "state/0/2/3.zip", "state/0/2/4.changelog",
+             "state/0/2/5.changelog", "state/0/3/5.zip"]
+    assert check_restorable(files) == []
+    assert check_restorable(["metadata"]) == []  # a cut before any batch: Spark starts at batch 0
+    assert check_restorable(["metadata", "offsets/0", "commits/0", "state/0/0/1.delta"]) == []
+
+
+@pytest.mark.parametrize(("files", "problem"), [
+    (["metadata", *BATCH_0_RUNNING[3:]], "no committed batch"),
+    (["offsets/0", "commits/0"], "no 'metadata'"),
+    (["metadata", "offsets/4", "commits/4"], "offsets/3 is missing"),
+    (["metadata", "offsets/3", "commits/3", "commits/4"], "offsets/4 is missing"),
+    (["metadata", "offsets/0", "commits/0", "offsets/1"], "after the committed batch 0: offsets/1"),
+    (["metadata", "offsets/0", "offsets/1", "commits/1", "state/0/0/2.delta"],
+     "no delta or changelog for version(s) 1"),
+    (["metadata", "offsets/0", "offsets/1", "commits/1", "state/0/0/1.zip"], "no file for version(s) 2"),
+    (["metadata", "offsets/0", "commits/0", "state/0/0/1.delta", "state/0/0/2.delta"], "later versions (2)"),
+])
+def test_unrestorable_checkpoints_are_named(files: list[str], problem: str) -> None:
+    problems = check_restorable(files)
+    assert any(problem in p for p in problems), problems
+
+
+def test_every_selection_is_restorable() -> None:
+    """Whatever batch a cut falls on, the files selected from a checkpoint Spark wrote pass the check."""
+    deltas = [f"state/0/{p}/{v}.delta" for p in range(2) for v in range(1, 9)]
+    written = ["metadata", *[f"offsets/{b}" for b in range(8)], *[f"commits/{b}" for b in range(7)],
+               "state/0/_metadata/metadata", "state/0/0/_metadata/schema", "state/0/0/4.snapshot", *deltas]
+    for cut in range(-1, 7):
+        selected = select_checkpoint_files(written, cut, no_zips)
+        assert check_restorable(selected) == [], (cut, selected)
 
 
 def test_selection_changelog_checkpointing() -> None:
@@ -233,6 +299,48 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
     first_half = Collect()
     first_half.batches = {b: r for b, r in straight.batches.items() if b <= 2}
     assert first_half.totals(resumed) == expected
+
+
+@pytest.mark.spark
+def test_cut_before_batch_0_restores_to_an_empty_state_spark_accepts(spark: Any, store: Any, pipeline: str,
+                                                                      tmp_path: Path) -> None:
+    """Issue 30, finding 1: a barrier that reaches a stateful stage while its batch 0 runs cuts at batch -1; the
+    snapshot must hold none of the state files batch 0 (and later ones) wrote, or Spark refuses the restored
+    checkpoint (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY) and the epoch blocks every later restore."""
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    ckpt = snaps.layout.checkpoint("agg")
+    run_aggregation(spark, tmp_path / ckpt, "hdfs", total=400, per_batch=200)
+    assert list((tmp_path / ckpt / "state").rglob("schema")), "the premise: batch 0 wrote state metadata"
+    epoch = new_epoch(store, pipeline)
+    result = snaps.capture("agg", epoch, ckpt, -1)
+    assert [e.rel_path for e in result.entries] == ["metadata"]
+    complete(store, pipeline, epoch, result)
+    snaps.commit_restore(snaps.prepare_restore("agg", epoch))
+    resumed = run_aggregation(spark, tmp_path / snaps.layout.checkpoint("agg"), "hdfs", total=400, per_batch=200)
+    assert min(resumed.batches) == 0
+    assert resumed.totals() == expected_totals(1, 400)
+
+
+def test_epoch_recorded_with_an_unrestorable_snapshot_is_refused_before_anything_changes(
+        store: Any, pipeline: str, tmp_path: Path) -> None:
+    """An epoch that completed before the check (its snapshot holds batch 0's state metadata and no batch) is
+    refused by name before a file is copied, and the live checkpoint stays as it was."""
+    from airflow_arroyo.exceptions import UnrestorableEpochError
+    from airflow_arroyo.store import SnapshotEntry
+
+    snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pipeline, store)
+    epoch = new_epoch(store, pipeline)
+    entries = [SnapshotEntry(rel, f"sha256/{i:02x}/{i:064x}", 10) for i, rel in enumerate(
+        ["metadata", "state/0/_metadata/metadata", "state/0/0/left-keyToNumValues/_metadata/schema"])]
+    store.record_snapshot(pipeline, epoch, "agg", entries)
+    store.ack_epoch(pipeline, epoch, "agg", bytes_new=30, bytes_total=30)
+    before = snaps.layout.checkpoint("agg")
+    with pytest.raises(UnrestorableEpochError, match=f"epoch {epoch} cannot be restored.*no committed batch") as info:
+        snaps.prepare_restore("agg", epoch)
+    assert info.value.stage == "agg" and info.value.epoch == epoch
+    assert snaps.layout.checkpoint("agg") == before
+    assert not list(tmp_path.rglob("metadata")), "nothing was rebuilt"
 
 
 @pytest.mark.spark
