@@ -50,6 +50,7 @@ __all__ = [
     "restart_pending",
     "restart_run_id",
     "strategy_text",
+    "unrestorable_latest",
 ]
 
 #: Longest backoff any strategy may ask for (a week): beyond it, give up instead.
@@ -306,6 +307,14 @@ def decide_restart(strategy: RestartStrategy, failures: Sequence[PastFailure], n
     if stop_requested:
         return RestartDecision(False, 0.0, "a stop was requested: a run that fails while stopping is not restarted")
     return strategy.decide(failures, now, lineage)
+
+
+def unrestorable_latest(epoch: int, reason: str) -> RestartDecision:
+    """The decision when the latest completed epoch, which a restart restores, was proved unrestorable: give
+    up, whatever the strategy says (every restart would fail the same way), naming the epoch and the way out."""
+    return RestartDecision(False, 0.0, (
+        f"not restarted: the latest completed epoch {epoch}, which a restart restores, cannot be restored "
+        f"({reason}); restore an earlier epoch with restore_from=<n> (airflow-arroyo epochs lists them)"))
 
 
 def restart_run_id(lineage: str, attempt: int) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError
+from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnrestorableEpochError
 
 __all__ = [
     "FINAL_EPOCH_ATTEMPTS",
@@ -60,6 +60,7 @@ class EpochFacts:
     epoch: int
     state: EpochState
     stages: tuple[str, ...]
+    unrestorable: str | None = None  # why a restore proved it can never be restored
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
     * ``'latest'`` — the latest completed epoch; with none (or an unknown pipeline), a start over;
     * ``N`` — epoch ``N``, which must exist and be ``completed``.
 
-    The epoch restored must hold a snapshot of every stage of the graph.
+    The epoch restored must hold a snapshot of every stage of the graph, and no earlier restore may have proved
+    it unrestorable (:class:`UnrestorableEpochError`: trying again would fail the same way).
     """
     pid, rf = facts.pipeline_id, facts.requested
     if rf is None:
@@ -128,6 +130,12 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
         raise ConfigurationError(f"{UnknownEpochError(pid, rf)}; {_PICK_COMPLETED}")
     elif epoch.state is not EpochState.COMPLETED:
         raise ConfigurationError(f"epoch {rf} of pipeline {pid!r} is {epoch.state}, not completed; {_PICK_COMPLETED}")
+    if epoch.unrestorable is not None:
+        raise UnrestorableEpochError(
+            f"epoch {epoch.epoch} of pipeline {pid!r} cannot be restored (found by an earlier restore, which "
+            f"changed nothing: {epoch.unrestorable}); restore an earlier completed epoch with restore_from=<n> "
+            "(airflow-arroyo epochs lists them), or start over in a new storage folder",
+            epoch=epoch.epoch, stage="", problems=(epoch.unrestorable,))
     missing = sorted(set(facts.stages) - set(epoch.stages))
     if missing:
         raise ConfigurationError(

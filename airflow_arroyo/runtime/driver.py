@@ -54,6 +54,7 @@ from airflow_arroyo.exceptions import (
     StageBuildError,
     UnknownEpochError,
     UnknownPipelineError,
+    UnrestorableEpochError,
 )
 from airflow_arroyo.jvm import SocketPathPruner, master_conf
 from airflow_arroyo.runtime.channel import Channel
@@ -368,7 +369,8 @@ class PipelineDriver:
                 record = self.store.get_epoch(self.pipeline_id, rf)
             except UnknownEpochError:  # bad input, not a store failure: plan_restore refuses it (exit 2)
                 record = None
-        epoch = None if record is None else EpochFacts(record.epoch, record.state, tuple(record.stages))
+        epoch = None if record is None else EpochFacts(record.epoch, record.state, tuple(record.stages),
+                                                       record.unrestorable)
         return replace(facts, pipeline_known=True, epoch=epoch)
 
     def _register(self) -> None:
@@ -505,6 +507,12 @@ class PipelineDriver:
                 prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source))
                 self._step(f"prepared:{s.name}")
             commit()
+        except UnrestorableEpochError as exc:
+            self.snapshots.discard(prepared)
+            if source is None:  # a fork point is the source pipeline's epoch, not this run's to mark
+                why = f"its snapshot of stage {exc.stage!r}: {'; '.join(exc.problems)}" if exc.problems else str(exc)
+                self.store.mark_unrestorable(self.pipeline_id, epoch, why, token=self.token)
+            raise
         except BaseException:
             self.snapshots.discard(prepared)
             raise

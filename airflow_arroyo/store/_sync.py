@@ -72,7 +72,7 @@ from airflow_arroyo.store.records import (
     epoch_columns,
     from_row,
 )
-from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of
+from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of, unrestorable_latest
 
 _SUPERVISING = (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.value)
 
@@ -119,7 +119,7 @@ _START_EPOCHS = Prepared(
     f" ins AS (INSERT INTO arroyo_epochs ({_EPOCH_COLS})"
     "   SELECT s.pipeline_id, s.epoch, 'triggered', p.run_id, p.stages, s.is_final, s.triggered_by,"
     "   clock_timestamp(), clock_timestamp() + make_interval(secs => s.timeout_s),"
-    "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL, NULL, NULL"
+    "   NULL, NULL, NULL, NULL, NULL, NULL, s.self_contained, NULL, NULL, NULL, NULL"
     "   FROM s JOIN arroyo_pipelines p ON p.pipeline_id = s.pipeline_id AND p.pipeline_id = ANY($1)"
     "   ORDER BY s.pipeline_id"
     f"   RETURNING {_EPOCH_COLS}),"
@@ -776,6 +776,21 @@ class EpochStore:
         rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.COMPLETED])
         return rows[0] if rows else None
 
+    def mark_unrestorable(self, pipeline_id: str, epoch: int, reason: str, *,
+                          token: FencingToken | None = None) -> None:
+        """Record that a restore proved ``epoch`` can never be restored, and why (the first reason stays).
+        Its state is not changed: it stays what it was for retention; ``'latest'`` and supervision read it."""
+
+        def tx(cur: PgCursor) -> None:
+            self._check_token(cur, token, f"marking epoch {epoch} unrestorable")
+            cur.execute("UPDATE arroyo_epochs SET unrestorable = COALESCE(unrestorable, %s)"
+                        " WHERE pipeline_id = %s AND epoch = %s", (reason[:4000], pipeline_id, epoch))
+            if cur.rowcount == 0:
+                self._get_pipeline(cur, pipeline_id)
+                raise UnknownEpochError(pipeline_id, epoch, "to mark unrestorable")
+
+        self._tx(tx)
+
     @staticmethod
     def check_pin_label(label: object) -> str:
         """The pin label as stored (stripped); :class:`ConfigurationError` unless it is 1 to 200 characters."""
@@ -959,7 +974,13 @@ class EpochStore:
                 cur.execute("SELECT clock_timestamp() AS now")
                 now = _one(cur)["now"]
                 failures.append(PastFailure(now))
-                decision = decide(failures, now, bool(current["stop_requested"]))
+                cur.execute("SELECT epoch, unrestorable FROM arroyo_epochs WHERE pipeline_id = %s"
+                            " AND state = 'completed' ORDER BY epoch DESC LIMIT 1", (pipeline_id,))
+                latest = cur.fetchone()
+                if latest is not None and latest["unrestorable"] and not current["stop_requested"]:
+                    decision = unrestorable_latest(latest["epoch"], latest["unrestorable"])
+                else:
+                    decision = decide(failures, now, bool(current["stop_requested"]))
                 cur.execute(
                     "INSERT INTO arroyo_restarts (pipeline_id, lineage, supervised_since, attempt, failed_run_id,"
                     " cause, failed_at, delay_s, gave_up, decision) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"

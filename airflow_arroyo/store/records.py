@@ -35,7 +35,7 @@ R = TypeVar("R")
 EPOCH_COLUMNS = (
     "pipeline_id", "epoch", "state", "run_id", "stages", "is_final", "triggered_by", "triggered_at", "timeout_at",
     "ended_at", "failure_reason", "bytes_new", "bytes_total", "pruned_at", "bytes_freed", "self_contained",
-    "outcome", "pin_label", "pinned_at",
+    "outcome", "pin_label", "pinned_at", "unrestorable",
 )
 
 
@@ -156,6 +156,8 @@ class EpochRecord:
     # pinned (migration 0008): retention keeps it and what a restore of it needs; None when not pinned
     pin_label: str | None = None
     pinned_at: datetime | None = None
+    # why a restore proved it can never be restored (migration 0012); None: no restore found a problem
+    unrestorable: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", EpochState(self.state))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.supervision import (
@@ -180,6 +180,30 @@ def test_the_store_records_failures_once_and_restarts_of_a_lineage(store: EpochS
     with pytest.raises(ConcurrencyConflict, match="took it over"):
         store.record_failure("p", "L", "L.restart2", "late", decide)
     assert "took it over" in (store.claim_restart("p", "L", 2) or "")
+
+
+def test_a_supervisor_never_restarts_into_an_epoch_a_restore_proved_unrestorable(store: EpochStore) -> None:
+    """Issue 30: every restart restores the latest completed epoch; once a restore proved it unrestorable, a
+    restart would fail the same way for ever: the failure is recorded as given up, naming the epoch."""
+    store.register_pipeline("u", stages=["a"], run_id="L")
+    store.set_pipeline_state("u", PipelineState.RUNNING, run_id="L")
+    store.supervise("u", "L", FixedDelay(attempts=5).to_dict())
+    store.heartbeat("u", "L")
+    for _ in range(2):
+        epoch = store.trigger_tick("u", CheckpointPolicy(interval=1), force=True).started
+        assert epoch is not None
+        store.ack_epoch("u", epoch.epoch, "a")
+    decide = _always()
+    first = store.record_failure("u", "L", "L", "executor lost", decide)
+    assert (first.gave_up, len(decide.seen)) == (False, 1)  # restorable: the strategy decides
+    store.mark_unrestorable("u", epoch.epoch, "no committed batch")
+    store.mark_unrestorable("u", epoch.epoch, "a later reason")  # the first reason stays
+    assert store.get_epoch("u", epoch.epoch).unrestorable == "no committed batch"
+    second = store.record_failure("u", "L", "L.restart1", "restore failed", decide)
+    assert second.gave_up and len(decide.seen) == 1
+    assert f"latest completed epoch {epoch.epoch}" in (second.decision or "")
+    assert "no committed batch" in (second.decision or "") and "restore_from=<n>" in (second.decision or "")
+    assert store.get_pipeline("u").supervision == "gave_up"
 
 
 def test_a_lineage_supervised_again_counts_its_failures_afresh(store: EpochStore) -> None:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.exceptions import ConfigurationError, UnrestorableEpochError
 from airflow_arroyo.runtime.decisions import (
     FINAL_EPOCH_ATTEMPTS,
     EpochFacts,
@@ -89,6 +89,15 @@ def test_plan_restore_picks(facts: RestoreFacts, action: RestoreAction, epoch: i
 def test_plan_restore_refuses_naming_the_problem_and_the_fix(facts: RestoreFacts, needle: str) -> None:
     with pytest.raises(ConfigurationError, match=needle):
         plan_restore(facts)
+
+
+@pytest.mark.parametrize("requested", ["latest", 7])
+def test_plan_restore_refuses_an_epoch_a_restore_proved_unrestorable(requested: str | int) -> None:
+    facts = _facts(requested, epoch=replace(_epoch(7), unrestorable="no committed batch"))
+    with pytest.raises(UnrestorableEpochError, match=r"epoch 7 of pipeline 'orders' cannot be restored .*no "
+                                                     r"committed batch.*restore_from=<n>") as info:
+        plan_restore(facts)
+    assert info.value.epoch == 7
 
 
 restore_facts = st.builds(

@@ -25,7 +25,7 @@ import pytest
 from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_report
-from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError
+from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError, UnrestorableEpochError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.file_sink import committed_files, committed_through
@@ -350,6 +350,43 @@ def test_an_unreachable_snapshot_object_fails_the_restore_and_every_newer_epoch_
             driver_for(spark, module_store, pid, storage, restore_from=n, run_id=f"check-{n}",
                        on_step=fail_at(before[-1])).run()
     assert store_view(module_store, pid) == store_before
+
+
+def test_an_epoch_spark_would_refuse_is_marked_before_the_commit_point_and_then_refused_by_name(
+        ran: Ran, module_store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    """Issue 30, finding 1: an epoch recorded with a snapshot Spark cannot restart from (here: state files and
+    no committed batch, what a cut before batch 0 used to keep) fails its restore before the commit point,
+    changes nothing, and is recorded, so that the next restore of it is refused by name before registering."""
+    import psycopg2
+
+    storage, pid = copy_of(ran, tmp_path), ran.pipeline_id
+    target = completed_epochs(module_store, pid)[0]
+    store_before = store_view(module_store, pid)
+    with psycopg2.connect(module_store.dsn) as conn, conn.cursor() as cur:
+        cur.execute("DELETE FROM arroyo_epoch_objects WHERE pipeline_id = %s AND epoch = %s AND stage = %s"
+                    " AND (rel_path LIKE 'commits/%%' OR rel_path LIKE 'offsets/%%') RETURNING *",
+                    (pid, target, "joined"))
+        removed = cur.fetchall()
+    conn.close()
+    assert removed
+    files_before = file_tree(storage)
+    try:
+        with pytest.raises(UnrestorableEpochError, match=rf"epoch {target} cannot be restored: its snapshot of "
+                                                          "stage 'joined' .*no committed batch.*nothing was changed"):
+            driver_for(spark, module_store, pid, storage, restore_from=target, run_id="unrestorable").run()
+        assert file_tree(storage) == files_before
+        assert store_view(module_store, pid) == store_before
+        assert "no committed batch" in (module_store.get_epoch(pid, target).unrestorable or "")
+        with pytest.raises(UnrestorableEpochError, match=rf"epoch {target} of pipeline .* \(found by an earlier "
+                                                          r"restore, which changed nothing: its snapshot of stage "
+                                                          r"'joined': \d+ state file"):
+            driver_for(spark, module_store, pid, storage, restore_from=target, run_id="refused").run()
+        assert module_store.get_pipeline(pid).run_id == "unrestorable"  # refused before registering
+    finally:
+        with psycopg2.connect(module_store.dsn) as conn, conn.cursor() as cur:
+            cur.executemany("INSERT INTO arroyo_epoch_objects VALUES (%s, %s, %s, %s, %s)", removed)
+            cur.execute("UPDATE arroyo_epochs SET unrestorable = NULL WHERE pipeline_id = %s", (pid,))
+        conn.close()
 
 
 def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_store: EpochStore, spark: Any,
