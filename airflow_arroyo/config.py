@@ -148,6 +148,12 @@ def provider_config() -> dict[str, Any]:
     }
 
 
+def dags_folder() -> str:
+    """``[core] dags_folder``: Airflow's DAGs folder ('' when not set)."""
+    value = _conf().get("core", "dags_folder", fallback="")
+    return str(value or "")
+
+
 def default_deferrable() -> bool:
     """``[operators] default_deferrable``: Airflow's switch for the deferrable mode of operators."""
     return bool(_conf().getboolean("operators", "default_deferrable", fallback=False))

@@ -508,7 +508,27 @@ class SubmitPipelineOperator(BaseOperator):
         process_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), process_env.get("PATH", "")])
         process_env.update(plan.process_env)
         process_env.update({k: str(v) for k, v in (hook._env or {}).items()})
+        self._pipeline_module_path(target, process_env)
         return SubmitCommand(command, process_env, target.cluster_mode, hook, plan.secret_file)
+
+    def _pipeline_module_path(self, target: DeployTarget, process_env: dict[str, str]) -> None:
+        """Where the driver finds the pipeline module (docs/airflow.md, "Where a pipeline module lives"). On a
+        local master the driver and its executors run on this host, which has the DAGs folder: it goes on the
+        driver's ``PYTHONPATH`` (after the user's), as Airflow puts it on its own ``sys.path``. Elsewhere the
+        cluster has no DAGs folder: a module found only there is worth a warning before the driver fails."""
+        dags = os.path.expanduser(config.dags_folder())
+        if not dags:
+            return
+        if target.manager is ClusterManager.LOCAL:
+            process_env["PYTHONPATH"] = os.pathsep.join(filter(None, [process_env.get("PYTHONPATH"), dags]))
+            return
+        top = str(self.pipeline).partition(":")[0].split(".")[0]
+        if top and (Path(dags, f"{top}.py").is_file() or Path(dags, top).is_dir()) \
+                and not self.spark_submit_kwargs.get("py_files"):
+            self.log.warning(
+                "The pipeline module %r is in the DAGs folder (%s), which a %s master's driver and executors do "
+                "not have: ship it with spark_submit_kwargs={'py_files': ...} or install it on the cluster "
+                "(docs/airflow.md, 'Where a pipeline module lives')", top, dags, target.manager.value)
 
     def start_detached(self, command: list[str], env: Mapping[str, str], run_id: str) -> tuple[LocalProcess, Path]:
         """Start spark-submit in its own session so it outlives this task; output to a log file."""
@@ -658,10 +678,16 @@ class SubmitPipelineOperator(BaseOperator):
         submit = submit or ti.xcom_pull(task_ids=self.task_id, key="submit_process") or {}
         run_id = str(submit.get("run_id") or event.get("run_id"))
         if event.get("status") != "success":
-            self._stop_submitted(_store(self.conn_id), run_id, submit)
+            store = _store(self.conn_id)
+            self._stop_submitted(store, run_id, submit)
             if event.get("status") == "failed":
                 raise PipelineFailedError(self.pipeline_id, event.get("cause") or event.get("message"))
-            raise ArroyoError(f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}")
+            message = f"pipeline {self.pipeline_id!r} run {run_id!r} did not start: {event.get('message')}"
+            # the tasks waiting for this run fail now with this cause (the trigger records it already when the
+            # submission ended; a timeout is recorded here)
+            with contextlib.suppress(ArroyoError):
+                store.fail_run(self.pipeline_id, run_id, message, never_registered=True)
+            raise ArroyoError(message)
         # The driver reports its Spark UI before `running`; an older driver only with its first heartbeat:
         # read the record again rather than leave the "Spark UI" link empty.
         record = _store(self.conn_id).get_pipeline(self.pipeline_id)

@@ -1023,7 +1023,10 @@ def load_pipeline(ref: str, kwargs: dict[str, Any] | None = None) -> Pipeline:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r} for --pipeline {ref!r}: {exc}") from exc
+        raise ConfigurationError(_import_error(ref, module_name, exc)) from exc
+    except Exception as exc:  # the module's own code failed: say which module, not a traceback
+        raise ConfigurationError(f"importing module {module_name!r} (--pipeline {ref!r}) failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     target = getattr(module, attr, None)
     if target is None:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r} (--pipeline {ref!r})")
@@ -1031,6 +1034,28 @@ def load_pipeline(ref: str, kwargs: dict[str, Any] | None = None) -> Pipeline:
     if not isinstance(value, Pipeline):
         raise ConfigurationError(f"--pipeline {ref!r} gave a {type(value).__name__}, not a Pipeline")
     return value
+
+
+#: Where a pipeline module must be for the driver to import it (docs/airflow.md, "Where a pipeline module lives").
+PIPELINE_MODULE_HELP = (
+    "the driver imports it from its own Python path where it runs, and the executors import it to run its "
+    "functions: install it there as a package, ship it with spark-submit --py-files "
+    "(SubmitPipelineOperator(spark_submit_kwargs={'py_files': 'my_pipelines.zip'})), or, on a local master "
+    "only, keep it in the Airflow DAGs folder, which the submit operator puts on the driver's PYTHONPATH"
+)
+
+
+def _import_error(ref: str, module_name: str, exc: ImportError) -> str:
+    """One line saying which module could not be imported, where the driver looked and how a module gets there."""
+    missing = exc.name or ""
+    parts = module_name.split(".")
+    if missing and missing not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+        return (f"importing module {module_name!r} (--pipeline {ref!r}) failed: {exc} (a module it imports: "
+                f"install {missing.split('.')[0]!r} where the driver and executors run, or ship it with --py-files)")
+    path = [p for p in sys.path if p]
+    shown = ", ".join(path[:8]) + (f", ... ({len(path) - 8} more)" if len(path) > 8 else "")
+    return (f"cannot import module {module_name!r} (--pipeline {ref!r}): {exc}; {PIPELINE_MODULE_HELP}; "
+            f"the driver's sys.path: {shown}")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -459,6 +459,53 @@ class EpochStore:
                           params={"p": pipeline_id, "reason": reason}, returning="e.epoch")
         return int(rows[0]["epoch"]) if rows else None
 
+    def fail_run(self, pipeline_id: str, run_id: str, cause: str, *,
+                 never_registered: bool = False) -> PipelineRecord | None:
+        """Record that run ``run_id`` is gone without its driver saying so (its ``spark-submit`` exited, its
+        cluster application ended, its submit gave up on it): in one transaction under the pipeline's row
+        lock the run becomes ``failed`` with ``cause`` and its in-flight epoch ``failed``, so that nothing
+        waits for the epoch's timeout or for the heartbeat to go stale. Only while ``run_id`` is the
+        pipeline's current, live run. Returns the failed record, or None when there was nothing to fail (the
+        run ended already, or another run is current).
+
+        ``never_registered``: the submit of ``run_id`` failed before its driver registered it (say, a
+        pipeline module the driver cannot import). When the pipeline is unknown, or its current run is
+        another one that has ended, ``run_id`` becomes its current run, registered and failed with ``cause``
+        in this transaction (a new generation; the pipeline's stages, channels and storage are kept), so that
+        whoever waits for that run (the checkpoint controller, a sensor) learns it at once. A live other run
+        is left alone."""
+        cause = cause[:4000]
+
+        def tx(cur: PgCursor) -> PipelineRecord | None:
+            if never_registered:
+                cur.execute("INSERT INTO arroyo_pipelines (pipeline_id, state, run_id, heartbeat_at)"
+                            " VALUES (%s, 'registered', %s, NULL) ON CONFLICT (pipeline_id) DO NOTHING",
+                            (pipeline_id, run_id))
+            try:
+                current = self._lock_pipeline(cur, pipeline_id)
+            except UnknownPipelineError:
+                return None
+            state = PipelineState(current["state"])
+            if current["run_id"] != run_id:
+                if not (never_registered and state.terminal):
+                    return None
+                transition(cur, PipelineState.REGISTERED, where="p.pipeline_id = %(p)s",
+                           also="run_id = %(run)s, spark_app_id = NULL, spark_ui_url = NULL, heartbeat_at = NULL,"
+                                " restored_from_epoch = NULL, stop_requested = NULL, failure_cause = NULL,"
+                                " supervision = CASE WHEN %(same_lineage)s THEN p.supervision END,"
+                                " updated_at = now()",
+                           params={"p": pipeline_id, "run": run_id,
+                                   "same_lineage": is_run_of(run_id, current["supervised_run"])})
+            elif state.terminal:
+                return None
+            self._fail_in_flight(cur, pipeline_id, f"run {run_id} failed: {cause.splitlines()[0] if cause else ''}")
+            rows = transition(cur, PipelineState.FAILED, where="p.pipeline_id = %(p)s",
+                              also="failure_cause = %(cause)s, updated_at = now()",
+                              params={"p": pipeline_id, "cause": cause}, returning="p.*")
+            return from_row(PipelineRecord, rows[0]) if rows else None
+
+        return self._tx(tx)
+
     def set_pipeline_state(self, pipeline_id: str, target: PipelineState, *, run_id: str | None = None,
                            failure_cause: str | None = None) -> PipelineRecord:
         """Move the pipeline to ``target`` if the transition table allows it (and, given ``run_id``,

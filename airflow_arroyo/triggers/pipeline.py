@@ -61,6 +61,7 @@ __all__ = [
     "PipelineStateTrigger",
     "WaitVerdict",
     "Verdict",
+    "driver_error",
     "evaluate_wait",
     "log_tail",
     "normalize_target",
@@ -269,6 +270,13 @@ def _all_pids() -> list[int]:
         return [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except FileNotFoundError:
         return []
+
+
+def driver_error(log_text: str) -> str | None:
+    """The runtime driver's own error in (the tail of) its log: the last line it printed as ``error: ...``
+    before exiting (``airflow_arroyo.runtime.driver.main``), without the prefix; None when there is none."""
+    errors = [line[len("error: "):].strip() for line in log_text.splitlines() if line.startswith("error: ")]
+    return errors[-1] if errors else None
 
 
 def log_tail(path: str | None, lines: int = 30) -> str:
@@ -511,17 +519,20 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
                 verdict, pipeline, latest = await self.look(store)
                 if verdict.verdict is Verdict.WAIT:
                     tail = log_tail(self.submit_log)
-                    msg = (f"spark-submit (pid {self.submit_pid}) exited before pipeline {self.pipeline_id!r} "
-                           f"reached {self.target_description} ({verdict.message}); see {self.submit_log}")
+                    error = driver_error(tail)
+                    msg = (f"{error} (" if error else "") + (
+                        f"spark-submit (pid {self.submit_pid}) exited before pipeline {self.pipeline_id!r} "
+                        f"reached {self.target_description} ({verdict.message}); see {self.submit_log}")
+                    msg += ")" if error else ""
                     if tail:
                         msg += f"; its last lines:\n{tail}"
-                    verdict = WaitVerdict(Verdict.UNREACHABLE, msg)
+                    verdict, pipeline = await self._submission_ended(store, msg, pipeline)
             if verdict.verdict is Verdict.WAIT and (ended := await self.cluster_app_ended()) is not None:
                 verdict, pipeline, latest = await self.look(store)
                 if verdict.verdict is Verdict.WAIT:
-                    verdict = WaitVerdict(Verdict.UNREACHABLE, (
+                    verdict, pipeline = await self._submission_ended(store, (
                         f"the application of pipeline {self.pipeline_id!r} ended before it reached "
-                        f"{self.target_description}: {ended}; see the driver's log on the cluster"))
+                        f"{self.target_description}: {ended}; see the driver's log on the cluster"), pipeline)
             if verdict.verdict is not Verdict.WAIT:
                 self.log.info("Pipeline %s: %s", self.pipeline_id, verdict.message)
                 return self._event(verdict.verdict.value, verdict.message, pipeline, latest, verdict.cause)
@@ -534,6 +545,23 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
                        f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
                 return self._event("timeout", msg, pipeline, latest)
             await asyncio.sleep(self.poll_interval)
+
+    async def _submission_ended(self, store: AsyncEpochStore, message: str,
+                                pipeline: PipelineRecord | None) -> tuple[WaitVerdict, PipelineRecord | None]:
+        """The submission this trigger watches ended before its run reached the target: record the run
+        failed with ``message`` at once (:meth:`~airflow_arroyo.store.EpochStore.fail_run`; a run that never
+        registered too), so that the other tasks waiting for it (the checkpoint controller, sensors) fail
+        now with the same cause instead of waiting for their registration timeout."""
+        if self.run_id is not None:
+            try:
+                recorded = await asyncio.to_thread(store.sync.fail_run, self.pipeline_id, self.run_id, message,
+                                                   never_registered=True)
+            except ArroyoError as exc:
+                self.log.warning("Pipeline %s: could not record the failure of run %s: %s", self.pipeline_id,
+                                 self.run_id, exc)
+            else:
+                pipeline = recorded or pipeline
+        return WaitVerdict(Verdict.UNREACHABLE, message), pipeline
 
     async def on_kill(self) -> None:
         """The user killed the deferred task: stop what the task started (only with ``stop_on_kill``)."""
