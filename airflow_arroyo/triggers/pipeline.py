@@ -356,6 +356,42 @@ class WatchesSubmission:
             return False
         return proc.alive() is False
 
+    async def sleep_watching(self, seconds: float) -> None:
+        """Sleep ``seconds``, but wake as soon as the local spark-submit exits: its exit is seen at once, not at
+        the next poll. Linux only (a pidfd in the event loop); a plain sleep where it cannot be watched (another
+        host, a cluster deploy mode's spark-submit that exits by design, no pidfd, a loop without readers)."""
+        proc = self.process
+        fd: int | None = None
+        if proc is not None and not self.submit_exits and proc.on_this_host and hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                fd = os.pidfd_open(proc.pid)
+        if fd is None or proc is None:
+            await asyncio.sleep(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            if proc.alive() is False:  # gone already, or the pid is another process's now
+                return
+            exited: asyncio.Future[None] = loop.create_future()
+
+            def on_exit() -> None:
+                if not exited.done():
+                    exited.set_result(None)
+
+            try:
+                loop.add_reader(fd, on_exit)
+            except (NotImplementedError, OSError):
+                await asyncio.sleep(seconds)
+                return
+            try:
+                await asyncio.wait_for(exited, seconds)
+            except TimeoutError:
+                pass
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+
     async def cluster_app_ended(self) -> str | None:
         """What the cluster manager says once the application has ended; None while it runs, when it
         cannot be told, or when it was asked less than ``cluster_poll_interval`` seconds ago."""
@@ -544,7 +580,7 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
                 msg = (f"pipeline {self.pipeline_id!r} did not reach {self.target_description} by "
                        f"{datetime.fromtimestamp(self.deadline).isoformat(timespec='seconds')} ({verdict.message})")
                 return self._event("timeout", msg, pipeline, latest)
-            await asyncio.sleep(self.poll_interval)
+            await self.sleep_watching(self.poll_interval)
 
     async def _submission_ended(self, store: AsyncEpochStore, message: str,
                                 pipeline: PipelineRecord | None) -> tuple[WaitVerdict, PipelineRecord | None]:

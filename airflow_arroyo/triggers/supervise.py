@@ -13,7 +13,9 @@ each restart it submits). No worker slot is held meanwhile. It looks at the epoc
   ``heartbeat_timeout``; the local ``spark-submit`` exited; the cluster manager says the application
   ended; or a restarted run did not reach ``running`` by ``start_deadline``), the failure was recorded
   (``arroyo_restarts``) and the strategy's delay has passed: the operator resubmits, restoring the
-  latest completed epoch, and defers here again.
+  latest completed epoch, and defers here again. A run whose spark-submit or cluster application ended
+  is marked ``failed`` with its in-flight epoch at once (its exit wakes the trigger: a pidfd, on Linux),
+  so that nothing waits for its heartbeat to go stale or for the epoch's timeout.
 * ``gave_up``: the strategy gave up on the failure; ``cause`` is the last failure's: the task fails.
 * ``cancelled``: the run failed while a stop was requested, or a stop came during the backoff: no
   restart; the task succeeds (the stop is honoured).
@@ -166,7 +168,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
                 event = None
             if event is not None:
                 return event
-            await asyncio.sleep(self.poll_interval)
+            await self.sleep_watching(self.poll_interval)
 
     async def _look(self, store: AsyncEpochStore) -> TriggerEvent | None:
         """One look: the final event, or None while the run is up (or starting in time)."""
@@ -208,16 +210,28 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
             if again.run_id == self.run_id and again.state is PipelineState.STOPPED:
                 return None
             tail = log_tail(self.submit_log, 15)
-            return (f"spark-submit of run {self.run_id} (pid {self.submit_pid}) exited while the run was "
-                    f"{again.state if again.run_id == self.run_id else 'not registered'}; see {self.submit_log}"
-                    + (f"; its last lines:\n{tail}" if tail else ""))
+            return await self._dead(store, (
+                f"spark-submit of run {self.run_id} (pid {self.submit_pid}) exited while the run was "
+                f"{again.state if again.run_id == self.run_id else 'not registered'}; see {self.submit_log}"
+                + (f"; its last lines:\n{tail}" if tail else "")))
         if (ended := await self.cluster_app_ended()) is not None:
             again = await store.get_pipeline(self.pipeline_id)
             if not (again.run_id == self.run_id and again.state is PipelineState.STOPPED):
-                return f"the cluster application of run {self.run_id} ended: {ended}"
+                return await self._dead(store, f"the cluster application of run {self.run_id} ended: {ended}")
         if self.start_deadline is not None and time.time() > self.start_deadline:
             return f"run {self.run_id} did not reach running in time (the submit's register_timeout)"
         return None
+
+    async def _dead(self, store: AsyncEpochStore, cause: str) -> str:
+        """The run's driver is gone (its spark-submit exited, its cluster application ended): declare the run
+        failed and fail its in-flight epoch now, in one transaction (:meth:`~airflow_arroyo.store.EpochStore.fail_run`),
+        instead of leaving it ``running`` until its heartbeat goes stale and the epoch until its timeout. The
+        supervision still watches, so whoever waits for the run waits for its restart. Returns ``cause``."""
+        failed = await asyncio.to_thread(store.sync.fail_run, self.pipeline_id, self.run_id, f"supervisor: {cause}")
+        if failed is not None:
+            self.log.warning("Pipeline %s run %s: its driver is gone; recorded it failed", self.pipeline_id,
+                             self.run_id)
+        return cause
 
     async def _decide(self, store: AsyncEpochStore, cause: str) -> TriggerEvent:
         try:

@@ -8,6 +8,7 @@ from ``ARROYO_DSN``. Behaviour knobs (environment):
 * ``FAKE_EXIT_BEFORE_REGISTER=msg``: print msg and exit 3 before registering.
 * ``FAKE_EPOCH_INTERVAL=s``: trigger an epoch every s seconds itself (as the checkpoint trigger
   would) and acknowledge it from every stage.
+* ``FAKE_HOLD_EPOCHS=1``: never acknowledge an epoch (one started stays in flight, as in a slow snapshot).
 * ``FAKE_FAIL_AFTER_EPOCHS=n``: after n completed epochs, mark the pipeline failed
   (cause ``FAKE_FAIL_CAUSE``) and exit 1.
 * ``FAKE_SINK_URI=uri``: record a commit of a file sink ``sink`` at that URI for every completed
@@ -65,7 +66,7 @@ def main() -> int:
         if pipe.run_id != args.run_id:
             return 2
         in_flight = store.in_flight_epoch(pipeline_id)
-        if in_flight is not None:
+        if in_flight is not None and not os.environ.get("FAKE_HOLD_EPOCHS"):
             for stage in STAGES:
                 store.ack_epoch(pipeline_id, in_flight.epoch, stage, cursors={}, bytes_new=10, bytes_total=100)
             _commit_sink(store, pipeline_id, in_flight.epoch, args.run_id)
