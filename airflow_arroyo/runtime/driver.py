@@ -927,47 +927,109 @@ class PipelineDriver:
                             list(self._epochs_seen), cause)
 
 
+#: The longest failure cause the store keeps (its columns' cut).
+CAUSE_LIMIT = 4000
+
 # A Python exception line ("KeyError: 'x'", "pyspark.errors.exceptions.captured.AnalysisException: ...") at the start
 # of a line, as Python prints it at the end of a traceback; Java's own ("org.apache...", "Caused by: ...") do not count.
 _PY_ERROR_LINE = re.compile(
     r"^(?!(?:org|java|javax|scala|py4j)\.)[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)(?::|$)")
 _PY_FRAME_LINE = re.compile(r'^\s*File "[^"]+", line \d+, in ')
+# A frame of py4j's or pyspark's own Python code: the plumbing between Spark and the user's function.
+_LIBRARY_FRAME_LINE = re.compile(r'^\s*File "[^"]*[/\\](?:py4j|pyspark)[/\\][^"]*", line \d+, in ')
+# A Spark error class opening a message ("[MALFORMED_RECORD_IN_PARSING.WITHOUT_SUGGESTION] Malformed ..."), at the
+# start of a line or after the exception's type ("Caused by: org.apache.spark.SparkException: [...] ...").
+_ERROR_CLASS = re.compile(r"(?:^|^(?:Caused by: )?[\w.$]+: |^: [\w.$]+: )(\[[A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*\] .*)")
+# Where a message's continuation lines end: the next exception in the chain, a frame, the query's report.
+_MESSAGE_END = re.compile(r"^(?:Caused by: |\s*File \"|=== |Traceback |\s*$|[\w.$]+(?:Error|Exception)\b)")
+_LEAD_LIMIT = 2000
 
 
 def _cause(exc: BaseException) -> str:
-    """A failure cause for the store and the log, the user's error first.
+    """A failure cause for the store and the log, the user's error first, at most :data:`CAUSE_LIMIT` long.
 
-    Spark reports a Python error of a stage (a UDF, the ``foreachBatch`` writer, a data source) inside
-    long Java and py4j traces: the last Python exception line of the message, and the frame that raised
-    it, lead; the message follows without Java stack frames. An exception of our own keeps its message;
-    any other keeps its type and traceback.
+    Spark reports a user's error in a stage (a UDF's, the ``foreachBatch`` writer's, a Spark error such as a
+    malformed record under ``FAILFAST``) inside long Java and py4j traces: the user's error leads, then the
+    trace without Java stack frames and py4j's own frames (:func:`_user_error_first`). An exception of our own
+    keeps its message; any other keeps its type and traceback.
     """
     if isinstance(exc, ArroyoError):
-        return str(exc)[:4000]
+        return str(exc)[:CAUSE_LIMIT]
     text = str(exc).strip()
     if type(exc).__module__.startswith(("pyspark.", "py4j.")):
-        return _user_error_first(text or type(exc).__name__)[:4000]
+        return _user_error_first(text or type(exc).__name__)
     trace = "".join(traceback.format_exception(exc)).rstrip()
     head = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return f"{head}\n{trace[-3500:]}"
+    return _fit(head[:_LEAD_LIMIT], trace.splitlines(), from_end=True)
 
 
 def _user_error_first(text: str) -> str:
-    r"""``text`` (a Spark error message) led by the Python error it carries, if any: that error's line, then
-    the frame that raised it, then the whole message without Java stack frames (``\tat ...``)."""
+    r"""``text`` (a Spark error message) led by the user's error it carries, at most :data:`CAUSE_LIMIT` long.
+
+    The user's error is the last Python exception line, with the frame that raised it (a UDF's or the
+    ``foreachBatch`` writer's error), or else the deepest Spark error class and its whole message (a Spark error
+    from inside the writer's batch reaches us as py4j's ``Py4JJavaError`` wrapping it). The message follows
+    without Java stack frames (``	at ...``) and py4j's and pyspark's own Python frames; where it is too long,
+    its end is cut, never the lead."""
     main, sep, query = text.partition("=== Streaming Query ===")
     lines = [ln for ln in main.rstrip().splitlines() if not ln.startswith(("\tat ", "\t... "))]
+    body = _trim_library_frames(lines) + ([sep, *query.strip("\n").splitlines()] if sep else [])
     hits = [i for i, ln in enumerate(lines) if _PY_ERROR_LINE.match(ln)]
-    if not hits:
-        return "\n".join(lines) + (f"\n{sep}{query}" if sep else "")
-    last = hits[-1]
-    lead = [lines[last].strip()]
-    frames = [i for i in range(last) if _PY_FRAME_LINE.match(lines[i])]
-    if frames:
-        at = lines[frames[-1]].strip()
-        code = lines[frames[-1] + 1].strip() if frames[-1] + 1 < last else ""
-        lead.append(f"  raised at {at}" + (f": {code}" if code and not code.startswith("^") else ""))
-    return "\n".join([*lead, "", "Spark's message:", *lines]) + (f"\n{sep}{query}" if sep else "")
+    if hits:
+        last = hits[-1]
+        lead = [lines[last].strip()]
+        frames = [i for i in range(last) if _PY_FRAME_LINE.match(lines[i])]
+        if frames:
+            at = lines[frames[-1]].strip()
+            code = lines[frames[-1] + 1].strip() if frames[-1] + 1 < last else ""
+            lead.append(f"  raised at {at}" + (f": {code}" if code and not code.startswith("^") else ""))
+        return _fit("\n".join(lead), ["", "Spark's message:", *body])
+    classes = [(i, m.group(1)) for i, ln in enumerate(lines) if (m := _ERROR_CLASS.match(ln))]
+    if not classes:
+        return _fit("", body)
+    first, message = classes[-1]
+    more: list[str] = []
+    for ln in lines[first + 1:]:
+        if _MESSAGE_END.match(ln):
+            break
+        more.append(ln)
+    return _fit("\n".join([message, *more])[:_LEAD_LIMIT], ["", "Spark's message:", *body])
+
+
+def _trim_library_frames(lines: list[str]) -> list[str]:
+    """``lines`` without py4j's and pyspark's own traceback frames (a frame's line and its code) and without
+    Python's ``^^^`` markers."""
+    kept: list[str] = []
+    skipping = False
+    for ln in lines:
+        if _PY_FRAME_LINE.match(ln):
+            skipping = bool(_LIBRARY_FRAME_LINE.match(ln))
+            if not skipping:
+                kept.append(ln)
+            continue
+        if skipping and ln.startswith("    "):
+            continue
+        skipping = False
+        if ln.strip() and not ln.strip().strip("^~"):
+            continue
+        kept.append(ln)
+    return kept
+
+
+def _fit(lead: str, rest: list[str], *, from_end: bool = False) -> str:
+    """``lead`` then as much of ``rest``'s lines as :data:`CAUSE_LIMIT` leaves room for: their start, marked as
+    cut, or with ``from_end`` their end (a Python traceback ends with the frame that raised)."""
+    text = "\n".join([lead, *rest]) if lead else "\n".join(rest)
+    if len(text) <= CAUSE_LIMIT:
+        return text
+    marker = "... (cut)"
+    room = CAUSE_LIMIT - len(lead) - len(marker) - 2
+    if room <= 0:
+        return lead[:CAUSE_LIMIT]
+    tail = "\n".join(rest)
+    if from_end:
+        return f"{lead}\n{marker}\n{tail[-room:]}"
+    return f"{lead}\n{tail[:room]}\n{marker}" if lead else f"{tail[:room]}\n{marker}"
 
 
 def check_registrable(store: EpochStore, pipeline_id: str, *, takeover: bool = False,

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConcurrencyConflict, SchemaMissingError, StageBuildError
-from airflow_arroyo.runtime.driver import PipelineDriver, _user_error_first, check_registrable
+from airflow_arroyo.exceptions import ConcurrencyConflict, PipelineFailedError, SchemaMissingError, StageBuildError
+from airflow_arroyo.runtime.driver import CAUSE_LIMIT, PipelineDriver, _user_error_first, check_registrable
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import generator_source
@@ -54,6 +54,57 @@ Caused by: py4j.Py4JException: An exception was raised by the Python Proxy.
 Identifier: [id = 10c3ba17]
 '''
 
+# What Spark 4.2 reports when a fused source stage (a JSON file source under FAILFAST, a Parquet sink) reads a
+# malformed record: the foreachBatch proxy's Python traceback, py4j's Java error, then the Spark error classes.
+MALFORMED_RECORD_MESSAGE = '''\
+An exception was raised by the Python Proxy. Return Message: Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/py4j/clientserver.py", line 644, in _call_proxy
+    return_value = getattr(self.pool[obj_id], method)(*params)
+                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/pyspark/sql/utils.py", line 166, in call
+    raise e
+  File "/venv/lib/python3.11/site-packages/pyspark/sql/utils.py", line 163, in call
+    self.func(DataFrame(jdf, wrapped_session_jdf), batch_id)
+  File "/srv/app/airflow_arroyo/runtime/stage.py", line 318, in _foreach_batch
+    self._write(df, batch_id)
+  File "/srv/app/airflow_arroyo/runtime/stage.py", line 340, in _write
+    self.sink.write_batch(df, batch_id)  # pre-commit; the driver commits it with its epoch
+    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/srv/app/airflow_arroyo/runtime/file_sink.py", line 208, in write_batch
+    observed.write.format(self.format).options(**self.options).mode("overwrite").save(target)
+  File "/venv/lib/python3.11/site-packages/pyspark/sql/readwriter.py", line 1835, in save
+    self._jwrite.save(path)
+  File "/venv/lib/python3.11/site-packages/py4j/java_gateway.py", line 1362, in __call__
+    return_value = get_return_value(
+                   ^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/pyspark/errors/exceptions/captured.py", line 251, in deco
+    return f(*a, **kw)
+           ^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/py4j/protocol.py", line 327, in get_return_value
+    raise Py4JJavaError(
+py4j.protocol.Py4JJavaError: An error occurred while calling o104.save.
+: org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file file:///data/in/a.json.  SQLSTATE: KD001
+\tat org.apache.spark.sql.errors.QueryExecutionErrors$.cannotReadFilesError(QueryExecutionErrors.scala:856)
+\tat org.apache.spark.sql.execution.datasources.FileScanRDD$$anon$1.nextIterator(FileScanRDD.scala:142)
+Caused by: org.apache.spark.SparkException: [MALFORMED_RECORD_IN_PARSING.WITHOUT_SUGGESTION] Malformed records are detected in record parsing: [null,null].
+Parse Mode: FAILFAST. To process malformed records as null result, try setting the option 'mode' as 'PERMISSIVE'.  SQLSTATE: 22023
+Caused by: com.fasterxml.jackson.core.JsonParseException: Unrecognized token 'oops': was expecting (JSON String, Number (or 'NaN'/'+INF'/'-INF'), Array, Object or token 'null', 'true' or 'false')
+ at [Source: UNKNOWN; line: 1, column: 19]
+\tat com.fasterxml.jackson.core.JsonParser._constructError(JsonParser.java:2567)
+\t... 32 more
+=== Streaming Query ===
+Identifier: orders-pipeline.orders~out [id = 5c36e3a7-a72e-4d79-aeb8-a6d4d6eac206, runId = 70362376-6782-4e14-8f00-b2e8c3d4da65]
+Current Committed Offsets: {}
+Current Available Offsets: {FileStreamSource[file:/data/in]: {"logOffset":0}}
+
+Current State: ACTIVE
+Thread State: RUNNABLE
+
+Logical Plan:
+~WriteToMicroBatchDataSourceV1 ForeachBatchSink, 5c36e3a7-a72e-4d79-aeb8-a6d4d6eac206, [queryName=orders-pipeline.orders~out, checkpointLocation=file:///data/storage/orders-pipeline/stages/orders~out/checkpoint], Append
++- ~StreamingExecutionRelation FileStreamSource[file:/data/in], [id#2L, paid#3], name=<Unassigned>
+'''  # noqa: E501 - Spark's lines as captured
+
 
 @pytest.mark.parametrize(("message", "lead"), [
     (FOREACH_BATCH_MESSAGE,
@@ -74,6 +125,26 @@ def test_spark_causes_lead_with_the_users_python_error(message: str, lead: list[
 def test_a_java_only_message_is_kept_as_it_is_without_stack_frames() -> None:
     text = "org.apache.spark.SparkException: Job aborted\n\tat org.apache.spark.Foo.bar(Foo.scala:1)\nCaused by: x"
     assert _user_error_first(text) == "org.apache.spark.SparkException: Job aborted\nCaused by: x"
+
+
+def test_a_spark_error_class_leads_a_cause_before_the_proxys_traceback() -> None:
+    """Issue 30, finding 2: the deepest Spark error class and its whole message lead; py4j's and pyspark's own
+    frames are trimmed; a long message is cut in its trace, never in the user's error."""
+    cause = _user_error_first(MALFORMED_RECORD_MESSAGE)
+    assert cause.splitlines()[:2] == [
+        "[MALFORMED_RECORD_IN_PARSING.WITHOUT_SUGGESTION] Malformed records are detected in record parsing: "
+        "[null,null].",
+        "Parse Mode: FAILFAST. To process malformed records as null result, try setting the option 'mode' as "
+        "'PERMISSIVE'.  SQLSTATE: 22023",
+    ]
+    assert "[FAILED_READ_FILE.NO_HINT] Encountered error while reading file file:///data/in/a.json" in cause
+    assert "Unrecognized token 'oops'" in cause
+    assert "site-packages/py4j/clientserver.py" not in cause and "^^^^" not in cause  # library frames trimmed
+    assert 'File "/srv/app/airflow_arroyo/runtime/file_sink.py", line 208, in write_batch' in cause
+    long = MALFORMED_RECORD_MESSAGE + "+- Project [id#2L]\n" * 400  # a large logical plan
+    cut = _user_error_first(long)
+    assert len(cut) <= CAUSE_LIMIT and cut.endswith("... (cut)")
+    assert cut.splitlines()[:2] == cause.splitlines()[:2]
 
 
 @pytest.mark.spark
@@ -114,6 +185,25 @@ def test_a_missing_source_folder_names_the_stage(store: EpochStore, spark: Any, 
                                               r"\[PATH_NOT_FOUND\] Path does not exist: .*incoming"):
         PipelineDriver(p, store, storage_uri=str(tmp_path / "storage"), spark=spark).run()
     assert "stage 'orders' could not be built" in (store.get_pipeline(pid).failure_cause or "")
+
+
+@pytest.mark.spark
+def test_a_malformed_record_under_failfast_is_the_cause_of_its_fused_stage(
+        store: EpochStore, spark: Any, tmp_path: Path) -> None:
+    inbox = tmp_path / "incoming"
+    inbox.mkdir()
+    (inbox / "a.json").write_text('{"id": 1, "paid": 2.0}\n{"id": 2, "paid": oops}\n')
+    pid = f"malformed-{uuid.uuid4().hex[:6]}"
+    p = Pipeline(pid)
+    src = p.source("orders", lambda s: s.readStream.schema("id BIGINT, paid DOUBLE").option("mode", "FAILFAST")
+                   .json(str(inbox)))
+    p.sink("out", [src], format="parquet", options={"path": str(tmp_path / "out")})
+    with pytest.raises(PipelineFailedError):
+        PipelineDriver(p, store, storage_uri=str(tmp_path / "storage"), spark=spark).run()
+    cause = store.get_pipeline(pid).failure_cause or ""
+    assert cause.startswith("stage 'orders~out' (fused: orders, out) failed: [MALFORMED_RECORD_IN_PARSING"), cause[:600]
+    assert "Parse Mode: FAILFAST" in cause.splitlines()[1]
+    assert "Unrecognized token 'oops'" in cause and len(cause) <= CAUSE_LIMIT
 
 
 def test_the_driver_on_a_database_without_the_schema_says_to_migrate(pg_dsn: str, tmp_path: Path) -> None:
