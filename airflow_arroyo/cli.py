@@ -14,7 +14,7 @@
     stop PIPELINE [--immediate] [--wait 2m] [--pin LABEL]
                                               ask a running pipeline to stop (graceful: after a final epoch,
                                               which --pin pins once the run has stopped)
-    pin PIPELINE EPOCH --label TEXT / unpin PIPELINE EPOCH [--force]
+    pin PIPELINE EPOCH --label TEXT [--replace] / unpin PIPELINE EPOCH [--force]
                                               keep an epoch out of retention / let the policy apply again
     fork SOURCE --epoch N --to NEW            a new pipeline starting from epoch N of SOURCE (snapshots shared)
     restore PIPELINE [--epoch N|latest]       check that an epoch can be restored; print how to launch it
@@ -55,7 +55,7 @@ from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundE
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.store import EpochStore, RestartRecord
+    from airflow_arroyo.store import EpochStore, PipelineRecord, RestartRecord
 
 __all__ = ["main"]
 
@@ -277,14 +277,20 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
 CAUSE_WIDTH = 60
 
 
-def _headline(text: str | None, width: int) -> str | None:
-    """The first line of ``text``, cut to ``width`` characters ("..." marks a cut, or more lines)."""
+def _headline(text: str | None, width: int, *, run_id: str | None = None) -> str | None:
+    """The first line of ``text``, cut to ``width`` characters between words, so that a run id or a path is
+    never cut inside ("..." marks a cut, or more lines). ``run_id``, shown in a column of its own, reads
+    "this run" in the text."""
     if text is None:
         return None
+    if run_id:
+        text = text.replace(f"run {run_id} ", "this run ").replace(f"run {run_id!r} ", "this run ")
     lines = text.strip().splitlines() or [""]
     first = lines[0].strip()
     if len(first) > width:
-        return first[: width - 3].rstrip() + "..."
+        cut = first[: width - 2]
+        space = cut.rfind(" ")
+        return (cut[:space] if space > width // 3 else cut[: width - 3]).rstrip() + "..."
     return first + (" ..." if len(lines) > 1 else "")
 
 
@@ -314,7 +320,8 @@ def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> 
 
     _table(
         ["ATTEMPT", "FAILED AT", "FAILED RUN", "CAUSE", "DECISION", "RESTARTED AS", "RESTORED EPOCH"],
-        [[r.attempt, _when(r.failed_at), r.failed_run_id, _headline(r.cause, CAUSE_WIDTH), r.decision,
+        [[r.attempt, _when(r.failed_at), r.failed_run_id, _headline(r.cause, CAUSE_WIDTH, run_id=r.failed_run_id),
+          r.decision,
           restarted_as(r), r.restored_epoch] for r in restarts],
         out,
     )
@@ -328,12 +335,17 @@ def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> 
 def _cmd_pin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Pin a completed epoch: retention keeps it (and what a restore of it reads) until it is unpinned."""
     _require_schema(store)
-    record = store.pin_epoch(args.pipeline, args.epoch, args.label)
+    try:
+        before = store.get_epoch(args.pipeline, args.epoch).pin_label
+    except NotFoundError:  # pin_epoch says it, as for any pin
+        before = None
+    record = store.pin_epoch(args.pipeline, args.epoch, args.label, replace=args.replace)
     if args.json:
         json.dump(_jsonable(record), out)
         out.write("\n")
     else:
-        out.write(f"pinned epoch {record.epoch} of pipeline {record.pipeline_id} ({record.pin_label}); retention "
+        was = f"; was: {before}" if before is not None and before != record.pin_label else ""
+        out.write(f"pinned epoch {record.epoch} of pipeline {record.pipeline_id} ({record.pin_label}{was}); retention "
                   f"keeps it until `airflow-arroyo unpin {record.pipeline_id} {record.epoch}`\n")
     return EXIT_OK
 
@@ -358,7 +370,6 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Ask a live pipeline to stop (graceful: its driver takes a final epoch first); with ``--wait``,
     wait for its run to end and report how."""
     from airflow_arroyo.retention import parse_duration
-    from airflow_arroyo.supervision import restart_pending
 
     _require_schema(store)
     wait = parse_duration(args.wait, name="--wait") or timedelta(0)
@@ -371,17 +382,16 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
             wait = STOP_PIN_WAIT  # pinning needs the run to have ended
         store.check_pin_label(args.pin)  # bad input before anything is asked
     current = store.get_pipeline(args.pipeline)
-    if current.state.terminal and restart_pending(current):  # failed, a restart due: the stop cancels it
-        store.request_stop(args.pipeline, mode)
-        out.write(f"pipeline {args.pipeline}: run {current.run_id} failed ({current.failure_cause}); its supervisor's "
-                  "restart is cancelled\n")
-        return 0
-    if current.state.terminal:
-        raise ConfigurationError(
-            f"pipeline {args.pipeline} is not running: its run {current.run_id} is {current.state.value}; "
-            "nothing to stop"
-        )
-    record = store.request_stop(args.pipeline, mode)
+    if _stop_without_a_run(store, args, current, mode, out):
+        return EXIT_OK
+    already = current.stop_requested
+    record = store.request_stop(args.pipeline, mode if already != "immediate" else already)
+    if already is not None and wait.total_seconds() <= 0 and args.pin is None and not args.json:
+        # a second stop: the first request stands (an immediate one is never made graceful again)
+        more = f"; now {mode}" if record.stop_requested != already else ""
+        out.write(f"pipeline {args.pipeline} (run {current.run_id}) was already asked to stop ({already}{more}); it is "
+                  f"{record.state.value}: pass --wait DURATION to wait for it to end\n")
+        return EXIT_OK
     deadline = time.monotonic() + wait.total_seconds()
     while not record.state.terminal and time.monotonic() < deadline:
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -422,6 +432,27 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
             out.write(f"pinned its final epoch {pinned.epoch} ({pinned.pin_label}); retention keeps it until "
                       f"`airflow-arroyo unpin {args.pipeline} {pinned.epoch}`\n")
     return EXIT_OK if ended or wait.total_seconds() == 0 else EXIT_ERROR
+
+
+def _stop_without_a_run(store: EpochStore, args: argparse.Namespace, current: PipelineRecord, mode: str,
+                        out: IO[str]) -> bool:
+    """``stop`` of a pipeline whose run has ended: True when it cancelled a supervisor's pending restart;
+    raises :class:`ConfigurationError` (exit 2) when there is nothing to stop; False when the run is live."""
+    from airflow_arroyo.epochs import PipelineState
+    from airflow_arroyo.supervision import restart_pending
+
+    # failed with a restart due: the stop cancels it (a stopped run is never restarted, though its supervisor
+    # may still read "watching" for a moment)
+    if current.state is PipelineState.FAILED and restart_pending(current):
+        store.request_stop(args.pipeline, mode)
+        out.write(f"pipeline {args.pipeline}: run {current.run_id} failed "
+                  f"({current.failure_cause or 'no cause recorded'}); its supervisor's restart is cancelled\n")
+        return True
+    if current.state.terminal:
+        whose = "it has not run yet" if current.run_id is None else (
+            f"its run {current.run_id} is already {current.state.value}")
+        raise ConfigurationError(f"pipeline {args.pipeline} is not running: {whose}; nothing to stop")
+    return False
 
 
 def _cmd_fork(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
@@ -615,12 +646,14 @@ def _cmd_checkpoint(store: EpochStore, args: argparse.Namespace, out: IO[str]) -
         if tick.started is not None:
             break
         action = tick.decision.action
-        if action in (TriggerAction.PIPELINE_ENDED, TriggerAction.PIPELINE_NOT_RUNNING,
-                      TriggerAction.PIPELINE_NOT_ALIVE):
-            err = f"no epoch started for pipeline {args.pipeline!r}: {tick.decision.reason}"
-            if action is not TriggerAction.PIPELINE_NOT_ALIVE:
-                err += " (start its driver first)"
-            raise _NotStarted(err)
+        if action in (TriggerAction.PIPELINE_ENDED, TriggerAction.PIPELINE_NOT_RUNNING):
+            pipe = store.get_pipeline(args.pipeline)
+            whose = "it has not run yet" if pipe.run_id is None else f"its run {pipe.run_id} is {pipe.state.value}"
+            fix = ("start its driver (SubmitPipelineOperator, or python -m airflow_arroyo.runtime.driver) and "
+                   "checkpoint again") if pipe.state.terminal else "wait for it to be running and checkpoint again"
+            raise _NotStarted(f"no epoch started for pipeline {args.pipeline!r}: {whose}; {fix}")
+        if action is TriggerAction.PIPELINE_NOT_ALIVE:
+            raise _NotStarted(f"no epoch started for pipeline {args.pipeline!r}: {tick.decision.reason}")
         if time.monotonic() >= deadline:
             raise _NotStarted(f"no epoch started for pipeline {args.pipeline!r} within {seconds:g}s: "
                               f"{tick.decision.reason}")
@@ -774,6 +807,8 @@ def _build_parser() -> _Parser:
     pin.add_argument("pipeline")
     pin.add_argument("epoch", type=int)
     pin.add_argument("--label", required=True, metavar="TEXT", help="why it is kept, e.g. 'before the 2.0 upgrade'")
+    pin.add_argument("--replace", action="store_true",
+                     help="replace the label of an epoch already pinned with another (refused without it)")
     unpin = sub.add_parser("unpin", parents=[common], help="unpin an epoch; the retention policy applies again")
     unpin.add_argument("pipeline")
     unpin.add_argument("epoch", type=int)
@@ -930,7 +965,9 @@ def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None, st
         err.write(f"error: {_scrub(str(exc), args)}\n")
         return EXIT_BAD_INPUT
     except (ArroyoError, psycopg2.Error, OSError) as exc:
-        err.write(f"error: {_scrub(f'{type(exc).__name__}: {exc}', args)}\n")
+        # the CLI's own errors (_NotStarted, _NotPinned) say everything in their message
+        name = "" if type(exc).__name__.startswith("_") else f"{type(exc).__name__}: "
+        err.write(f"error: {_scrub(f'{name}{exc}' if str(exc) else f'{type(exc).__name__} (no message)', args)}\n")
         return EXIT_ERROR
 
 

@@ -849,24 +849,31 @@ class EpochStore:
             )
         return text
 
-    def pin_epoch(self, pipeline_id: str, epoch: int, label: str) -> EpochRecord:
+    def pin_epoch(self, pipeline_id: str, epoch: int, label: str, *, replace: bool = False) -> EpochRecord:
         """Pin a completed epoch with ``label``: retention keeps it, its snapshot objects and the channel
-        ranges a restore of it reads, until :meth:`unpin_epoch`. Pinning a pinned epoch again replaces
-        its label (``pinned_at`` stays the first pin's).
+        ranges a restore of it reads, until :meth:`unpin_epoch`. Pinning a pinned epoch with its own label
+        again changes nothing; with another label it is refused unless ``replace`` (``pinned_at`` stays the
+        first pin's), since the label is why someone kept it.
 
-        Raises :class:`ConfigurationError` for an empty or over-long label or an epoch that is not
-        completed (nothing restorable to keep), :class:`UnknownEpochError` for an unknown one.
+        Raises :class:`ConfigurationError` for an empty or over-long label, an epoch that is not
+        completed (nothing restorable to keep) or pinned with another label (naming it) without
+        ``replace``, :class:`UnknownEpochError` for an unknown one.
         """
         text = self.check_pin_label(label)
 
         def tx(cur: PgCursor) -> EpochRecord:
             self._lock_pipeline(cur, pipeline_id)  # retention's begin_prune holds the same lock
             # the row lock keeps the state we check until the pin is written
-            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
+            cur.execute("SELECT state, pin_label FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                         (pipeline_id, epoch))
             found = cur.fetchone()
             if found is None:
                 raise UnknownEpochError(pipeline_id, epoch, "to pin")
+            if found["pin_label"] is not None and found["pin_label"] != text and not replace:
+                raise ConfigurationError(
+                    f"epoch {epoch} of pipeline {pipeline_id!r} is already pinned with label {found['pin_label']!r}; "
+                    "pass --replace to replace that label (replace=True), or keep it"
+                )
             if found["state"] != EpochState.COMPLETED.value:
                 raise ConfigurationError(
                     f"epoch {epoch} of pipeline {pipeline_id!r} is {found['state']}, not completed: only a completed "

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from airflow_arroyo.cli import main
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.supervision import PastFailure, RestartDecision
 from tests.controlplane.test_retention import Pipeline, sql
@@ -164,7 +164,8 @@ def test_restarts_table_and_json_newest_first(store: EpochStore, capsys: pytest.
     assert cell(newest, "FAILED RUN") == "stream-1.restart1" and cell(oldest, "FAILED RUN") == "stream-1"
     assert cell(newest, "CAUSE") == "heartbeat stopped"
     shown = cell(oldest, "CAUSE")  # the first line, cut: the traceback is only in --json
-    assert shown.endswith("...") and len(shown) <= 60 and shown[:-3] in CAUSE.splitlines()[0]
+    assert shown.endswith("...") and len(shown) <= 60
+    assert shown[:-3] in CAUSE.splitlines()[0].replace("run stream-1 ", "this run ")  # its run is in FAILED RUN
     assert "Traceback" not in out and "KeyError: 'customer_id'\n" not in out
     assert cell(oldest, "DECISION") == "restart 1 of 1 (fixed-delay)"
     assert cell(newest, "DECISION").startswith("2 failures, more than the 1 restart(s)")
@@ -326,7 +327,7 @@ def test_stop_asks_the_driver_and_waits_for_the_run_to_end(store: EpochStore,
                                "stopped": True, "latest_completed_epoch": store.latest_completed_epoch("clicks").epoch,
                                "failure_cause": None}
     code, _, err = run(capsys, "--dsn", store.dsn, "stop", "clicks")
-    assert code == 2 and "pipeline clicks is not running: its run run-1 is stopped; nothing to stop" in err
+    assert code == 2 and "pipeline clicks is not running: its run run-1 is already stopped; nothing to stop" in err
     code, _, err = run(capsys, "--dsn", store.dsn, "stop", "nope")
     assert code == 2 and "no pipeline named 'nope'" in err
 
@@ -571,3 +572,99 @@ def test_stop_with_pin_pins_the_final_epoch_once_the_run_stopped(
             assert store.get_pipeline("clicks").state is PipelineState.STOPPED
             assert sql(store, "SELECT count(*) FROM arroyo_epochs WHERE pipeline_id = 'clicks'"
                        " AND pin_label IS NOT NULL") == [(0,)]
+
+
+# --------------------------------------------------------------------------- issue 30, finding 5
+
+
+def test_a_second_stop_says_the_run_is_already_stopping_or_stopped(store: EpochStore,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A supervised run whose supervisor still watches it: a second stop names the stop under way or the ended
+    run, never "failed (None)", and exits 2 once there is nothing to stop."""
+    store.register_pipeline("sup", stages=["a"], run_id="L")
+    store.set_pipeline_state("sup", PipelineState.RUNNING, run_id="L")
+    store.supervise("sup", "L", {"type": "fixed-delay"})
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert code == 0 and "asked pipeline sup (run L) to stop (graceful)" in out
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert code == 0 and "pipeline sup (run L) was already asked to stop (graceful); it is running" in out
+    store.set_pipeline_state("sup", PipelineState.STOPPING, run_id="L")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert code == 0 and "pipeline sup (run L) was already asked to stop (graceful); it is stopping" in out
+    store.set_pipeline_state("sup", PipelineState.STOPPED, run_id="L")
+    assert store.get_pipeline("sup").supervision == "watching"
+    code, out, err = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert (code, out) == (2, "")
+    assert "pipeline sup is not running: its run L is already stopped; nothing to stop" in err
+    assert "failed" not in err and "None" not in err
+
+
+def test_a_failed_run_without_a_cause_and_a_pipeline_without_a_run_never_read_none(
+        store: EpochStore, capsys: pytest.CaptureFixture[str]) -> None:
+    store.register_pipeline("sup", stages=["a"], run_id="L")
+    store.set_pipeline_state("sup", PipelineState.RUNNING, run_id="L")
+    store.supervise("sup", "L", {"type": "fixed-delay"})
+    store.set_pipeline_state("sup", PipelineState.FAILED, run_id="L")
+    code, out, _ = run(capsys, "--dsn", store.dsn, "stop", "sup")
+    assert code == 0 and "run L failed (no cause recorded); its supervisor's restart is cancelled" in out
+    store.register_pipeline("orders", stages=["a"], run_id="r1")
+    store.set_pipeline_state("orders", PipelineState.RUNNING, run_id="r1")
+    started = store.trigger_tick("orders", CheckpointPolicy(interval=60), force=True).started
+    assert started is not None and store.ack_epoch("orders", started.epoch, "a") is EpochState.COMPLETED
+    store.set_pipeline_state("orders", PipelineState.STOPPED, run_id="r1")
+    store.fork_pipeline("orders", started.epoch, "orders-b")  # a fork has no run until its first one registers
+    code, out, err = run(capsys, "--dsn", store.dsn, "stop", "orders-b")
+    assert code == 2 and "pipeline orders-b is not running: it has not run yet; nothing to stop" in err, err
+    assert "None" not in err
+
+
+def test_checkpoint_of_a_stopped_pipeline_names_the_state_and_the_fix(store: EpochStore,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    store.register_pipeline("orders", stages=["a"], run_id="r1")
+    store.set_pipeline_state("orders", PipelineState.STOPPED, run_id="r1")
+    code, out, err = run(capsys, "--dsn", store.dsn, "checkpoint", "orders", "--timeout", "5s")
+    assert (code, out) == (1, "")
+    assert err == ("error: no epoch started for pipeline 'orders': its run r1 is stopped; start its driver "
+                   "(SubmitPipelineOperator, or python -m airflow_arroyo.runtime.driver) and checkpoint again\n"), err
+
+
+def test_pin_refuses_to_replace_a_label_unless_asked(store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, _ = run(capsys, "--dsn", store.dsn, "pin", "orders", "1", "--label", "before upgrade")
+    assert code == 0
+    code, out, _ = run(capsys, "--dsn", store.dsn, "pin", "orders", "1", "--label", "before upgrade")
+    assert code == 0  # the same label again: nothing to replace
+    code, out, err = run(capsys, "--dsn", store.dsn, "pin", "orders", "1", "--label", "audit")
+    assert (code, out) == (2, "")
+    assert ("epoch 1 of pipeline 'orders' is already pinned with label 'before upgrade'; pass --replace to "
+            "replace that label") in err
+    assert store.get_epoch("orders", 1).pin_label == "before upgrade"
+    code, out, _ = run(capsys, "--dsn", store.dsn, "pin", "orders", "1", "--label", "audit", "--replace")
+    assert code == 0 and out.startswith("pinned epoch 1 of pipeline orders (audit; was: before upgrade);")
+    assert store.get_epoch("orders", 1).pin_label == "audit"
+
+
+def test_restarts_table_keeps_run_ids_whole_and_shortens_the_cause(store: EpochStore,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from airflow_arroyo.supervision import FixedDelay, decide_restart
+
+    lineage = "orders-20261128T124040-9140a7c1"
+    strategy = FixedDelay(attempts=3, delay=5)
+
+    def decide(failures: list[PastFailure], now: datetime, stop_requested: bool) -> RestartDecision:
+        return decide_restart(strategy, failures, now, lineage=lineage, stop_requested=stop_requested)
+
+    store.register_pipeline("orders", stages=["src"], run_id=lineage)
+    store.set_pipeline_state("orders", PipelineState.RUNNING, run_id=lineage)
+    store.supervise("orders", lineage, strategy.to_dict())
+    cause = (f"the driver of run {lineage} failed: stage 'enrich' failed: KeyError: 'customer_id' while joining "
+             f"the orders with the customers table of run {lineage}.restart7")
+    store.record_failure("orders", lineage, lineage, cause, decide)
+    code, out, _ = run(capsys, "--dsn", store.dsn, "restarts", "orders")
+    assert code == 0
+    row = out.splitlines()[1]
+    assert f" {lineage} " in row  # the FAILED RUN column, whole
+    shown = re.split(r"\s{2,}", row)[3]
+    assert shown.startswith("the driver of this run failed: stage 'enrich'") and shown.endswith("..."), shown
+    # the cut falls between words: no run id is cut inside
+    assert all(word in cause.split() or word == "this" for word in shown.removesuffix("...").split()), shown
