@@ -67,14 +67,18 @@ class Driver:
 
     def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path,
                  rows: int = ROWS, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                 sink_dsn: str | None = None, chaining: bool = False, args: dict[str, object] | None = None) -> None:
+                 sink_dsn: str | None = None, chaining: bool = False, args: dict[str, object] | None = None,
+                 pipeline: str | None = None) -> None:
+        """The demo pipeline with its arguments; ``pipeline`` (a module ref) another, given only ``args``."""
         self.run_id = run_id
         self.log_path = logs / f"{run_id}.log"
+        demo_args = [
+            "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}", "--arg", f"sink_path={sink}",
+            "--arg", f"chaining={'true' if chaining else 'false'}"]
         cmd = [
             sys.executable, "-m", "airflow_arroyo.runtime.driver",
-            "--pipeline", "airflow_arroyo.examples.pipelines:demo",
-            "--arg", f"pipeline_id={pipeline_id}", "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}",
-            "--arg", f"sink_path={sink}", "--arg", f"chaining={'true' if chaining else 'false'}",
+            "--pipeline", pipeline or "airflow_arroyo.examples.pipelines:demo", "--arg", f"pipeline_id={pipeline_id}",
+            *(demo_args if pipeline is None else []),
             *(a for key, value in (args or {}).items() for a in ("--arg", f"{key}={json.dumps(value)}")),
             *(["--arg", f"pg_dsn_env={SINK_DSN_ENV}", "--arg", "pg_report_table=report_rows",
                "--arg", "pg_totals_table=key_totals"] if sink_dsn else []),
@@ -334,3 +338,72 @@ def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: ra
     # and every barrier of a completed epoch sits right after its stage's cut batch, across the restores
     writers = {FUSED: OUTPUT_CHANNEL} if chaining else {c: c for c in STAGES}  # physical stage -> its channel
     assert check_barriers_follow_cuts(store, pid, {s: layout.channel_uri(c) for s, c in writers.items()}) > 0
+
+
+def test_killed_right_after_an_epoch_cut_while_batch_0_ran_then_restored_from_latest_is_exact(
+        store: EpochStore, tmp_path: Path) -> None:
+    """Issue 30, finding 1, as found: Spark's JSON file sources over empty folders, a stream-stream join, epochs
+    every 0.5 s; files arrive once the pipeline runs, so epochs are cut while the join's batch 0 runs (at
+    batch -1) after batch 0 wrote state files. The driver is SIGKILLed right after such an epoch completed and
+    restarted from 'latest' (that epoch): it must start (Spark refused the restored checkpoint before the fix:
+    STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY), and the sink must end with the join exactly once."""
+    from tests.runtime import files_join
+
+    pid, inputs, sink, logs = f"b0-{uuid.uuid4().hex[:8]}", tmp_path / "in", tmp_path / "out", tmp_path / "logs"
+    logs.mkdir()
+    for side in ("orders", "payments"):
+        (inputs / side).mkdir(parents=True)
+    storage = tmp_path / "storage"
+    layout = StorageLayout.at(str(storage), pid)
+    start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink,
+                              pipeline="tests.runtime.files_join:pipeline",
+                              args={"input_path": str(inputs), "sink_path": str(sink)})
+
+    def running(run_id: str) -> bool:
+        rec = current(store, pid)
+        return rec is not None and rec.run_id == run_id and rec.state is PipelineState.RUNNING
+
+    def drop(part: int, ids: range) -> None:
+        files_join.write_file(inputs / "orders", f"o{part}.json", map(files_join.order, ids))
+        files_join.write_file(inputs / "payments", f"p{part}.json", map(files_join.payment, ids))
+
+    def cut_while_batch_0_ran() -> Any:
+        """The latest completed epoch, if the join's stage cut it at batch -1 after batch 0 wrote state."""
+        latest = store.latest_completed_epoch(pid)
+        stage = next((s for s in store.get_pipeline(pid).stages if "joined" in s), None)
+        if latest is None or stage is None:
+            return None
+        ack = {a.stage: a for a in store.acks(pid, latest.epoch)}.get(stage)
+        state = [p for p in (storage / layout.checkpoint(stage) / "state").rglob("*") if p.is_file()]
+        first_state = min((p.stat().st_mtime for p in state), default=None)
+        if ack is None or ack.details.get("batch_id") != -1 or first_state is None:
+            return None
+        return latest if latest.triggered_at.timestamp() > first_state else None
+
+    with CheckpointTicker(store, pid, interval=0.5, timeout=60.0, tick=0.1):
+        first = start(run_id="first")
+        try:
+            wait_for(lambda: running("first") or not first.alive(), timeout=300, what="the first run to start")
+            drop(0, range(0, 150))
+            epoch = wait_for(lambda: cut_while_batch_0_ran() or (not first.alive() and "dead"), timeout=240,
+                             interval=0.02, what="an epoch cut at batch -1 after batch 0 wrote state")
+            assert epoch != "dead", first.tail()
+        finally:
+            first.kill()
+        print(f"killed after epoch {epoch.epoch} (cut at batch -1 with state on disk)")
+        second = start(run_id="second")
+        try:
+            wait_for(lambda: running("second") or not second.alive(), timeout=300, what="the restored run to start")
+            assert second.alive(), second.tail()
+            assert store.get_pipeline(pid).restored_from_epoch == epoch.epoch
+            drop(1, range(150, 300))
+            want = files_join.expected(range(300))
+            wait_for(lambda: len(committed_rows(sink)) >= len(want) or not second.alive(), timeout=300,
+                     interval=0.5, what="every joined row committed")
+            assert second.alive(), second.tail()
+        except AssertionError:
+            second.kill()
+            raise
+    store.request_stop(pid, "graceful")
+    assert second.wait(300) == 0, second.tail()
+    assert sorted(committed_rows(sink)) == want
