@@ -73,9 +73,12 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _log_retry(state: RetryCallState) -> None:
+    # One line at warning per failing call: a refused connection retries many times in its window, and
+    # each later attempt says nothing new (the final failure is raised with its text).
     exc = state.outcome.exception() if state.outcome else None
-    log.warning("epoch store: transient error (attempt %s), retrying: %s", state.attempt_number,
-                type(exc).__name__ if exc else "?")
+    level = logging.WARNING if state.attempt_number == 1 else logging.DEBUG
+    what = f"{type(exc).__name__}: {_first_line(exc)}" if exc else "unknown error"
+    log.log(level, "epoch store: transient error (attempt %s), retrying: %s", state.attempt_number, what)
 
 
 def retrying(max_seconds: float = 60.0, max_attempts: int = 30) -> Retrying:
@@ -99,9 +102,10 @@ def call_with_retry(fn: Callable[[], T], *, max_seconds: float = 60.0) -> T:
                 f"epoch store unreachable after retrying for up to {max_seconds}s: {type(exc).__name__}: "
                 f"{_first_line(exc)}; check that PostgreSQL is up and the connection settings are right"
             ) from exc
-        raise StoreError(f"epoch store error {exc.pgcode or ''}: {_first_line(exc)}") from exc
+        code = f" {exc.pgcode}" if exc.pgcode else ""
+        raise StoreError(f"epoch store error{code}: {_first_line(exc)}") from exc
 
 
 def _first_line(exc: BaseException) -> str:
     text: Any = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return text.splitlines()[0] if text else f"{type(exc).__name__} (no message)"

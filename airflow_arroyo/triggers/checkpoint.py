@@ -534,7 +534,7 @@ class _Controller:
             return None
         return await self._not_registered(
             f"pipeline {self.pipeline_id} run {self.t.pipeline_run_id} has not registered yet "
-            f"(the current run is {pipe.run_id}, {pipe.state})")
+            + ("(no run has run yet)" if pipe.run_id is None else f"(the current run is {pipe.run_id}, {pipe.state})"))
 
     async def _not_registered(self, what: str) -> tuple[TriggerEvent | None, float]:
         now = await self.store.db_now()

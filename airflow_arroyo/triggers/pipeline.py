@@ -148,7 +148,8 @@ def evaluate_wait(
         return WaitVerdict(Verdict.WAIT, "not registered yet")
     pid = pipeline.pipeline_id
     if not in_lineage(pipeline, run_id):
-        return WaitVerdict(Verdict.WAIT, f"run {run_id!r} not registered yet (current run {pipeline.run_id!r})")
+        current_run = "no run has run yet" if pipeline.run_id is None else f"current run {pipeline.run_id!r}"
+        return WaitVerdict(Verdict.WAIT, f"run {run_id!r} not registered yet ({current_run})")
     current = pipeline.state
     if epoch is not None and latest_completed is not None and latest_completed >= epoch:
         return WaitVerdict(Verdict.SUCCESS, f"epoch {latest_completed} of {pid!r} is completed (waited for {epoch})")

@@ -76,6 +76,14 @@ def record(state: PipelineState, run_id: str = "r1", cause: str | None = None) -
 # --------------------------------------------------------------------------- the pure decision
 
 
+
+def test_a_wait_for_a_run_of_a_pipeline_that_never_ran_never_reads_none() -> None:
+    """Issue 30, finding 5 c: a fork (no run yet) reads "no run yet", not "current run None"."""
+    verdict = evaluate_wait(PipelineRecord(pipeline_id=PID, state=PipelineState.STOPPED, run_id=None),
+                            state=PipelineState.RUNNING, run_id="r1")
+    assert verdict.verdict is Verdict.WAIT and verdict.message == "run 'r1' not registered yet (no run has run yet)"
+
+
 @pytest.mark.parametrize(
     ("current", "target", "expected"),
     [

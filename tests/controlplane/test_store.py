@@ -876,3 +876,32 @@ def test_concurrent_calls_from_threads_share_the_pool(store: EpochStore) -> None
     for t in threads:
         t.join(60)
     assert errors == []
+
+
+def test_a_refused_connection_logs_one_warning_and_its_later_retries_at_debug(
+        pg_server: ThrowawayPostgres, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 30, finding 5 d: one line a failure at the default level, however many retries it takes."""
+    caplog.set_level(logging.DEBUG, logger="airflow_arroyo.store._retry")
+    with socket_without_server() as port:
+        store = EpochStore(f"postgresql://{pg_server.user}@127.0.0.1:{port}/x", retry_seconds=1.5)
+        try:
+            with pytest.raises(TransientStoreError, match="unreachable after retrying"):
+                store.db_now()
+        finally:
+            store.close()
+    retries = [r for r in caplog.records if r.name == "airflow_arroyo.store._retry"]
+    assert [r.levelno for r in retries][:1] == [logging.WARNING] and len(retries) > 2
+    assert all(r.levelno == logging.DEBUG for r in retries[1:])
+    assert "OperationalError" in retries[0].getMessage() and "attempt 1" in retries[0].getMessage()
+
+
+def test_a_store_error_without_a_sqlstate_or_a_message_still_says_what_it_is() -> None:
+    """Issue 30, finding 5 c: no "epoch store error :" (a missing SQLSTATE) and never an empty text."""
+    from airflow_arroyo.store._retry import call_with_retry
+
+    def fails() -> None:
+        raise psycopg2.ProgrammingError()
+
+    with pytest.raises(StoreError) as raised:
+        call_with_retry(fails)
+    assert str(raised.value) == "epoch store error: ProgrammingError (no message)"
