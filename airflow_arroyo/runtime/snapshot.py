@@ -339,6 +339,12 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: file {where} is missing; nothing was changed, choose an "
                 "earlier epoch (restore_from=<n>)", epoch=epoch, path=src,
             ) from None
+        except OSError as exc:  # refused, timed out, denied: says nothing about the epoch itself
+            raise SnapshotError(
+                f"epoch {epoch} could not be restored: storage was unreachable reading file {where} "
+                f"({type(exc).__name__}: {exc}); nothing was changed and the epoch is not known to be damaged: "
+                "retry the same restore once the storage is reachable", epoch=epoch, path=src,
+            ) from exc
         if size != e.bytes or h.hexdigest() != object_digest(e.object_key):
             raise SnapshotError(
                 f"epoch {epoch} cannot be restored: file {where} is corrupt ({size} bytes, expected {e.bytes}; "

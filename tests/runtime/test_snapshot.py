@@ -618,3 +618,30 @@ def test_new_full_snapshot_is_chained_over_not_copied_until_the_chain_is_too_lon
     assert r4.bytes_new == deltas[8] + logs
     assert {e.rel_path for e in r4.entries if e.rel_path.startswith("state/")} == {
         "state/0/0/5.snapshot", *(f"state/0/0/{v}.delta" for v in (6, 7, 8))}
+
+
+def test_a_restore_from_unreachable_storage_says_retry_not_an_earlier_epoch(
+        store: Any, pipeline: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30, finding 5 g: storage that refuses the connection is not a damaged epoch."""
+    import socket
+
+    fs = FileSystem.from_uri(str(tmp_path))
+    snaps = SnapshotStore(fs, pipeline, store)
+    for rel, text in {"metadata": '{"id":"q"}', "offsets/0": "v1\n{}\n{\"pos\":1}", "commits/0": "v1\n{}"}.items():
+        (tmp_path / "ckpt" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ckpt" / rel).write_text(text)
+    e1 = new_epoch(store, pipeline)
+    complete(store, pipeline, e1, snaps.capture("agg", e1, "ckpt", 0))
+    with socket.socket() as nobody:  # bound, not listening: connections to it are refused
+        nobody.bind(("127.0.0.1", 0))
+        for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{nobody.getsockname()[1]}",
+                           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_EC2_METADATA_DISABLED": "true"}.items():
+            monkeypatch.setenv(key, value)
+        unreachable = FileSystem.from_uri("s3://arroyo-unreachable/storage")
+        with pytest.raises(SnapshotError) as info:
+            snaps.prepare_restore("agg", e1, source=(unreachable, pipeline))
+    message = str(info.value)
+    assert f"epoch {e1} could not be restored: storage was unreachable reading file " in message, message
+    assert "retry" in message and "earlier epoch" not in message
+    assert "Could not connect" in message or "NETWORK_CONNECTION" in message  # what the storage said
