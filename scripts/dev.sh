@@ -12,6 +12,7 @@ log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
 need_apt=()
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || need_apt+=(maven)
 if ! command -v pg_config >/dev/null 2>&1 || [ ! -x "$(pg_config --bindir 2>/dev/null)/initdb" ]; then
   ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 fi
@@ -51,6 +52,11 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+
+# The JVM artifacts the provider hands to Spark (Kafka connector, S3A) and the test broker's jars, each set
+# pinned by its pom (airflow_arroyo/jvm/deps/*/pom.xml) and resolved by Maven into $ARROYO_JVM_CACHE (default
+# .cache/jvm) once per version of the pom; never committed.
+.venv/bin/python -m airflow_arroyo.jvm.artifacts resolve
 
 export PATH="$ROOT/.venv/bin:$PATH"
 export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
