@@ -38,6 +38,12 @@ executors' plugin.
 On YARN and Kubernetes nothing: a container's temporary folder can make a socket's path longer than Linux
 allows (108 bytes). A value the user gave stands.
 
+On local and standalone masters :func:`master_conf` also adds the provider's JVM artifacts to ``spark.jars``,
+after the user's entries: Spark's Kafka connector and Hadoop's S3A file system with the AWS SDK modules it
+uses, pinned in ``deps/spark/pom.xml`` and resolved by ``scripts/dev.sh`` (:mod:`airflow_arroyo.jvm.artifacts`;
+none when they are not resolved). YARN and Kubernetes applications set ``spark.jars.packages`` or ship them in
+their image (docs/clusters.md).
+
 ``python -m airflow_arroyo.jvm`` rebuilds the jar (``javac`` from a JDK 17 or newer, against this pyspark's
 jars: :data:`COMPILE_JARS`); ``tests/runtime/test_jvm.py`` checks that the committed jar holds what ``src/``
 compiles to.
@@ -56,6 +62,8 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from airflow_arroyo.jvm import artifacts
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -124,9 +132,10 @@ def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
     ``conf`` and ``spark-defaults.conf``: the jar's ``file:`` file system (:func:`local_file_system_conf`: the
     user's class paths kept before the jar, a ``file:`` implementation the user names stands), and Python
     workers over a Unix domain socket (:data:`PYTHON_WORKER_SOCKET_CONF`; a value the user set stands), with the
-    jar on the driver's class path for :class:`SocketPathPruner` even where the user's ``file:`` stands."""
+    jar on the driver's class path for :class:`SocketPathPruner` even where the user's ``file:`` stands; and the
+    provider's JVM artifacts in ``spark.jars`` after the user's entries (:func:`_artifact_conf`)."""
     given = _given(conf)
-    return {**_socket_conf(given), **_file_system_conf(given)}
+    return _artifact_conf(given, {**_socket_conf(given), **_file_system_conf(given)})
 
 
 def master_kind(master: str) -> str | None:
@@ -144,14 +153,28 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     with ``conf`` and ``spark-defaults.conf``: a ``local`` master's are :func:`local_master_conf`'s; a
     standalone master (``spark://``) gets Python workers over a Unix domain socket
     (:data:`PYTHON_WORKER_SOCKET_CONF`), the jar on the driver's class path (:class:`SocketPathPruner`) and the
-    executors' :data:`SOCKET_PATHS_PLUGIN`, each after the user's entries; other masters nothing. A value the user
-    set for the socket stands."""
+    executors' :data:`SOCKET_PATHS_PLUGIN`, each after the user's entries; both get the provider's JVM artifacts in
+    ``spark.jars`` (:func:`_artifact_conf`); other masters nothing. A value the user set for the socket stands."""
     kind = master_kind(master)
     if kind == "local":
         return local_master_conf(conf)
     if kind == "standalone":
-        return _socket_conf(_given(conf), executors=True)
+        given = _given(conf)
+        return _artifact_conf(given, _socket_conf(given, executors=True))
     return {}
+
+
+def _artifact_conf(given: Mapping[str, str], out: dict[str, str]) -> dict[str, str]:
+    """``out`` with the resolved jars of :data:`artifacts.SPARK` (Kafka connector, S3A) in ``spark.jars``, after the
+    user's entries and the provider's jar where ``out`` has it: executors fetch them from the driver, and in client
+    and local mode spark-submit puts them on the driver's class path. Unchanged when they are not resolved."""
+    jars = artifacts.resolved_jars(artifacts.SPARK)
+    if not jars:
+        return out
+    value = out.get(_JARS, given.get(_JARS))
+    for jar in jars:
+        value = _listed(value, str(jar))
+    return {**out, _JARS: value or ""}
 
 
 def _socket_conf(given: Mapping[str, str], *, executors: bool = False) -> dict[str, str]:

@@ -6,6 +6,7 @@ process (real Spark, real Hadoop classes)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -25,12 +26,16 @@ from airflow_arroyo.jvm import (
     PYTHON_WORKER_SOCKET_CONF,
     SOCKET_PATHS_PLUGIN,
     SocketPathPruner,
+    artifacts,
     compile_classes,
+    find_class,
     local_file_system_conf,
     local_master_conf,
     master_conf,
+    spark_home,
 )
 from airflow_arroyo.testing import wait_for
+from tests.runtime.conftest import S3Server
 
 pytestmark = pytest.mark.spark
 
@@ -73,6 +78,13 @@ def test_a_class_path_or_file_system_in_spark_defaults_is_kept(tmp_path: Path,
     assert local_file_system_conf() == {}
 
 
+@pytest.fixture
+def no_artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No resolved JVM artifacts (an empty cache): what a master gets besides them."""
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path / "no-jvm-cache"))
+
+
+@pytest.mark.usefixtures("no_artifacts")
 def test_a_local_master_gets_the_jar_and_python_workers_over_a_unix_socket_unless_the_user_chose(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
@@ -116,6 +128,7 @@ def test_the_sessions_python_workers_are_reached_over_a_unix_socket(spark: Any) 
     assert "AF_UNIX" in families and not families & {"AF_INET", "AF_INET6"}, families
 
 
+@pytest.mark.usefixtures("no_artifacts")
 def test_each_master_gets_what_the_provider_adds_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """local: the jar and the socket; standalone: the socket (executors' workers are on their own node; the
     standalone cluster test runs the demo with it) and the executors' socket path plugin; YARN and Kubernetes:
@@ -287,3 +300,112 @@ def test_it_starts_no_process(spark: Any, tmp_path: Path) -> None:
 def _processes_started() -> int:
     with open("/proc/stat") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("processes "))
+
+
+# --------------------------------------------------------------------------- the provider's JVM artifacts
+
+_JAR_NAME = re.compile(r"^(?P<name>.+?)-(?P<version>\d+\.\d+[^/]*)\.jar$")
+
+
+def _shipped(folder: Path) -> dict[str, str]:
+    """Jar file name without its version -> version, for the jars in ``folder``."""
+    out = {}
+    for jar in folder.glob("*.jar"):
+        m = _JAR_NAME.match(jar.name)
+        assert m is not None, jar.name
+        out[m["name"]] = m["version"]
+    return out
+
+
+def _spark_jars() -> list[Path]:
+    jars = artifacts.resolved_jars(artifacts.SPARK)
+    if not jars:
+        pytest.fail(f"the provider's JVM artifacts are not resolved in {artifacts.jar_folder(artifacts.SPARK)}: "
+                    "run scripts/dev.sh setup")
+    return jars
+
+
+def test_the_pinned_coordinates_follow_the_installed_pyspark() -> None:
+    """Spark's Kafka connector for this pyspark's Spark and Scala, hadoop-aws for its Hadoop: read from the jars
+    pyspark ships, against the pom (the one list)."""
+    pyspark_jars = _shipped(spark_home() / "jars")
+    (core,) = [name for name in pyspark_jars if name.startswith("spark-core_")]
+    scala = core.removeprefix("spark-core_")
+    pinned = {c.artifact: c.version for c in artifacts.coordinates(artifacts.SPARK)}
+    assert pinned[f"spark-sql-kafka-0-10_{scala}"] == pyspark_jars[core]
+    assert pinned["hadoop-aws"] == pyspark_jars["hadoop-client-api"]
+    assert "bundle" not in pinned and "software.amazon.awssdk:bundle" in artifacts.exclusions(artifacts.SPARK)
+    conf = artifacts.packages_conf()
+    assert conf["spark.jars.packages"].split(",")[:2] == [
+        f"org.apache.spark:spark-sql-kafka-0-10_{scala}:{pyspark_jars[core]}",
+        f"org.apache.hadoop:hadoop-aws:{pyspark_jars['hadoop-client-api']}"]
+    assert {c.artifact for c in artifacts.coordinates(artifacts.KAFKA)} >= {f"kafka_{scala}"}
+
+
+def test_the_resolved_jars_add_nothing_pyspark_already_ships() -> None:
+    """A second copy of a jar on the class path loads whichever comes first: the pom excludes what pyspark has."""
+    ours = _shipped(_spark_jars()[0].parent)
+    assert {"spark-sql-kafka-0-10_2.13", "kafka-clients", "hadoop-aws", "s3"} <= set(ours)
+    assert not set(ours) & set(_shipped(spark_home() / "jars"))
+    assert sum(j.stat().st_size for j in _spark_jars()) < 100 << 20  # SDK modules, not the 690 MB bundle
+
+
+def test_local_and_standalone_masters_get_the_resolved_jars_after_the_users(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resolved set goes to spark.jars after the user's entries (and the provider's jar, on standalone); a set
+    resolved from another version of the pom, or none, adds nothing; YARN and Kubernetes get nothing."""
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(cache))
+    folder = cache / artifacts.SPARK
+    folder.mkdir(parents=True)
+    jars = [folder / "b-1.0.jar", folder / "a-2.0.jar"]
+    for jar in jars:
+        jar.write_bytes(b"")
+    assert "spark.jars" not in master_conf("local[2]")  # no stamp: not resolved
+    (folder / ".pom-0000000000000000").touch()
+    assert "spark.jars" not in master_conf("local[2]")  # another pom's stamp
+    artifacts.stamp(artifacts.SPARK).touch()
+    ours = f"{jars[1]},{jars[0]}"
+    assert master_conf("local[2]")["spark.jars"] == ours
+    assert master_conf("local[2]", {"spark.jars": "/opt/mine.jar"})["spark.jars"] == f"/opt/mine.jar,{ours}"
+    assert master_conf("spark://h:7077", {"spark.jars": "/opt/mine.jar"})["spark.jars"] == f"/opt/mine.jar,{JAR},{ours}"
+    # the jars without the socket's plugin where the user turned the socket off
+    assert master_conf("spark://h:7077", {PYTHON_WORKER_SOCKET_CONF: "false"}) == {"spark.jars": ours}
+    assert master_conf("yarn") == {} and master_conf("k8s://https://h:6443") == {}
+
+
+def test_the_session_has_the_kafka_connector_and_s3a(spark: Any) -> None:
+    """The test session is built as the driver builds a local one, so it has the resolved jars."""
+    _spark_jars()
+    jvm = spark.sparkContext._jvm
+    for name in ("org.apache.spark.sql.kafka010.KafkaSourceProvider", "org.apache.hadoop.fs.s3a.S3AFileSystem",
+                 "software.amazon.awssdk.services.s3.S3Client"):
+        assert find_class(jvm, [name]) == name
+
+
+def test_s3a_writes_reads_and_renames_on_a_real_s3_api(spark: Any, bucket: str, s3_server: S3Server) -> None:
+    """Hadoop's S3A file system with the SDK modules the pom resolves (no bundle) against moto's S3 over HTTP:
+    a Parquet write and read by Spark, and a rename (S3 copies then deletes). The settings are the bucket's own
+    (``fs.s3a.bucket.<name>.*``): the session is shared."""
+    name = bucket.removeprefix("s3://")
+    hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
+    settings = {"endpoint": s3_server.endpoint, "endpoint.region": s3_server.env["AWS_REGION"],
+                "path.style.access": "true", "connection.ssl.enabled": "false",
+                "access.key": s3_server.env["AWS_ACCESS_KEY_ID"], "secret.key": s3_server.env["AWS_SECRET_ACCESS_KEY"]}
+    for key, value in settings.items():
+        hadoop_conf.set(f"fs.s3a.bucket.{name}.{key}", value)
+    try:
+        spark.range(0, 100, 1, 2).write.parquet(f"s3a://{name}/t/data")
+        assert sorted(r.id for r in spark.read.parquet(f"s3a://{name}/t/data").collect()) == list(range(100))
+        assert any(k.startswith("t/data/part-") and k.endswith(".parquet") for k in s3_server.keys(f"{bucket}/t/data"))
+        jvm = spark.sparkContext._jvm
+        src = jvm.org.apache.hadoop.fs.Path(f"s3a://{name}/t/data")
+        fs = src.getFileSystem(hadoop_conf)
+        assert fs.getClass().getName() == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+        assert fs.rename(src, jvm.org.apache.hadoop.fs.Path(f"s3a://{name}/t/moved"))
+        assert spark.read.parquet(f"s3a://{name}/t/moved").count() == 100
+        assert not s3_server.keys(f"{bucket}/t/data/")
+    finally:
+        for key in settings:
+            hadoop_conf.unset(f"fs.s3a.bucket.{name}.{key}")
