@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
+from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
 from airflow_arroyo.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
@@ -212,7 +212,8 @@ class PipelineDriver:
 
     def _transactional_sinks(self) -> dict[str, TransactionalSink]:
         return {s.name: sink for s in self.graph.stages if s.output is None
-                if (sink := transactional_sink(self.pipeline_id, s)) is not None}
+                if (sink := transactional_sink(self.pipeline_id, s, self.layout.fs.child(
+                    f"{self.layout.stage_dir(s.name)}/staging"))) is not None}
 
     def _plan_chains(self) -> None:
         """Ask Spark's analyzer about the stages (composed, no query started); warn of a watermark that a
@@ -500,6 +501,7 @@ class PipelineDriver:
         prepared folders are discarded if it or a preparation fails), then roll forward: switch the
         checkpoints, ``roll_channel(name, channel, position)`` each channel to right after its barrier, roll
         the sinks back to their cuts. Each step is reported to ``on_step``."""
+        self._check_public_output(epoch, sink_cuts)
         self._step("verified")
         prepared: list[PreparedRestore] = []
         try:
@@ -530,6 +532,23 @@ class PipelineDriver:
         self.restored_from_epoch = epoch
         self._step("restored")
         return prepared
+
+    def _check_public_output(self, epoch: int, sink_cuts: dict[str, int]) -> None:
+        """Before the commit point: refuse a restore that would take back output a sink already made public and
+        cannot take back (a Kafka topic), naming the sink and the epochs whose output is public."""
+        for name, sink in self.sinks.items():
+            public = sink.public_after(sink_cuts[name])
+            if public is None:
+                continue
+            later = [e.epoch for e in self.store.list_epochs(self.pipeline_id, limit=10_000)
+                     if e.epoch > epoch and e.outcome in (EpochState.COMPLETED, EpochState.SUPERSEDED)
+                     and self._sink_cuts(e.epoch).get(name, public + 1) <= public]
+            raise ConfigurationError(
+                f"restoring epoch {epoch} would take back output sink {name!r} already made public "
+                f"({sink.uri}): the output of epoch(s) {', '.join(map(str, sorted(later))) or '?'} (its batches "
+                f"{sink_cuts[name] + 1}..{public}) is committed and readers may have acted on it. Restore epoch "
+                f"{max(later, default=epoch)} or later, or allow the sink to emit that output again "
+                "(KafkaTarget(allow_reemit=True))")
 
     def _restore_fork(self, source: PipelineRecord, epoch: int) -> None:
         """A fork's first run: restore ``epoch`` of ``source`` (the fork point) into this pipeline.

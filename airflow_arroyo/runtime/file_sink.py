@@ -299,6 +299,10 @@ class TransactionalFileSink:
         log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
                  self.pipeline_id, self.stage, batch_id, dropped)
 
+    def public_after(self, batch_id: int) -> int | None:  # noqa: ARG002 - the protocol's signature
+        """None: a rollback takes back whatever was committed after ``batch_id`` (readers see it go)."""
+        return None
+
     def trim_through(self, batch_id: int) -> None:
         """Nothing to forget: committed files are the sink's output, and a rollback deletes by batch id."""
 

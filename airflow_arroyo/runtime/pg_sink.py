@@ -613,6 +613,10 @@ class TransactionalPostgresSink:
         cur.execute(sql.SQL("DELETE FROM {u} WHERE {b} > %s").format(u=self._ident(self._undo_name), b=batch), (to,))
         return deleted + restored
 
+    def public_after(self, batch_id: int) -> int | None:  # noqa: ARG002 - the protocol's signature
+        """None: a rollback takes back whatever was committed after ``batch_id`` (readers see it go)."""
+        return None
+
     def trim_through(self, batch_id: int) -> None:
         """Forget how to undo batches ``<= batch_id`` (no restore can go behind the epoch that cut there)."""
 

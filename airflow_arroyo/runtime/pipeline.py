@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS
+from airflow_arroyo.runtime.kafka_sink import KafkaTarget
 from airflow_arroyo.runtime.pg_sink import PostgresTarget
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class StageSpec:
     sink_format: str | None = None  # sinks: a batch writer format, e.g. "parquet"
     sink_options: Mapping[str, str] = field(default_factory=dict)
     postgres: PostgresTarget | None = None  # sinks: an exactly-once PostgreSQL table
+    kafka: KafkaTarget | None = None  # sinks: an exactly-once Kafka topic
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
     chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
 
@@ -211,14 +213,15 @@ class Pipeline:
 
     def sink(self, name: str, inputs: Sequence[Stream | str], *, foreach_batch: ForeachBatchFn | None = None,
              format: str | None = None, options: Mapping[str, str] | None = None,
-             postgres: PostgresTarget | None = None, transform: TransformFn | None = None,
-             output_mode: Literal["append", "update", "complete"] = "append",
+             postgres: PostgresTarget | None = None, kafka: KafkaTarget | None = None,
+             transform: TransformFn | None = None, output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
              spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
-        Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``) or a
-        ``postgres=PostgresTarget(table=..., dsn_env=..., mode="append"|"upsert", key=(...))``.
+        Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``), a
+        ``postgres=PostgresTarget(table=..., dsn_env=..., mode="append"|"upsert", key=(...))`` or a
+        ``kafka=KafkaTarget(topic=..., bootstrap_servers=...)``.
         ``transform`` (default: the single input as is) shapes what is written.
 
         A file format (``parquet``, ``orc``, ``json``, ``csv``, ``text``; ``options={"path": ...}``) is
@@ -226,7 +229,9 @@ class Pipeline:
         and a restore rolls the folder back to the restored epoch
         (:mod:`~airflow_arroyo.runtime.file_sink`). So is a PostgreSQL table: rows are staged per
         micro-batch from the executors and committed in one transaction per epoch; a restore rolls the
-        table back (:mod:`~airflow_arroyo.runtime.pg_sink`). ``foreach_batch`` and other formats are
+        table back (:mod:`~airflow_arroyo.runtime.pg_sink`). So is a Kafka topic: each epoch's output is
+        produced in one Kafka transaction when the epoch completes, which a ``read_committed`` consumer sees
+        whole or not at all (:mod:`~airflow_arroyo.runtime.kafka_sink`). ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
         ``chain=False`` keeps a channel before the sink when the pipeline chains.
         """
@@ -234,7 +239,7 @@ class Pipeline:
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
             foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
-            spark_conf=dict(spark_conf or {}), chain=chain,
+            kafka=kafka, spark_conf=dict(spark_conf or {}), chain=chain,
         )
         self._add(spec)
 
@@ -374,11 +379,19 @@ def _check_sink(s: StageSpec) -> None:
     """A sink has exactly one usable target, and one input unless a transform combines them."""
     if s.fn is not None and not callable(s.fn):
         raise PipelineGraphError(f"sink {s.name!r}: transform must be callable, got {s.fn!r}")
-    if [s.foreach_batch, s.sink_format, s.postgres].count(None) != 2:
+    if [s.foreach_batch, s.sink_format, s.postgres, s.kafka].count(None) != 3:
         raise PipelineGraphError(
             f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)>, "
-            "format='<batch writer format>' (with options={'path': ...}) or postgres=PostgresTarget(...)"
+            "format='<batch writer format>' (with options={'path': ...}), postgres=PostgresTarget(...) or "
+            "kafka=KafkaTarget(...)"
         )
+    if s.kafka is not None:
+        if not isinstance(s.kafka, KafkaTarget):
+            raise PipelineGraphError(f"sink {s.name!r}: kafka= takes a KafkaTarget(topic=..., bootstrap_servers=...), "
+                                     f"got {s.kafka!r}")
+        problem = s.kafka.problem()
+        if problem:
+            raise PipelineGraphError(f"sink {s.name!r}: {problem}")
     if s.postgres is not None:
         if not isinstance(s.postgres, PostgresTarget):
             raise PipelineGraphError(f"sink {s.name!r}: postgres= takes a PostgresTarget(table=..., ...), "

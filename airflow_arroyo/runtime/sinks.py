@@ -3,8 +3,9 @@ a sink stage gets.
 
 A sink stage *pre-commits* each micro-batch (:meth:`TransactionalSink.write_batch`); the driver
 *commits* every batch up to the sink's cut when an epoch completes, *rolls back* to a restored epoch's
-cut, and *trims* what no restore can need. Two kinds exist: files
-(:mod:`~airflow_arroyo.runtime.file_sink`) and PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`).
+cut, and *trims* what no restore can need. Three kinds exist: files
+(:mod:`~airflow_arroyo.runtime.file_sink`), PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`) and
+Kafka topics (:mod:`~airflow_arroyo.runtime.kafka_sink`).
 Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from airflow_arroyo.fs import FileSystem
     from airflow_arroyo.runtime.pipeline import StageSpec
     from airflow_arroyo.store.records import FencingToken
 
@@ -69,12 +71,20 @@ class TransactionalSink(Protocol):
     def trim_through(self, batch_id: int) -> None:
         """Forget what is kept only to roll back batches ``<= batch_id``."""
 
+    def public_after(self, batch_id: int) -> int | None:
+        """Read-only, before a restore's commit point: the newest batch after ``batch_id`` whose output readers
+        have seen and a rollback cannot take back (None: a rollback to ``batch_id`` is possible)."""
 
-def transactional_sink(pipeline_id: str, spec: StageSpec) -> TransactionalSink | None:
-    """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one."""
+
+def transactional_sink(pipeline_id: str, spec: StageSpec, staging: FileSystem) -> TransactionalSink | None:
+    """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one. ``staging``: the folder a
+    sink that stages its pre-commits in storage writes them to (the stage's own)."""
     from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
+    from airflow_arroyo.runtime.kafka_sink import TransactionalKafkaSink
     from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
 
+    if spec.kafka is not None:
+        return TransactionalKafkaSink(pipeline_id, spec.name, spec.kafka, staging)
     if spec.postgres is not None:
         return TransactionalPostgresSink(pipeline_id, spec.name, spec.postgres)
     if spec.sink_format in FILE_SINK_FORMATS:
