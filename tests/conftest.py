@@ -159,3 +159,21 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield session
     finally:
         session.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[Any]:
+    """One Kafka broker (single-node KRaft on loopback, ``airflow_arroyo.devtools.kafka.KafkaBroker``) for the
+    session, started by the first test that asks for it; its jars are the ones ``scripts/dev.sh`` resolves."""
+    from airflow_arroyo.devtools.kafka import KafkaBroker
+    from airflow_arroyo.jvm import artifacts
+
+    if not artifacts.resolved(artifacts.KAFKA):
+        pytest.fail(f"the Kafka broker's jars are not resolved in {artifacts.jar_folder(artifacts.KAFKA)}: "
+                    "run scripts/dev.sh setup")
+    broker = KafkaBroker()
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.cleanup()
