@@ -105,6 +105,13 @@ SQL_RECENT = (
     "   ORDER BY x.epoch DESC LIMIT %(window)s) e"
     " ORDER BY e.pipeline_id, e.epoch DESC"
 )
+#: The fork point of each fork among the pipelines (a fork that has not completed an epoch of its own still
+#: needs it; a missing row is a fork point no longer recorded).
+SQL_FORK_POINTS = (
+    f"SELECT p.pipeline_id AS fork_id, {_EPOCH_COLS} FROM arroyo_pipelines p"  # noqa: S608 - constant columns
+    " JOIN arroyo_epochs e ON e.pipeline_id = p.forked_from_pipeline AND e.epoch = p.forked_from_epoch"
+    " WHERE p.pipeline_id = ANY(%(ids)s::text[])"
+)
 SQL_LIVE_LOCKS = (
     "SELECT * FROM arroyo_cleanup_locks"
     " WHERE pipeline_id = ANY(%(ids)s::text[]) AND expires_at > clock_timestamp()"
@@ -125,14 +132,15 @@ SQL_EPOCH = (
     " WHERE e.pipeline_id = %(p)s AND e.epoch = %(epoch)s"
 )
 #: Flink's checkpoint summary: counts, and p50/p99 (nearest rank, as airflow_arroyo.summary.percentile)
-#: of the duration and size of every successful checkpoint (pruned ones included: they completed).
+#: of the duration and size of every successful checkpoint. Counted by outcome, which pruning keeps: a
+#: pruned epoch still completed, failed or expired.
 SQL_SUMMARY = (
-    "WITH e AS (SELECT state, extract(epoch FROM ended_at - triggered_at)::float8 AS duration_s,"
+    "WITH e AS (SELECT outcome, extract(epoch FROM ended_at - triggered_at)::float8 AS duration_s,"
     " bytes_total::float8 AS size, outcome IS NOT DISTINCT FROM 'completed' AS ok"
     " FROM arroyo_epochs WHERE pipeline_id = %(p)s)"
     " SELECT count(*) FILTER (WHERE ok) AS completed,"
-    " count(*) FILTER (WHERE state = 'failed') AS failed,"
-    " count(*) FILTER (WHERE state = 'expired') AS expired,"
+    " count(*) FILTER (WHERE outcome = 'failed') AS failed,"
+    " count(*) FILTER (WHERE outcome = 'expired') AS expired,"
     " percentile_disc(0.5) WITHIN GROUP (ORDER BY duration_s) FILTER (WHERE ok) AS duration_p50_s,"
     " percentile_disc(0.99) WITHIN GROUP (ORDER BY duration_s) FILTER (WHERE ok) AS duration_p99_s,"
     " percentile_disc(0.5) WITHIN GROUP (ORDER BY size) FILTER (WHERE ok AND size IS NOT NULL) AS size_p50,"
@@ -166,6 +174,7 @@ class PipelineOverview:
     in_flight: EpochRecord | None = None
     recent: list[EpochRecord] = field(default_factory=list)  # newest first, at most RECENT_WINDOW
     cleanup_lock: CleanupLockRecord | None = None  # an unexpired lease, if any
+    fork_point: EpochRecord | None = None  # a fork's: the epoch of its source it starts from
 
     @property
     def consecutive_failures(self) -> int:
@@ -350,11 +359,15 @@ class StoreReader:
             recent.setdefault(r["pipeline_id"], []).append(from_row(EpochRecord, r))
         cur.execute(SQL_LIVE_LOCKS, params)
         locks = {r["pipeline_id"]: from_row(CleanupLockRecord, r) for r in cur.fetchall()}
+        fork_points: dict[str, EpochRecord] = {}
+        if any(p.forked_from_pipeline is not None for p in pipelines):
+            cur.execute(SQL_FORK_POINTS, params)
+            fork_points = {r["fork_id"]: from_row(EpochRecord, r) for r in cur.fetchall()}
         return [
             PipelineOverview(
                 pipeline=p, now=now, last_completed=last_completed.get(p.pipeline_id),
                 in_flight=in_flight.get(p.pipeline_id), recent=recent.get(p.pipeline_id, []),
-                cleanup_lock=locks.get(p.pipeline_id),
+                cleanup_lock=locks.get(p.pipeline_id), fork_point=fork_points.get(p.pipeline_id),
             )
             for p in pipelines
         ]

@@ -345,7 +345,9 @@ def _epoch_context(detail: EpochDetail) -> dict[str, Any]:
         "duration_s": end_s if end_s is not None else (
             (detail.now - e.triggered_at).total_seconds() if e.state is EpochState.TRIGGERED else None),
         "chart": charts.timeline_chart(timings, epoch_end_s=end_s,
-                                       epoch_end_label=f"{e.state.value} after {format.duration_human(end_s)}"
+                                       # how it ended: a pruned epoch's page says when it was pruned
+                                       epoch_end_label=f"{(e.outcome or e.state).value} after "
+                                                       f"{format.duration_human(end_s)}"
                                        if end_s is not None else ""),
         "in_flight": e.state is EpochState.TRIGGERED,
         "refresh_s": REFRESH_S if e.state is EpochState.TRIGGERED else None,

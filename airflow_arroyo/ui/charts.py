@@ -133,8 +133,8 @@ def _duration_scale(ordered: Sequence[EpochRecord], durations: Sequence[float | 
     """Ticks for the duration panel. Ended epochs that did not expire set the scale: an expired
     epoch lasts a whole timeout and an in-flight one is still growing, so when other epochs exist
     their bars are clipped and marked instead of flattening every other bar."""
-    basis = [d for e, d in zip(ordered, durations, strict=True)
-             if d is not None and e.state not in (EpochState.EXPIRED, EpochState.TRIGGERED)]
+    basis = [d for e, d in zip(ordered, durations, strict=True)  # by outcome: a pruned epoch expired too
+             if d is not None and (e.outcome or e.state) not in (EpochState.EXPIRED, EpochState.TRIGGERED)]
     if not basis:
         basis = [d for d in durations if d is not None]
     return duration_ticks(max(basis or [1.0]))

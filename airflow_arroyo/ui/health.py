@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.store.reads import PipelineOverview
 from airflow_arroyo.ui.format import duration_human, timestamp
 
@@ -159,8 +159,21 @@ def _stopping(overview: PipelineOverview, _: HealthThresholds) -> Finding | None
     return Finding("stopping", Severity.INFO, f"a {p.stop_requested} stop was requested")
 
 
+def _fork_point_gone(overview: PipelineOverview, _: HealthThresholds) -> Finding | None:
+    """A fork that has not completed an epoch of its own starts from its fork point: pruned, it cannot start."""
+    p = overview.pipeline
+    if p.forked_from_pipeline is None or p.forked_from_epoch is None or overview.last_completed is not None:
+        return None
+    point = overview.fork_point
+    if point is not None and point.state not in (EpochState.PRUNING, EpochState.PRUNED):
+        return None
+    return Finding("fork_point", Severity.CRITICAL,
+                   f"its fork point, epoch {p.forked_from_epoch} of {p.forked_from_pipeline}, was pruned: this fork "
+                   "cannot start; fork again from a completed epoch (airflow-arroyo fork)")
+
+
 _RULES: tuple[Callable[[PipelineOverview, HealthThresholds], Finding | None], ...] = (
-    _failed, _failing, _overdue, _timed_out, _heartbeat, _cleanup, _stopping)
+    _failed, _failing, _overdue, _timed_out, _heartbeat, _cleanup, _stopping, _fork_point_gone)
 
 
 def worst(findings: list[Finding]) -> Severity:
