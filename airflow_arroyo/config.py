@@ -50,8 +50,9 @@ OPTIONS: dict[str, Option] = {
     "storage_uri": Option(
         "", "string",
         "Root of the pipelines' channels and snapshots (a local path, file://, s3://, gs://, abfs://... "
-        "URI) handed to the driver when a SubmitPipelineOperator names none. Empty: the pipeline's own "
-        "default; the example DAG then uses $AIRFLOW_HOME/arroyo-data.",
+        "URI) handed to the driver when a SubmitPipelineOperator names none. Empty: none is handed over, and "
+        "the driver needs ARROYO_STORAGE_URI in its environment (a pipeline has no storage of its own); the "
+        "example DAG then uses $AIRFLOW_HOME/arroyo-data.",
         "s3://bucket/arroyo",
     ),
     "submit_log_dir": Option(

@@ -299,8 +299,8 @@ class SubmitPipelineOperator(BaseOperator):
     :param takeover: supersede a run that is still registered (its driver is known to be dead).
     :param run_id: id of this run (default ``<dag_id>.<dag run id>.try<n>``).
     :param restore_from: ``"latest"``, an epoch number, or None for a fresh start.
-    :param storage_uri: root of the pipeline's channels and snapshots (default ``[arroyo] storage_uri``,
-        else the pipeline's own).
+    :param storage_uri: root of the pipeline's channels and snapshots (default ``[arroyo] storage_uri``;
+        without either, the driver needs ``ARROYO_STORAGE_URI`` in its environment).
     :param checkpoint_uri: root of the stages' Spark checkpoints, when not under ``storage_uri``
         (default ``[arroyo] checkpoint_uri``; see docs/runtime.md, "Object storage").
     :param conn_id: Airflow connection of the epoch store (default ``[arroyo] conn_id``).
