@@ -97,19 +97,24 @@ class EmbeddedAirflow:
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.home / "standalone.log"
         self._token: str | None = None
+        # set when something failed: the temporary home, with the log the messages pointed at, is kept
+        self.failed = False
 
     # ------------------------------------------------------------------ life cycle
 
     def __enter__(self) -> EmbeddedAirflow:
         try:
             self.start()
-        except BaseException:
+        except BaseException as exc:
+            self.failed = self.failed or not isinstance(exc, KeyboardInterrupt)
             self.stop()
             raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            self.failed = True
         self.stop()
 
     def start(self) -> None:
@@ -192,7 +197,11 @@ class EmbeddedAirflow:
                     self.pg.cleanup()
                 self.pg = None
             if self._own_home and not self.settings.keep_home:
-                shutil.rmtree(self.home, ignore_errors=True)
+                if self.failed:
+                    _say(f"kept {self.home} for reading what failed (airflow standalone's log: {self.log_path}; "
+                         f"task logs: {self.home / 'logs'}); delete it when done")
+                else:
+                    shutil.rmtree(self.home, ignore_errors=True)
 
     def _stop_pipelines(self, timeout: float = 60.0) -> None:
         """Ask every live pipeline to stop (graceful, then immediate) and wait for it."""
@@ -469,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             state = airflow.wait_run(EXAMPLE_DAG, run_id, timeout=args.minutes * 60 + 300, on_poll=follower)
             follower()
             _say(f"DAG run {run_id}: {state}; tasks: {airflow.task_instances(EXAMPLE_DAG, run_id)}")
+            airflow.failed = state != "success"
             _say(f"{follower.completed} epochs completed")
             if args.stay:
                 _say(f"Airflow stays up at {airflow.base_url}; press Ctrl-C to stop")
