@@ -32,10 +32,13 @@ _AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.operators", "airflo
                      "airflow_arroyo.metrics", "airflow_arroyo.config", "airflow_arroyo.provider"]
 # Neither: development tools (a throwaway PostgreSQL, airflow standalone, a Spark cluster for tests).
 _TOOLS = ["airflow_arroyo.devtools"]
+# Modules inside a package above that its package does not import, Airflow-free all the same: the JVM artifacts
+# (read where Spark starts), and the Kafka broker the tests and the demo run beside Spark.
+_AIRFLOW_FREE_INNER = ["airflow_arroyo.jvm.artifacts", "airflow_arroyo.devtools.kafka"]
 
 
 def _spark_side_modules() -> list[str]:
-    mods = list(_AIRFLOW_FREE_TOP)
+    mods = [*_AIRFLOW_FREE_TOP, *_AIRFLOW_FREE_INNER]
     for package in (airflow_arroyo.store, airflow_arroyo.runtime, airflow_arroyo.examples):
         mods.append(package.__name__)
         mods += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]

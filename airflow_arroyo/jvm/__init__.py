@@ -63,8 +63,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.jvm import artifacts
-
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -168,6 +166,9 @@ def _artifact_conf(given: Mapping[str, str], out: dict[str, str]) -> dict[str, s
     """``out`` with the resolved jars of :data:`artifacts.SPARK` (Kafka connector, S3A) in ``spark.jars``, after the
     user's entries and the provider's jar where ``out`` has it: executors fetch them from the driver, and in client
     and local mode spark-submit puts them on the driver's class path. Unchanged when they are not resolved."""
+    # imported here: `python -m airflow_arroyo.jvm.artifacts` runs that module, which must not be imported first
+    from airflow_arroyo.jvm import artifacts
+
     jars = artifacts.resolved_jars(artifacts.SPARK)
     if not jars:
         return out

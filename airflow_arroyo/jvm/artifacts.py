@@ -194,17 +194,20 @@ def resolve(name: str = SPARK, *, mvn: str | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m airflow_arroyo.jvm.artifacts [resolve]``: print the sets' coordinates and the settings for
-    YARN and Kubernetes, or resolve the sets that are missing."""
+    """``python -m airflow_arroyo.jvm.artifacts [show | resolve [SET ...]]``: print the sets' coordinates and the
+    settings for YARN and Kubernetes, or resolve the sets named (default: all) that are missing."""
     parser = argparse.ArgumentParser(prog="python -m airflow_arroyo.jvm.artifacts", description=main.__doc__)
     parser.add_argument("action", nargs="?", choices=["show", "resolve"], default="show")
+    parser.add_argument("sets", nargs="*", metavar="SET", help=f"with resolve: {', '.join(SETS)} (default: all)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.sets) - set(SETS))
+    if unknown:
+        parser.error(f"no set {', '.join(unknown)}: the sets are {', '.join(SETS)}")
     if args.action == "resolve":
-        for name in SETS:
-            already = resolved(name)
-            folder = resolve(name)
-            state = "resolved" if already else "resolved now"
-            print(f"{name}: {state} in {folder} ({len(list(folder.glob('*.jar')))} jars)", file=sys.stderr)
+        for name in args.sets or SETS:
+            if not resolved(name):
+                folder = resolve(name)
+                print(f"{name}: resolved {len(list(folder.glob('*.jar')))} jars into {folder}", file=sys.stderr)
         return 0
     for name in SETS:
         state = f"resolved in {jar_folder(name)}" if resolved(name) else "not resolved (scripts/dev.sh setup)"

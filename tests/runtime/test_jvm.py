@@ -409,3 +409,27 @@ def test_s3a_writes_reads_and_renames_on_a_real_s3_api(spark: Any, bucket: str, 
     finally:
         for key in settings:
             hadoop_conf.unset(f"fs.s3a.bucket.{name}.{key}")
+
+
+def test_a_set_is_resolved_once_per_version_of_its_pom_and_never_half(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve() runs Maven only without the pom's stamp, and a failed run leaves the folder as it was (no stamp,
+    no staging folder), so that a half-copied folder never counts as resolved. A stand-in for mvn records its
+    calls and copies one jar."""
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    mvn = tmp_path / "mvn"
+    mvn.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ -n "$FAIL_MVN" ] && exit 3\n'
+                   'for a; do case $a in -DoutputDirectory=*) touch "${a#-DoutputDirectory=}/x-1.0.jar";; esac; done\n')
+    mvn.chmod(0o755)
+    folder = artifacts.resolve(artifacts.SPARK, mvn=str(mvn))
+    assert folder == artifacts.jar_folder(artifacts.SPARK) and artifacts.resolved_jars() == [folder / "x-1.0.jar"]
+    assert f"-f {artifacts.pom(artifacts.SPARK)}" in calls.read_text()
+    artifacts.resolve(artifacts.SPARK, mvn=str(mvn))
+    assert len(calls.read_text().splitlines()) == 1  # stamped: not again
+    artifacts.stamp(artifacts.SPARK).unlink()  # as after a change of the pom
+    monkeypatch.setenv("FAIL_MVN", "1")
+    with pytest.raises(RuntimeError, match="failed"):
+        artifacts.resolve(artifacts.SPARK, mvn=str(mvn))
+    assert artifacts.resolved_jars() == [] and (folder / "x-1.0.jar").exists()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [".lock", artifacts.SPARK]
