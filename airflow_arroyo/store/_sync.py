@@ -46,6 +46,7 @@ from airflow_arroyo.exceptions import (
     IllegalTransitionError,
     LockLostError,
     StoreError,
+    TransientStoreError,
     UnknownEpochError,
     UnknownPipelineError,
 )
@@ -619,10 +620,17 @@ class EpochStore:
         """
         request = TickRequest(pipeline_id, policy, triggered_by=triggered_by, force=force, is_final=is_final,
                               watch=tuple(watch), self_contained=self_contained)
-        result = self.trigger_ticks([request])[0]
+        result = None
+        for _ in range(3):
+            # None only when the pipeline was registered between the batch's lock and its existence check
+            # (its row was not there to lock yet): tick again, now that it is
+            result = self.trigger_ticks([request])[0]
+            if result is not None:
+                break
         if isinstance(result, BaseException):
             raise result
-        assert result is not None  # waited for the lock: never skipped
+        if result is None:
+            raise TransientStoreError(f"pipeline {pipeline_id!r} kept changing under the tick; try again")
         return result
 
     def trigger_ticks(self, requests: Sequence[TickRequest]) -> list[TickResult | ArroyoError | None]:
