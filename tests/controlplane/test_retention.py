@@ -616,3 +616,69 @@ def test_bad_compaction_settings_are_refused(store: EpochStore, pipe: Pipeline, 
     with pytest.raises(ConfigurationError, match="compact_"):
         prune(store, **kwargs)
     assert store.list_cleanup_runs("orders") == []
+
+
+# --------------------------------------------------------------------------- object references (issue 30, 6 a)
+
+
+def test_pruning_deletes_pruned_epochs_object_references_and_keeps_what_retained_epochs_need(
+        store: EpochStore, pipe: Pipeline) -> None:
+    """~320 object references an epoch: a pruned epoch's go when it is pruned, not at compaction; the
+    retained epochs still verify, and the objects deleted are exactly those no retained epoch references."""
+    import hashlib
+    import random
+
+    from airflow_arroyo.runtime.layout import object_key
+    from airflow_arroyo.scrub import verify_pipeline
+
+    rng = random.Random(30)
+    content: dict[str, bytes] = {}  # key -> bytes, content-addressed as capture writes them
+
+    def new_object() -> str:
+        data = rng.randbytes(rng.randrange(1, 64))
+        key = object_key(hashlib.sha256(data).hexdigest())
+        content[key] = data
+        return key
+
+    written: set[str] = set()
+
+    def write(keys: list[str]) -> dict[str, int]:
+        written.update(keys)
+        for key in keys:
+            path = pipe.path(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content[key])
+        return {key: len(content[key]) for key in keys}
+
+    # incremental snapshots: each epoch keeps most of the previous one's objects and adds a few
+    live = {stage: [new_object() for _ in range(160)] for stage in pipe.stages}
+    epochs = []
+    for _ in range(6):
+        for stage in pipe.stages:
+            live[stage] = rng.sample(live[stage], 150) + [new_object() for _ in range(10)]
+        epochs.append(pipe.epoch({stage: write(keys) for stage, keys in live.items()}))
+    refs_per_epoch = {e: {entry.object_key for stage in pipe.stages
+                          for entry in store.snapshot_entries("orders", e, stage)} for e in epochs}
+    assert all(len(refs) == 320 for refs in refs_per_epoch.values())
+
+    report = prune(store, policy=RetentionPolicy(keep_last=2), compact_after=None)
+
+    pruned, kept = epochs[:4], epochs[4:]
+    assert report.epochs_pruned == pruned and report.kept == kept
+    # the pruned epochs hold no object reference any more: compaction is not needed for that
+    assert sql(store, "SELECT count(*) FROM arroyo_epoch_objects WHERE pipeline_id = %s AND epoch = ANY(%s)",
+               ("orders", pruned))[0][0] == 0
+    # the objects retention deleted are exactly those no retained epoch references ...
+    retained_refs = set().union(*(refs_per_epoch[e] for e in kept))
+    gone = {key for key in written if not pipe.path(key).exists()}
+    assert gone == written - retained_refs
+    assert report.objects_deleted == len(gone) and report.objects_missing == 0
+    # ... and the store forgot them, and nothing else
+    known = {r[0] for r in sql(store, "SELECT object_key FROM arroyo_objects WHERE pipeline_id = %s", ("orders",))}
+    assert known == retained_refs
+    # every retained epoch still verifies, object by object
+    for epoch in kept:
+        scrub = verify_pipeline(store, "orders", epoch=epoch)
+        assert scrub.ok and scrub.objects_total == 320 and epoch in scrub.restorable_epochs, scrub
+    whole = verify_pipeline(store, "orders")
+    assert whole.ok and whole.restorable_epochs == kept
