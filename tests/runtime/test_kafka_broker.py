@@ -12,8 +12,6 @@ import pytest
 
 from airflow_arroyo.devtools.kafka import KafkaBroker
 
-pytestmark = pytest.mark.spark
-
 
 def _topic(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
@@ -70,6 +68,7 @@ def test_aborted_and_open_transactions_are_invisible_to_read_committed(kafka_bro
     assert values(read_committed=True) == ["c1", "c2", "c3", "o1", "o2", "o3"]
 
 
+@pytest.mark.spark
 def test_spark_reads_every_partition_in_a_batch_and_a_stream(kafka_broker: KafkaBroker, spark: Any) -> None:
     """Spark's Kafka source (``spark-sql-kafka``, from the jars the provider hands to a local master) reads the
     broker's topic: a batch read and a streaming query into the memory sink get every partition's rows."""
