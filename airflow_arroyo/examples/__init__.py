@@ -13,7 +13,8 @@ from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
 
 __all__ = [
     "OUTPUT_CHANNEL", "PG_REPORT_DDL", "PG_REPORT_STAGE", "PG_TOTALS_DDL", "PG_TOTALS_STAGE", "SINK_STAGE",
-    "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "stateful_ops", "totals_of",
+    "STATEFUL_OUTPUTS", "demo", "expected_report", "expected_stateful", "expected_totals", "kafka_order",
+    "kafka_orders", "stateful_ops", "totals_of",
 ]
 
 
