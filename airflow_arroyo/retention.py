@@ -9,8 +9,8 @@ is the I/O around it, in the order that keeps every retained epoch restorable::
       ──> truncate each channel before its low watermark
       ──> finish_prune (epochs -> pruned, bytes freed)
       ──> compact (``compact_after``: delete the history before the newest lease release older than
-          that horizon, the epochs pruned before it with their acks, and the cleanup runs that ended
-          by it, in batches of ``compact_batch`` rows, each a short transaction under the lease)
+          that horizon, the epochs pruned before it with their acks and sink commits, and the cleanup
+          runs that ended by it, in batches of ``compact_batch`` rows, each a short transaction under the lease)
       ──> release the lease
       ──> scrub for at most ``scrub_budget`` seconds (:mod:`airflow_arroyo.scrub`; no lease needed: it reads)
 
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 #: tables stay flat. ``compact_after=None`` turns compaction off.
 DEFAULT_COMPACT_AFTER = timedelta(days=7)
 DEFAULT_COMPACT_BATCH = 1000
-_COMPACTED_TABLES = ("history", "epochs", "cleanup_runs")
+_COMPACTED_TABLES = ("history", "sink_commits", "epochs", "cleanup_runs")  # sink commits before their epochs
 
 
 
@@ -194,7 +194,7 @@ class PruneReport:
     damaged_epochs: list[int] = field(default_factory=list)
     restorable_epochs: list[int] = field(default_factory=list)
     scrub: str | None = None  # the scrub's advice (or why it failed); None: no scrub asked for
-    # compaction (compact_after): rows deleted per table (history, epochs, cleanup_runs)
+    # compaction (compact_after): rows deleted per table (history, sink_commits, epochs, cleanup_runs)
     rows_compacted: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -1709,6 +1709,15 @@ class EpochStore:
         "epochs": "DELETE FROM arroyo_epochs WHERE pipeline_id = %(p)s AND epoch IN (SELECT epoch FROM arroyo_epochs"
                   " WHERE pipeline_id = %(p)s AND state = 'pruned' AND pruned_at < %(at)s ORDER BY pruned_at"
                   " LIMIT %(n)s)",
+        # the sink commits of the epochs "epochs" deletes (or deleted), before it: each sink's newest stays (the
+        # outlets' latest_sink_commit, a new watcher's start); a watcher further behind than the cut misses them
+        "sink_commits": "DELETE FROM arroyo_sink_commits WHERE seq IN (SELECT s.seq FROM arroyo_sink_commits s"
+                        " WHERE s.pipeline_id = %(p)s AND NOT EXISTS (SELECT 1 FROM arroyo_epochs e"
+                        "  WHERE e.pipeline_id = s.pipeline_id AND e.epoch = s.epoch"
+                        "  AND (e.state <> 'pruned' OR e.pruned_at >= %(at)s))"
+                        " AND s.epoch < (SELECT max(m.epoch) FROM arroyo_sink_commits m"
+                        "  WHERE m.pipeline_id = s.pipeline_id AND m.sink = s.sink)"
+                        " ORDER BY s.seq LIMIT %(n)s)",
         "history": "DELETE FROM arroyo_history WHERE pipeline_id = %(p)s AND seq IN (SELECT seq FROM arroyo_history"
                    " WHERE pipeline_id = %(p)s AND seq <= %(seq)s ORDER BY seq LIMIT %(n)s)",
         # every run up to the cut's has ended: the cut's run held the lease after them
@@ -1718,8 +1727,9 @@ class EpochStore:
     }
 
     def compact_batch(self, pipeline_id: str, cleanup_run: int, cut: CompactionCut, table: str, limit: int) -> int:
-        """Delete at most ``limit`` rows of ``table`` (``epochs``, ``history`` or ``cleanup_runs``) that
-        ``cut`` leaves behind, in one short transaction under the lease; returns how many went."""
+        """Delete at most ``limit`` rows of ``table`` (``sink_commits``, ``epochs``, ``history`` or
+        ``cleanup_runs``) that ``cut`` leaves behind, in one short transaction under the lease; returns how many
+        went."""
         sql = self._COMPACT_SQL.get(table)
         if sql is None:
             raise ConfigurationError(f"cannot compact {table!r}: choose one of {sorted(self._COMPACT_SQL)}")

@@ -682,3 +682,62 @@ def test_pruning_deletes_pruned_epochs_object_references_and_keeps_what_retained
         assert scrub.ok and scrub.objects_total == 320 and epoch in scrub.restorable_epochs, scrub
     whole = verify_pipeline(store, "orders")
     assert whole.ok and whole.restorable_epochs == kept
+
+
+# --------------------------------------------------------------------------- sink commits (issue 30, 6 c)
+
+
+def test_compaction_deletes_the_sink_commits_of_the_epochs_it_deletes_and_keeps_each_sinks_newest(
+        store: EpochStore, pipe: Pipeline) -> None:
+    """``arroyo_sink_commits`` (a row per sink per epoch) goes with its pruned epoch at compaction, except each
+    sink's newest commit (the outlets' ``latest_sink_commit`` and a new watcher's starting point); a watcher
+    reading by seq still sees every commit after its cursor that a retained epoch made."""
+    from airflow_arroyo.devtools.history import check_history
+
+    def commit(epoch: int, sink: str) -> int:
+        return store.record_sink_commit("orders", epoch, sink, uri=f"file:///out/{sink}", batch_id=epoch,
+                                        files=1, rows=10, bytes_committed=100).seq
+
+    def epochs_with_commits(n: int, sinks: tuple[str, ...] = ("files", "table")) -> list[int]:
+        out = []
+        for _ in range(n):
+            e = pipe.epoch({"src": {f"o{pipe.start_count()}": 10}})
+            for sink in sinks:
+                commit(e, sink)
+            out.append(e)
+        return out
+
+    def commits() -> dict[tuple[str, int], int]:
+        return {(c.sink, c.epoch): c.seq for c in store.sink_commits("orders", limit=1000)}
+
+    first = epochs_with_commits(1, ("files", "table", "retired"))  # 'retired' never commits again
+    first += epochs_with_commits(3)
+    r1 = prune(store, policy=RetentionPolicy(keep_last=1), compact_after=None)
+    assert r1.epochs_pruned == first[:3]
+    later = epochs_with_commits(2)
+    before = commits()
+    # compact behind r1's release: the epochs r1 pruned go, and their sink commits with them
+    r2 = prune(store, policy=RetentionPolicy(keep_last=1), compact_after=timedelta(0))
+    assert r2.epochs_pruned == [first[3], later[0]]
+    assert r2.rows_compacted["epochs"] == 3
+    kept = commits()
+    gone = {(sink, e) for sink in ("files", "table") for e in first[:3]}
+    assert set(before) - set(kept) == gone
+    assert r2.rows_compacted["sink_commits"] == len(gone)
+    # each sink's newest commit stays, whatever its epoch (the outlets publish it)
+    assert ("retired", first[0]) in kept
+    assert store.latest_sink_commit("orders", "retired") is not None
+    assert store.latest_sink_commit("orders", "files").epoch == later[1]  # type: ignore[union-attr]
+    # a watcher's cursor: what came after it is still there, in seq order
+    after = before[("table", first[2])]
+    assert [(c.sink, c.epoch) for c in store.sink_commits("orders", after_seq=after, limit=1000)] == sorted(
+        (k for k, seq in kept.items() if seq > after), key=kept.__getitem__)
+    check_history(store.dsn).assert_clean()
+
+    # the next compaction takes the epochs r2 pruned and their commits: the table stays flat
+    epochs_with_commits(2)
+    r3 = prune(store, policy=RetentionPolicy(keep_last=1), compact_after=timedelta(0))
+    assert r3.rows_compacted["sink_commits"] == 4  # files and table of first[3] and later[0]
+    with_rows = {e.epoch for e in store.list_epochs("orders")}
+    assert {(sink, e) for sink, e in commits() if e not in with_rows} == {("retired", first[0])}
+    check_history(store.dsn).assert_clean()
