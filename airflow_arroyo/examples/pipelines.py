@@ -257,12 +257,14 @@ def kafka_orders(
     output_topic: str = "orders-deduplicated",
     max_offsets_per_trigger: int | None = 500,
     chaining: bool | None = None,
+    allow_reemit: bool = False,
 ) -> Pipeline:
     """Kafka in, Kafka out, exactly once: orders (JSON values ``{"id", "key", "amount"}``, some delivered more
     than once, as at-least-once producers do) read with Spark's Kafka source, deduplicated by id (keyed state),
     written to ``output_topic`` by the exactly-once Kafka sink (each epoch's output in one Kafka transaction; a
     ``read_committed`` consumer sees every id once). The epoch's cut holds the source's offsets (Spark's
-    checkpoint), so a restore reads on from exactly there."""
+    checkpoint), so a restore reads on from exactly there. ``allow_reemit``: the sink's (a restore behind output
+    Kafka made public produces it again instead of being refused)."""
 
     def orders(spark: SparkSession) -> DataFrame:
         reader = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap_servers)
@@ -285,7 +287,7 @@ def kafka_orders(
     src = p.source("orders", orders)
     p.stage("unique_orders", first_of_each, inputs=[src])
     p.sink("orders_out", inputs=["unique_orders"], transform=to_kafka,
-           kafka=KafkaTarget(output_topic, bootstrap_servers))
+           kafka=KafkaTarget(output_topic, bootstrap_servers, allow_reemit=allow_reemit))
     return p
 
 

@@ -74,7 +74,8 @@ from airflow_arroyo.runtime.decisions import (
     sink_cuts,
     sinks_to_commit,
 )
-from airflow_arroyo.runtime.layout import StorageLayout
+from airflow_arroyo.runtime.kafka_offsets import KafkaSource, kafka_offsets, kafka_sources, lost_offsets
+from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.plan import (
     PhysicalPlan,
@@ -201,6 +202,7 @@ class PipelineDriver:
         self._epochs_seen: list[int] = []
         self.restored_from_epoch: int | None = None
         self._fork_source: PipelineRecord | None = None  # set when this run restores a fork's fork point
+        self._kafka_sources: list[KafkaSource] = []  # the pipeline's Kafka sources (from Spark's analyzed plans)
         self.started = threading.Event()  # set once every query runs (tests wait on it)
         # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
         self.sinks: dict[str, TransactionalSink] = self._transactional_sinks()
@@ -221,6 +223,8 @@ class PipelineDriver:
         pipeline, :meth:`_fuse`."""
         spark = self._session()
         frames = compose_stages(self.logical, spark)
+        self._kafka_sources = [k for s in self.logical.stages if s.kind is StageKind.SOURCE
+                               if (df := frames.get(s.name)) is not None for k in kafka_sources(df)]
         stateful = stateful_stages(self.logical, spark, frames)
         if self.pipeline.chains:
             self._fuse(stateful)
@@ -505,6 +509,8 @@ class PipelineDriver:
         self._step("verified")
         prepared: list[PreparedRestore] = []
         try:
+            if source is None:
+                self._check_kafka_offsets(epoch)
             for s in self.graph.stages:
                 prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source))
                 self._step(f"prepared:{s.name}")
@@ -532,6 +538,28 @@ class PipelineDriver:
         self.restored_from_epoch = epoch
         self._step("restored")
         return prepared
+
+    def _check_kafka_offsets(self, epoch: int) -> None:
+        """Before the commit point: refuse an epoch whose Kafka source offsets point at records the topics no
+        longer hold (:func:`~airflow_arroyo.runtime.kafka_offsets.lost_offsets`): restoring it would skip them."""
+        if not self._kafka_sources:
+            return
+        for s in self.graph.stages:
+            logs = sorted((int(e.rel_path.split("/")[1]), e.object_key)
+                          for e in self.store.snapshot_entries(self.pipeline_id, epoch, s.name)
+                          if re.fullmatch(r"offsets/\d+", e.rel_path))
+            if not logs:
+                continue
+            text = self.snapshots.fs.read_bytes(object_path(self.pipeline_id, logs[-1][1])).decode()
+            lost = lost_offsets(self._kafka_sources, kafka_offsets(text))
+            if lost:
+                problems = tuple(f"Kafka {x}" for x in lost)
+                raise UnrestorableEpochError(
+                    f"epoch {epoch} cannot be restored: stage {s.name!r} would resume reading Kafka from offsets the "
+                    f"topics no longer hold: {'; '.join(map(str, lost))}; their retention deleted those records, "
+                    "and restoring the epoch would skip them. Restore a later epoch, or start over (a new "
+                    "pipeline id or storage folder) if losing them is acceptable; nothing was changed",
+                    epoch=epoch, stage=s.name, problems=problems)
 
     def _check_public_output(self, epoch: int, sink_cuts: dict[str, int]) -> None:
         """Before the commit point: refuse a restore that would take back output a sink already made public and

@@ -117,3 +117,51 @@ def test_kafka_in_kafka_out_is_exactly_once_across_sigkills(store: EpochStore, k
     assert seen == Counter(sorted(produced)), (len(seen), len(produced))
     values = {json.loads(r.value)["id"]: json.loads(r.value) for r in kafka_broker.read_all(out)}
     assert all(values[i] == kafka_order(i) for i in produced)
+
+
+def test_an_epoch_whose_kafka_offsets_retention_deleted_is_refused_by_name(
+        spark: Any, store: EpochStore, kafka_broker: Any, tmp_path: Path) -> None:
+    """Issue 29, item 3: offsets a restore needs that the topic no longer holds are refused before anything
+    changes, naming the epoch, topic, partition and offsets, never skipped; a later epoch still restores."""
+    from confluent_kafka import TopicPartition
+
+    from airflow_arroyo.examples.pipelines import kafka_orders
+    from airflow_arroyo.exceptions import ConfigurationError, UnrestorableEpochError
+    from airflow_arroyo.runtime.driver import PipelineDriver
+    from airflow_arroyo.testing import run_until
+
+    pid = f"kr-{uuid.uuid4().hex[:8]}"
+    source, out = f"orders-{pid}", f"unique-{pid}"
+    kafka_broker.create_topic(source, partitions=2)
+    kafka_broker.create_topic(out, partitions=1)
+    produced = set(produce_orders(kafka_broker, source, range(300)))
+
+    def driver(*, allow_reemit: bool = False, **kwargs: Any) -> PipelineDriver:
+        pipeline = kafka_orders(pid, kafka_broker.bootstrap_servers, source, out, max_offsets_per_trigger=20,
+                                allow_reemit=allow_reemit)
+        return PipelineDriver(pipeline, store, storage_uri=str(tmp_path / "storage"), spark=spark, **kwargs)
+
+    run_until(driver(), store, lambda: len(output_ids(kafka_broker, out)) >= len(produced) and len(
+        [e for e in store.list_epochs(pid, limit=100) if e.outcome is not None]) >= 3, what="every order out",
+        interval=1.0)
+    completed = sorted(e.epoch for e in store.list_epochs(pid, limit=100) if e.state.value == "completed")
+    first, latest = completed[0], completed[-1]
+    # retention deletes partition 0's records before its end offset (as a topic's retention.ms would)
+    end = kafka_broker.end_offsets(source)[0]
+    admin = kafka_broker.admin()
+    admin.delete_records([TopicPartition(source, 0, end - 5)])[TopicPartition(source, 0, end - 5)].result(30)
+    # item 4 first: the output of the epochs after the first is public in Kafka, so restoring it is refused
+    with pytest.raises(ConfigurationError, match=rf"restoring epoch {first} would take back output sink .* "
+                                                 rf"already made public .*epoch\(s\) {first + 1}, .*allow_reemit"):
+        driver(restore_from=first, run_id="public").run()
+    with pytest.raises(UnrestorableEpochError, match=rf"epoch {first} cannot be restored: stage .* offsets the "
+                                                      rf"topics no longer hold: {source}\[0\] at offset \d+ \(the "
+                                                      rf"topic now starts at {end - 5}\)"):
+        driver(restore_from=first, run_id="lost", allow_reemit=True).run()
+    assert store.get_epoch(pid, first).unrestorable is not None
+    assert store.latest_completed_epoch(pid).epoch == latest  # nothing changed
+    # the latest epoch read partition 0 to its end: it still restores (stopped right after the restore)
+    later = driver(restore_from="latest", run_id="later")
+    run_until(later, store, lambda: True, what="the restored run", epochs=False)
+    assert store.get_pipeline(pid).restored_from_epoch == latest
+    assert output_ids(kafka_broker, out) == Counter(sorted(produced))  # the refused restores emitted nothing
