@@ -8,7 +8,9 @@
    ``dags/`` and ``plugins/``, connections ``arroyo_default`` (the store) and ``spark_default``
    (Spark ``local[2]``), an admin login, and a retention DAG that runs every few minutes;
 3. triggers ``example_streaming_pipeline`` through the REST API (a JWT from ``/auth/token``),
-   prints where to look, follows the epochs as they complete;
+   prints where to look, follows the epochs as they complete; with ``--kafka``, starts a Kafka broker on
+   loopback first (``devtools/kafka.py``), fills its ``orders`` topic and triggers ``example_kafka_pipeline``
+   instead, then reads the output topic as a ``read_committed`` consumer would;
 4. when the DAG run ends (after ``--epochs`` epochs or ``--minutes``), on Ctrl-C or at the
    deadline: stops the pipeline (gracefully, then immediately), stops Airflow (SIGINT to standalone,
    which stops its components; signals to its whole process group only if it does not exit), ends
@@ -440,7 +442,43 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stay", action="store_true",
                         help="after the DAG run, keep Airflow up for exploring until Ctrl-C")
     parser.add_argument("--no-trigger", action="store_true", help="start Airflow only; trigger nothing")
+    parser.add_argument("--kafka", action="store_true",
+                        help="run the Kafka example instead: a Kafka broker on loopback, orders in, deduplicated "
+                             "orders out exactly once (example_kafka_pipeline; --rows orders are produced)")
     return parser.parse_args(argv)
+
+
+KAFKA_DAG = "example_kafka_pipeline"
+KAFKA_PIPELINE_ID = "arroyo-kafka-demo"
+KAFKA_TOPICS = ("orders", "orders-deduplicated")
+
+
+@contextlib.contextmanager
+def _kafka_demo(home: Path, rows: int) -> Iterator[tuple[Any, dict[str, Any], int]]:
+    """A broker on loopback with the input topic holding ``rows`` orders (every tenth twice, as an
+    at-least-once producer leaves them): yields the broker, the DAG's conf and the number of distinct orders."""
+    from airflow_arroyo.devtools.kafka import KafkaBroker
+    from airflow_arroyo.examples.pipelines import kafka_order
+
+    with KafkaBroker(home / "kafka") as broker:
+        source, out = KAFKA_TOPICS
+        broker.create_topic(source, partitions=3)
+        broker.create_topic(out, partitions=3)
+        sent = [i for i in range(rows) for _ in range(2 if i % 10 == 0 else 1)]
+        broker.produce(source, [(f"k{i}", json.dumps(kafka_order(i))) for i in sent])
+        _say(f"Kafka broker at {broker.bootstrap_servers}: {len(sent)} orders ({rows} distinct) in topic {source!r}")
+        yield broker, {"bootstrap_servers": broker.bootstrap_servers, "input_topic": source, "output_topic": out}, rows
+
+
+def _kafka_result(broker: Any, distinct: int) -> bool:
+    """What a read_committed consumer sees in the output topic: every order once?"""
+    from collections import Counter
+
+    seen = Counter(json.loads(r.value)["id"] for r in broker.read_all(KAFKA_TOPICS[1], read_committed=True))
+    twice = sum(1 for n in seen.values() if n > 1)
+    _say(f"output topic {KAFKA_TOPICS[1]!r}, read_committed: {sum(seen.values())} records, {len(seen)} of "
+         f"{distinct} orders, {twice} twice")
+    return twice == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,20 +504,29 @@ def main(argv: list[str] | None = None) -> int:
                 _say("press Ctrl-C to stop")
                 _wait_forever(airflow)
                 return 0
-            conf = {"interval": args.interval, "epochs": args.epochs, "minutes": args.minutes, "rows": args.rows}
-            run_id = airflow.trigger(EXAMPLE_DAG, conf)
-            _say(f"triggered {EXAMPLE_DAG} run {run_id} with {json.dumps(conf)}")
-            _say(f"  DAG run:        {airflow.base_url}/dags/{EXAMPLE_DAG}/runs/{run_id}")
-            # inside Airflow's UI (as links.pipeline.pipeline_page_url builds it; that module imports Airflow)
-            _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{PIPELINE_ID}")
-            _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
-            _say("Ctrl-C stops everything")
-            follower = _EpochFollower(airflow.store_dsn, PIPELINE_ID)
-            state = airflow.wait_run(EXAMPLE_DAG, run_id, timeout=args.minutes * 60 + 300, on_poll=follower)
-            follower()
-            _say(f"DAG run {run_id}: {state}; tasks: {airflow.task_instances(EXAMPLE_DAG, run_id)}")
-            airflow.failed = state != "success"
-            _say(f"{follower.completed} epochs completed")
+            conf: dict[str, Any] = {"interval": args.interval, "epochs": args.epochs, "minutes": args.minutes}
+            dag_id, pipeline = (KAFKA_DAG, KAFKA_PIPELINE_ID) if args.kafka else (EXAMPLE_DAG, PIPELINE_ID)
+            with contextlib.ExitStack() as stack:
+                if args.kafka:
+                    broker, kafka_conf, distinct = stack.enter_context(_kafka_demo(airflow.home, args.rows))
+                    conf.update(kafka_conf)
+                else:
+                    conf["rows"] = args.rows
+                run_id = airflow.trigger(dag_id, conf)
+                _say(f"triggered {dag_id} run {run_id} with {json.dumps(conf)}")
+                _say(f"  DAG run:        {airflow.base_url}/dags/{dag_id}/runs/{run_id}")
+                # inside Airflow's UI (as links.pipeline.pipeline_page_url builds it; that module imports Airflow)
+                _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{pipeline}")
+                _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
+                _say("Ctrl-C stops everything")
+                follower = _EpochFollower(airflow.store_dsn, pipeline)
+                state = airflow.wait_run(dag_id, run_id, timeout=args.minutes * 60 + 300, on_poll=follower)
+                follower()
+                _say(f"DAG run {run_id}: {state}; tasks: {airflow.task_instances(dag_id, run_id)}")
+                _say(f"{follower.completed} epochs completed")
+                if args.kafka and not _kafka_result(broker, distinct):
+                    state = "duplicates in the output"
+                airflow.failed = state != "success"
             if args.stay:
                 _say(f"Airflow stays up at {airflow.base_url}; press Ctrl-C to stop")
                 _wait_forever(airflow)

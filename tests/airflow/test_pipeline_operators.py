@@ -347,17 +347,18 @@ def test_dag_submit_wait_for_epochs_stop(conns: EpochStore, test_dag: Any,
 # --------------------------------------------------------------------------- the example DAG
 
 
-def test_example_dag_shape_and_arguments() -> None:
-    """The example DAG parses, is wired run_for -> stop (always) with a supervised submit that nothing
-    waits for (it lasts the pipeline's life), and its pipeline arguments fit the demo pipeline's function."""
+@pytest.mark.parametrize("dag_id", ["example_streaming_pipeline", "example_kafka_pipeline"])
+def test_example_dag_shape_and_arguments(dag_id: str) -> None:
+    """The example DAGs parse, are wired run_for -> stop (always) with a supervised submit that nothing
+    waits for (it lasts the pipeline's life), and their pipeline arguments fit the pipeline's function."""
     import importlib
     import inspect
 
     from airflow.dag_processing.dagbag import DagBag
 
-    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags" / "example_streaming_pipeline.py"))
+    bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags" / f"{dag_id}.py"))
     assert bag.import_errors == {}
-    dag = bag.dags["example_streaming_pipeline"]
+    dag = bag.dags[dag_id]
     tasks = {t.task_id: t for t in dag.tasks}
     assert set(tasks) == {"submit", "checkpoints", "run_for", "stop"}
     assert tasks["submit"].downstream_task_ids == set() and tasks["checkpoints"].upstream_task_ids == set()
