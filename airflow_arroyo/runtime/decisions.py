@@ -9,7 +9,8 @@ PipelineDriver` reads the facts, asks, and applies the answer:
 * :func:`decide_stop` — every turn of the loop: keep running, stop now, or the next step of a graceful stop
   with a final epoch (start it, wait for it, retry it, finish with it, or give up on it);
 * :func:`epoch_to_commit` and :func:`sinks_to_commit` — when an epoch ends: which completed epoch's cuts the
-  exactly-once sinks commit, which commits to make (in the sinks' order) and how far they may forget.
+  exactly-once sinks commit, which commits to make (in the sinks' order) and how far they may forget;
+  :func:`epochs_still_to_commit`, which seen epochs the driver keeps for later commits.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "StopMode",
     "decide_stop",
     "epoch_to_commit",
+    "epochs_still_to_commit",
     "plan_restore",
     "sink_cuts",
     "sinks_to_commit",
@@ -241,6 +243,14 @@ def epoch_to_commit(committed: int, seen: Iterable[int], states: Mapping[int, Ep
     the state of each seen epoch after ``committed`` (an epoch missing there is not known to be completed)."""
     done = [e for e in seen if e > committed and states.get(e) is EpochState.COMPLETED]
     return max(done) if done else None
+
+
+def epochs_still_to_commit(committed: int, seen: Iterable[int], states: Mapping[int, EpochState]) -> list[int]:
+    """The epochs of ``seen`` a later :func:`epoch_to_commit` may still choose: after ``committed`` and not ended
+    otherwise than completed (``states``; one missing there is in flight). What a driver keeps between commits,
+    so that it holds the epochs since its last commit, not every epoch of the run."""
+    open_states = (EpochState.TRIGGERED, EpochState.COMPLETED)
+    return [e for e in seen if e > committed and states.get(e, EpochState.TRIGGERED) in open_states]
 
 
 def sink_cuts(pipeline_id: str, epoch: int, sinks: Iterable[str],

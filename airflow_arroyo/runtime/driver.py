@@ -39,6 +39,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,7 @@ from airflow_arroyo.runtime.decisions import (
     StopMode,
     decide_stop,
     epoch_to_commit,
+    epochs_still_to_commit,
     plan_restore,
     sink_cuts,
     sinks_to_commit,
@@ -112,6 +114,9 @@ EPOCH_READ_FALLBACK = 5.0
 # A registered run that has not heartbeated for this long is presumed dead: a new run takes it over.
 DEFAULT_STALE_AFTER = 30.0
 
+# How many of the newest epochs a run saw its result lists (DriverResult.epochs_seen; epochs_seen_count counts all).
+EPOCHS_SEEN_KEPT = 256
+
 
 @dataclass
 class DriverResult:
@@ -122,8 +127,9 @@ class DriverResult:
     state: PipelineState
     restored_from_epoch: int | None = None
     final_epoch: int | None = None
-    epochs_seen: list[int] = field(default_factory=list)
+    epochs_seen: list[int] = field(default_factory=list)  # the newest EPOCHS_SEEN_KEPT epochs it saw, oldest first
     failure_cause: str | None = None
+    epochs_seen_count: int = 0  # every epoch it saw
 
 
 @dataclass
@@ -199,7 +205,10 @@ class PipelineDriver:
         self.socket_paths: SocketPathPruner | None = None  # with the session: airflow_arroyo.jvm
         self._stop = threading.Event()
         self._stop_mode: StopMode | None = None
-        self._epochs_seen: list[int] = []
+        # the epochs this run saw: how many, the newest few, and those its sinks may still commit (not every one)
+        self._epochs_seen_count = 0
+        self._epochs_seen: deque[int] = deque(maxlen=EPOCHS_SEEN_KEPT)
+        self._epochs_to_commit: list[int] = []
         self.restored_from_epoch: int | None = None
         self._fork_source: PipelineRecord | None = None  # set when this run restores a fork's fork point
         self._kafka_sources: list[KafkaSource] = []  # the pipeline's Kafka sources (from Spark's analyzed plans)
@@ -835,7 +844,10 @@ class PipelineDriver:
         if in_flight is None or in_flight.epoch <= turn.last_seen or in_flight.run_id != self.run_id:
             return
         turn.last_seen = in_flight.epoch
+        self._epochs_seen_count += 1
         self._epochs_seen.append(in_flight.epoch)
+        if self.sinks:
+            self._epochs_to_commit.append(in_flight.epoch)
         log.info("pipeline=%s epoch=%s: triggered%s; injecting at the sources", self.pipeline_id,
                  in_flight.epoch, " (final)" if in_flight.is_final else "")
         for r in self.runners:
@@ -912,8 +924,9 @@ class PipelineDriver:
         if not self.sinks:
             return
         done = self._sinks_committed
-        states = {e: self.store.get_epoch(self.pipeline_id, e).state for e in self._epochs_seen if e > done}
-        epoch = epoch_to_commit(done, self._epochs_seen, states)
+        states = {e: self.store.get_epoch(self.pipeline_id, e).state for e in self._epochs_to_commit if e > done}
+        epoch = epoch_to_commit(done, self._epochs_to_commit, states)
+        self._epochs_to_commit = epochs_still_to_commit(done, self._epochs_to_commit, states)  # drop ended ones
         if epoch is None:
             return
         cuts = self._sink_cuts(epoch)
@@ -932,6 +945,7 @@ class PipelineDriver:
                     self.pipeline_id, epoch, commit.sink, uri=sink.uri, batch_id=commit.batch, files=result.files,
                     rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token)
         self._sinks_committed = epoch
+        self._epochs_to_commit = [e for e in self._epochs_to_commit if e > epoch]
         for trim in plan.trims:
             self.sinks[trim.sink].trim_through(trim.batch)
 
@@ -971,7 +985,7 @@ class PipelineDriver:
             self.pipeline_id, PipelineState.STOPPED, run_id=self.run_id, failure_cause=cause)
         log.info("pipeline=%s run=%s: stopped (final epoch %s)", self.pipeline_id, self.run_id, final_epoch)
         return DriverResult(self.pipeline_id, self.run_id, record.state, self.restored_from_epoch, final_epoch,
-                            list(self._epochs_seen), cause)
+                            list(self._epochs_seen), cause, self._epochs_seen_count)
 
 
 #: The longest failure cause the store keeps (its columns' cut).
