@@ -37,9 +37,13 @@ rollback transaction.
 
 Fencing: the progress row also holds ``generation``, the fencing token of the newest run that claimed
 or rolled back the sink (taken in that transaction). Every pre-commit (the driver's clearing and each
-partition's transaction, which share-locks the row) and every commit or rollback (which locks it) first
+partition's transaction, which share-locks the row), every commit, rollback and trim (which lock it) first
 compares it with its own and refuses with :class:`~airflow_arroyo.exceptions.FencedError` when a newer
-run took over: a superseded run that is still alive can neither stage nor commit anything.
+run took over: a superseded run that is still alive can neither stage, commit nor trim anything once the
+newer run claimed or rolled back the sink (its first write to the sink, before its queries start). A trim
+needs it too: a run stalled between its commit and its trim would trim through a batch id of its own,
+which a newer run that restored an older epoch re-uses for new batches, deleting the journal (or the
+pre-images) a later restore of that epoch needs.
 """
 
 from __future__ import annotations
@@ -625,6 +629,8 @@ class TransactionalPostgresSink:
             committed = self._progress(cur, lock=True)
             if committed is None:
                 return
+            # fenced like every write: a superseded run's floor is in its own batch ids, which a newer run re-uses
+            self._fence(cur, take=False, what=f"the trim of the journal through micro-batch {batch_id}")
             upto = min(batch_id, committed)
             for name in (self._pending_name, self._undo_name):
                 cur.execute(sql.SQL("DELETE FROM {} WHERE {} <= %s").format(self._ident(name), sql.Identifier(_BATCH)),

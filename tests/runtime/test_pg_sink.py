@@ -102,6 +102,49 @@ def test_append_commit_replay_rollback_and_trim(spark: Any, target_dsn: str) -> 
         sink.write_batch(batch(spark, b[2]), 2)
 
 
+
+@pytest.mark.parametrize("mode", ["append", "upsert"])
+def test_a_superseded_run_cannot_trim_the_journal_of_the_run_that_took_over(spark: Any, target_dsn: str,
+                                                                           mode: str) -> None:
+    """Issue 30, finding 6 e: every write of a fenced run is refused, trimming the staging tables included. A run
+    stalled between its commit and its trim (which it computed from the epochs it knew) woke up after a newer run
+    had restored an older epoch and re-used those batch ids: its trim deleted the new run's journal (append) or
+    pre-images (upsert), so a later restore of that epoch could not take the new batches back out."""
+    from airflow_arroyo.exceptions import FencedError
+    from airflow_arroyo.store import FencingToken
+
+    table, key = ("events", ()) if mode == "append" else ("totals", ("key",))
+
+    def rows(dsn: str) -> Counter[tuple[Any, ...]]:
+        return Counter(sql(dsn, f"SELECT id, key, amount FROM {table}"))  # noqa: S608 - the test's own tables
+
+    old = make(target_dsn, table, mode, key)
+    old.token = FencingToken("p1", "old", 1)
+    old.claim()
+    b: dict[int, list[tuple[int, str, int | None]]] = {i: [(i * 10 + j, f"k{j}", j) for j in range(3)]
+                                                       for i in range(3)}
+    for i in range(3):
+        old.write_batch(batch(spark, b[i], partitions=1), i)
+    old.commit_through(0)  # epoch 1 cut at batch 0
+    restorable = rows(target_dsn)
+    old.commit_through(2)  # epoch 2 cut at batch 2; the trim through epoch 1's cut comes next: the run stalls here
+
+    new = make(target_dsn, table, mode, key)
+    new.token = FencingToken("p1", "new", 2)
+    new.rollback_to(0)  # a takeover restoring epoch 1; its batches 1 and 2 are new data
+    n: dict[int, list[tuple[int, str, int | None]]] = {i: [(100 + i * 10 + j, f"k{j}", 100 + j) for j in range(3)]
+                                                       for i in (1, 2)}
+    for i in (1, 2):
+        new.write_batch(batch(spark, n[i], partitions=1), i)
+    new.commit_through(2)
+    assert rows(target_dsn) != restorable
+
+    with pytest.raises(FencedError, match="trim"):
+        old.trim_through(2)  # the old run wakes up
+    new.rollback_to(0)  # epoch 1 is still restorable: its restore takes the new batches back out
+    assert rows(target_dsn) == restorable
+
+
 def test_upsert_keeps_the_last_row_per_key_and_rolls_back_to_pre_images(spark: Any, target_dsn: str) -> None:
     sql(target_dsn, "INSERT INTO totals VALUES ('old', 1, NULL), ('k1', 5, NULL)")
     sink = make(target_dsn, "totals", mode="upsert", key=("key",))
