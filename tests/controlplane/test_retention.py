@@ -310,9 +310,10 @@ def test_pinning_refuses_what_cannot_be_restored_and_bad_labels(store: EpochStor
         with pytest.raises(ConfigurationError, match="pin label must be 1 to 200 characters"):
             store.pin_epoch("orders", done, label)
     assert sql(store, "SELECT count(*) FROM arroyo_epochs WHERE pin_label IS NOT NULL") == [(0,)]
-    # re-pinning relabels and keeps the first pin's time; the database refuses to prune a pinned epoch
+    # re-pinning relabels when asked to (replace=True) and keeps the first pin's time; the database refuses to
+    # prune a pinned epoch
     first = store.pin_epoch("orders", done, "one")
-    again = store.pin_epoch("orders", done, "two")
+    again = store.pin_epoch("orders", done, "two", replace=True)
     assert (again.pin_label, again.pinned_at) == ("two", first.pinned_at)
     with pytest.raises(psycopg2.errors.CheckViolation, match="arroyo_epochs_pinned_kept"):
         sql(store, "UPDATE arroyo_epochs SET state = 'pruning' WHERE pipeline_id = 'orders' AND epoch = %s",
