@@ -226,7 +226,7 @@ def test_checkpoint_fires_one_epoch_and_waits_for_it(store: EpochStore, snapshot
     store.set_pipeline_state(s.id, PipelineState.STOPPING)
     store.set_pipeline_state(s.id, PipelineState.STOPPED)
     code, out, err = cli(capsys, "--dsn", store.dsn, "checkpoint", s.id)
-    assert code == 1 and "pipeline is stopped" in err and "start its driver first" in err
+    assert code == 1 and "its run r1 is stopped" in err and "start its driver" in err and "_NotStarted" not in err
     assert [e.state.value for e in store.list_epochs(s.id)] == ["expired", "completed"]
     code, _, err = cli(capsys, "--dsn", store.dsn, "checkpoint", "nope")
     assert code == 2 and "nope" in err
