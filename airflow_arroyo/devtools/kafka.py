@@ -367,7 +367,12 @@ class KafkaBroker:
         for item in values:
             key, value = item if isinstance(item, tuple) else (None, item)
             kwargs: dict[str, Any] = {} if partition is None else {"partition": partition}
-            producer.produce(topic, value=value, key=key, on_delivery=delivered, **kwargs)
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=key, on_delivery=delivered, **kwargs)
+                    break
+                except BufferError:  # the client's queue is full: let it send some first
+                    producer.poll(0.05)
             producer.poll(0)
             count += 1
         left = producer.flush(timeout)
