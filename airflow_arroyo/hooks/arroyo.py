@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlencode
+from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseHook
 
 from airflow_arroyo import config
+from airflow_arroyo.connections import extra_of, postgres_dsn
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, redact_dsn
 
@@ -38,20 +37,6 @@ __all__ = ["ArroyoHook", "dsn_from_connection"]
 log = logging.getLogger(__name__)
 
 ACCEPTED_CONN_TYPES = ("arroyo", "postgres", "postgresql")
-
-# libpq connection parameters that may come from a connection's extra (passed on as they are).
-LIBPQ_EXTRAS = frozenset(
-    {
-        "sslmode", "sslrootcert", "sslcert", "sslkey", "sslpassword", "sslcrl", "sslcrldir", "sslsni",
-        "sslcompression", "ssl_min_protocol_version", "ssl_max_protocol_version", "gssencmode",
-        "requiressl", "connect_timeout", "application_name", "options", "target_session_attrs",
-        "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout",
-        "channel_binding", "krbsrvname", "service", "passfile", "hostaddr",
-    }
-)
-# Extras of Airflow's Postgres connection that this hook cannot honour: refuse rather than ignore.
-UNSUPPORTED_EXTRAS = frozenset({"iam", "aws_conn_id", "azure_conn_id", "redshift", "cluster-identifier"})
-
 
 def dsn_from_connection(conn: Connection) -> str:
     """A libpq URI for an ``arroyo`` or ``postgres`` Airflow connection. Pure; raises ConfigurationError."""
@@ -65,62 +50,11 @@ def dsn_from_connection(conn: Connection) -> str:
         raise ConfigurationError(
             f"connection {conn.conn_id!r} has no host; set it to the PostgreSQL server of the epoch store"
         )
-    extra = _extra_of(conn)
-    return _build_dsn(conn, extra)
-
-
-def _extra_of(conn: Connection) -> dict[str, Any]:
-    # Connection.extra is a JSON string; parse it without the secret masking of extra_dejson
-    # (that masking talks to the supervisor synchronously, which an event loop must not do).
-    import json
-
-    if not conn.extra:
-        return {}
-    try:
-        value = json.loads(conn.extra)
-    except ValueError as exc:
-        raise ConfigurationError(
-            f"the extra of connection {conn.conn_id!r} is not valid JSON; write it as an object, "
-            'e.g. {"sslmode": "require"}'
-        ) from exc
-    if not isinstance(value, dict):
-        raise ConfigurationError(f"the extra of connection {conn.conn_id!r} must be a JSON object")
-    # Form fields (conn-fields) may be stored with Airflow's prefix; an empty field is not a setting.
-    prefix = f"extra__{(conn.conn_type or '').lower()}__"
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in value.items() if v not in (None, "")}
-
-
-def _build_dsn(conn: Connection, extra: Mapping[str, Any]) -> str:
-    bad = sorted(k for k in extra if k in UNSUPPORTED_EXTRAS)
-    if bad:
-        raise ConfigurationError(
-            f"connection {conn.conn_id!r} asks for {', '.join(bad)}, which the epoch store hook does not "
-            "support; give a login and password (or a client certificate via sslcert/sslkey) instead"
-        )
-    ignored = sorted(k for k in extra if k not in LIBPQ_EXTRAS)
-    if ignored:
-        log.info("connection %s: ignoring extra keys %s (not libpq connection parameters)", conn.conn_id,
-                 ", ".join(ignored))
-    userinfo = ""
-    if conn.login:
-        userinfo = quote(conn.login, safe="")
-        if conn.password:
-            userinfo += ":" + quote(conn.password, safe="")
-        userinfo += "@"
-    host = conn.host or ""
-    if ":" in host and not host.startswith("["):  # an IPv6 literal
-        host = f"[{host}]"
-    port = f":{int(conn.port)}" if conn.port else ""
-    database = quote(conn.schema or "", safe="")
-    params = {k: _libpq_value(v) for k, v in sorted(extra.items()) if k in LIBPQ_EXTRAS and v is not None}
-    query = f"?{urlencode(params)}" if params else ""
-    return f"postgresql://{userinfo}{host}{port}/{database}{query}"
-
-
-def _libpq_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
+    # Connection.extra is its JSON text, parsed here without extra_dejson's secret masking (which talks to
+    # the supervisor synchronously, which an event loop must not do)
+    extra = extra_of(conn.conn_id, conn.conn_type, conn.extra)
+    return postgres_dsn(conn.conn_id, host=conn.host, port=conn.port, schema=conn.schema, login=conn.login,
+                        password=conn.password, extra=extra)
 
 
 # ---------------------------------------------------------------- process-wide stores

@@ -49,18 +49,17 @@ pre-images) a later restore of that epoch needs.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import quote
 
 import psycopg2
 import psycopg2.extras
 from psycopg2 import sql
 
+from airflow_arroyo.connections import dsn_from_env_value
 from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.runtime.sinks import SinkCommit
 from airflow_arroyo.store import FencingToken, redact_dsn, retrying
@@ -158,25 +157,7 @@ class PostgresTarget:
                 f"postgres sink on {self.table!r}: connection {self.conn_id!r} is not in the driver's environment; "
                 f"set {var} (a postgresql:// URI or the connection's JSON) where the driver runs"
             )
-        return _dsn_from_airflow_conn(value, var)
-
-
-def _dsn_from_airflow_conn(value: str, var: str) -> str:
-    value = value.strip()
-    if value.startswith("{"):
-        try:
-            c = json.loads(value)
-        except ValueError as exc:
-            raise ConfigurationError(f"{var} is not valid JSON: {exc}") from exc
-        user = quote(str(c.get("login") or ""), safe="")
-        password = quote(str(c.get("password") or ""), safe="")
-        auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")
-        port = f":{c['port']}" if c.get("port") else ""
-        return f"postgresql://{auth}{c.get('host') or ''}{port}/{c.get('schema') or ''}"
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("postgres", "postgresql"):
-        raise ConfigurationError(f"{var} must be a postgresql://... URI or the connection's JSON")
-    return f"postgresql://{rest}"
+        return dsn_from_env_value(value, var)
 
 
 @dataclass(frozen=True)

@@ -234,8 +234,16 @@ def test_dsn_from_environment_and_airflow_connection(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", '{"conn_type": "postgres", "host": "db", "login": "u", '
                                                   '"password": "p@ss", "port": 5433, "schema": "w"}')
     assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://u:p%40ss@db:5433/w"
-    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgres://u:p@db:5432/w")
-    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://u:p@db:5432/w"
+    # the connection's libpq extras reach the database (sslmode was dropped on this path: issue 31)
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", '{"conn_type": "postgres", "host": "db", "login": "u", "schema": '
+                                                  '"w", "extra": {"sslmode": "require", "connect_timeout": 5}}')
+    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == (
+        "postgresql://u@db/w?connect_timeout=5&sslmode=require")
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", '{"conn_type": "postgres", "host": "db", "extra": '
+                                                  '"{\\"sslmode\\": \\"verify-full\\"}"}')
+    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://db/?sslmode=verify-full"
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgres://u:p@db:5432/w?sslmode=require")
+    assert PostgresTarget(table="t", conn_id="warehouse").resolve_dsn() == "postgresql://u:p@db:5432/w?sslmode=require"
     with pytest.raises(ConfigurationError, match="set AIRFLOW_CONN_NOPE"):
         PostgresTarget(table="t", conn_id="nope").resolve_dsn()
     sink = TransactionalPostgresSink("p", "s", PostgresTarget(table="events", dsn_env="SINK_DSN"))
