@@ -140,6 +140,9 @@ def plan_submit(
         )
     if cluster_python:
         confs.setdefault("spark.pyspark.python", cluster_python)
+    # Spark's console progress bars, redrawn every 200 ms of every stage that runs over half a second: noise in
+    # the driver's log file (the user's value stands)
+    confs.setdefault("spark.ui.showConsoleProgress", "false")
 
     if not target.cluster_mode:
         env = {"ARROYO_DSN": dsn}

@@ -78,6 +78,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, start_writer
 from airflow_arroyo.supervision import (
     RestartStrategy,
     SupervisionState,
@@ -316,6 +317,8 @@ class SubmitPipelineOperator(BaseOperator):
     :param submit_log_dir: where the ``spark-submit`` log goes on the worker host
         (default ``[arroyo] submit_log_dir``, else ``$AIRFLOW_HOME/logs/arroyo``; one
         ``<pipeline_id>/<run_id>.log`` and ``.pid`` per run).
+    :param driver_log_max_bytes: the size at which that log is rotated (``<run_id>.log.1`` ...; default 64 MiB).
+    :param driver_log_backups: how many rotated files are kept beside the current one (default 5).
     :param register_timeout: seconds the run may take to reach ``running`` before the task fails
         (and the run is stopped).
     :param poll_interval: seconds between two looks at the epoch store while deferred.
@@ -384,6 +387,8 @@ class SubmitPipelineOperator(BaseOperator):
         name: str | None = None,
         submit_log_dir: str | None = None,
         register_timeout: float = 600.0,
+        driver_log_max_bytes: int = DEFAULT_MAX_BYTES,
+        driver_log_backups: int = DEFAULT_BACKUPS,
         poll_interval: float = 2.0,
         cluster_python: str | None = None,
         dsn_secret: str | None = None,
@@ -417,6 +422,8 @@ class SubmitPipelineOperator(BaseOperator):
         self.name = name
         self.submit_log_dir = submit_log_dir
         self.register_timeout = register_timeout
+        self.driver_log_max_bytes = driver_log_max_bytes
+        self.driver_log_backups = driver_log_backups
         self.poll_interval = poll_interval
         self.cluster_python = cluster_python
         self.dsn_secret = dsn_secret
@@ -429,6 +436,7 @@ class SubmitPipelineOperator(BaseOperator):
             else openlineage_inject_transport_info)
         self._process: LocalProcess | None = None
         self._popen: subprocess.Popen[bytes] | None = None
+        self._log_writer: subprocess.Popen[bytes] | None = None  # rotates the driver's log (operators/driver_log.py)
         self._cluster_app: ClusterApplication | None = None
         self._submitted_run: str | None = None
         self._strategy: RestartStrategy | None = None
@@ -531,16 +539,27 @@ class SubmitPipelineOperator(BaseOperator):
                 "(docs/airflow.md, 'Where a pipeline module lives')", top, dags, target.manager.value)
 
     def start_detached(self, command: list[str], env: Mapping[str, str], run_id: str) -> tuple[LocalProcess, Path]:
-        """Start spark-submit in its own session so it outlives this task; output to a log file."""
+        """Start spark-submit in its own session so it outlives this task; its output goes to a log file rotated
+        by size (:mod:`airflow_arroyo.operators.driver_log`, a process beside it that ends with its output)."""
         log_dir = _log_dir(self.submit_log_dir) / self.pipeline_id
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = driver_log_path(self.pipeline_id, run_id, self.submit_log_dir)
         safe_run = log_path.stem
-        with open(log_path, "ab") as log_file:
+        writer = start_writer(log_path, max_bytes=self.driver_log_max_bytes, backups=self.driver_log_backups,
+                              cwd=log_dir)
+        assert writer.stdin is not None
+        try:
             proc = subprocess.Popen(
-                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=writer.stdin, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True, cwd=log_dir,  # Spark writes spark-warehouse/ etc. here
             )
+        except BaseException:
+            writer.kill()
+            raise
+        finally:
+            writer.stdin.close()  # spark-submit holds the pipe now: the writer ends when its output does
+        _DETACHED.append(writer)
+        self._log_writer = writer
         process = LocalProcess.of(proc.pid)
         (log_dir / f"{safe_run}.pid").write_text(f"{process.pid} {process.start_ticks or ''} {process.host}\n")
         # Not waited for: it is meant to outlive this task. Keep the Popen so that, should this
@@ -662,7 +681,7 @@ class SubmitPipelineOperator(BaseOperator):
         if code != 0:
             raise ArroyoError(
                 f"spark-submit of pipeline {self.pipeline_id!r} failed (exit code {code}); its last lines:\n"
-                f"{log_tail(str(log_path))}"
+                f"{log_tail(str(log_path), settle=2.0)}"
             )
         with open(log_path, encoding="utf-8", errors="replace") as lines:
             app = ClusterApplication.from_submit_output(submit_cmd.hook, lines, self.spark_conn_id)

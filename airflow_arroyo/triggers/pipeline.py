@@ -280,18 +280,49 @@ def driver_error(log_text: str) -> str | None:
     return errors[-1] if errors else None
 
 
-def log_tail(path: str | None, lines: int = 30) -> str:
-    """The last ``lines`` lines of a log file ('' if unreadable)."""
+def log_tail(path: str | None, lines: int = 30, *, settle: float = 0.0) -> str:
+    """The last ``lines`` lines of a log file ('' if unreadable); when the file has fewer (it was just rotated:
+    ``airflow_arroyo.operators.driver_log``), the rotated ``<path>.1`` supplies the lines before them. ``settle``:
+    after spark-submit exited, wait up to that many seconds for the log's writer to write its last lines."""
     if not path:
         return ""
+    if settle > 0:
+        _wait_for_writer(f"{path}.writer", settle)
+    out: list[str] = []
+    for part in (path, f"{path}.1"):
+        try:
+            with open(part, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            break
+        out = text.splitlines()[-(lines - len(out)):] + out
+        if len(out) >= lines:
+            break
+    return "\n".join(out[-lines:])
+
+
+def _wait_for_writer(lock: str, timeout: float) -> None:
+    """Wait until the driver log's writer (which holds ``lock`` while it runs) ended, at most ``timeout`` s."""
+    import fcntl
+
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
+        fd = os.open(lock, os.O_RDONLY)
     except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
+        return  # no writer (a log written directly)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return  # something else still holds spark-submit's output: read what is there
+                time.sleep(0.02)
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- the trigger
@@ -555,7 +586,7 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
                 # The process may have written its last state just before it exited: look once more.
                 verdict, pipeline, latest = await self.look(store)
                 if verdict.verdict is Verdict.WAIT:
-                    tail = log_tail(self.submit_log)
+                    tail = await asyncio.to_thread(log_tail, self.submit_log, settle=2.0)  # its last lines written
                     error = driver_error(tail)
                     msg = (f"{error} (" if error else "") + (
                         f"spark-submit (pid {self.submit_pid}) exited before pipeline {self.pipeline_id!r} "

@@ -209,7 +209,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
             again = await store.get_pipeline(self.pipeline_id)  # it may have written its end just before exiting
             if again.run_id == self.run_id and again.state is PipelineState.STOPPED:
                 return None
-            tail = log_tail(self.submit_log, 15)
+            tail = await asyncio.to_thread(log_tail, self.submit_log, 15, settle=2.0)  # its last lines written
             return await self._dead(store, (
                 f"spark-submit of run {self.run_id} (pid {self.submit_pid}) exited while the run was "
                 f"{again.state if again.run_id == self.run_id else 'not registered'}; see {self.submit_log}"
