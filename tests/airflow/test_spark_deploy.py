@@ -98,25 +98,29 @@ def test_standalone_executors_get_the_socket_path_plugin_after_the_users_jars_an
     """Executors on a standalone master register a socket path per Python transformWithState task: the jar's
     plugin prunes their delete-on-exit lists, shipped in spark.jars (--jars would win over that conf: it travels
     as the conf, the jar after the user's). A local master's one JVM is the driver's own pruner's: no plugin."""
-    from airflow_arroyo.jvm import JAR, SOCKET_PATHS_PLUGIN
+    from airflow_arroyo.jvm import JAR, SOCKET_PATHS_PLUGIN, artifacts
 
+    # the provider's jar, then the resolved Kafka/S3A set (issue 29), after the user's
+    ours = ",".join([str(JAR), *map(str, artifacts.resolved_jars(artifacts.SPARK))])
     conn = _conn(monkeypatch, "spark_sa", "spark://10.0.0.5:7077")
     op = _op(conn, spark_submit_kwargs={"jars": "/opt/a.jar,/opt/b.jar"},
              conf={"spark.plugins": "com.acme.Plugin"})
     command, *_ = op.build_spark_submit("r1", None, DSN)
     assert "--jars" not in command
     confs = _confs(command)
-    assert confs["spark.jars"] == f"/opt/a.jar,/opt/b.jar,{JAR}"
+    assert confs["spark.jars"] == f"/opt/a.jar,/opt/b.jar,{ours}"
     assert confs["spark.plugins"] == f"com.acme.Plugin,{SOCKET_PATHS_PLUGIN}"
     command, *_ = _op(conn).build_spark_submit("r1", None, DSN)
-    assert _confs(command)["spark.jars"] == str(JAR) and _confs(command)["spark.plugins"] == SOCKET_PATHS_PLUGIN
-    # the socket turned off: nothing to prune, no plugin
+    assert _confs(command)["spark.jars"] == ours and _confs(command)["spark.plugins"] == SOCKET_PATHS_PLUGIN
+    # the socket turned off: nothing to prune, no plugin nor the provider's jar (the Kafka/S3A set stays)
+    resolved = ",".join(map(str, artifacts.resolved_jars(artifacts.SPARK)))
     command, *_ = _op(conn, conf={"spark.python.unix.domain.socket.enabled": "false"}).build_spark_submit(
         "r1", None, DSN)
-    assert "spark.plugins" not in _confs(command) and "spark.jars" not in _confs(command)
+    assert "spark.plugins" not in _confs(command) and _confs(command).get("spark.jars", "") == resolved
     conn = _conn(monkeypatch, "spark_local", "local[2]")
     command, *_ = _op(conn, spark_submit_kwargs={"jars": "/opt/a.jar"}).build_spark_submit("r1", None, DSN)
-    assert "spark.plugins" not in _confs(command) and _confs(command)["spark.jars"] == "/opt/a.jar"
+    assert "spark.plugins" not in _confs(command)
+    assert _confs(command)["spark.jars"] == ",".join(filter(None, ["/opt/a.jar", resolved]))
 
 
 def test_yarn_client_mode_keeps_the_dsn_off_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
