@@ -385,18 +385,15 @@ def _check_sink(s: StageSpec) -> None:
             "format='<batch writer format>' (with options={'path': ...}), postgres=PostgresTarget(...) or "
             "kafka=KafkaTarget(...)"
         )
-    if s.kafka is not None:
-        if not isinstance(s.kafka, KafkaTarget):
-            raise PipelineGraphError(f"sink {s.name!r}: kafka= takes a KafkaTarget(topic=..., bootstrap_servers=...), "
-                                     f"got {s.kafka!r}")
-        problem = s.kafka.problem()
-        if problem:
-            raise PipelineGraphError(f"sink {s.name!r}: {problem}")
-    if s.postgres is not None:
-        if not isinstance(s.postgres, PostgresTarget):
-            raise PipelineGraphError(f"sink {s.name!r}: postgres= takes a PostgresTarget(table=..., ...), "
-                                     f"got {s.postgres!r}")
-        problem = s.postgres.problem()
+    targets: tuple[tuple[str, PostgresTarget | KafkaTarget | None, type, str], ...] = (
+        ("postgres", s.postgres, PostgresTarget, "PostgresTarget(table=..., ...)"),
+        ("kafka", s.kafka, KafkaTarget, "KafkaTarget(topic=..., bootstrap_servers=...)"))
+    for arg, target, kind, example in targets:
+        if target is None:
+            continue
+        if not isinstance(target, kind):
+            raise PipelineGraphError(f"sink {s.name!r}: {arg}= takes a {example}, got {target!r}")
+        problem = target.problem()
         if problem:
             raise PipelineGraphError(f"sink {s.name!r}: {problem}")
     if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
