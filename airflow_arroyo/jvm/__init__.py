@@ -1,6 +1,6 @@
 """The provider's JVM side: one small jar, ``airflow-arroyo-hadoop.jar``, built from ``src/`` (Java).
 
-It holds two things. Hadoop's local file system (``file:``) without its ``chmod`` processes: Hadoop's
+It holds three things. Hadoop's local file system (``file:``) without its ``chmod`` processes: Hadoop's
 ``RawLocalFileSystem`` sets the permission of every file and folder it creates with a permission (every
 checkpoint file Spark writes: ``offsets/b``, ``commits/b``, state ``.delta`` files, and their ``.crc``) through
 libhadoop, and where that native library is missing, as in the pip ``pyspark``, by starting a ``chmod``
@@ -26,6 +26,12 @@ Python that the JDK would keep until the JVM exits (docs/runtime.md, "The JVM's 
 JVMs of their own (an executor registers a path per task of a Python ``transformWithState``), the jar's Spark
 plugin ``airflow.arroyo.spark.SocketPathsPlugin`` (:data:`SOCKET_PATHS_PLUGIN`) runs the same rule in each
 executor: :func:`master_conf` adds it to ``spark.plugins`` and ships the jar in ``spark.jars``.
+
+And ``airflow.arroyo.spark.AbortableCheckpointFileManager``, Spark's streaming checkpoint files on S3 written
+straight to their final objects (completed on close, aborted on cancel) instead of a temporary object copied and
+deleted; ``runtime/spark_checkpoint.py`` names it for a stage whose checkpoint is on S3 (docs/runtime.md, "Object
+storage"). :func:`s3a_conf` is the S3A side of the same settings: S3A's endpoint, addressing and region from the
+AWS SDK's environment, which :func:`master_conf` adds where it adds the S3A jars.
 
 :func:`master_conf` is everything the provider adds to a Spark application it starts, by master, in one
 place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
@@ -68,8 +74,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPILE_JARS", "FS_IMPL_CONF", "JAR", "LOCAL_FILE_SYSTEM", "PYTHON_WORKER_SOCKET_CONF", "SOCKET_PATHS",
            "SOCKET_PATHS_PLUGIN", "SOURCES", "SocketPathPruner", "build_jar", "compile_classes", "compile_jars",
-           "find_class", "local_file_system_conf", "local_master_conf", "master_conf", "master_kind", "spark_defaults",
-           "spark_home"]
+           "find_class", "local_file_system_conf", "local_master_conf", "master_conf", "master_kind", "s3a_conf",
+           "spark_defaults", "spark_home"]
 
 JAR = Path(__file__).with_name("airflow-arroyo-hadoop.jar")
 SOURCES = Path(__file__).with_name("src")
@@ -162,6 +168,42 @@ def master_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str,
     return {}
 
 
+#: the AWS SDK's settings (the environment pyarrow and boto3 read, docs/runtime.md "Object storage") -> S3A's
+_S3A = "spark.hadoop.fs.s3a."
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+_REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def s3a_conf(conf: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The S3A settings (``spark.hadoop.fs.s3a.*``) that make Hadoop's ``s3a://`` reach the S3 server the AWS SDK's
+    environment names (``environ``, default ``os.environ``): the one pyarrow and boto3 reach for ``s3://`` URIs, so
+    that Spark's checkpoints and file writes go where the channels and snapshots go. Merged with ``conf`` and
+    ``spark-defaults.conf``: a key the user set stands.
+
+    * ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` -> ``fs.s3a.endpoint``, with ``fs.s3a.path.style.access=true``
+      (pyarrow addresses a server given by an endpoint by path, as MinIO, Ceph and moto expect) and
+      ``fs.s3a.connection.ssl.enabled`` from its scheme;
+    * ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` -> ``fs.s3a.endpoint.region``.
+
+    Never credentials: they stay in the environment (or a profile, or an instance role), which S3A's default
+    credentials chain reads (``EnvironmentVariableCredentialsProvider``, then the instance's role), and out of
+    command lines and logs."""
+    env = os.environ if environ is None else environ
+    given = _given(conf)
+    out: dict[str, str] = {}
+    endpoint = next((env[k] for k in _ENDPOINT_ENV if env.get(k)), None)
+    if endpoint:
+        out["endpoint"] = endpoint
+        out["path.style.access"] = "true"
+        scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
+        if scheme in ("http", "https"):
+            out["connection.ssl.enabled"] = "true" if scheme == "https" else "false"
+    region = next((env[k] for k in _REGION_ENV if env.get(k)), None)
+    if region:
+        out["endpoint.region"] = region
+    return {_S3A + key: value for key, value in out.items() if _S3A + key not in given}
+
+
 def _artifact_conf(given: Mapping[str, str], out: dict[str, str]) -> dict[str, str]:
     """``out`` with the resolved jars of :data:`artifacts.SPARK` (Kafka connector, S3A) in ``spark.jars``, after the
     user's entries and the provider's jar where ``out`` has it: executors fetch them from the driver, and in client
@@ -172,6 +214,7 @@ def _artifact_conf(given: Mapping[str, str], out: dict[str, str]) -> dict[str, s
     jars = artifacts.resolved_jars(artifacts.SPARK)
     if not jars:
         return out
+    out = {**out, **s3a_conf(given)}  # S3A is among them: where the environment names an S3 server, reach it
     value = out.get(_JARS, given.get(_JARS))
     for jar in jars:
         value = _listed(value, str(jar))
@@ -242,10 +285,11 @@ def spark_defaults() -> dict[str, str]:
     return out
 
 
-#: what the classes compile against, by file name in the Spark installation's ``jars/``: Hadoop's client, and
-#: Spark's plugin API (``spark-core``) with what its signatures name (Scala, Spark's utils, metrics, slf4j)
-COMPILE_JARS = ("hadoop-client-*.jar", "spark-core_*.jar", "spark-common-utils_*.jar", "scala-library-*.jar",
-                "metrics-core-*.jar", "slf4j-api-*.jar")
+#: what the classes compile against, by file name in the Spark installation's ``jars/``: Hadoop's client, Spark's
+#: plugin API (``spark-core``) and streaming checkpoint file managers (``spark-sql``) with what their signatures
+#: name (Scala, Spark's utils, metrics, slf4j)
+COMPILE_JARS = ("hadoop-client-*.jar", "spark-core_*.jar", "spark-sql_*.jar", "spark-common-utils_*.jar",
+                "scala-library-*.jar", "metrics-core-*.jar", "slf4j-api-*.jar")
 
 
 def compile_jars() -> list[Path]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import zipfile
 from collections.abc import Callable, Iterable
@@ -35,11 +36,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKPOINT_FILE_MANAGER_CONF",
+    "OBJECT_STORE_CHECKPOINT_FILE_MANAGERS",
+    "checkpoint_file_manager",
     "checkpoint_offsets",
     "check_restorable",
     "commit_path",
     "latest_commit",
     "local_checkpoint_file_manager",
+    "object_store_checkpoint_file_manager",
     "offsets_path",
     "rocksdb_zip_references",
     "select_checkpoint_files",
@@ -47,6 +51,7 @@ __all__ = [
     "state_file_version",
 ]
 
+log = logging.getLogger(__name__)
 _VERSIONED = re.compile(r"^(\d+)(?:_[^.]*)?\.(delta|snapshot|zip|changelog)$")
 _BASE_KINDS = frozenset({"snapshot", "zip"})
 _BATCH_LOGS = frozenset({"offsets", "commits", "asyncOffsets", "asyncCommits"})
@@ -67,7 +72,15 @@ _FILE_SYSTEM_MANAGERS = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",  # 4.1+
     "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager",  # 3.x, 4.0
 )
+#: Checkpoint file managers that write a file straight to its final name through an output stream that can be
+#: aborted (S3A), in order of preference: the provider's (its jar, ``airflow_arroyo/jvm/src``), then
+#: spark-hadoop-cloud's, where a Spark distribution ships that module (none is published for Spark 4.2.0).
+OBJECT_STORE_CHECKPOINT_FILE_MANAGERS = (
+    "airflow.arroyo.spark.AbortableCheckpointFileManager",
+    "org.apache.spark.internal.io.cloud.AbortableStreamBasedCheckpointFileManager",
+)
 _file_system_manager: dict[str, str | None] = {}
+_object_store_manager: dict[str, str | None] = {}
 
 
 def local_checkpoint_file_manager(spark: SparkSession) -> str | None:
@@ -91,6 +104,43 @@ def local_checkpoint_file_manager(spark: SparkSession) -> str | None:
     if key not in _file_system_manager:
         _file_system_manager[key] = find_class(getattr(context, "_jvm", None), _FILE_SYSTEM_MANAGERS)
     return _file_system_manager[key]
+
+
+def object_store_checkpoint_file_manager(spark: SparkSession) -> str | None:
+    """The class name of the first of :data:`OBJECT_STORE_CHECKPOINT_FILE_MANAGERS` the session's JVM has, for
+    checkpoints on S3 (None where none is found; warned once per application).
+
+    *Why:* on S3A Spark's default manager writes each checkpoint file to a temporary object and renames it, a copy
+    and a delete on S3: about three requests more per file (two files per micro-batch, plus state files), and a
+    temporary object left behind by a crash in between. An S3 object appears whole when its upload completes, so
+    writing the final name directly, completing the upload on close and aborting it on cancel, is as atomic (Spark's
+    cloud integration guide recommends this manager for S3A). A second writer of the same folder could race it;
+    the driver never runs two (a restore or a takeover writes a new folder)."""
+    try:
+        context = spark.sparkContext
+    except Exception:  # noqa: BLE001 - a Spark Connect session has none: its server writes the checkpoints
+        return None
+    key = str(context.applicationId)
+    if key not in _object_store_manager:
+        found = find_class(getattr(context, "_jvm", None), OBJECT_STORE_CHECKPOINT_FILE_MANAGERS)
+        if found is None:
+            log.warning("none of %s is on the driver's class path: Spark's checkpoints on S3 are written to a "
+                        "temporary object then copied (docs/runtime.md, \"Object storage\"); put the provider's jar "
+                        "on it (airflow_arroyo.jvm.local_file_system_conf)",
+                        ", ".join(OBJECT_STORE_CHECKPOINT_FILE_MANAGERS))
+        _object_store_manager[key] = found
+    return _object_store_manager[key]
+
+
+def checkpoint_file_manager(spark: SparkSession, fs: FileSystem) -> str | None:
+    """The checkpoint file manager for a query whose checkpoint is on ``fs``: the ``FileSystem``-based one on a
+    local disk (:func:`local_checkpoint_file_manager`), the abortable-stream one on S3
+    (:func:`object_store_checkpoint_file_manager`); None elsewhere (Spark's default) or where it is not found."""
+    if fs.is_local:
+        return local_checkpoint_file_manager(spark)
+    if fs.is_s3:
+        return object_store_checkpoint_file_manager(spark)
+    return None
 
 
 def offsets_path(checkpoint: str, batch_id: int) -> str:

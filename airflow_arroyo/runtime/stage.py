@@ -52,9 +52,9 @@ from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import write_caps
 from airflow_arroyo.runtime.spark_checkpoint import (
     CHECKPOINT_FILE_MANAGER_CONF,
+    checkpoint_file_manager,
     checkpoint_offsets,
     latest_commit,
-    local_checkpoint_file_manager,
 )
 from airflow_arroyo.store import EpochRecord, EpochStore, FencingToken
 
@@ -159,6 +159,10 @@ class StageRunner:
         if not gated:
             self._gate.set()
         self.batch_started = threading.Event()
+        # a micro-batch of this run's query completed (not of the checkpoint's: a restored stage has committed
+        # batches before its query ever ran one, while its first micro-batch still pays for its state store,
+        # Python workers and code generation)
+        self._ran_batch = False
         self._closing = False
         # Flow control: how far each input has been read (end of the last micro-batch), and a bound on
         # this stage's own unread output (set by the driver; see set_backpressure).
@@ -215,18 +219,19 @@ class StageRunner:
     def start(self, spark: SparkSession, df: DataFrame) -> StreamingQuery:
         """Start the stage's query (per-stage SQL confs apply to this query only)."""
         self.batch_started.clear()
+        self._ran_batch = False
         self._last_completed = latest_commit(self.layout.checkpoint_fs, self.checkpoint)
         self._write_caps({})
         spec = self.spec
         confs = dict(spec.spark_conf)
         if spec.state_store is not None:
             confs["spark.sql.streaming.stateStore.providerClass"] = STATE_STORES[spec.state_store]
-        if (self.layout.checkpoint_fs.is_local and CHECKPOINT_FILE_MANAGER_CONF not in confs
-                and spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None):
-            # a checkpoint on a local disk: Spark's FileSystem-based writer, which starts 2 processes per file
-            # where the default starts 10 (spark_checkpoint.local_checkpoint_file_manager), none on the
-            # provider's file: file system (airflow_arroyo.jvm); a manager the session or the stage names wins
-            manager = local_checkpoint_file_manager(spark)
+        if CHECKPOINT_FILE_MANAGER_CONF not in confs and spark.conf.get(CHECKPOINT_FILE_MANAGER_CONF, None) is None:
+            # on a local disk Spark's FileSystem-based writer, which starts 2 processes per file where the default
+            # starts 10, none on the provider's file: file system (airflow_arroyo.jvm); on S3 a writer of the final
+            # object, no temporary object copied (spark_checkpoint.checkpoint_file_manager); a manager the session
+            # or the stage names wins
+            manager = checkpoint_file_manager(spark, self.layout.checkpoint_fs)
             if manager is not None:
                 confs[CHECKPOINT_FILE_MANAGER_CONF] = manager
         previous = {k: spark.conf.get(k, None) for k in confs}
@@ -256,7 +261,8 @@ class StageRunner:
 
     @property
     def warm(self) -> bool:
-        """This run's query has completed a micro-batch (planning, state store and Python workers are up)."""
+        """This run's query has completed a micro-batch (planning, state store and Python workers are up). A batch
+        the checkpoint holds does not count: after a restore the query's first batch is still to be paid for."""
         return self._last_completed >= 0
 
     # ------------------------------------------------------------------ epochs from the driver
@@ -317,6 +323,7 @@ class StageRunner:
             with self._lock:
                 self._write(df, batch_id)
                 self._last_completed = batch_id
+                self._ran_batch = True
                 if self.kind is StageKind.SOURCE:
                     self._source_cut(batch_id)
                 else:

@@ -6,6 +6,8 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -82,3 +84,21 @@ def s3_server() -> Iterator[S3Server]:
 def bucket(s3_server: S3Server) -> str:
     """A fresh bucket on the session's S3 server (``s3://arroyo-...``)."""
     return s3_server.new_bucket()
+
+
+@contextmanager
+def s3a_on(spark: Any, s3_server: S3Server, bucket: str) -> Iterator[Any]:
+    """The shared session's S3A reaching ``bucket`` on the moto server (the bucket's own settings,
+    ``fs.s3a.bucket.<name>.*``, removed afterwards: the session is shared); yields its Hadoop configuration."""
+    name = bucket.removeprefix("s3://")
+    hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
+    settings = {"endpoint": s3_server.endpoint, "endpoint.region": s3_server.env["AWS_REGION"],
+                "path.style.access": "true", "connection.ssl.enabled": "false",
+                "access.key": s3_server.env["AWS_ACCESS_KEY_ID"], "secret.key": s3_server.env["AWS_SECRET_ACCESS_KEY"]}
+    for key, value in settings.items():
+        hadoop_conf.set(f"fs.s3a.bucket.{name}.{key}", value)
+    try:
+        yield hadoop_conf
+    finally:
+        for key in settings:
+            hadoop_conf.unset(f"fs.s3a.bucket.{name}.{key}")

@@ -32,10 +32,11 @@ from airflow_arroyo.jvm import (
     local_file_system_conf,
     local_master_conf,
     master_conf,
+    s3a_conf,
     spark_home,
 )
 from airflow_arroyo.testing import wait_for
-from tests.runtime.conftest import S3Server
+from tests.runtime.conftest import S3Server, s3a_on
 
 pytestmark = pytest.mark.spark
 
@@ -355,6 +356,8 @@ def test_local_and_standalone_masters_get_the_resolved_jars_after_the_users(
     """The resolved set goes to spark.jars after the user's entries (and the provider's jar, on standalone); a set
     resolved from another version of the pom, or none, adds nothing; YARN and Kubernetes get nothing."""
     monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)  # no S3 server named (the s3_server fixture names one)
     cache = tmp_path / "cache"
     monkeypatch.setenv(artifacts.CACHE_ENV, str(cache))
     folder = cache / artifacts.SPARK
@@ -375,6 +378,31 @@ def test_local_and_standalone_masters_get_the_resolved_jars_after_the_users(
     assert master_conf("yarn") == {} and master_conf("k8s://https://h:6443") == {}
 
 
+def test_s3a_reaches_the_server_the_aws_environment_names_and_never_gets_credentials(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3A settings from the AWS SDK's environment (what pyarrow reads for s3:// URIs), on local and standalone
+    masters with the S3A jars; a key the user set stands; the keys stay in the environment."""
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path))  # no spark-defaults.conf
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-3",
+           "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}
+    s3a = "spark.hadoop.fs.s3a."
+    assert s3a_conf(environ=env) == {f"{s3a}endpoint": "http://127.0.0.1:9000", f"{s3a}path.style.access": "true",
+                                     f"{s3a}connection.ssl.enabled": "false", f"{s3a}endpoint.region": "eu-west-3"}
+    assert s3a_conf(environ={**env, "AWS_ENDPOINT_URL_S3": "https://s3.acme:443"})[f"{s3a}endpoint"] == (
+        "https://s3.acme:443")
+    assert s3a_conf({f"{s3a}path.style.access": "false"}, environ=env)[f"{s3a}endpoint"] == "http://127.0.0.1:9000"
+    assert f"{s3a}path.style.access" not in s3a_conf({f"{s3a}path.style.access": "false"}, environ=env)
+    assert s3a_conf(environ={"AWS_DEFAULT_REGION": "us-east-1"}) == {f"{s3a}endpoint.region": "us-east-1"}
+    assert s3a_conf(environ={}) == {}
+    assert not any("secret" in v or k.endswith(("key", "token")) for k, v in s3a_conf(environ=env).items())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _spark_jars(), "scripts/dev.sh setup resolves the JVM artifacts"
+    for master in ("local[2]", "spark://h:7077"):
+        assert s3a_conf(environ=env).items() <= master_conf(master).items()
+    assert not any(k.startswith(s3a) for k in master_conf("yarn"))
+
+
 def test_the_session_has_the_kafka_connector_and_s3a(spark: Any) -> None:
     """The test session is built as the driver builds a local one, so it has the resolved jars."""
     _spark_jars()
@@ -389,13 +417,7 @@ def test_s3a_writes_reads_and_renames_on_a_real_s3_api(spark: Any, bucket: str, 
     a Parquet write and read by Spark, and a rename (S3 copies then deletes). The settings are the bucket's own
     (``fs.s3a.bucket.<name>.*``): the session is shared."""
     name = bucket.removeprefix("s3://")
-    hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
-    settings = {"endpoint": s3_server.endpoint, "endpoint.region": s3_server.env["AWS_REGION"],
-                "path.style.access": "true", "connection.ssl.enabled": "false",
-                "access.key": s3_server.env["AWS_ACCESS_KEY_ID"], "secret.key": s3_server.env["AWS_SECRET_ACCESS_KEY"]}
-    for key, value in settings.items():
-        hadoop_conf.set(f"fs.s3a.bucket.{name}.{key}", value)
-    try:
+    with s3a_on(spark, s3_server, bucket) as hadoop_conf:
         spark.range(0, 100, 1, 2).write.parquet(f"s3a://{name}/t/data")
         assert sorted(r.id for r in spark.read.parquet(f"s3a://{name}/t/data").collect()) == list(range(100))
         assert any(k.startswith("t/data/part-") and k.endswith(".parquet") for k in s3_server.keys(f"{bucket}/t/data"))
@@ -406,9 +428,37 @@ def test_s3a_writes_reads_and_renames_on_a_real_s3_api(spark: Any, bucket: str, 
         assert fs.rename(src, jvm.org.apache.hadoop.fs.Path(f"s3a://{name}/t/moved"))
         assert spark.read.parquet(f"s3a://{name}/t/moved").count() == 100
         assert not s3_server.keys(f"{bucket}/t/data/")
-    finally:
-        for key in settings:
-            hadoop_conf.unset(f"fs.s3a.bucket.{name}.{key}")
+
+
+def test_the_abortable_checkpoint_file_manager_writes_the_final_object_or_nothing(
+        spark: Any, bucket: str, s3_server: S3Server, tmp_path: Path) -> None:
+    """The jar's checkpoint file manager on S3A: a file appears whole at its final name when closed (no temporary
+    object, no copy), nothing appears when the write is cancelled, an existing file is not overwritten unless asked
+    (and the refusal reaches the caller); a file system whose streams cannot be aborted is refused."""
+    name = bucket.removeprefix("s3://")
+    jvm = spark.sparkContext._jvm
+    manager_class = "airflow.arroyo.spark.AbortableCheckpointFileManager"
+    with s3a_on(spark, s3_server, bucket) as hadoop_conf:
+        root = jvm.org.apache.hadoop.fs.Path(f"s3a://{name}/ckpt")
+        manager = jvm.airflow.arroyo.spark.AbortableCheckpointFileManager(root, hadoop_conf)
+
+        def write(path: str, data: bytes, *, overwrite: bool = False, cancel: bool = False) -> None:
+            out = manager.createAtomic(jvm.org.apache.hadoop.fs.Path(f"s3a://{name}/ckpt/{path}"), overwrite)
+            out.write(bytearray(data))
+            out.cancel() if cancel else out.close()
+
+        write("offsets/0", b"v1\n{}")
+        write("offsets/1", b"half", cancel=True)
+        assert s3_server.keys(f"{bucket}/ckpt") == {"ckpt/offsets/0": 5}  # no temporary object, nothing cancelled
+        with pytest.raises(Py4JJavaError, match="FileAlreadyExistsException"):
+            write("offsets/0", b"other")
+        write("commits/0", b"v1")
+        write("commits/0", b"v1\n{}", overwrite=True)
+        assert s3_server.keys(f"{bucket}/ckpt") == {"ckpt/offsets/0": 5, "ckpt/commits/0": 5}
+    with pytest.raises(Py4JJavaError, match="abort"):
+        jvm.airflow.arroyo.spark.AbortableCheckpointFileManager(jvm.org.apache.hadoop.fs.Path(tmp_path.as_uri()),
+                                                                 hadoop_conf)
+    assert find_class(jvm, [manager_class]) == manager_class
 
 
 def test_a_set_is_resolved_once_per_version_of_its_pom_and_never_half(tmp_path: Path,
