@@ -50,7 +50,6 @@ Helpers
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -458,9 +457,9 @@ def committed_rows(path: Any) -> list[tuple[Any, ...]]:
     wait while Spark writes them). Listed with :meth:`FileSystem.list_files`, which lists again when a
     folder vanishes during the listing (Spark's job commit deleting ``_temporary``), as pyarrow's own
     discovery does not."""
-    if not os.path.exists(path):
+    fs = FileSystem.from_uri(str(path))  # a local folder or any URI the package reads (s3://...)
+    if not fs.exists(""):
         return []
-    fs = FileSystem.from_uri(str(path))
     files = [fs.arrow_path(e.path) for e in fs.list_files()
              if not any(part.startswith(("_", ".")) for part in e.path.split("/"))]
     if not files:

@@ -66,7 +66,7 @@ MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
 class Driver:
     """The driver as a subprocess in its own process group (so that SIGKILL takes the JVM too)."""
 
-    def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path,
+    def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path | str,
                  rows: int = ROWS, checkpoints: Path | None = None, env: dict[str, str] | None = None,
                  sink_dsn: str | None = None, chaining: bool = False, args: dict[str, object] | None = None,
                  pipeline: str | None = None) -> None:
@@ -221,31 +221,43 @@ def test_sigkill_at_random_moments_then_restore_latest_is_exactly_once(store: Ep
                      sink_dsn=sink_dsn)
 
 
-def test_sigkill_with_channels_and_snapshots_on_s3_is_exactly_once(store: EpochStore, tmp_path: Path, bucket: str,
-                                                                    s3_server: Any) -> None:
-    """The same proof with channels and snapshots on S3 (moto's server; the executors write and read the
-    channels with pyarrow) and Spark's checkpoints on a local disk (no S3A connector here): killed while
+def test_sigkill_with_everything_on_s3_is_exactly_once(store: EpochStore, tmp_path: Path, bucket: str,
+                                                       s3_server: Any) -> None:
+    """The same proof with every byte of state on S3 (moto's server): channels and snapshots (pyarrow, from the
+    driver and the executors), Spark's own checkpoints (``s3a://``, derived from the storage URI: hadoop-aws,
+    written by the provider's abortable-stream checkpoint file manager) and the Parquet sink (Spark's batch writer
+    into its pending folder through ``s3a://``, committed with pyarrow). The driver gets only the AWS SDK's
+    environment, as a user gives it; the S3A settings come from it (``airflow_arroyo.jvm.s3a_conf``). Killed while
     the snapshots of an epoch are copied to S3, after an earlier epoch completed, then restored from S3.
     (One kill: every moment is covered by the local proof above; this one is about object storage, and
     about the fused form: the sources, the join and the filter compiled into one query.)"""
     seed = int(os.environ.get("ARROYO_TEST_SEED", random.randrange(1 << 30)))
     print(f"ARROYO_TEST_SEED={seed}")
-    kill_and_restore(store, tmp_path, ["snapshot"], random.Random(seed), storage=f"{bucket}/storage",
-                     rows=S3_ROWS, checkpoints=tmp_path / "checkpoints", env=s3_server.env, chaining=True)
-    assert any("/snapshots/objects/" in k for k in s3_server.keys(f"{bucket}/storage"))
-    assert list((tmp_path / "checkpoints").rglob("checkpoint.json"))  # restores switched checkpoint pointers
+    storage, sink = f"{bucket}/storage", f"{bucket}/report_files"
+    kill_and_restore(store, tmp_path, ["snapshot"], random.Random(seed), storage=storage, rows=S3_ROWS,
+                     env=s3_server.env, chaining=True, sink=sink)
+    keys = s3_server.keys(storage)
+    assert any("/snapshots/objects/" in k for k in keys)
+    # Spark's checkpoints are on S3, each stage's live folder named by its pointer (restores switched them), and
+    # written without temporary objects (Hadoop's are hidden names: '.<name>.<uuid>.tmp')
+    assert any(k.endswith("/checkpoint.json") for k in keys)
+    assert any("/checkpoint" in k and "/commits/" in k for k in keys)
+    assert not [k for k in keys if k.rsplit("/", 1)[-1].endswith(".tmp")]
+    assert not list(tmp_path.rglob("checkpoint*"))  # nothing of a checkpoint on the local disk
+    # the sink's committed files are on S3, outside its hidden folder
+    assert any(k.endswith(".parquet") and "/_" not in k for k in s3_server.keys(sink))
 
 
 def kill_and_restore(store: EpochStore, tmp_path: Path, plan: list[str], rng: random.Random, *, storage: Path | str,
                      rows: int, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                     sink_dsn: str | None = None, chaining: bool = False) -> None:
+                     sink_dsn: str | None = None, chaining: bool = False, sink: Path | str | None = None) -> None:
     """Kill the driver at each moment of ``plan`` and restart it from the latest epoch, then run to the end
     and stop gracefully; every channel and the sinks (with ``sink_dsn``, the PostgreSQL ones too) must hold
     the plain-Python result exactly once."""
     pid = f"eo-{uuid.uuid4().hex[:8]}"
     logs = tmp_path / "logs"
     logs.mkdir()
-    sink = tmp_path / "report_files"  # the demo's exactly-once Parquet sink
+    sink = sink or tmp_path / "report_files"  # the demo's exactly-once Parquet sink
     layout = StorageLayout.at(str(storage), pid)
     expected = expected_report(rows)
     start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink, rows=rows,

@@ -1,10 +1,11 @@
 """Channels, snapshots, restore, retention and the file sink on a real S3 API (moto's server on loopback).
 
 Everything is reached through plain ``s3://bucket/...`` URIs and the AWS SDK settings a user gives
-(``AWS_ENDPOINT_URL`` and credentials, set by the ``s3_server`` fixture). No Spark here: Spark cannot
-write ``s3a://`` on these machines (no hadoop-aws jars), so these tests drive the Python side, which is
-all that touches the storage URI; the SIGKILL test in ``test_exactly_once.py`` runs a whole pipeline
-with its channels and snapshots on S3.
+(``AWS_ENDPOINT_URL`` and credentials, set by the ``s3_server`` fixture). No Spark here: these tests drive
+the Python side (what touches the storage URI, and what reads and rebuilds checkpoints), with Spark-shaped files
+written by pyarrow, so that every corner (an interrupted commit, a corrupt object) is reached on purpose; the
+SIGKILL test in ``test_exactly_once.py`` runs a whole pipeline with everything on S3 (Spark writing its
+checkpoints and the sink's micro-batches through ``s3a://``).
 """
 
 from __future__ import annotations
@@ -190,8 +191,8 @@ def test_retention_on_s3_deletes_only_unreferenced_objects(store: EpochStore, pi
 
 
 def pre_commit(fs: FileSystem, batch: int, parts: list[pa.Table]) -> None:
-    """What Spark's batch writer leaves in ``pending/<batch>`` (here written with pyarrow: Spark cannot
-    write s3a:// on these machines)."""
+    """What Spark's batch writer leaves in ``pending/<batch>`` (here written with pyarrow: a commit cut short
+    is set up by hand below)."""
     for i, t in enumerate(parts):
         buf = io.BytesIO()
         pq.write_table(t, buf)
