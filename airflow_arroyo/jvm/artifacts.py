@@ -1,6 +1,6 @@
 """The JVM artifacts the provider needs beyond the jars pyspark ships, by Maven coordinates, and where they are.
 
-Two sets, each declared by a pom in ``deps/<set>/pom.xml``, the one pinned list both Maven and this module read:
+Three sets, each declared by a pom in ``deps/<set>/pom.xml``, the one pinned list both Maven and this module read:
 
 * ``spark`` (:data:`SPARK`): what a Spark application the provider starts gets on its class path: Spark's Kafka
   connector for this pyspark's Spark and Scala versions and Hadoop's S3A file system (``hadoop-aws``) for its
@@ -8,14 +8,17 @@ Two sets, each declared by a pom in ``deps/<set>/pom.xml``, the one pinned list 
   is excluded in the pom: a second copy of a class on the class path loads whichever comes first.
 * ``kafka`` (:data:`KAFKA`): the Kafka broker the tests and the demo run (``airflow_arroyo.devtools.kafka``), in a
   folder of its own: it must never meet Spark's class path.
+* ``minicluster`` (:data:`MINICLUSTER`): Hadoop's mini-cluster (HDFS and YARN on loopback) for
+  ``scripts/yarn_proof.py`` only, a class path of its own too. Not one of :data:`DEFAULT_SETS`: ``resolve`` without
+  names (``scripts/dev.sh``, CI) leaves it alone; the script resolves it by name.
 
-``scripts/dev.sh`` (setup, demo and test alike) resolves each set once with Maven (:func:`resolve`:
+``scripts/dev.sh`` (setup, demo and test alike) resolves each of :data:`DEFAULT_SETS` once with Maven (:func:`resolve`:
 ``mvn dependency:copy-dependencies``) into ``<cache>/<set>/``, where ``<cache>`` is ``$ARROYO_JVM_CACHE`` or
 ``.cache/jvm`` at the repository's root, and stamps the folder with the hash of its pom: a changed pom resolves
 again, a folder without its pom's stamp counts as missing. :func:`airflow_arroyo.jvm.master_conf` hands the
 ``spark`` set's jars to local and standalone masters in ``spark.jars``; for YARN and Kubernetes,
 :func:`packages_conf` is what a user sets (docs/clusters.md). ``python -m airflow_arroyo.jvm.artifacts`` prints
-the coordinates and those settings; ``... resolve`` resolves what is missing.
+the coordinates and those settings; ``... resolve [SET ...]`` resolves what is missing (default: :data:`DEFAULT_SETS`).
 """
 
 from __future__ import annotations
@@ -35,14 +38,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "DEPS", "KAFKA", "SETS", "SPARK", "Coordinate", "cache_dir", "coordinates", "exclusions",
-           "jar_folder", "packages_conf", "pom", "pom_hash", "resolve", "resolved", "resolved_jars", "stamp"]
+__all__ = ["CACHE_ENV", "DEFAULT_SETS", "DEPS", "KAFKA", "MINICLUSTER", "SETS", "SPARK", "Coordinate", "cache_dir",
+           "coordinates", "exclusions", "jar_folder", "packages_conf", "pom", "pom_hash", "resolve", "resolved",
+           "resolved_jars", "stamp"]
 
 #: the jars a Spark application gets (``spark.jars`` on local and standalone masters)
 SPARK = "spark"
 #: the Kafka broker's jars (a class path of their own)
 KAFKA = "kafka"
-SETS = (SPARK, KAFKA)
+#: Hadoop's mini-cluster, HDFS and YARN on loopback (``scripts/yarn_proof.py``; a class path of its own)
+MINICLUSTER = "minicluster"
+SETS = (SPARK, KAFKA, MINICLUSTER)
+#: what ``resolve`` without names resolves (``scripts/dev.sh``, hence CI): the mini-cluster's 114 MB only on request
+DEFAULT_SETS = (SPARK, KAFKA)
 DEPS = Path(__file__).with_name("deps")
 #: overrides the folder the sets are resolved into (default: ``.cache/jvm`` at the repository's root)
 CACHE_ENV = "ARROYO_JVM_CACHE"
@@ -195,22 +203,25 @@ def resolve(name: str = SPARK, *, mvn: str | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m airflow_arroyo.jvm.artifacts [show | resolve [SET ...]]``: print the sets' coordinates and the
-    settings for YARN and Kubernetes, or resolve the sets named (default: all) that are missing."""
+    settings for YARN and Kubernetes, or resolve the sets named (default: DEFAULT_SETS) that are missing."""
     parser = argparse.ArgumentParser(prog="python -m airflow_arroyo.jvm.artifacts", description=main.__doc__)
     parser.add_argument("action", nargs="?", choices=["show", "resolve"], default="show")
-    parser.add_argument("sets", nargs="*", metavar="SET", help=f"with resolve: {', '.join(SETS)} (default: all)")
+    parser.add_argument("sets", nargs="*", metavar="SET", help=f"with resolve: {', '.join(SETS)} "
+                        f"(default: {', '.join(DEFAULT_SETS)})")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.sets) - set(SETS))
     if unknown:
         parser.error(f"no set {', '.join(unknown)}: the sets are {', '.join(SETS)}")
     if args.action == "resolve":
-        for name in args.sets or SETS:
+        for name in args.sets or DEFAULT_SETS:
             if not resolved(name):
                 folder = resolve(name)
                 print(f"{name}: resolved {len(list(folder.glob('*.jar')))} jars into {folder}", file=sys.stderr)
         return 0
     for name in SETS:
-        state = f"resolved in {jar_folder(name)}" if resolved(name) else "not resolved (scripts/dev.sh setup)"
+        how = ("scripts/dev.sh setup" if name in DEFAULT_SETS
+               else f"python -m airflow_arroyo.jvm.artifacts resolve {name}")
+        state = f"resolved in {jar_folder(name)}" if resolved(name) else f"not resolved ({how})"
         print(f"# {name}: {state}")
         for coordinate in coordinates(name):
             print(coordinate)
