@@ -114,6 +114,11 @@ EPOCH_READ_FALLBACK = 5.0
 # A registered run that has not heartbeated for this long is presumed dead: a new run takes it over.
 DEFAULT_STALE_AFTER = 30.0
 
+# How long the warm-up waits for every query's first micro-batch before the run goes `running` anyway. The first
+# micro-batch of a restored stage loads its state, starts its Python workers and generates code: 20-37 s measured on
+# the demo restored on a loaded 2-core machine (issue 30, finding 3), where the former 20 s let epochs start during it.
+DEFAULT_WARMUP_TIMEOUT = 120.0
+
 # How many of the newest epochs a run saw its result lists (DriverResult.epochs_seen; epochs_seen_count counts all).
 EPOCHS_SEEN_KEPT = 256
 
@@ -173,7 +178,7 @@ class PipelineDriver:
         commit_timeout: float = 300.0,
         own_spark: bool | None = None,
         max_backlog_entries: int | None = None,
-        warmup_timeout: float = 20.0,
+        warmup_timeout: float = DEFAULT_WARMUP_TIMEOUT,
     ) -> None:
         self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
@@ -678,12 +683,12 @@ class PipelineDriver:
         self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
 
     def _warm_up(self) -> None:
-        """Before `running` (no epoch can start before it): let every query complete its first micro-batch, for
-        at most ``warmup_timeout`` seconds. A query's first batch pays for planning and code generation, its
-        state store and Python workers: seconds per stage, which the first epoch's barrier would otherwise wait
-        for stage after stage. A stage with nothing to read (its upstream stages are warm, or it has none, and
-        its query has had no data for a second) does not hold the others up: an idle input may never give it a
-        batch."""
+        """Before `running` (no epoch can start before it): let every query complete its first micro-batch of this
+        run, for at most ``warmup_timeout`` seconds. A query's first batch pays for planning and code generation,
+        its state store and Python workers: seconds per stage, tens of seconds for a restored stateful stage, which
+        the first epoch's barrier would otherwise wait for stage after stage. A stage with nothing to read (its
+        upstream stages are warm, or it has none, and its query has had no data for a second) does not hold the
+        others up: an idle input may never give it a batch. A stop asked through the store ends the wait."""
         t0 = time.monotonic()
         deadline = t0 + self.warmup_timeout
         beat = t0
@@ -694,8 +699,11 @@ class PipelineDriver:
             self._check_queries()
             now = time.monotonic()
             if now - beat >= self.heartbeat_interval:
-                self.store.heartbeat(self.pipeline_id, self.run_id)
+                record = self.store.heartbeat(self.pipeline_id, self.run_id)
                 beat = now
+                if record.stop_requested and self._stop_mode is None:  # the loop carries it out
+                    self._stop_mode = StopMode(record.stop_requested)
+                    self._stop.set()
             for r in cold:
                 upstream = [writers[c] for c in r.spec.inputs if c in writers]
                 status = r.query.status if r.query is not None else {}
@@ -1203,7 +1211,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-interval", type=float,
                         default=float(os.environ.get("ARROYO_HEARTBEAT_INTERVAL", "2.0")),
                         help="seconds between heartbeats (default: $ARROYO_HEARTBEAT_INTERVAL, else 2)")
-    parser.add_argument("--warmup-timeout", type=float, default=20.0,
+    parser.add_argument("--warmup-timeout", type=float, default=DEFAULT_WARMUP_TIMEOUT,
                         help="seconds to let every query run its first micro-batch before epochs may start")
     parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)

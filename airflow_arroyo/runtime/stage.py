@@ -263,7 +263,7 @@ class StageRunner:
     def warm(self) -> bool:
         """This run's query has completed a micro-batch (planning, state store and Python workers are up). A batch
         the checkpoint holds does not count: after a restore the query's first batch is still to be paid for."""
-        return self._last_completed >= 0
+        return self._ran_batch
 
     # ------------------------------------------------------------------ epochs from the driver
 
