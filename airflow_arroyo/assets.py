@@ -6,7 +6,8 @@ Two kinds of Assets describe what a pipeline makes durable:
   the files of an epoch's batches into the folder, then records the commit in the epoch store):
   ``extra`` carries the sink's URI, the epoch, ``batch_id`` (the folder holds exactly the committed
   files of batches ``<= batch_id``, named ``<batch:012d>-...``), ``rows``, ``bytes`` and ``files``
-  that commit made visible.
+  that commit made visible. A Delta Lake table sink's events also carry ``table_version``, the version
+  the commit made (time travel reads exactly it, whatever the table holds by then).
 * :func:`epochs_asset`: the pipeline's checkpoints. One event per completed epoch (``epoch``,
   ``bytes_new``, ``bytes_total``, ``duration_s``): a restorable, consistent cut.
 
@@ -103,6 +104,7 @@ def sink_commit_payload(rec: SinkCommitRecord) -> dict[str, Any]:
         "kind": KIND_SINK, "pipeline_id": rec.pipeline_id, "sink": rec.sink, "uri": asset_uri(rec.uri),
         "epoch": rec.epoch, "batch_id": rec.batch_id, "rows": rec.rows_committed, "bytes": rec.bytes_committed,
         "files": rec.files, "run_id": rec.run_id, "committed_at": rec.committed_at.isoformat(), "seq": rec.seq,
+        **({"table_version": rec.table_version} if rec.table_version is not None else {}),
     }
 
 

@@ -951,7 +951,8 @@ class PipelineDriver:
             if result.files or result.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
                 self.store.record_sink_commit(
                     self.pipeline_id, epoch, commit.sink, uri=sink.uri, batch_id=commit.batch, files=result.files,
-                    rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token)
+                    rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token,
+                    table_version=result.version)
         self._sinks_committed = epoch
         self._epochs_to_commit = [e for e in self._epochs_to_commit if e > epoch]
         for trim in plan.trims:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.runtime.delta_sink import DeltaTarget
 from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS
 from airflow_arroyo.runtime.kafka_sink import KafkaTarget
 from airflow_arroyo.runtime.pg_sink import PostgresTarget
@@ -111,6 +112,7 @@ class StageSpec:
     sink_options: Mapping[str, str] = field(default_factory=dict)
     postgres: PostgresTarget | None = None  # sinks: an exactly-once PostgreSQL table
     kafka: KafkaTarget | None = None  # sinks: an exactly-once Kafka topic
+    table: DeltaTarget | None = None  # sinks: an exactly-once Delta Lake table
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
     chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
 
@@ -214,14 +216,15 @@ class Pipeline:
     def sink(self, name: str, inputs: Sequence[Stream | str], *, foreach_batch: ForeachBatchFn | None = None,
              format: str | None = None, options: Mapping[str, str] | None = None,
              postgres: PostgresTarget | None = None, kafka: KafkaTarget | None = None,
-             transform: TransformFn | None = None, output_mode: Literal["append", "update", "complete"] = "append",
+             table: DeltaTarget | None = None, transform: TransformFn | None = None,
+             output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
              spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
         Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``), a
         ``postgres=PostgresTarget(table=..., dsn_env=..., mode="append"|"upsert", key=(...))`` or a
-        ``kafka=KafkaTarget(topic=..., bootstrap_servers=...)``.
+        ``kafka=KafkaTarget(topic=..., bootstrap_servers=...)`` or a ``table=DeltaTarget(path=...)``.
         ``transform`` (default: the single input as is) shapes what is written.
 
         A file format (``parquet``, ``orc``, ``json``, ``csv``, ``text``; ``options={"path": ...}``) is
@@ -231,7 +234,10 @@ class Pipeline:
         micro-batch from the executors and committed in one transaction per epoch; a restore rolls the
         table back (:mod:`~airflow_arroyo.runtime.pg_sink`). So is a Kafka topic: each epoch's output is
         produced in one Kafka transaction when the epoch completes, which a ``read_committed`` consumer sees
-        whole or not at all (:mod:`~airflow_arroyo.runtime.kafka_sink`). ``foreach_batch`` and other formats are
+        whole or not at all (:mod:`~airflow_arroyo.runtime.kafka_sink`). So is a Delta Lake table: the executors
+        write each micro-batch's Parquet files, and each epoch is one Delta commit carrying the pipeline's
+        application transaction; a restore restores the table's version (:mod:`~airflow_arroyo.runtime.delta_sink`).
+        ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
         ``chain=False`` keeps a channel before the sink when the pipeline chains.
         """
@@ -239,7 +245,7 @@ class Pipeline:
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
             foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
-            kafka=kafka, spark_conf=dict(spark_conf or {}), chain=chain,
+            kafka=kafka, table=table, spark_conf=dict(spark_conf or {}), chain=chain,
         )
         self._add(spec)
 
@@ -379,11 +385,11 @@ def _check_sink(s: StageSpec) -> None:
     """A sink has exactly one usable target, and one input unless a transform combines them."""
     if s.fn is not None and not callable(s.fn):
         raise PipelineGraphError(f"sink {s.name!r}: transform must be callable, got {s.fn!r}")
-    if [s.foreach_batch, s.sink_format, s.postgres, s.kafka].count(None) != 3:
+    if [s.foreach_batch, s.sink_format, s.postgres, s.kafka, s.table].count(None) != 4:
         raise PipelineGraphError(
             f"sink {s.name!r} needs exactly one of foreach_batch=<function(df, batch_id)>, "
-            "format='<batch writer format>' (with options={'path': ...}), postgres=PostgresTarget(...) or "
-            "kafka=KafkaTarget(...)"
+            "format='<batch writer format>' (with options={'path': ...}), postgres=PostgresTarget(...), "
+            "kafka=KafkaTarget(...) or table=DeltaTarget(path=...)"
         )
     targets: tuple[tuple[str, PostgresTarget | KafkaTarget | None, type, str], ...] = (
         ("postgres", s.postgres, PostgresTarget, "PostgresTarget(table=..., ...)"),
@@ -394,6 +400,12 @@ def _check_sink(s: StageSpec) -> None:
         if not isinstance(target, kind):
             raise PipelineGraphError(f"sink {s.name!r}: {arg}= takes a {example}, got {target!r}")
         problem = target.problem()
+        if problem:
+            raise PipelineGraphError(f"sink {s.name!r}: {problem}")
+    if s.table is not None:
+        if not isinstance(s.table, DeltaTarget):
+            raise PipelineGraphError(f"sink {s.name!r}: table= takes a DeltaTarget(path=...), got {s.table!r}")
+        problem = s.table.problem()
         if problem:
             raise PipelineGraphError(f"sink {s.name!r}: {problem}")
     if s.sink_format in FILE_SINK_FORMATS and not s.sink_options.get("path"):
@@ -448,6 +460,14 @@ def _check_sink_targets(specs: Sequence[StageSpec]) -> None:
                 raise PipelineGraphError(
                     f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a sink folder has one writer: "
                     "give each sink its own path"
+                )
+            paths[path] = s.name
+        elif s.table is not None and isinstance(s.table, DeltaTarget):
+            path = s.table.path.rstrip("/")
+            if path in paths:
+                raise PipelineGraphError(
+                    f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a Delta table has one exactly-once "
+                    "writer: give each sink its own path"
                 )
             paths[path] = s.name
         elif s.postgres is not None and isinstance(s.postgres, PostgresTarget):

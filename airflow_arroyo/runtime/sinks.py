@@ -3,9 +3,10 @@ a sink stage gets.
 
 A sink stage *pre-commits* each micro-batch (:meth:`TransactionalSink.write_batch`); the driver
 *commits* every batch up to the sink's cut when an epoch completes, *rolls back* to a restored epoch's
-cut, and *trims* what no restore can need. Three kinds exist: files
-(:mod:`~airflow_arroyo.runtime.file_sink`), PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`) and
-Kafka topics (:mod:`~airflow_arroyo.runtime.kafka_sink`).
+cut, and *trims* what no restore can need. Four kinds exist: files
+(:mod:`~airflow_arroyo.runtime.file_sink`), PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`),
+Kafka topics (:mod:`~airflow_arroyo.runtime.kafka_sink`) and Delta Lake tables
+(:mod:`~airflow_arroyo.runtime.delta_sink`).
 Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
 """
 
@@ -27,12 +28,14 @@ __all__ = ["SinkCommit", "TransactionalSink", "transactional_sink"]
 @dataclass(frozen=True)
 class SinkCommit:
     """What one commit made visible: files (0 for a table), bytes (0 when not known), rows (None when a
-    batch's count is unknown), the micro-batches it covered."""
+    batch's count is unknown), the micro-batches it covered, and the table version it made (a lakehouse
+    table's commit; None for other sinks)."""
 
     files: int
     bytes: int
     rows: int | None
     batches: tuple[int, ...]
+    version: int | None = None
 
 
 class TransactionalSink(Protocol):
@@ -79,10 +82,13 @@ class TransactionalSink(Protocol):
 def transactional_sink(pipeline_id: str, spec: StageSpec, staging: FileSystem) -> TransactionalSink | None:
     """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one. ``staging``: the folder a
     sink that stages its pre-commits in storage writes them to (the stage's own)."""
+    from airflow_arroyo.runtime.delta_sink import TransactionalDeltaSink
     from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
     from airflow_arroyo.runtime.kafka_sink import TransactionalKafkaSink
     from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
 
+    if spec.table is not None:
+        return TransactionalDeltaSink(pipeline_id, spec.name, spec.table)
     if spec.kafka is not None:
         return TransactionalKafkaSink(pipeline_id, spec.name, spec.kafka, staging)
     if spec.postgres is not None:

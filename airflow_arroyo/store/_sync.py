@@ -150,7 +150,7 @@ def redact_dsn(dsn: str) -> str:
 
 
 _SINK_COMMIT_COLS = ("seq, pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows_committed, bytes_committed,"
-                     " committed_at")
+                     " committed_at, table_version")
 
 
 class EpochStore:
@@ -1747,16 +1747,17 @@ class EpochStore:
 
     def record_sink_commit(self, pipeline_id: str, epoch: int, sink: str, *, uri: str, batch_id: int, files: int,
                            rows: int | None, bytes_committed: int, run_id: str | None = None,
-                           token: FencingToken | None = None) -> SinkCommitRecord:
-        """Record what a file sink made visible for ``epoch`` (idempotent: a repeat returns the first record)."""
+                           token: FencingToken | None = None, table_version: int | None = None) -> SinkCommitRecord:
+        """Record what a sink made visible for ``epoch`` (idempotent: a repeat returns the first record);
+        ``table_version``: the version a table sink's commit made (a Delta table's)."""
 
         def tx(cur: PgCursor) -> SinkCommitRecord:
             self._check_token(cur, token, f"the commit record of sink {sink!r} for epoch {epoch}")
             cur.execute(
                 "INSERT INTO arroyo_sink_commits (pipeline_id, epoch, sink, uri, run_id, batch_id, files,"
-                " rows_committed, bytes_committed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " rows_committed, bytes_committed, table_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                 " ON CONFLICT (pipeline_id, sink, epoch) DO NOTHING",
-                (pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows, bytes_committed),
+                (pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows, bytes_committed, table_version),
             )
             cur.execute(f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits"  # noqa: S608
                         " WHERE pipeline_id = %s AND sink = %s AND epoch = %s", (pipeline_id, sink, epoch))

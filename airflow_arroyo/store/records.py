@@ -204,6 +204,7 @@ class SinkCommitRecord:
     rows_committed: int | None
     bytes_committed: int
     committed_at: datetime
+    table_version: int | None = None  # the version a table sink's commit made (migration 0013)
 
 
 @dataclass(frozen=True)
