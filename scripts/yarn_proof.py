@@ -27,7 +27,8 @@ interpreter (the package is installed in it), the application is the installed `
 ``spark.yarn.jars`` names pyspark's jars as ``local:`` (nothing is uploaded) and ``PYSPARK_ARCHIVES_PATH`` names
 this checkout and the venv's site-packages as ``local:`` (the pip pyspark has no ``python/lib/pyspark.zip``, which
 Spark's YARN client otherwise requires for a Python application; its entries go on the containers' PYTHONPATH, so
-the containers import the package from the checkout the script is in, e.g. a ``git archive`` of a commit). On a real cluster: a packed environment in ``archives``
+the containers import the package from the checkout the script is in, e.g. a ``git archive`` of a commit). On a
+real cluster: a packed environment in ``archives``
 (docs/clusters.md, "YARN").
 
     .venv/bin/python scripts/yarn_proof.py [--rows 2000] [--rows-per-batch 50] [--keep]
@@ -209,7 +210,7 @@ def prove(base: Path, rows: int, rows_per_batch: int, nm_memory_mb: int) -> dict
             "HADOOP_CONF_DIR": str(conf_dir), "YARN_CONF_DIR": str(conf_dir),
             # the pip pyspark has no python/lib/pyspark.zip, which Spark's YARN client requires for a Python
             # application unless this names the archives: the venv's site-packages, local to every "node" here
-            # (Spark puts these entries on the PYTHONPATH of the AM's and the executors' containers; this checkout first)
+            # (Spark puts them on the PYTHONPATH of the AM's and the executors' containers; this checkout first)
             "PYSPARK_ARCHIVES_PATH": f"local:{ROOT},local:{site_packages}",
             f"AIRFLOW_CONN_{CONN.upper()}": pg.dsn,
             f"AIRFLOW_CONN_{SPARK.upper()}": json.dumps({
