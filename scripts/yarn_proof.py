@@ -301,6 +301,12 @@ def prove(base: Path, rows: int, rows_per_batch: int, nm_memory_mb: int) -> dict
         assert event["status"] == "stopped", event
         assert op.supervise_complete({"ti": ti}, event, **restarted.kwargs) == lineage  # type: ignore[typeddict-item]
         mark("stopped")
+        # the driver stopped its queries and recorded it; its application then ends on its own (SparkContext stop,
+        # the AM unregistering): bounded, and what YARN says is part of the outcome
+        result["application_2_final"] = _wait(
+            lambda: (state := _app_state(rm_web, app2)) in ("FINISHED", "FAILED", "KILLED") and state, 120,
+            f"{app2} to end after the graceful stop", interval=1.0)
+        mark("app2_ended")
         final = store.get_pipeline(PID)
         result.update(final_state=final.state.value, supervision=final.supervision,
                       latest_epoch=(e.epoch if (e := store.latest_completed_epoch(PID)) else None))
