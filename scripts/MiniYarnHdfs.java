@@ -4,8 +4,8 @@
 //
 //   java -cp '.cache/jvm/minicluster/*' scripts/MiniYarnHdfs.java BASE_DIR CONF_DIR [NM_MEMORY_MB]
 //
-// Writes CONF_DIR/core-site.xml (fs.defaultFS) and CONF_DIR/yarn-site.xml (the whole configuration, with the
-// ResourceManager's bound addresses) for HADOOP_CONF_DIR / YARN_CONF_DIR, then CONF_DIR/ready, and runs until it
+// Writes CONF_DIR/core-site.xml (fs.defaultFS) and CONF_DIR/yarn-site.xml (the ResourceManager's bound addresses
+// only) for HADOOP_CONF_DIR / YARN_CONF_DIR, then CONF_DIR/ready, and runs until it
 // is killed (a shutdown hook stops both clusters on SIGTERM/SIGINT). Hadoop's own CLI for this,
 // org.apache.hadoop.mapreduce.MiniHadoopClusterManager, is in hadoop-client-minicluster but cannot start YARN
 // from it: its MapReduce cluster needs org.apache.hadoop.mapred.LocalContainerLauncher (hadoop-mapreduce-client-app),
