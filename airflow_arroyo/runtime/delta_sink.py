@@ -57,6 +57,7 @@ vectors, no column mapping: they only add and remove whole files).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -314,6 +315,7 @@ class TransactionalDeltaSink:
 
     def _commit(self, table: DeltaTable | None, batches: list[int], through: int, *, rows: int | None,
                 what: str) -> SinkCommit:
+        import pyarrow.parquet as pq
         from deltalake import DeltaTable
         from deltalake.transaction import AddAction
 
@@ -327,12 +329,12 @@ class TransactionalDeltaSink:
             total_rows = total_rows + count if total_rows is not None and count is not None else None
             for e in self.fs.list_files(folder):
                 if not any(part.startswith(("_", ".")) for part in e.path.split("/")):
-                    adds.append(AddAction(e.path, e.size, {}, now, True, ""))
+                    with self.fs.open_input(e.path) as f:  # the footer's row count: Delta's numRecords statistic
+                        stats = json.dumps({"numRecords": pq.read_metadata(f).num_rows})
+                    adds.append(AddAction(e.path, e.size, {}, now, True, stats))
         if table is None:
             if not adds:
                 return SinkCommit(files=0, bytes=0, rows=0, batches=tuple(batches))
-            import pyarrow.parquet as pq
-
             schema = pq.read_schema(self.fs.open_input(adds[0].path))
             try:
                 DeltaTable.create(_table_uri(self.fs), schema=schema, storage_options=self._options(),

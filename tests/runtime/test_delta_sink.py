@@ -57,6 +57,7 @@ def test_one_table_commit_per_epoch_visible_only_when_committed(spark: Any, sink
     assert second.batches == (2, 3) and second.rows == 20 and second.version == 2  # one version per commit
     dt = DeltaTable(str(table))
     assert dt.version() == 2 and dt.transaction_version("arroyo.p1.out") == 3
+    assert dt.count() == 40  # each file's numRecords statistic, from its Parquet footer
     info = dt.history(1)[0]
     assert (info["arroyo.pipeline"], info["arroyo.batch"], info["arroyo.rows"]) == ("p1", "3", "20")
     assert ids(table, version=1) == list(range(20))  # time travel to the first epoch's version
