@@ -78,7 +78,7 @@ from airflow_arroyo.exceptions import (
 )
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, start_writer
+from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from airflow_arroyo.supervision import (
     RestartStrategy,
     SupervisionState,
@@ -97,6 +97,8 @@ from airflow_arroyo.triggers.pipeline import (
     log_tail,
     stop_run,
 )
+from airflow_arroyo.triggers.resubmit import RUN_ID_SLOT, Resubmission, end_failed_run, resubmission_of
+from airflow_arroyo.triggers.resubmit import start_detached as start_detached_process
 from airflow_arroyo.triggers.settle import settle_deadline
 from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
 
@@ -341,7 +343,12 @@ class SubmitPipelineOperator(BaseOperator):
     :param heartbeat_timeout: supervised: a run whose driver has not heartbeated for this many seconds
         has failed (the driver heartbeats every 2 s).
     :param supervise_interval: supervised: seconds between two looks at the run (two store reads each;
-        a local spark-submit's exit is noticed at the next look).
+        a local spark-submit's exit is noticed at once on Linux, elsewhere at the next look).
+    :param restart_in_triggerer: supervised, local and client deploy modes: the supervisor trigger submits each
+        restart itself, in the triggerer, with no worker slot (the restarted driver then runs on the triggerer's
+        host; :mod:`airflow_arroyo.triggers.resubmit`). Off by default; in cluster deploy modes restarts go through
+        the task. A spark-submit environment or command whose names look like secrets (``env_vars``,
+        ``--conf``) keeps the restarts in the task: they would be stored in the trigger's arguments.
 
     Usage::
 
@@ -398,6 +405,7 @@ class SubmitPipelineOperator(BaseOperator):
         restart_strategy: RestartStrategy | Mapping[str, Any] | str | None = None,
         heartbeat_timeout: float = 60.0,
         supervise_interval: float = 5.0,
+        restart_in_triggerer: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -405,6 +413,7 @@ class SubmitPipelineOperator(BaseOperator):
         self.restart_strategy = restart_strategy
         self.heartbeat_timeout = heartbeat_timeout
         self.supervise_interval = supervise_interval
+        self.restart_in_triggerer = restart_in_triggerer
         self.pipeline_id = pipeline_id
         self.pipeline_args = dict(pipeline_args or {})
         self.takeover = takeover
@@ -540,34 +549,18 @@ class SubmitPipelineOperator(BaseOperator):
 
     def start_detached(self, command: list[str], env: Mapping[str, str], run_id: str) -> tuple[LocalProcess, Path]:
         """Start spark-submit in its own session so it outlives this task; its output goes to a log file rotated
-        by size (:mod:`airflow_arroyo.operators.driver_log`, a process beside it that ends with its output)."""
-        log_dir = _log_dir(self.submit_log_dir) / self.pipeline_id
-        log_dir.mkdir(parents=True, exist_ok=True)
+        by size (:func:`~airflow_arroyo.triggers.resubmit.start_detached`)."""
         log_path = driver_log_path(self.pipeline_id, run_id, self.submit_log_dir)
-        safe_run = log_path.stem
-        writer = start_writer(log_path, max_bytes=self.driver_log_max_bytes, backups=self.driver_log_backups,
-                              cwd=log_dir)
-        assert writer.stdin is not None
-        try:
-            proc = subprocess.Popen(
-                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=writer.stdin, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True, cwd=log_dir,  # Spark writes spark-warehouse/ etc. here
-            )
-        except BaseException:
-            writer.kill()
-            raise
-        finally:
-            writer.stdin.close()  # spark-submit holds the pipe now: the writer ends when its output does
+        proc, writer = start_detached_process(command, env, log_path, max_bytes=self.driver_log_max_bytes,
+                                              backups=self.driver_log_backups)
         _DETACHED.append(writer)
         self._log_writer = writer
-        process = LocalProcess.of(proc.pid)
-        (log_dir / f"{safe_run}.pid").write_text(f"{process.pid} {process.start_ticks or ''} {process.host}\n")
         # Not waited for: it is meant to outlive this task. Keep the Popen so that, should this
         # process live on (dag.test()), the child is reaped once it exits instead of lingering.
         _reap_detached()
         _DETACHED.append(proc)
         self._popen = proc
-        return process, log_path
+        return LocalProcess.of(proc.pid), log_path
 
     # ------------------------------------------------------------------ execute
 
@@ -738,16 +731,47 @@ class SubmitPipelineOperator(BaseOperator):
                    starting: bool) -> Any:
         """Watch run ``run_id`` of the lineage in the triggerer (inline when not deferrable)."""
         assert self._strategy is not None
+        resubmission = self._resubmission(context) if self.restart_in_triggerer and self.deferrable else None
         trigger = PipelineSupervisorTrigger(
             pipeline_id=self.pipeline_id, lineage=lineage, run_id=run_id, strategy=self._strategy.to_dict(),
             conn_id=self.conn_id, poll_interval=self.supervise_interval, heartbeat_timeout=self.heartbeat_timeout,
             start_deadline=time.time() + float(self.register_timeout) if starting else None,
             **_watch_args(submit), not_before=settle_deadline() if self.deferrable else None,
+            restart_submit=resubmission.to_dict() if resubmission is not None else None,
+            register_timeout=float(self.register_timeout),
         )
         kwargs: dict[str, Any] = {"submit": dict(submit), "lineage": lineage}
         if not self.deferrable:
             return self.supervise_complete(context, run_inline(trigger), **kwargs)
         self.defer(trigger=trigger, method_name="supervise_complete", kwargs=kwargs)
+
+    def _resubmission(self, context: Context) -> Resubmission | None:
+        """What the supervisor trigger needs to submit restarts itself (``restart_in_triggerer``): a restart's
+        spark-submit command, built as :meth:`_restart` would build it with the run id left open, and the
+        environment this task adds to its own, without the DSN. None, with the reason in the log, in cluster
+        deploy modes and when a name in them looks like a secret: restarts then go through this task."""
+        self.conf = openlineage_conf(self.conf, context, parent=self.openlineage_inject_parent_job_info,
+                                     transport=self.openlineage_inject_transport_info)
+        submit_cmd = self.build_spark_submit(RUN_ID_SLOT, "latest", "", takeover=True)
+        if submit_cmd.secret_file is not None:
+            shutil.rmtree(Path(submit_cmd.secret_file[0]).parent, ignore_errors=True)
+        why_not: str | None
+        if submit_cmd.cluster:
+            why_not = "a cluster deploy mode"
+            resubmission: Resubmission | str | None = None
+        else:
+            resubmission = resubmission_of(
+                self.pipeline_id, submit_cmd.command, submit_cmd.env, os.environ, run_id=RUN_ID_SLOT,
+                log_dir=str(_log_dir(self.submit_log_dir)), log_max_bytes=self.driver_log_max_bytes,
+                log_backups=self.driver_log_backups)
+            why_not = resubmission if isinstance(resubmission, str) else None
+        if why_not is not None or not isinstance(resubmission, Resubmission):
+            self.log.warning("Pipeline %s: restarts go through this task (a worker slot), not the triggerer: %s",
+                             self.pipeline_id, why_not)
+            return None
+        self.log.info("Pipeline %s: restarts are submitted from the triggerer (the restarted driver runs on its "
+                      "host; logs under %s)", self.pipeline_id, resubmission.log_dir)
+        return resubmission
 
     def supervise_complete(self, context: Context, event: dict[str, Any], submit: dict[str, Any] | None = None,
                            lineage: str | None = None) -> Any:
@@ -786,14 +810,13 @@ class SubmitPipelineOperator(BaseOperator):
             raise
 
     def _end_failed_run(self, store: EpochStore, failed_run: str, submit: Mapping[str, Any], cause: str) -> None:
-        """End what is left of a failed run (a hung driver, a half-dead process group, a restart still
-        restoring) and record it failed, so that nothing waits on it or starts epochs for it."""
-        self._stop_submitted(store, failed_run, submit)
-        with contextlib.suppress(ArroyoError):  # it ended meanwhile, or another run took over: nothing to mark
-            record = store.get_pipeline(self.pipeline_id)
-            if record.run_id == failed_run and not record.state.terminal:
-                store.set_pipeline_state(self.pipeline_id, PipelineState.FAILED, run_id=failed_run,
-                                         failure_cause=f"supervisor: {cause}"[:4000])
+        """End what is left of a failed run and record it failed (:func:`~airflow_arroyo.triggers.resubmit.
+        end_failed_run`)."""
+        process = None
+        if submit.get("pid") is not None and submit.get("host"):
+            process = LocalProcess(int(submit["pid"]), str(submit["host"]), submit.get("start_ticks"))
+        end_failed_run(store, self.pipeline_id, failed_run, process,
+                       ClusterApplication.from_dict(submit.get("cluster_application")), cause, self.log)
 
     def _restart(self, context: Context, store: EpochStore, lineage: str, attempt: int, failed_run: str,
                  submit: Mapping[str, Any], cause: str) -> Any:

@@ -13,7 +13,11 @@ each restart it submits). No worker slot is held meanwhile. It looks at the epoc
   ``heartbeat_timeout``; the local ``spark-submit`` exited; the cluster manager says the application
   ended; or a restarted run did not reach ``running`` by ``start_deadline``), the failure was recorded
   (``arroyo_restarts``) and the strategy's delay has passed: the operator resubmits, restoring the
-  latest completed epoch, and defers here again. A run whose spark-submit or cluster application ended
+  latest completed epoch, and defers here again. With ``restart_submit`` (the operator's
+  ``restart_in_triggerer``) there is no such event: the trigger ends the failed run, submits the restart
+  itself (:mod:`airflow_arroyo.triggers.resubmit`), records it and goes on supervising the new run in the
+  same ``run()``; no worker slot is needed. A trigger re-created from its arguments after that (a triggerer
+  restarted) takes up the lineage's newest restart. A run whose spark-submit or cluster application ended
   is marked ``failed`` with its in-flight epoch at once (its exit wakes the trigger: a pidfd, on Linux),
   so that nothing waits for its heartbeat to go stale or for the epoch's timeout.
 * ``gave_up``: the strategy gave up on the failure; ``cause`` is the last failure's: the task fails.
@@ -35,6 +39,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -55,8 +60,10 @@ from airflow_arroyo.supervision import (
     decide_restart,
     in_lineage,
     parse_strategy,
+    restart_run_id,
 )
-from airflow_arroyo.triggers.pipeline import WatchesSubmission, log_tail, open_async_store
+from airflow_arroyo.triggers.pipeline import LocalProcess, WatchesSubmission, log_tail, open_async_store
+from airflow_arroyo.triggers.resubmit import Resubmission, end_failed_run, launch, log_path_of, restart_attempt
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["PipelineSupervisorTrigger"]
@@ -81,6 +88,9 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         of ``run_id``, as in :class:`~airflow_arroyo.triggers.pipeline.PipelineStateTrigger`.
     :param cluster_application: a cluster-mode run's handle; its end is a failure.
     :param not_before: UNIX time before which no event is yielded (the deferral's settle time).
+    :param restart_submit: a :class:`~airflow_arroyo.triggers.resubmit.Resubmission` as a dict: submit restarts
+        from here instead of yielding ``restart`` (no secret in it; the DSN is read from ``conn_id`` then).
+    :param register_timeout: seconds a restart submitted from here may take to reach ``running``.
     """
 
     def __init__(
@@ -101,6 +111,8 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         cluster_application: dict[str, Any] | None = None,
         cluster_poll_interval: float = 30.0,
         not_before: float | None = None,
+        restart_submit: dict[str, Any] | None = None,
+        register_timeout: float = 600.0,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations
         validate_pipeline_id(pipeline_id)
@@ -121,6 +133,9 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         self._watch_submission(submit_pid, submit_host, submit_start_ticks, submit_log, submit_exits,
                                cluster_application, cluster_poll_interval)
         self.not_before = not_before
+        self.restart_submit = dict(restart_submit) if restart_submit else None
+        self._resubmission = Resubmission.from_dict(self.restart_submit)
+        self.register_timeout = float(register_timeout)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Airflow: the class path and exactly the constructor arguments."""
@@ -131,6 +146,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
                 "strategy": self.strategy, "conn_id": self.conn_id, "poll_interval": self.poll_interval,
                 "heartbeat_timeout": self.heartbeat_timeout, "start_deadline": self.start_deadline,
                 **self._submission_kwargs(), "not_before": self.not_before,
+                "restart_submit": self.restart_submit, "register_timeout": self.register_timeout,
             },
         )
 
@@ -155,6 +171,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
     async def _supervise(self, store: AsyncEpochStore) -> TriggerEvent:
         self.log.info("Supervising pipeline %s run %s (lineage %s, restart strategy %s)", self.pipeline_id,
                       self.run_id, self.lineage, self.strategy)
+        await self._adopt_newer_restart(store)
         outage_since: float | None = None
         while True:
             try:
@@ -233,7 +250,33 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
                              self.run_id)
         return cause
 
-    async def _decide(self, store: AsyncEpochStore, cause: str) -> TriggerEvent:
+    async def _adopt_newer_restart(self, store: AsyncEpochStore) -> None:
+        """Submitting restarts itself, this trigger moves on to each new run, but Airflow re-creates a trigger from
+        the arguments it was deferred with (a triggerer restarted, the trigger moved to another one): then the
+        lineage's newest restart of the current supervision, if newer than ``run_id``, is the run to watch (its
+        spark-submit found by the pid file beside its log, on this host)."""
+        if self._resubmission is None:  # restarts go through the task, which defers with the current run
+            return
+        restarts = await asyncio.to_thread(store.sync.restarts, self.pipeline_id, self.lineage, 1)
+        newest = restarts[0] if restarts else None
+        if newest is None or newest.new_run_id is None or newest.new_run_id == self.run_id:
+            return
+        record = await store.get_pipeline(self.pipeline_id)
+        if newest.supervised_since != record.supervised_since or newest.attempt <= restart_attempt(self.lineage,
+                                                                                                   self.run_id):
+            return
+        self.run_id = newest.new_run_id
+        process = _process_from_pid_file(log_path_of(self._resubmission.log_dir, self.pipeline_id, self.run_id))
+        self._watch_submission(process.pid if process else None, process.host if process else None,
+                               process.start_ticks if process else None,
+                               str(log_path_of(self._resubmission.log_dir, self.pipeline_id, self.run_id)), False,
+                               None, self.cluster_poll_interval)
+        running = record.run_id == self.run_id and record.state in _HEARTBEATING
+        self.start_deadline = None if running else time.time() + self.register_timeout
+        self.log.info("Pipeline %s: supervising run %s, restart %s of lineage %s (submitted from the triggerer)",
+                      self.pipeline_id, self.run_id, newest.attempt, self.lineage)
+
+    async def _decide(self, store: AsyncEpochStore, cause: str) -> TriggerEvent | None:
         try:
             restart = await asyncio.to_thread(store.sync.record_failure, self.pipeline_id, self.lineage,
                                               self.run_id, cause, self._decide_in_tx)
@@ -257,8 +300,43 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         if why_not is not None:  # e.g. a stop came during the backoff
             return self._event("cancelled", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} not submitted: "
                                             f"{why_not}", restart=restart)
+        if self._resubmission is not None:
+            return await self._restart_here(store, restart)
         return self._event("restart", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} after: "
                                       f"{restart.cause}", restart=restart)
+
+    async def _restart_here(self, store: AsyncEpochStore, restart: RestartRecord) -> TriggerEvent | None:
+        """Restart the lineage from here (what the operator's restart does, without a worker): end what is left
+        of the failed run, record the restart (before submitting it: a triggerer that dies in between leaves a
+        restart the re-created trigger watches, whose start deadline catches a submission that never happened),
+        submit ``<lineage>.restart<n>`` restoring the latest completed epoch, and watch it. None: keep
+        supervising; a submission that cannot start is the new run's failure, decided as any other."""
+        assert self._resubmission is not None
+        failed_run = self.run_id
+        await asyncio.to_thread(end_failed_run, store.sync, self.pipeline_id, failed_run, self.process,
+                                self.cluster_app, restart.cause, self.log)
+        latest = await store.latest_completed_epoch(self.pipeline_id)
+        new_run = restart_run_id(self.lineage, restart.attempt)
+        self.log.warning("Pipeline %s: restart %s of lineage %s after: %s; restoring %s as run %s (submitted from the "
+                         "triggerer)", self.pipeline_id, restart.attempt, self.lineage, restart.cause,
+                         f"epoch {latest.epoch}" if latest is not None else "no epoch (none completed: a start over)",
+                         new_run)
+        await asyncio.to_thread(store.sync.record_restart, self.pipeline_id, self.lineage, restart.attempt, new_run,
+                                latest.epoch if latest is not None else None)
+        self.run_id = new_run
+        self.start_deadline = time.time() + self.register_timeout
+        self._watch_submission(None, None, None, None, False, None, self.cluster_poll_interval)
+        try:
+            dsn = await asyncio.to_thread(_dsn, self.conn_id)
+            process, log_path = await asyncio.to_thread(launch, self._resubmission, new_run, dsn)
+        except Exception as exc:  # noqa: BLE001 - the new run's failure, with its cause
+            return await self._decide(store, f"spark-submit of run {new_run} could not be started from the triggerer: "
+                                             f"{type(exc).__name__}: {exc}")
+        self._watch_submission(process.pid, process.host, process.start_ticks, str(log_path), False, None,
+                               self.cluster_poll_interval)
+        self.log.info("Pipeline %s run %s: spark-submit started (pid %s), log %s on %s", self.pipeline_id, new_run,
+                      process.pid, log_path, process.host)
+        return None
 
     def _decide_in_tx(self, failures: list[PastFailure], now: datetime, stop_requested: bool) -> RestartDecision:
         return decide_restart(self._strategy, failures, now, lineage=self.lineage, stop_requested=stop_requested)
@@ -268,3 +346,20 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         stop it with the stop operator or ``airflow-arroyo stop``)."""
         store = await open_async_store(self.conn_id)
         await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage, SupervisionState.ENDED)
+
+
+def _dsn(conn_id: str) -> str:
+    from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+    return ArroyoHook(conn_id).get_dsn()
+
+
+def _process_from_pid_file(log_path: Path) -> LocalProcess | None:
+    """The spark-submit a ``<run>.pid`` file beside a driver log names (pid, start time, host), if readable."""
+    try:
+        fields = log_path.with_suffix(".pid").read_text().split()
+    except OSError:
+        return None
+    if len(fields) < 3 or not fields[0].isdigit():
+        return None
+    return LocalProcess(int(fields[0]), fields[2], int(fields[1]) if fields[1].isdigit() else None)

@@ -8,8 +8,11 @@ airflow-standalone end-to-end test (tests/e2e)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +22,11 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import PipelineFailedError
-from airflow_arroyo.operators.pipeline import StopPipelineOperator
+from airflow_arroyo.operators.pipeline import StopPipelineOperator, driver_log_path
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import LocalProcess
+from airflow_arroyo.triggers.resubmit import RUN_ID_SLOT, Resubmission
 from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
 from tests.airflow.test_pipeline_operators import _TI, PID, run_trigger, submit_op
 
@@ -177,3 +181,120 @@ def test_a_restart_that_restores_longer_than_the_heartbeat_timeout_is_not_a_fail
     trigger = _trigger(run_id=restart, heartbeat_timeout=0.01, start_deadline=time.time() + 1.0)
     event = run_trigger(trigger)  # no heartbeat for far longer than 0.01 s: only the deadline fails it
     assert event["status"] == "restart" and "did not reach running in time" in event["cause"], event
+
+
+# --------------------------------------------------------------------------- restarts submitted from the triggerer
+
+
+class _Running:
+    """A trigger's run() in a thread with its own event loop, as the triggerer runs it: its first event, if any."""
+
+    def __init__(self, trigger: PipelineSupervisorTrigger) -> None:
+        self.trigger = trigger
+        self.event: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="triggerer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        async def first() -> None:
+            async for event in self.trigger.run():
+                self.event = event.payload
+                return
+
+        try:
+            asyncio.run(first())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the trigger yielded nothing within {timeout:g}s"
+        if self.error is not None:
+            raise self.error
+        assert self.event is not None
+        return self.event
+
+
+@pytest.mark.spark
+def test_a_restart_submitted_from_the_triggerer_needs_no_worker_and_keeps_supervising(
+        conns: EpochStore, tmp_path: Path, started: list[LocalProcess]) -> None:
+    store = conns
+    op = submit_op(tmp_path, supervise_interval=0.2, restart_in_triggerer=True,
+                   restart_strategy={"type": "fixed-delay", "attempts": 2, "delay": 0.5},
+                   env_vars={"FAKE_EPOCH_INTERVAL": "0.3"})
+    ti = _TI()
+    supervised = _supervised_until_running(op, ti, started)
+    trigger = supervised.trigger
+    assert isinstance(trigger, PipelineSupervisorTrigger) and trigger.restart_submit is not None
+    stored = json.dumps(trigger.serialize()[1])  # what Airflow keeps in its database
+    assert store.dsn not in stored and "ARROYO_DSN" not in stored and "127.0.0.1:" not in stored
+    assert "{arroyo_run_id}" in stored and "--takeover" in stored
+    wait_for(lambda: (store.latest_completed_epoch(PID) or 0) and store.latest_completed_epoch(PID).epoch >= 2,
+             timeout=60, what="two completed epochs")  # type: ignore[union-attr]
+    latest = store.latest_completed_epoch(PID)
+    assert latest is not None
+    running = _Running(trigger)
+    os.kill(int(store.get_pipeline(PID).config["pid"]), signal.SIGKILL)
+
+    restart = f"{LINEAGE}.restart1"
+    wait_for(lambda: running.error or (store.get_pipeline(PID).run_id == restart
+                                       and store.get_pipeline(PID).state is PipelineState.RUNNING),
+             timeout=120, what="the restart, submitted by the trigger, to run")
+    assert running.thread.is_alive() and running.event is None  # no event: the task was never asked for anything
+    started.append(LocalProcess(trigger.submit_pid, trigger.submit_host, trigger.submit_start_ticks))  # type: ignore[arg-type]
+    pipeline = store.get_pipeline(PID)
+    assert pipeline.config["restore_from"] == "latest" and pipeline.supervised_run == LINEAGE
+    assert pipeline.supervision == "watching"
+    [record] = store.restarts(PID)
+    assert (record.attempt, record.new_run_id, record.restored_epoch, record.gave_up) == (1, restart, latest.epoch,
+                                                                                         False)
+    assert trigger.run_id == restart and trigger.submit_log == str(driver_log_path(PID, restart, str(tmp_path)))
+    assert f"run {restart} running" in Path(str(trigger.submit_log)).read_text()  # the fake driver's line
+
+    store.request_stop(PID, "graceful")
+    event = running.result(60)
+    assert (event["status"], event["run_id"]) == ("stopped", restart), event
+    assert op.supervise_complete({"ti": ti}, event, **supervised.kwargs) == LINEAGE
+    assert store.get_pipeline(PID).supervision == "ended"
+
+
+def test_a_trigger_recreated_after_it_restarted_the_run_watches_the_restart(conns: EpochStore,
+                                                                            tmp_path: Path) -> None:
+    """A triggerer that restarts re-creates the trigger from the arguments it was deferred with, which name the run
+    before the restart it submitted: it takes up that restart."""
+    store = conns
+    _supervised_run(store)
+    store.set_pipeline_state(PID, PipelineState.FAILED, run_id=LINEAGE, failure_cause="driver killed")
+    resubmission = Resubmission(PID, ["spark-submit", "--run-id", RUN_ID_SLOT], {}, str(tmp_path))
+    first = _trigger(restart_submit=resubmission.to_dict())
+    failure = store.record_failure(PID, LINEAGE, LINEAGE, "driver killed", first._decide_in_tx)
+    restart = f"{LINEAGE}.restart1"
+    assert store.claim_restart(PID, LINEAGE, failure.attempt) is None
+    store.record_restart(PID, LINEAGE, failure.attempt, restart, None)
+    store.register_pipeline(PID, stages=["a"], run_id=restart, takeover=True)
+    store.set_pipeline_state(PID, PipelineState.RUNNING, run_id=restart)
+    store.heartbeat(PID, restart)
+    store.request_stop(PID, "graceful")
+    store.set_pipeline_state(PID, PipelineState.STOPPING, run_id=restart)
+    store.set_pipeline_state(PID, PipelineState.STOPPED, run_id=restart)
+    again = _trigger(restart_submit=resubmission.to_dict())  # the arguments of the deferral: run_id=LINEAGE
+    event = _Running(again).result(30)
+    assert (event["status"], event["run_id"]) == ("stopped", restart), event
+
+
+def test_restarts_stay_in_the_task_when_the_trigger_would_store_a_secret(conns: EpochStore, tmp_path: Path) -> None:
+    ti = _TI()
+    op = submit_op(tmp_path, restart_strategy="fixed-delay", restart_in_triggerer=True,
+                   env_vars={"AWS_SECRET_ACCESS_KEY": "not-for-the-database"})
+    op._validate()
+    deferred = _deferred(op._supervise, {"ti": ti}, LINEAGE, LINEAGE, {}, starting=False)
+    assert isinstance(deferred.trigger, PipelineSupervisorTrigger) and deferred.trigger.restart_submit is None
+    assert "not-for-the-database" not in json.dumps(deferred.trigger.serialize()[1])
+    plain = submit_op(tmp_path, restart_strategy="fixed-delay", restart_in_triggerer=True,
+                      env_vars={"FAKE_EPOCH_INTERVAL": "1"})
+    plain._validate()
+    deferred = _deferred(plain._supervise, {"ti": ti}, LINEAGE, LINEAGE, {}, starting=False)
+    assert isinstance(deferred.trigger, PipelineSupervisorTrigger)
+    assert deferred.trigger.restart_submit is not None
+    assert deferred.trigger.restart_submit["env"].get("FAKE_EPOCH_INTERVAL") == "1"
