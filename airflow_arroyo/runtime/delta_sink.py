@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.sinks import SinkCommit
+from airflow_arroyo.runtime.sinks import SinkCommit, newest_generations
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -399,13 +399,7 @@ class TransactionalDeltaSink:
 
     def _newest_staged(self) -> dict[int, str]:
         """Per batch, the folder of the highest generation not above this run's (a newer run's re-run wins)."""
-        mine = self.generation
-        out: dict[int, str] = {}
-        for b, gens in self._staged().items():
-            eligible = [g for g in gens if g <= mine or not mine]
-            if eligible:
-                out[b] = _staged_name(b, max(eligible))
-        return out
+        return {b: _staged_name(b, g) for b, g in newest_generations(self._staged(), self.generation).items()}
 
     def _claims(self) -> list[int]:
         return [int(m.group(1)) for e in self.fs.list_dir(_META) if (m := _CLAIM.match(e.name)) is not None]

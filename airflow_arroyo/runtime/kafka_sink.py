@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 
 from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.sinks import SinkCommit
+from airflow_arroyo.runtime.sinks import SinkCommit, newest_generations
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -366,13 +366,8 @@ class TransactionalKafkaSink:
 
     def _newest_staged(self) -> dict[int, str]:
         """Per batch, the file of the highest generation not above this run's (a newer run's re-run wins)."""
-        mine = self.generation
-        out: dict[int, str] = {}
-        for b, gens in self._staged().items():
-            eligible = [g for g in gens if g <= mine or not mine]
-            if eligible:
-                out[b] = gens[max(eligible)]
-        return out
+        staged = self._staged()
+        return {b: staged[b][g] for b, g in newest_generations(staged, self.generation).items()}
 
     def _check_fence(self, what: str) -> None:
         """Refuse a write when a newer generation staged or committed for this sink."""

@@ -12,6 +12,7 @@ Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from airflow_arroyo.runtime.pipeline import StageSpec
     from airflow_arroyo.store.records import FencingToken
 
-__all__ = ["SinkCommit", "TransactionalSink", "transactional_sink"]
+__all__ = ["SinkCommit", "TransactionalSink", "newest_generations", "transactional_sink"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,16 @@ def transactional_sink(pipeline_id: str, spec: StageSpec, staging: FileSystem) -
         assert spec.sink_format is not None
         return TransactionalFileSink(pipeline_id, spec.name, spec.sink_format, spec.sink_options)
     return None
+
+
+def newest_generations(staged: Mapping[int, Iterable[int]], mine: int) -> dict[int, int]:
+    """Per staged batch, the generation whose pre-commit counts: the highest not above this run's ``mine`` (a newer
+    run's re-run of a batch wins over an older run's; a still newer run's is not this run's to commit). 0: no
+    fencing token, every generation counts."""
+    out: dict[int, int] = {}
+    for batch, generations in staged.items():
+        eligible = [g for g in generations if g <= mine or not mine]
+        if eligible:
+            out[batch] = max(eligible)
+    return out
+
