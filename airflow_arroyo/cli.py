@@ -694,14 +694,16 @@ class RestorePlan:
 
 
 def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePlan:
-    """Check that ``pipeline_id`` can restore ``wanted`` ('latest' or an epoch number) now, as its driver's
-    restore planning will: the pipeline is not running, and the epoch is completed (nothing else can be
-    restored). Raises :class:`ConfigurationError` saying why not and what to do."""
+    """Check that ``pipeline_id`` can restore ``wanted`` ('latest' or an epoch number) now: the pipeline is not
+    running, and the driver's own decision (:func:`~airflow_arroyo.restores.read_restore_facts`, then
+    :func:`~airflow_arroyo.runtime.decisions.plan_restore`) restores an epoch. Raises :class:`ConfigurationError`
+    saying why not and what to do."""
     from airflow_arroyo.epochs import EpochState
+    from airflow_arroyo.exceptions import UnrestorableEpochError
+    from airflow_arroyo.restores import parse_restore_from, read_restore_facts
+    from airflow_arroyo.runtime.decisions import RestoreAction, plan_restore
 
-    latest = wanted.strip().lower() == "latest"
-    if not latest and not wanted.strip().isdigit():
-        raise ConfigurationError(f"--epoch must be an epoch number or 'latest', got {wanted!r}")
+    requested = parse_restore_from(wanted)
     pipe = store.get_pipeline(pipeline_id)
     if not pipe.state.terminal:
         raise ConfigurationError(
@@ -709,41 +711,23 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
             f"(airflow-arroyo stop {pipeline_id} --wait 2m), or launch the restore with --takeover if its driver "
             "is dead"
         )
-    owner = pipeline_id
-    waiting = pipe.forked_from_pipeline is not None and pipeline_id in store.waiting_forks(
-        pipe.forked_from_pipeline, pipe.forked_from_epoch)
-    if waiting:  # a fork's first run restores its fork point (the driver does the same)
-        assert pipe.forked_from_pipeline is not None and pipe.forked_from_epoch is not None
-        if not latest and int(wanted) != pipe.forked_from_epoch:
-            raise ConfigurationError(
-                f"pipeline {pipeline_id} is a fork of epoch {pipe.forked_from_epoch} of {pipe.forked_from_pipeline} "
-                f"with no epoch of its own: its first run restores that epoch, not {wanted}; use --epoch latest"
-            )
-        owner = pipe.forked_from_pipeline
-        record = store.get_epoch(owner, pipe.forked_from_epoch)
-        if record.state is not EpochState.COMPLETED:
-            raise ConfigurationError(f"the fork point of {pipeline_id}, epoch {record.epoch} of {owner}, is "
-                                     f"{record.state.value}: the fork cannot start; fork again from a completed epoch")
-        latest = True
-    elif latest:
-        newest = store.latest_completed_epoch(pipeline_id)
-        if newest is None:
-            raise ConfigurationError(f"pipeline {pipeline_id} has no completed epoch to restore; "
-                                     "a run without --restore-from starts it from the beginning")
-        record = newest
-    else:
-        record = store.get_epoch(pipeline_id, int(wanted))
-        if record.state is not EpochState.COMPLETED:
-            why = (" (a restore of an older epoch cut the channels right after that one)"
-                   if record.state is EpochState.SUPERSEDED else "")
-            raise ConfigurationError(
-                f"epoch {record.epoch} of pipeline {pipeline_id} is {record.state.value}{why}: only a completed "
-                f"epoch can be restored; pick one from `airflow-arroyo epochs {pipeline_id}`"
-            )
-    after = [] if waiting else [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000,
-                                                                   states=[EpochState.COMPLETED])
-                                if e.epoch > record.epoch]
-    restore_from: str | int = "latest" if latest else record.epoch
+    situation = read_restore_facts(store, pipeline_id, requested, stages=None)
+    try:
+        decided = plan_restore(situation.facts)
+    except UnrestorableEpochError as exc:  # a refusal of this choice (exit 2), as for any other epoch
+        raise ConfigurationError(str(exc)) from None
+    if decided.action is not RestoreAction.RESTORE:
+        raise ConfigurationError(
+            f"pipeline {pipeline_id} has no completed epoch to restore: a run with --restore-from latest starts "
+            "over from the beginning (empty checkpoints and channels)")
+    assert decided.epoch is not None
+    source = situation.fork_source
+    owner = pipeline_id if source is None else source.pipeline_id
+    record = store.get_epoch(owner, decided.epoch)
+    after = [] if source is not None else [
+        e.epoch for e in store.list_epochs(pipeline_id, limit=10_000, states=[EpochState.COMPLETED])
+        if e.epoch > record.epoch]
+    restore_from: str | int = "latest" if requested == "latest" or source is not None else record.epoch
     args = ["python", "-m", "airflow_arroyo.runtime.driver", "--pipeline", "<module:attr>",
             "--restore-from", str(restore_from)]
     if pipe.storage_uri:

@@ -76,7 +76,7 @@ class RestoreFacts:
 
     pipeline_id: str
     requested: RestoreFrom
-    stages: tuple[str, ...]
+    stages: tuple[str, ...] | None  # the new run's stages; None: not known to the caller (the CLI), not checked
     pipeline_known: bool = False
     epoch: EpochFacts | None = None
     has_state: bool = False
@@ -131,14 +131,17 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
     elif epoch is None:
         raise ConfigurationError(f"{UnknownEpochError(pid, rf)}; {_PICK_COMPLETED}")
     elif epoch.state is not EpochState.COMPLETED:
-        raise ConfigurationError(f"epoch {rf} of pipeline {pid!r} is {epoch.state}, not completed; {_PICK_COMPLETED}")
+        why = (" (a restore of an older epoch cut the channels right after that one)"
+               if epoch.state is EpochState.SUPERSEDED else "")
+        raise ConfigurationError(f"epoch {rf} of pipeline {pid!r} is {epoch.state}, not completed{why}; "
+                                 f"{_PICK_COMPLETED}")
     if epoch.unrestorable is not None:
         raise UnrestorableEpochError(
             f"epoch {epoch.epoch} of pipeline {pid!r} cannot be restored (found by an earlier restore, which "
             f"changed nothing: {epoch.unrestorable}); restore an earlier completed epoch with restore_from=<n> "
             "(airflow-arroyo epochs lists them), or start over in a new storage folder",
             epoch=epoch.epoch, stage="", problems=(epoch.unrestorable,))
-    missing = sorted(set(facts.stages) - set(epoch.stages))
+    missing = sorted(set(facts.stages or ()) - set(epoch.stages))
     if missing:
         raise ConfigurationError(
             f"epoch {epoch.epoch} of pipeline {pid!r} has no snapshot of stage(s) {', '.join(missing)} "

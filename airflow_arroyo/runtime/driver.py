@@ -42,7 +42,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
@@ -53,14 +53,13 @@ from airflow_arroyo.exceptions import (
     FencedError,
     PipelineFailedError,
     StageBuildError,
-    UnknownEpochError,
     UnknownPipelineError,
     UnrestorableEpochError,
 )
 from airflow_arroyo.jvm import SocketPathPruner, master_conf
+from airflow_arroyo.restores import read_restore_facts
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
-    EpochFacts,
     RestoreAction,
     RestoreFacts,
     RestoreFrom,
@@ -345,52 +344,12 @@ class PipelineDriver:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
 
-    def _waiting_fork(self) -> PipelineRecord | None:
-        """The source of this pipeline when it is a fork (``airflow-arroyo fork``) that has not completed an epoch
-        of its own: its run restores the fork point, whatever ``restore_from`` says but another epoch number."""
-        try:
-            record = self.store.get_pipeline(self.pipeline_id)
-        except UnknownPipelineError:
-            return None
-        source, epoch = record.forked_from_pipeline, record.forked_from_epoch
-        if source is None or epoch is None or self.pipeline_id not in self.store.waiting_forks(source, epoch):
-            return None
-        if self.restore_from not in (None, "latest", epoch):
-            raise ConfigurationError(
-                f"pipeline {self.pipeline_id!r} is a fork of epoch {epoch} of {source!r} with no epoch of its own: "
-                f"its first run restores that epoch, not {self.restore_from!r}; start it with restore_from='latest'"
-            )
-        return self.store.get_pipeline(source)
-
     def _restore_facts(self) -> RestoreFacts:
-        """The facts :func:`plan_restore` needs for this run's ``restore_from``, and only those."""
-        rf = self.restore_from
-        facts = RestoreFacts(self.pipeline_id, rf, tuple(self.graph.stage_names))
-        self._fork_source = source = self._waiting_fork()
-        if source is not None:  # the fork point, an epoch of the source
-            me = self.store.get_pipeline(self.pipeline_id)
-            assert me.forked_from_epoch is not None
-            point = self.store.get_epoch(source.pipeline_id, me.forked_from_epoch)
-            return replace(facts, requested=point.epoch, pipeline_known=True,
-                           epoch=EpochFacts(point.epoch, point.state, tuple(point.stages)))
-        if rf is None:
-            return replace(facts, has_state=self._has_state(), location=self.layout.fs.uri_of(self.pipeline_id))
-        try:
-            self.store.get_pipeline(self.pipeline_id)
-        except UnknownPipelineError:
-            return facts
-        record: EpochRecord | None
-        if rf == "latest":
-            record = self.store.latest_completed_epoch(self.pipeline_id)
-        else:
-            assert isinstance(rf, int)
-            try:
-                record = self.store.get_epoch(self.pipeline_id, rf)
-            except UnknownEpochError:  # bad input, not a store failure: plan_restore refuses it (exit 2)
-                record = None
-        epoch = None if record is None else EpochFacts(record.epoch, record.state, tuple(record.stages),
-                                                       record.unrestorable)
-        return replace(facts, pipeline_known=True, epoch=epoch)
+        """The facts :func:`plan_restore` needs for this run's ``restore_from`` (read as the CLI reads them)."""
+        situation = read_restore_facts(self.store, self.pipeline_id, self.restore_from, self.graph.stage_names,
+                                       has_state=self._has_state, location=self.layout.fs.uri_of(self.pipeline_id))
+        self._fork_source = situation.fork_source
+        return situation.facts
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,

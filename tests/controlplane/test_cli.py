@@ -494,7 +494,7 @@ def test_fork_table_and_json_and_its_fork_point_cannot_be_unpinned(
     assert code == 0 and (plan["epoch"], plan["epoch_of"], plan["restore_from"], plan["pin_label"]) == (
         2, "orders", "latest", "fork:orders-b")
     code, _, err = run(capsys, "--dsn", store.dsn, "restore", "orders-b", "--epoch", "1")
-    assert code == 2 and "its first run restores that epoch, not 1; use --epoch latest" in err
+    assert code == 2 and "its first run restores that epoch, not 1; restore 'latest'" in err
     code, out, _ = run(capsys, "--dsn", store.dsn, "unpin", "orders", "2", "--force")
     assert code == 0 and store.get_epoch("orders", 2).pin_label is None
 
@@ -518,10 +518,19 @@ def test_restore_checks_the_epoch_and_prints_how_to_launch_it(
     plan = json.loads(out)
     assert code == 0 and (plan["epoch"], plan["restore_from"], plan["supersedes"]) == (3, "latest", [])
     assert plan["driver_args"][-4:] == ["--restore-from", "latest", "--storage-uri", str(orders.root)]
-    for epoch, needle in (("4", "epoch 4 of pipeline orders is failed: only a completed epoch can be restored"),
+    for epoch, needle in (("4", "epoch 4 of pipeline 'orders' is failed, not completed"),
                           ("9", "has no epoch 9"), ("x", "--epoch must be an epoch number or 'latest'")):
         code, out, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", epoch)
         assert (code, out) == (2, "") and needle in err, err
+    # the driver's own rule decides: an epoch a restore proved unrestorable is refused here too, and 'latest'
+    # then names it rather than silently picking an older one (the driver would refuse it the same way)
+    store.mark_unrestorable("orders", 3, "state/0/0/1.delta is missing")
+    for wanted in ("3", "latest"):
+        code, out, err = run(capsys, "--dsn", store.dsn, "restore", "orders", "--epoch", wanted)
+        assert (code, out) == (2, "") and "epoch 3 of pipeline 'orders' cannot be restored" in err, err
+        assert "state/0/0/1.delta is missing" in err
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "restore", "orders", "--epoch", "2")
+    assert code == 0 and json.loads(out)["epoch"] == 2
 
 
 def test_stop_with_pin_pins_the_final_epoch_once_the_run_stopped(
