@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import psycopg2
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError
+from airflow_arroyo.units import bytes_human
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
@@ -93,15 +94,8 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+def _size(n: int | None) -> str:
+    return bytes_human(n, missing="-")  # "-" as every empty cell of the tables
 
 
 def _when(value: datetime | None) -> str:
@@ -267,7 +261,7 @@ def _cmd_epochs(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
         ["EPOCH", "STATE", "TRIGGERED", "DURATION", "SIZE", "FREED", "PIN", "REASON"],
         [[e.epoch, e.state.value, _when(e.triggered_at),
           "-" if e.duration_s is None else f"{e.duration_s:.1f}s",
-          _human_bytes(e.bytes_total), _human_bytes(e.bytes_freed), e.pin_label, e.failure_reason] for e in epochs],
+          _size(e.bytes_total), _size(e.bytes_freed), e.pin_label, e.failure_reason] for e in epochs],
         out,
     )
     return EXIT_OK
@@ -535,7 +529,7 @@ def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
         _table(
             ["PIPELINE", "CLEANUP RUN", "PRUNED", "FREED", "KEPT", "NOTE"],
             [[r["pipeline_id"], r.get("cleanup_run"), r.get("epochs_pruned"),
-              _human_bytes(r["bytes_freed"]) if "bytes_freed" in r else "-", r.get("kept"),
+              _size(r["bytes_freed"]) if "bytes_freed" in r else "-", r.get("kept"),
               r["error"] or (f"skipped: {r['skipped_reason']}" if r.get("skipped_reason") else "")]
              for r in results],
             out,
@@ -591,7 +585,7 @@ def _cmd_lock(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
                out)
     if last is not None:
         out.write(f"last cleanup run {last.id}: {last.state} (holder {last.holder}, started {_when(last.started_at)}, "
-                  f"pruned {_cell(last.epochs_pruned)}, freed {_human_bytes(last.bytes_freed)})"
+                  f"pruned {_cell(last.epochs_pruned)}, freed {_size(last.bytes_freed)})"
                   + (f": {last.error}" if last.error else "") + "\n")
     return EXIT_OK
 
@@ -612,7 +606,7 @@ def _cmd_verify(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
     else:
         scope = f"epoch {args.epoch}" if args.epoch is not None else "retained epochs"
         out.write(f"pipeline {args.pipeline} ({scope}): checked {report.objects_checked} of {report.objects_total} "
-                  f"objects ({_human_bytes(report.bytes_checked)}) in {report.elapsed_s:.1f}s\n")
+                  f"objects ({_size(report.bytes_checked)}) in {report.elapsed_s:.1f}s\n")
         if report.damaged:
             _table(["OBJECT", "STATE", "EPOCHS", "DETAIL"],
                    [[d.object_key, d.state, list(d.epochs), d.detail] for d in report.damaged], out)
@@ -675,7 +669,7 @@ def _cmd_checkpoint(store: EpochStore, args: argparse.Namespace, out: IO[str]) -
     else:
         _table(["PIPELINE", "EPOCH", "STATE", "SELF-CONTAINED", "DURATION", "SIZE", "REASON"],
                [[record.pipeline_id, record.epoch, record.state.value, "yes" if record.self_contained else "no",
-                 "-" if record.duration_s is None else f"{record.duration_s:.1f}s", _human_bytes(record.bytes_total),
+                 "-" if record.duration_s is None else f"{record.duration_s:.1f}s", _size(record.bytes_total),
                  record.failure_reason]], out)
     return EXIT_OK if record.state is EpochState.COMPLETED else EXIT_ERROR
 

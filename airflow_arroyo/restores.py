@@ -56,7 +56,8 @@ def _waiting_fork(store: EpochStore, pipeline_id: str, requested: RestoreFrom) -
     if requested not in (None, "latest", epoch):
         raise ConfigurationError(
             f"pipeline {pipeline_id!r} is a fork of epoch {epoch} of {source!r} with no epoch of its own: "
-            f"its first run restores that epoch, not {requested!r}; restore 'latest' (restore_from='latest', --epoch latest)"
+            f"its first run restores that epoch, not {requested!r}; restore 'latest' "
+            "(restore_from='latest', --epoch latest)"
         )
     return store.get_pipeline(source)
 

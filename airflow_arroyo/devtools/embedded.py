@@ -401,7 +401,7 @@ class _EpochFollower:
 
     def __call__(self) -> None:
         from airflow_arroyo.exceptions import UnknownPipelineError
-        from airflow_arroyo.ui.format import bytes_human, duration_human
+        from airflow_arroyo.units import bytes_human, duration_human
 
         try:
             pipeline = self.store.get_pipeline(self.pipeline_id)

@@ -34,7 +34,7 @@ from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.summary import summarize
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.settle import settle_deadline
-from airflow_arroyo.ui.format import bytes_human, duration_human
+from airflow_arroyo.units import bytes_human, duration_human
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -59,6 +59,7 @@ from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
+from airflow_arroyo.units import bytes_human
 
 __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 
@@ -110,14 +111,7 @@ def _freeze_gc_once() -> None:
 
 def format_bytes(n: int | None) -> str:
     """A byte count for a log line (``1.5 MiB``; ``? B`` when unknown)."""
-    if n is None:
-        return "? B"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover - the loop always returns
+    return bytes_human(n, missing="? B")
 
 
 def format_epoch_line(pipeline_id: str, entry: dict[str, Any]) -> str:
