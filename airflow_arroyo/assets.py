@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import posixpath
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -298,17 +297,10 @@ def committed_payloads(events: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def committed_files(uri: str, batch_id: int) -> list[str]:
-    """The data files of a sink folder that a commit through ``batch_id`` made visible (and those of
-    earlier commits): files named ``<batch:012d>-...`` with batch <= ``batch_id``; pending and later
-    files are left out. Paths are relative to the folder."""
-    from airflow_arroyo.fs import FileSystem
+    """The data files of a sink folder that a commit through ``batch_id`` made visible (and those of earlier
+    commits), as the sink's own reader sees them (:func:`airflow_arroyo.runtime.file_sink.committed_files`:
+    by its manifests, so neither pending files nor a superseded run's are listed). Paths are relative to
+    the folder."""
+    from airflow_arroyo.runtime.file_sink import committed_files as sink_files
 
-    fs = FileSystem.from_uri(uri)
-    files = []
-    for entry in fs.list_files():
-        if any(part.startswith(("_", ".")) for part in entry.path.split("/")):
-            continue
-        head, _, _ = posixpath.basename(entry.path).partition("-")
-        if head.isdigit() and int(head) <= batch_id:
-            files.append(entry.path)
-    return sorted(files)
+    return sink_files(uri, through=batch_id)

@@ -397,16 +397,19 @@ def committed_through(uri: str) -> int:
     return _through(FileSystem.from_uri(uri))
 
 
-def committed_files(uri: str) -> list[str]:
+def committed_files(uri: str, through: int | None = None) -> list[str]:
     """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
     batch order): what a reader that must never see part of an epoch reads, e.g.
     ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``. Per batch, the manifest of the
-    highest generation not above the trusted commit point's (a superseded run's later ones are ignored)."""
-    return _trusted_files(FileSystem.from_uri(uri))
+    highest generation not above the trusted commit point's (a superseded run's later ones are ignored).
+    ``through``: only the batches up to it (what a given commit, e.g. an Asset event's ``batch_id``, covered)."""
+    return _trusted_files(FileSystem.from_uri(uri), through)
 
 
-def _trusted_files(fs: FileSystem) -> list[str]:
+def _trusted_files(fs: FileSystem, limit: int | None = None) -> list[str]:
     through, generation = _commit_point(fs)
+    if limit is not None:
+        through = min(through, limit)
     chosen: dict[int, tuple[int, str]] = {}
     for b, path in _manifests(fs):
         gen = _manifest_generation(path)

@@ -5,6 +5,7 @@ OpenLineage injection. Real PostgreSQL; the Asset state store and OpenLineage ar
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -211,13 +212,22 @@ def test_consumer_helpers_read_payloads_and_only_committed_files(tmp_path: Path)
     events = [{"extra": {"from_trigger": True, "payload": {"epoch": 3, "seq": 9}}},
               {"extra": {"payload": {"epoch": 2, "seq": 7}}}, {"extra": {}}]
     assert [p["epoch"] for p in committed_payloads(events)] == [2, 3]
+    # a sink folder as the file sink leaves it (docs/runtime.md, "File sink"): batches 1-3 committed by
+    # generation 2, batch 4 pending, and a file a superseded generation 1 moved in after the takeover
     out = tmp_path / "out"
-    (out / "_arroyo_sink" / "pending" / "4").mkdir(parents=True)
-    (out / "_arroyo_sink" / "pending" / "4" / "part-0.parquet").write_bytes(b"x")
-    for name in ("000000000001-part-0.parquet", "000000000002-part-0.parquet", "000000000003-part-0.parquet",
-                 ".000000000001-part-0.parquet.crc"):
+    meta = out / "_arroyo_sink"
+    (meta / "pending" / "4-g2").mkdir(parents=True)
+    (meta / "pending" / "4-g2" / "part-0.parquet").write_bytes(b"x")
+    (meta / "committed").mkdir()
+    for b in (1, 2, 3):
+        name = f"{b:012d}-g2-part-0.parquet"
         (out / name).write_bytes(b"x")
-    assert committed_files(str(out), 2) == ["000000000001-part-0.parquet", "000000000002-part-0.parquet"]
+        (meta / "committed" / f"{b:012d}-g2.json").write_text(json.dumps({"batch": b, "files": [name]}))
+    (out / "000000000002-g1-part-0.parquet").write_bytes(b"x")
+    (out / ".000000000001-g2-part-0.parquet.crc").write_bytes(b"x")
+    (meta / "committed-g2.json").write_text(json.dumps({"through": 3, "base": 0}))
+    assert committed_files(str(out), 2) == ["000000000001-g2-part-0.parquet", "000000000002-g2-part-0.parquet"]
+    assert committed_files(str(out), 9) == [f"{b:012d}-g2-part-0.parquet" for b in (1, 2, 3)]
 
 
 # --------------------------------------------------------------------------- provider info and config
