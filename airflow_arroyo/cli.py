@@ -56,7 +56,7 @@ from airflow_arroyo.units import bytes_human
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.store import EpochStore, PipelineRecord, RestartRecord
+    from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
 
@@ -362,46 +362,41 @@ def _cmd_unpin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
 
 def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Ask a live pipeline to stop (graceful: its driver takes a final epoch first); with ``--wait``,
-    wait for its run to end and report how."""
+    wait for its run to end and report how (the steps of :mod:`airflow_arroyo.stopping`)."""
     from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop, wait_until_ended
 
     _require_schema(store)
     wait = parse_duration(args.wait, name="--wait") or timedelta(0)
-    mode = "immediate" if args.immediate else "graceful"
-    if args.pin is not None:
-        if args.immediate:
-            raise ConfigurationError("--pin pins the final epoch of a graceful stop; an --immediate stop takes none: "
-                                     "drop one of them")
-        if wait.total_seconds() <= 0:
-            wait = STOP_PIN_WAIT  # pinning needs the run to have ended
-        store.check_pin_label(args.pin)  # bad input before anything is asked
-    current = store.get_pipeline(args.pipeline)
-    if _stop_without_a_run(store, args, current, mode, out):
+    mode = check_stop("immediate" if args.immediate else "graceful", args.pin)  # bad input before anything is asked
+    if args.pin is not None and wait.total_seconds() <= 0:
+        wait = STOP_PIN_WAIT  # pinning needs the run to have ended
+    asked = request_stop(store, args.pipeline, mode)
+    current = asked.pipeline
+    if asked.asked is StopAsked.RESTART_CANCELLED:
+        out.write(f"pipeline {args.pipeline}: run {current.run_id} failed "
+                  f"({current.failure_cause or 'no cause recorded'}); its supervisor's restart is cancelled\n")
         return EXIT_OK
-    already = current.stop_requested
-    record = store.request_stop(args.pipeline, mode if already != "immediate" else already)
-    if already is not None and wait.total_seconds() <= 0 and args.pin is None and not args.json:
+    if asked.asked is StopAsked.ENDED:
+        whose = "it has not run yet" if current.run_id is None else (
+            f"its run {current.run_id} is already {current.state.value}")
+        raise ConfigurationError(f"pipeline {args.pipeline} is not running: {whose}; nothing to stop")
+    if asked.asked is StopAsked.ALREADY_REQUESTED and wait.total_seconds() <= 0 and args.pin is None \
+            and not args.json:
         # a second stop: the first request stands (an immediate one is never made graceful again)
-        more = f"; now {mode}" if record.stop_requested != already else ""
-        out.write(f"pipeline {args.pipeline} (run {current.run_id}) was already asked to stop ({already}{more}); it is "
-                  f"{record.state.value}: pass --wait DURATION to wait for it to end\n")
+        more = f"; now {asked.mode}" if asked.mode != asked.previous else ""
+        out.write(f"pipeline {args.pipeline} (run {current.run_id}) was already asked to stop "
+                  f"({asked.previous}{more}); it is {current.state.value}: pass --wait DURATION to wait for it "
+                  "to end\n")
         return EXIT_OK
-    deadline = time.monotonic() + wait.total_seconds()
-    while not record.state.terminal and time.monotonic() < deadline:
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        record = store.get_pipeline(args.pipeline)
-    if record.run_id != current.run_id:  # another run registered meanwhile: ours ended before it
-        record = current
+    record = wait_until_ended(store, current, wait.total_seconds())
     ended = record.state.terminal
-    newest = store.latest_completed_epoch(args.pipeline)
-    latest = newest.epoch if newest is not None else None
-    pinned = None
-    if args.pin is not None and ended:
-        try:
-            pinned = store.pin_final_epoch(args.pipeline, current.run_id, args.pin)
-        except ConfigurationError as exc:  # the stop happened: not bad input, a failed second half (exit 1)
-            raise _NotPinned(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}, but {exc}") \
-                from None
+    try:
+        outcome = finish_stop(store, args.pipeline, current.run_id, args.pin, ended=ended)
+    except ConfigurationError as exc:  # the stop happened: not bad input, a failed second half (exit 1)
+        raise _NotPinned(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}, but {exc}") \
+            from None
+    latest, pinned = outcome.latest_epoch, outcome.pinned
     result: dict[str, Any] = {
         "pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": record.state.value,
         "stopped": ended, "latest_completed_epoch": latest, "failure_cause": record.failure_cause}
@@ -426,27 +421,6 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
             out.write(f"pinned its final epoch {pinned.epoch} ({pinned.pin_label}); retention keeps it until "
                       f"`airflow-arroyo unpin {args.pipeline} {pinned.epoch}`\n")
     return EXIT_OK if ended or wait.total_seconds() == 0 else EXIT_ERROR
-
-
-def _stop_without_a_run(store: EpochStore, args: argparse.Namespace, current: PipelineRecord, mode: str,
-                        out: IO[str]) -> bool:
-    """``stop`` of a pipeline whose run has ended: True when it cancelled a supervisor's pending restart;
-    raises :class:`ConfigurationError` (exit 2) when there is nothing to stop; False when the run is live."""
-    from airflow_arroyo.epochs import PipelineState
-    from airflow_arroyo.supervision import restart_pending
-
-    # failed with a restart due: the stop cancels it (a stopped run is never restarted, though its supervisor
-    # may still read "watching" for a moment)
-    if current.state is PipelineState.FAILED and restart_pending(current):
-        store.request_stop(args.pipeline, mode)
-        out.write(f"pipeline {args.pipeline}: run {current.run_id} failed "
-                  f"({current.failure_cause or 'no cause recorded'}); its supervisor's restart is cancelled\n")
-        return True
-    if current.state.terminal:
-        whose = "it has not run yet" if current.run_id is None else (
-            f"its run {current.run_id} is already {current.state.value}")
-        raise ConfigurationError(f"pipeline {args.pipeline} is not running: {whose}; nothing to stop")
-    return False
 
 
 def _cmd_fork(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:

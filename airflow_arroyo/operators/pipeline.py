@@ -79,12 +79,12 @@ from airflow_arroyo.exceptions import (
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
 from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop
 from airflow_arroyo.supervision import (
     RestartStrategy,
     SupervisionState,
     lineage_of,
     parse_strategy,
-    restart_pending,
     restart_run_id,
 )
 from airflow_arroyo.triggers.inline import run_inline
@@ -205,25 +205,6 @@ def _log_driver_tail(log: Any, pipeline_id: str, run_id: str | None, submit_log_
     else:
         log.info("Driver log of pipeline %s run %s: %s on the host that ran the submit task", pipeline_id,
                  run_id, path)
-
-
-def _check_stop_pin(mode: str, label: str) -> None:
-    """``pin_label`` pins a graceful stop's final epoch: refuse it with an immediate stop, or a bad label."""
-    from airflow_arroyo.store import EpochStore
-
-    if str(mode).strip().lower() == "immediate":
-        raise ConfigurationError("pin_label pins the final epoch of a graceful stop; an immediate stop takes none: "
-                                 "use mode='graceful' or drop pin_label")
-    EpochStore.check_pin_label(label)
-
-
-def _parse_stop_mode(mode: str) -> str:
-    text = str(mode).strip().lower()
-    if text not in ("graceful", "immediate"):
-        raise ConfigurationError(
-            f"stop mode must be 'graceful' (a final epoch, then stop) or 'immediate' (stop now), got {mode!r}"
-        )
-    return text
 
 
 def _templated(value: object) -> bool:
@@ -920,35 +901,31 @@ class StopPipelineOperator(BaseOperator):
         self.stop_timeout = stop_timeout
         self.wait_before_defer = wait_before_defer
         self.submit_log_dir = submit_log_dir
-        _at_parse(self.task_id, _parse_stop_mode, mode)
+        _at_parse(self.task_id, check_stop, mode, pin_label)
         _at_parse(self.task_id, validate_pipeline_id, pipeline_id)
-        if pin_label is not None:
-            _at_parse(self.task_id, _check_stop_pin, mode, pin_label)
 
     def execute(self, context: Context) -> dict[str, Any]:
         """Airflow: ask the pipeline to stop, then wait for its run to end as configured."""
         validate_pipeline_id(self.pipeline_id)
-        mode = _parse_stop_mode(self.mode)
-        if self.pin_label is not None:
-            _check_stop_pin(mode, self.pin_label)
+        mode = check_stop(self.mode, self.pin_label)
         context["ti"].xcom_push(key=XCOM_PIPELINE_ID, value=self.pipeline_id)
         store = _store(self.conn_id)
         try:
-            pipeline = store.get_pipeline(self.pipeline_id)
+            asked = request_stop(store, self.pipeline_id, mode)
         except UnknownPipelineError:
             self.log.warning("Pipeline %s is not registered: nothing to stop", self.pipeline_id)
             return {"pipeline_id": self.pipeline_id, "run_id": None, "state": None, "latest_epoch": None,
                     "final_epoch": None}
-        if pipeline.state.terminal:
-            if restart_pending(pipeline):  # failed, and its supervisor would restart it: the stop cancels that
-                store.request_stop(self.pipeline_id, mode)
+        pipeline = asked.pipeline
+        if asked.asked in (StopAsked.RESTART_CANCELLED, StopAsked.ENDED):
+            if asked.asked is StopAsked.RESTART_CANCELLED:
                 self.log.info("Pipeline %s run %s failed and its supervisor was to restart it: the restart is "
                               "cancelled", self.pipeline_id, pipeline.run_id)
             self.log.info("Pipeline %s is already %s", self.pipeline_id, pipeline.state)
             return self._published(context, self._result(
                 {"state": pipeline.state.value, "cause": pipeline.failure_cause, "run_id": pipeline.run_id,
                  "message": f"already {pipeline.state}"}, store))
-        store.request_stop(self.pipeline_id, mode)
+        mode = asked.mode
         self.log.info("Requested a %s stop of pipeline %s (run %s)", mode, self.pipeline_id, pipeline.run_id)
         done = self._wait_in_worker(store, pipeline.run_id)
         if done is not None:
@@ -997,13 +974,14 @@ class StopPipelineOperator(BaseOperator):
 
     def _result(self, event: Mapping[str, Any], store: EpochStore | None) -> dict[str, Any]:
         store = store or _store(self.conn_id)
-        latest = store.latest_completed_epoch(self.pipeline_id)
+        stopped = event.get("state") == PipelineState.STOPPED.value
+        outcome = finish_stop(store, self.pipeline_id, event.get("run_id"), self.pin_label, ended=stopped)
         result = {
             "pipeline_id": self.pipeline_id,
             "run_id": event.get("run_id"),
             "state": event.get("state"),
-            "latest_epoch": latest.epoch if latest is not None else None,
-            "final_epoch": latest.epoch if latest is not None and latest.is_final else None,
+            "latest_epoch": outcome.latest_epoch,
+            "final_epoch": outcome.final_epoch,
         }
         if event.get("state") == PipelineState.FAILED.value:
             cause = event.get("cause") or event.get("message")
@@ -1013,9 +991,8 @@ class StopPipelineOperator(BaseOperator):
         else:
             self.log.info("Pipeline %s is %s; latest completed epoch %s%s", self.pipeline_id, event.get("state"),
                           result["latest_epoch"], " (final)" if result["final_epoch"] else "")
-            if self.pin_label is not None and event.get("state") == PipelineState.STOPPED.value:
-                pinned = store.pin_final_epoch(self.pipeline_id, event.get("run_id"), self.pin_label)
-                result["pinned_epoch"], result["pin_label"] = pinned.epoch, pinned.pin_label
-                self.log.info("Pinned the final epoch %s of pipeline %s (%s)", pinned.epoch, self.pipeline_id,
-                              pinned.pin_label)
+            if outcome.pinned is not None:
+                result["pinned_epoch"], result["pin_label"] = outcome.pinned.epoch, outcome.pinned.pin_label
+                self.log.info("Pinned the final epoch %s of pipeline %s (%s)", outcome.pinned.epoch, self.pipeline_id,
+                              outcome.pinned.pin_label)
         return result

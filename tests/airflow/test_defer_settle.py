@@ -88,7 +88,7 @@ def test_stop_and_pin_pins_the_final_epoch_of_the_run(running: EpochStore) -> No
     from airflow_arroyo.epochs import CheckpointPolicy
     from airflow_arroyo.exceptions import ConfigurationError
 
-    with pytest.raises(ConfigurationError, match="pin_label pins the final epoch of a graceful stop"):
+    with pytest.raises(ConfigurationError, match="pins the final epoch of a graceful stop"):
         StopPipelineOperator(task_id="stop", pipeline_id=PID, mode="immediate", pin_label="x")
 
     def driver() -> None:  # a graceful stop: the final epoch completes, then the run stops
@@ -166,3 +166,14 @@ def test_the_settle_time_covers_the_scheduler_reading_the_deferral() -> None:
     supervisor exits (under a second): the settle time leaves a wide margin and stays short."""
     assert 5.0 <= settle.DEFER_SETTLE_S <= 30.0
     assert settle.settle_deadline(now=100.0) == 100.0 + settle.DEFER_SETTLE_S
+
+
+def test_a_graceful_stop_after_an_immediate_one_keeps_it_immediate(running: EpochStore) -> None:
+    """The operator asks through the same step as ``airflow-arroyo stop``: a graceful request never turns an
+    immediate one (already acted on by the driver, which takes no final epoch) back into a graceful one."""
+    running.request_stop(PID, "immediate")
+    op = StopPipelineOperator(task_id="stop", pipeline_id=PID, conn_id=CONN, poll_interval=0.05,
+                              wait_before_defer=0.2)
+    with pytest.raises(TaskDeferred):
+        op.execute({"ti": _TI()})  # type: ignore[arg-type]
+    assert running.get_pipeline(PID).stop_requested == "immediate"

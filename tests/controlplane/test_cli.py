@@ -539,7 +539,7 @@ def test_stop_with_pin_pins_the_final_epoch_once_the_run_stopped(
 
     orders, clicks = two_pipelines
     code, _, err = run(capsys, "--dsn", store.dsn, "stop", "orders", "--immediate", "--pin", "x")
-    assert code == 2 and "--pin pins the final epoch of a graceful stop" in err
+    assert code == 2 and "a pin label pins the final epoch of a graceful stop" in err
     code, _, err = run(capsys, "--dsn", store.dsn, "stop", "orders", "--pin", " ")
     assert code == 2 and "pin label must be 1 to 200 characters" in err
     assert store.get_pipeline("orders").stop_requested is None  # refused before asking
