@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 
 import psycopg2
 
+from airflow_arroyo.connections import dsn_from_env_value
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError
 from airflow_arroyo.units import bytes_human
 
@@ -162,16 +163,11 @@ def _check_dsn(dsn: str, source: str) -> None:
 
 
 def _env_connection_dsn(conn_id: str) -> str | None:
-    """The DSN of connection ``conn_id`` when the environment defines it as a URI
-    (``AIRFLOW_CONN_<ID>=postgresql://...``): read without importing Airflow, which takes seconds.
-    None for anything else (JSON, extras Airflow must decode, other schemes): Airflow resolves it."""
-    value = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}", "").strip()
-    if "://" not in value or "__extra__" in value:
-        return None
-    scheme, rest = value.split("://", 1)
-    if scheme.lower() not in ("postgresql", "postgres", "arroyo"):
-        return None
-    return f"postgresql://{rest}"
+    """The DSN of connection ``conn_id`` when the environment defines it (``AIRFLOW_CONN_<ID>``, a URI or
+    JSON): read without importing Airflow, which takes seconds. None when the variable is not set."""
+    var = f"AIRFLOW_CONN_{conn_id.upper()}"
+    value = os.environ.get(var, "").strip()
+    return dsn_from_env_value(value, var) if value else None
 
 
 def _store_from_connection(conn_id: str) -> EpochStore:

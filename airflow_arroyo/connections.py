@@ -13,7 +13,10 @@ import json
 import logging
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+import psycopg2
+from psycopg2.extensions import parse_dsn
 
 from airflow_arroyo.exceptions import ConfigurationError
 
@@ -86,9 +89,10 @@ def postgres_dsn(conn_id: str | None, *, host: str | None, port: int | str | Non
 
 
 def dsn_from_env_value(value: str, var: str) -> str:
-    """The DSN of an ``AIRFLOW_CONN_<ID>`` value as Airflow exports it: a ``postgres(ql)://`` URI (its query
-    parameters kept) or the connection's JSON (``host``, ``port``, ``schema``, ``login``, ``password``,
-    ``extra``)."""
+    """The DSN of an ``AIRFLOW_CONN_<ID>`` value in either form Airflow exports: a URI (scheme ``postgres``,
+    ``postgresql`` or ``arroyo``; its query parameters, and the JSON of Airflow's ``__extra__`` parameter, are
+    the connection's extra) or the connection's JSON (``host``, ``port``, ``schema``, ``login``, ``password``,
+    ``extra``). Both go through :func:`postgres_dsn`, so a connection's extras are treated alike on every path."""
     value = value.strip()
     if value.startswith("{"):
         try:
@@ -97,13 +101,37 @@ def dsn_from_env_value(value: str, var: str) -> str:
             raise ConfigurationError(f"{var} is not valid JSON: {exc}") from exc
         if not isinstance(c, dict):
             raise ConfigurationError(f"{var} must be a postgresql://... URI or the connection's JSON object")
+        fields = {k: c.get(k) for k in ("host", "port", "schema", "login", "password")}
         extra = extra_of(var, c.get("conn_type"), c.get("extra"))
-        return postgres_dsn(var, host=c.get("host"), port=c.get("port"), schema=c.get("schema"),
-                            login=c.get("login"), password=c.get("password"), extra=extra)
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("postgres", "postgresql"):
+    else:
+        fields, extra = _uri_fields(value, var)
+    dsn = postgres_dsn(var, host=fields["host"], port=fields["port"], schema=fields["schema"],
+                       login=fields["login"], password=fields["password"], extra=extra)
+    try:
+        parse_dsn(dsn)
+    except psycopg2.ProgrammingError as exc:
+        raise ConfigurationError(f"{var} is not a connection libpq can use: {exc}".strip()) from None
+    return dsn
+
+
+def _uri_fields(value: str, var: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A connection URI's fields and extra, as Airflow reads its ``AIRFLOW_CONN_<ID>`` URIs."""
+    parts = urlsplit(value)
+    if parts.scheme.lower() not in ("postgres", "postgresql", "arroyo") or not parts.netloc and not parts.path:
         raise ConfigurationError(f"{var} must be a postgresql://... URI or the connection's JSON")
-    return f"postgresql://{rest}"
+    extra: dict[str, Any] = {}
+    for key, item in parse_qsl(parts.query, keep_blank_values=False):
+        if key == "__extra__":
+            extra.update(extra_of(var, None, item))
+        else:
+            extra[key] = item
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigurationError(f"{var} has a port that is not a number") from None
+    return ({"host": unquote(parts.hostname or ""), "port": port, "schema": unquote(parts.path.lstrip("/")),
+             "login": unquote(parts.username) if parts.username else None,
+             "password": unquote(parts.password) if parts.password else None}, extra)
 
 
 def _libpq_value(value: Any) -> str:

@@ -468,6 +468,15 @@ def test_conn_id_from_an_environment_uri_does_not_import_airflow(store: EpochSto
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert [p["pipeline_id"] for p in json.loads(done.stdout)] == ["clicks", "orders"]
+    # the JSON form, with a libpq extra, is read the same way (connections.dsn_from_env_value, the one path)
+    parts = urlsplit(store.dsn)
+    as_json = json.dumps({"conn_type": "arroyo", "host": parts.hostname, "port": parts.port, "login": parts.username,
+                          "password": parts.password, "schema": parts.path.lstrip("/"),
+                          "extra": {"connect_timeout": 7}})
+    done = subprocess.run([sys.executable, "-c", probe, "--conn-id", "arroyo_fast", "--json", "pipelines"],
+                          capture_output=True, text=True, timeout=120, env={**env, "AIRFLOW_CONN_ARROYO_FAST": as_json})
+    assert done.returncode == 0, done.stderr
+    assert [p["pipeline_id"] for p in json.loads(done.stdout)] == ["clicks", "orders"]
 
 
 def test_fork_table_and_json_and_its_fork_point_cannot_be_unpinned(
