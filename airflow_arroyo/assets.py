@@ -298,9 +298,9 @@ def committed_payloads(events: Iterable[Any]) -> list[dict[str, Any]]:
 
 def committed_files(uri: str, batch_id: int) -> list[str]:
     """The data files of a sink folder that a commit through ``batch_id`` made visible (and those of earlier
-    commits), as the sink's own reader sees them (:func:`airflow_arroyo.runtime.file_sink.committed_files`:
+    commits), as the sink's own reader sees them (:func:`airflow_arroyo.runtime.sinks.files.committed_files`:
     by its manifests, so neither pending files nor a superseded run's are listed). Paths are relative to
     the folder."""
-    from airflow_arroyo.runtime.file_sink import committed_files as sink_files
+    from airflow_arroyo.runtime.sinks.files import committed_files as sink_files
 
     return sink_files(uri, through=batch_id)

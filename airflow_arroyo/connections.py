@@ -1,7 +1,7 @@
 """Airflow connection -> PostgreSQL DSN, in one place and without Airflow.
 
 The hook (:func:`airflow_arroyo.hooks.arroyo.dsn_from_connection`, from a ``Connection``) and the PostgreSQL
-sink in a Spark driver (:meth:`airflow_arroyo.runtime.pg_sink.PostgresTarget.resolve_dsn`, from the
+sink in a Spark driver (:meth:`airflow_arroyo.runtime.sinks.postgres.PostgresTarget.resolve_dsn`, from the
 ``AIRFLOW_CONN_<ID>`` variable Airflow exports, where Airflow is not installed) both build their DSN here, so a
 connection's libpq options (``sslmode``, ``sslrootcert``, ``connect_timeout``...) reach the database on either
 path. The DSN is a ``postgresql://`` URI (what the store's redaction and the CLI's checks read).

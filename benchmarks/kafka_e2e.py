@@ -88,8 +88,8 @@ def run_plain(servers: str, source: str, out: str, seconds: float) -> None:
 
 def run_product(servers: str, source: str, out: str, seconds: float, dsn: str, interval: float) -> None:
     from airflow_arroyo.runtime.driver import PipelineDriver
-    from airflow_arroyo.runtime.kafka_sink import KafkaTarget
     from airflow_arroyo.runtime.pipeline import Pipeline
+    from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
     from airflow_arroyo.store import EpochStore
     from airflow_arroyo.testing import CheckpointTicker, DriverThread, wait_for
 

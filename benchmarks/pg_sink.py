@@ -1,6 +1,6 @@
 """What does exactly-once cost when writing PostgreSQL? The same rows, side by side in one run.
 
-* **exactly-once**: :class:`~airflow_arroyo.runtime.pg_sink.TransactionalPostgresSink` in append or upsert
+* **exactly-once**: :class:`~airflow_arroyo.runtime.sinks.postgres.TransactionalPostgresSink` in append or upsert
   mode: each micro-batch staged from the executors, committed into the table every ``--batches-per-epoch``
   batches (one transaction per epoch), as the driver does when an epoch completes;
 * **plain**: what a Structured Streaming user writes with ``foreachBatch``: every partition inserts (or
@@ -32,7 +32,7 @@ import psycopg2
 import psycopg2.extras
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
+from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink
 
 SCHEMA = "id BIGINT, key STRING, amount BIGINT"
 DDL = {

@@ -9,11 +9,15 @@ image without Airflow installs (docs/airflow.md).
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import pkgutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +153,164 @@ def test_the_spark_extra_is_all_the_driver_imports(spark_side_import: subprocess
     missing = {top: dists for top, dists in imported.items()
                if dists and not {canonicalize_name(d) for d in dists} & installed_by_recipe}
     assert not missing, f"imported by the driver side but not installed by the [spark] list: {missing}"
+
+
+# --------------------------------------------------------------------------- imports read from the syntax tree
+#
+# The interpreter check above sees only what runs at import time. These read every ``import`` in the source,
+# at module level, in functions and under ``TYPE_CHECKING`` alike, so an Airflow import moved into a function
+# (which would fail only when that function runs on a node without Airflow) is caught too.
+
+_PACKAGE = Path(airflow_arroyo.__file__).resolve().parent
+# Inside Airflow-free packages, modules that are on the Airflow side all the same (their docstrings say so):
+# the example DAGs' helpers.
+_AIRFLOW_SIDE_INNER = ["airflow_arroyo.examples.report"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(_PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(_PACKAGE.rglob("*.py"))}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Import:
+    module: str  # the module imported (for ``from pkg import sub``, the submodule)
+    line: int
+    optional: bool  # inside ``try:`` with an ``except ImportError`` (or a parent of it): the module works without
+
+
+def _imports(source: str, name: str, is_package: bool, known: Iterable[str]) -> list[_Import]:
+    """Every import in ``source`` (module ``name``), wherever it is written."""
+    known = set(known)
+    package = name if is_package else name.rpartition(".")[0]
+    tree = ast.parse(source)
+    optional_lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
+            for stmt in node.body:
+                optional_lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    out: list[_Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [_Import(a.name, node.lineno, node.lineno in optional_lines) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            if len(subs) < len(node.names):
+                out.append(_Import(target, node.lineno, node.lineno in optional_lines))
+            out += [_Import(s, node.lineno, node.lineno in optional_lines) for s in subs]
+    return out
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError")
+               for n in names)
+
+
+def _under(module: str, roots: Iterable[str]) -> bool:
+    return any(module == r or module.startswith(f"{r}.") for r in roots)
+
+
+_FREE_ROOTS = ["airflow_arroyo.store", "airflow_arroyo.runtime", "airflow_arroyo.examples", *_AIRFLOW_FREE_TOP,
+               *_AIRFLOW_FREE_INNER]
+_SIDE_ROOTS = [*_AIRFLOW_SIDE_TOP, *_AIRFLOW_SIDE_INNER]
+
+
+def _airflow_free(module: str) -> bool:
+    return _under(module, _FREE_ROOTS) and not _under(module, _SIDE_ROOTS)
+
+
+def _airflow_imports(name: str, source: str, is_package: bool, known: Iterable[str]) -> list[str]:
+    """The imports of Airflow, or of a module on the Airflow side, that ``name`` makes without a fallback."""
+    return [f"{name}:{i.line} imports {i.module}" for i in _imports(source, name, is_package, known)
+            if not i.optional and (_under(i.module, ["airflow"]) or _under(i.module, _SIDE_ROOTS))]
+
+
+def test_no_airflow_free_module_imports_airflow_anywhere_in_its_source() -> None:
+    """Function-level and type-only imports count; an import under ``try: ... except ImportError`` is an
+    optional feature (``--conn-id`` resolving a connection through Airflow when Airflow is installed)."""
+    modules = _modules()
+    found = [hit for name, path in modules.items() if _airflow_free(name)
+             for hit in _airflow_imports(name, path.read_text(), path.name == "__init__.py", modules)]
+    assert not found, "\n".join(found)
+
+
+def test_the_syntax_check_finds_a_function_level_airflow_import() -> None:
+    """The check can fail: the CLI's source with an Airflow import added inside a function, on purpose."""
+    modules = _modules()
+    source = modules["airflow_arroyo.cli"].read_text()
+    assert not _airflow_imports("airflow_arroyo.cli", source, False, modules)
+    planted = source + "\n\ndef _planted() -> None:\n    from airflow_arroyo.hooks.arroyo import ArroyoHook\n"
+    assert _airflow_imports("airflow_arroyo.cli", planted, False, modules) == [
+        f"airflow_arroyo.cli:{len(planted.splitlines())} imports airflow_arroyo.hooks.arroyo"]
+    typed = source + "\nif TYPE_CHECKING:\n    from airflow.sdk import Context\n"
+    assert _airflow_imports("airflow_arroyo.cli", typed, False, modules) == [
+        f"airflow_arroyo.cli:{len(typed.splitlines())} imports airflow.sdk"]
+
+
+def test_no_module_of_the_package_imports_itself_round_a_circle() -> None:
+    """No import cycle among the package's modules, counting function-level and type-only imports (which hide a
+    circle from the interpreter but not from a reader). ``from pkg import submodule`` counts as the submodule."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for i in _imports(path.read_text(), name, path.name == "__init__.py", modules):
+            target = i.module
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                deps.add(target)
+        graph[name] = deps
+    cycles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iteratively (the package is deeper than nothing but shallower than the stack)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        comp.append(member)
+                        if member == node:
+                            break
+                    out.append(comp)
+    return out

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.examples.names import OUTPUT_CHANNEL, SINK_STAGE
-from airflow_arroyo.runtime.kafka_sink import KafkaTarget
-from airflow_arroyo.runtime.pg_sink import PostgresTarget
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
+from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
 from airflow_arroyo.testing import generate_rows, generator_source
 
 if TYPE_CHECKING:

@@ -28,15 +28,19 @@ _EXPORTS: dict[str, str] = {
     "generator_source": "airflow_arroyo.testing",
     # pipeline runtime (airflow_arroyo.runtime.pipeline, .driver, .stage, .snapshot, .alignment)
     "Pipeline": "airflow_arroyo.runtime.pipeline",
-    "PipelineGraph": "airflow_arroyo.runtime.pipeline",
-    "StageKind": "airflow_arroyo.runtime.pipeline",
-    "Stream": "airflow_arroyo.runtime.pipeline",
+    "PipelineGraph": "airflow_arroyo.runtime.graph",
+    "StageKind": "airflow_arroyo.runtime.graph",
+    "Stream": "airflow_arroyo.runtime.graph",
     "PipelineDriver": "airflow_arroyo.runtime.driver",
     "DriverResult": "airflow_arroyo.runtime.driver",
     "StageRunner": "airflow_arroyo.runtime.stage",
     "StorageLayout": "airflow_arroyo.runtime.layout",
     "SnapshotStore": "airflow_arroyo.runtime.snapshot",
     "AlignmentError": "airflow_arroyo.runtime.alignment",
+    # exactly-once sinks' targets (airflow_arroyo.runtime.sinks)
+    "PostgresTarget": "airflow_arroyo.runtime.sinks",
+    "KafkaTarget": "airflow_arroyo.runtime.sinks",
+    "DeltaTarget": "airflow_arroyo.runtime.sinks",
 }
 
 __all__ = list(_EXPORTS)

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.runtime.pipeline import PipelineGraph, StageKind, StageSpec
+from airflow_arroyo.runtime.graph import PipelineGraph, StageKind, StageSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming import StreamingQuery
 
-    from airflow_arroyo.runtime.sinks import TransactionalSink
+    from airflow_arroyo.runtime.sinks.base import TransactionalSink
 
 __all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from airflow_arroyo.runtime.delta_sink import DeltaTarget
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.delta import DeltaTarget
 from airflow_arroyo.testing import generator_source
 
 SEED, KEYS = 7, 10

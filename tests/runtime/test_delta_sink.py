@@ -13,8 +13,8 @@ pytest.importorskip("deltalake")
 from deltalake import DeltaTable
 
 from airflow_arroyo.exceptions import ConfigurationError, FencedError, PipelineGraphError
-from airflow_arroyo.runtime.delta_sink import DeltaTarget, TransactionalDeltaSink, table_files
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.delta import DeltaTarget, TransactionalDeltaSink, table_files
 from airflow_arroyo.store.records import FencingToken
 
 pytestmark = [pytest.mark.spark]

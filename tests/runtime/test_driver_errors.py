@@ -70,7 +70,7 @@ An exception was raised by the Python Proxy. Return Message: Traceback (most rec
   File "/srv/app/airflow_arroyo/runtime/stage.py", line 340, in _write
     self.sink.write_batch(df, batch_id)  # pre-commit; the driver commits it with its epoch
     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
-  File "/srv/app/airflow_arroyo/runtime/file_sink.py", line 208, in write_batch
+  File "/srv/app/airflow_arroyo/runtime/sinks/files.py", line 208, in write_batch
     observed.write.format(self.format).options(**self.options).mode("overwrite").save(target)
   File "/venv/lib/python3.11/site-packages/pyspark/sql/readwriter.py", line 1835, in save
     self._jwrite.save(path)
@@ -140,7 +140,7 @@ def test_a_spark_error_class_leads_a_cause_before_the_proxys_traceback() -> None
     assert "[FAILED_READ_FILE.NO_HINT] Encountered error while reading file file:///data/in/a.json" in cause
     assert "Unrecognized token 'oops'" in cause
     assert "site-packages/py4j/clientserver.py" not in cause and "^^^^" not in cause  # library frames trimmed
-    assert 'File "/srv/app/airflow_arroyo/runtime/file_sink.py", line 208, in write_batch' in cause
+    assert 'File "/srv/app/airflow_arroyo/runtime/sinks/files.py", line 208, in write_batch' in cause
     long = MALFORMED_RECORD_MESSAGE + "+- Project [id#2L]\n" * 400  # a large logical plan
     cut = _user_error_first(long)
     assert len(cut) <= CAUSE_LIMIT and cut.endswith("... (cut)")

@@ -11,7 +11,7 @@ from pathlib import Path
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.examples import SINK_STAGE, demo
 from airflow_arroyo.runtime.driver import EPOCHS_SEEN_KEPT, PipelineDriver, _LoopState
-from airflow_arroyo.runtime.sinks import SinkCommit
+from airflow_arroyo.runtime.sinks.base import SinkCommit
 from airflow_arroyo.store import EpochStore
 
 TICK = CheckpointPolicy(interval=3600)

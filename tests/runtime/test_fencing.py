@@ -17,8 +17,8 @@ import pytest
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.exceptions import ConcurrencyConflict, FencedError
 from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind, fence_applies, log_path
-from airflow_arroyo.runtime.file_sink import TransactionalFileSink, committed_files
-from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink, _PartitionWriter
+from airflow_arroyo.runtime.sinks.files import TransactionalFileSink, committed_files
+from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink, _PartitionWriter
 from airflow_arroyo.store import EpochStore, FencingToken, SnapshotEntry
 from tests.support import sql
 

@@ -21,8 +21,8 @@ import pytest
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
 from airflow_arroyo.runtime.channel import Channel, EntryKind
-from airflow_arroyo.runtime.file_sink import committed_files
 from airflow_arroyo.runtime.layout import StorageLayout
+from airflow_arroyo.runtime.sinks.files import committed_files
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
 from tests.runtime.test_exactly_once import Driver, current

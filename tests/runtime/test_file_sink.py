@@ -9,8 +9,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
-from airflow_arroyo.runtime.file_sink import TransactionalFileSink
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 
 pytestmark = [pytest.mark.spark]
 

@@ -19,7 +19,7 @@ import pytest
 
 from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.kafka_sink import KafkaTarget, TransactionalKafkaSink
+from airflow_arroyo.runtime.sinks.kafka import KafkaTarget, TransactionalKafkaSink
 from airflow_arroyo.store import FencingToken
 
 pytestmark = pytest.mark.spark

@@ -26,8 +26,8 @@ from airflow_arroyo.exceptions import SnapshotError
 from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.file_sink import TransactionalFileSink, committed_files
 from airflow_arroyo.runtime.layout import StorageLayout
+from airflow_arroyo.runtime.sinks.files import TransactionalFileSink, committed_files
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.spark_checkpoint import BATCH_LOG_ENTRIES
 from airflow_arroyo.store import EpochStore

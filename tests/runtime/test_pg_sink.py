@@ -25,8 +25,8 @@ from airflow_arroyo.examples import (
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.pg_sink import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink
 from airflow_arroyo.testing import DriverThread, channel_row_count, run_until, wait_for
 from tests.support import sql
 

@@ -28,8 +28,8 @@ from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_r
 from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError, UnrestorableEpochError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
-from airflow_arroyo.runtime.file_sink import committed_files, committed_through
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
+from airflow_arroyo.runtime.sinks.files import committed_files, committed_through
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import channel_barriers, channel_row_count, channel_rows, committed_rows, run_until
 from tests.runtime.pipeline_support import (

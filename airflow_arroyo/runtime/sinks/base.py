@@ -1,12 +1,11 @@
-"""Exactly-once sinks: what the driver and a sink stage need of a two-phase-commit sink, and which one
-a sink stage gets.
+"""What the driver and a sink stage need of an exactly-once (two-phase-commit) sink.
 
 A sink stage *pre-commits* each micro-batch (:meth:`TransactionalSink.write_batch`); the driver
 *commits* every batch up to the sink's cut when an epoch completes, *rolls back* to a restored epoch's
 cut, and *trims* what no restore can need. Four kinds exist: files
-(:mod:`~airflow_arroyo.runtime.file_sink`), PostgreSQL tables (:mod:`~airflow_arroyo.runtime.pg_sink`),
-Kafka topics (:mod:`~airflow_arroyo.runtime.kafka_sink`) and Delta Lake tables
-(:mod:`~airflow_arroyo.runtime.delta_sink`).
+(:mod:`~airflow_arroyo.runtime.sinks.files`), PostgreSQL tables (:mod:`~airflow_arroyo.runtime.sinks.postgres`),
+Kafka topics (:mod:`~airflow_arroyo.runtime.sinks.kafka`) and Delta Lake tables
+(:mod:`~airflow_arroyo.runtime.sinks.delta`).
 Other Spark sinks (``foreach_batch``, non-file formats) are at-least-once.
 """
 
@@ -19,11 +18,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from airflow_arroyo.fs import FileSystem
-    from airflow_arroyo.runtime.pipeline import StageSpec
     from airflow_arroyo.store.records import FencingToken
 
-__all__ = ["SinkCommit", "TransactionalSink", "newest_generations", "transactional_sink"]
+__all__ = ["SinkCommit", "TransactionalSink", "newest_generations"]
 
 
 @dataclass(frozen=True)
@@ -78,26 +75,6 @@ class TransactionalSink(Protocol):
     def public_after(self, batch_id: int) -> int | None:
         """Read-only, before a restore's commit point: the newest batch after ``batch_id`` whose output readers
         have seen and a rollback cannot take back (None: a rollback to ``batch_id`` is possible)."""
-
-
-def transactional_sink(pipeline_id: str, spec: StageSpec, staging: FileSystem) -> TransactionalSink | None:
-    """The exactly-once sink of a sink stage, or ``None`` for an at-least-once one. ``staging``: the folder a
-    sink that stages its pre-commits in storage writes them to (the stage's own)."""
-    from airflow_arroyo.runtime.delta_sink import TransactionalDeltaSink
-    from airflow_arroyo.runtime.file_sink import FILE_SINK_FORMATS, TransactionalFileSink
-    from airflow_arroyo.runtime.kafka_sink import TransactionalKafkaSink
-    from airflow_arroyo.runtime.pg_sink import TransactionalPostgresSink
-
-    if spec.table is not None:
-        return TransactionalDeltaSink(pipeline_id, spec.name, spec.table)
-    if spec.kafka is not None:
-        return TransactionalKafkaSink(pipeline_id, spec.name, spec.kafka, staging)
-    if spec.postgres is not None:
-        return TransactionalPostgresSink(pipeline_id, spec.name, spec.postgres)
-    if spec.sink_format in FILE_SINK_FORMATS:
-        assert spec.sink_format is not None
-        return TransactionalFileSink(pipeline_id, spec.name, spec.sink_format, spec.sink_options)
-    return None
 
 
 def newest_generations(staged: Mapping[int, Iterable[int]], mine: int) -> dict[int, int]:

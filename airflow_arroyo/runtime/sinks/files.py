@@ -1,0 +1,426 @@
+"""An exactly-once file sink: Spark's batch file writers with a two-phase commit over epochs.
+
+Spark's own streaming file sink remembers batch ids in ``_spark_metadata`` and skips a batch id it has
+seen; after a restore the same batch id can carry other rows, so it would lose or duplicate them. This
+sink instead follows Flink's two-phase commit sink: a micro-batch is *pre-committed* to a pending
+folder, and *committed* (made visible) only when an epoch whose cut covers it completes. A restore
+rolls it back to the restored epoch's cut.
+
+Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.fs.FileSystem` understands)::
+
+    <path>/<batch:012d>-<part file>                committed data files (what readers read)
+    <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
+    <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it
+    <path>/_arroyo_sink/committed/<batch:012d>.json  the batch's manifest: {"batch": b, "files": [...]}
+    <path>/_arroyo_sink/committed.json             {"through": c}: the newest committed batch (the commit point)
+
+Spark, pyarrow and pandas skip files and folders starting with ``_`` or ``.``, so ``_arroyo_sink`` is
+invisible to readers of ``<path>``.
+
+* **Pre-commit** (the stage's writer, micro-batch *b*): ``df.write.mode("overwrite")`` into
+  ``pending/b``: a re-run of *b* after a restore replaces what an earlier attempt left.
+* **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
+  every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
+  *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
+  is renamed), then the batch's manifest (naming every file of *b* moved so far, also by an earlier,
+  interrupted attempt of the commit) is written and ``pending/b`` removed; last, ``committed.json``
+  is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
+  finished by the next one, and a final name is written only from its one pending file, so no file
+  ever appears under two names.
+* **Rollback** (restore of epoch *N*, cut *c*): finish the commit of ``pending/b <= c`` (epoch *N*
+  completed; its commit may not have run), set ``through = c``, then delete the manifests, pending
+  folders and committed files of batches ``> c`` (left by epochs after *N* when an older epoch is
+  restored).
+
+Fencing (a run taken over while still alive must not change what readers see). The sink carries its
+run's generation ``G`` (the fencing token; 0 = none, the layout above): its pending folders are
+``pending/<batch>-g<G>/``, its final names ``<batch:012d>-g<G>-<part file>``, its manifests
+``committed/<batch:012d>-g<G>.json`` and its commit point ``committed-g<G>.json`` = ``{"through": c,
+"generation": G, "base": r}``, so an older generation can never overwrite any of them. The commit point
+readers trust is the one of the highest generation; a manifest counts if its generation is not above it
+(per batch the highest such one). A new generation writes its commit point when it claims the folder or
+rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
+refused (:class:`~airflow_arroyo.exceptions.FencedError`), and whatever it still moves in a race is named
+by no manifest readers trust; the newer generation's next commit deletes such files (batches after
+``base`` with an older generation's name that no trusted manifest names). A commit the older generation
+left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
+newer one's rollback, whose manifest names the files the older one moved.
+
+What readers see. :func:`committed_files` lists exactly the files of the batches ``<= through``
+(from their manifests): whole epochs only, on every backend, even while a commit runs or after a
+crash in the middle of one. A plain reader of the folder (``spark.read.parquet(path)``,
+``pyarrow.dataset``) lists the files themselves: it never sees a pending file (hidden folder) nor a
+file twice, but while a commit is moving files (and, after a crash mid-commit, until the next run
+finishes it) it can see part of an epoch; after a restore to an older epoch it stops seeing the later
+epochs' files as they are deleted. On S3 that window is one copy request per file.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from airflow_arroyo.exceptions import ConfigurationError, FencedError
+from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.runtime.sinks.base import SinkCommit
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from airflow_arroyo.store.records import FencingToken
+
+__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink", "committed_files"]
+
+log = logging.getLogger(__name__)
+
+# Spark batch writers that write files into a folder (what ships with pyspark; avro needs a jar).
+FILE_SINK_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
+_META = "_arroyo_sink"
+_MANIFESTS = f"{_META}/committed"
+_THROUGH = f"{_META}/committed.json"
+_BATCH_DIGITS = 12
+_BATCH_MANIFEST = "_arroyo_batch.json"  # in pending/<batch>/: {"rows": n}, written at pre-commit
+_PENDING_NAME = re.compile(r"^(\d+)(?:-g(\d+))?$")  # pending/<batch>[-g<generation>]
+_COMMIT_POINT = re.compile(r"^committed(?:-g(\d+))?\.json$")  # _arroyo_sink/committed[-g<generation>].json
+_FINAL_GEN = re.compile(r"^g(\d+)-")  # <batch>-g<generation>-<part file>
+
+
+class _Pending(NamedTuple):
+    batch: int
+    generation: int
+    path: str
+
+
+def _gen_suffix(generation: int) -> str:
+    return f"-g{generation}" if generation else ""
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(("_", "."))
+
+
+class TransactionalFileSink:
+    """The files of one sink stage (see the module docstring)."""
+
+    def __init__(self, pipeline_id: str, stage: str, fmt: str, options: Mapping[str, str]) -> None:
+        if fmt not in FILE_SINK_FORMATS:
+            raise ConfigurationError(
+                f"sink {stage!r}: format {fmt!r} is not a file format this sink commits "
+                f"({', '.join(sorted(FILE_SINK_FORMATS))})"
+            )
+        path = options.get("path")
+        if not path:
+            raise ConfigurationError(f"sink {stage!r}: format {fmt!r} needs options={{'path': '<folder or URI>'}}")
+        self.pipeline_id = pipeline_id
+        self.stage = stage
+        self.format = fmt
+        self.options = {k: v for k, v in options.items() if k != "path"}
+        self.fs = FileSystem.from_uri(path)
+        self.uri = self.fs.uri
+        self.token: FencingToken | None = None  # the run's fencing token (set by the driver before any write)
+
+    @property
+    def generation(self) -> int:
+        """The fencing generation this sink writes with (0 without a token)."""
+        return self.token.generation if self.token is not None else 0
+
+    def __repr__(self) -> str:
+        return f"TransactionalFileSink({self.pipeline_id}/{self.stage} -> {self.uri})"
+
+    # ------------------------------------------------------------------ ownership
+
+    def owner(self) -> dict[str, str] | None:
+        """Who claimed the sink folder (pipeline, stage), or None if nobody did."""
+        try:
+            value = self.fs.read_json(f"{_META}/owner.json")
+        except FileNotFoundError:
+            return None
+        return dict(value) if isinstance(value, dict) else None
+
+    def check_writable(self) -> None:
+        """Refuse (before anything is written or rolled back) a folder another pipeline or stage writes,
+        or one that holds files this sink did not write."""
+        current = self.owner()
+        if current is None:
+            if any(not _hidden(e.name) for e in self.fs.list_dir()):
+                raise ConfigurationError(
+                    f"sink {self.stage!r}: {self.uri} already holds files this sink did not write; give the sink "
+                    "an empty or new folder (its content is replaced epoch by epoch on restore)"
+                )
+            return
+        if (current.get("pipeline"), current.get("stage")) != (self.pipeline_id, self.stage):
+            raise ConfigurationError(
+                f"sink {self.stage!r} of pipeline {self.pipeline_id!r}: {self.uri} is written by stage "
+                f"{current.get('stage')!r} of pipeline {current.get('pipeline')!r}; one folder has one writer: "
+                "choose another path"
+            )
+
+    def claim(self) -> None:
+        """Record this pipeline and stage as the folder's writer (after :meth:`check_writable`); with a
+        fencing token, also fence older generations out (this generation's commit point)."""
+        self.check_writable()
+        if self.owner() is None:
+            self.fs.write_json_atomic(f"{_META}/owner.json",
+                                      {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format})
+        if self.generation and _commit_point(self.fs)[1] != self.generation:
+            self._write_commit_point(self._through(), base=self._through())
+
+    # ------------------------------------------------------------------ fencing
+
+    def _check_fence(self, what: str) -> None:
+        """Refuse a write of a generation older than the folder's newest commit point."""
+        newest = _commit_point(self.fs)[1]
+        if newest > self.generation:
+            token = self.token
+            raise FencedError(self.pipeline_id, token.run_id if token else None, self.generation,
+                              by_generation=newest, what=f"{what} of sink {self.stage!r} ({self.uri})")
+
+    def _write_commit_point(self, through: int, *, base: int | None = None) -> None:
+        """Write this generation's commit point (the legacy ``committed.json`` without a token)."""
+        self._check_fence("the commit point")
+        value: dict[str, int] = {"through": through}
+        if self.generation:
+            if base is None:
+                base = int(_read_commit_point(self.fs, self.generation).get("base", through))
+            value.update(generation=self.generation, base=base)
+        self.fs.write_json_atomic(_commit_point_path(self.generation), value)
+
+    def has_state(self) -> bool:
+        """True if the folder holds pending or committed batches of its owner."""
+        return self.owner() is not None and (bool(self.pending_batches()) or bool(self.committed_batches()))
+
+    # ------------------------------------------------------------------ phases
+
+    def write_batch(self, df: DataFrame, batch_id: int) -> None:
+        """Pre-commit micro-batch ``batch_id`` (overwrites an earlier attempt of the same batch), counting
+        its rows on the way (an observed metric of the write itself: no second pass over the data)."""
+        from pyspark.sql import Observation
+        from pyspark.sql import functions as F
+
+        self._check_fence(f"the pre-commit of micro-batch {batch_id}")
+        target = self.fs.spark_uri_of(self._pending(batch_id))
+        observation = Observation(f"arroyo_rows_{uuid.uuid4().hex}")
+        observed = df.observe(observation, F.count(F.lit(1)).alias("rows"))
+        observed.write.format(self.format).options(**self.options).mode("overwrite").save(target)
+        rows = observation.get.get("rows")
+        self.fs.write_json_atomic(f"{self._pending(batch_id)}/{_BATCH_MANIFEST}",
+                                  {"rows": int(rows) if rows is not None else None})
+
+    def commit_through(self, batch_id: int, *, any_generation: bool = False) -> SinkCommit:
+        """Make every pending batch ``<= batch_id`` of this generation visible (``any_generation``: of any,
+        what a restore finishes for the run that completed the epoch); says what it moved. The commit point
+        (written last) is this generation's; a commit cut short is finished by the next call."""
+        self._check_fence(f"the commit through micro-batch {batch_id}")
+        chosen = [p for p in self._pending_dirs()
+                  if p.batch <= batch_id and (any_generation or p.generation == self.generation)]
+        pending = sorted({p.batch for p in chosen})
+        moved = size = 0
+        rows: int | None = 0
+        for p in sorted(chosen):
+            self._check_fence(f"the commit of micro-batch {p.batch}")
+            counted = self._manifest_rows(p.path)
+            rows = rows + counted if rows is not None and counted is not None else None
+            for e in self.fs.list_files(p.path):
+                rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
+                if any(_hidden(part) for part in rel.split("/")):
+                    continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
+                self.fs.move(e.path, self._committed_name(p.batch, rel, self.generation))
+                moved += 1
+                size += e.size
+        if chosen:
+            # A batch's manifest names its files of this generation and of the generation whose pending
+            # folder is committed: files an interrupted commit moved (this run's, or a superseded run's that
+            # stalled between its moves and its manifest) are listed after all moves, so none is missed.
+            owners: dict[int, set[int]] = {}
+            for p in chosen:
+                owners.setdefault(p.batch, {self.generation}).add(p.generation)
+            finals: dict[int, list[str]] = {}
+            for b, path in self._committed_files():
+                if _final_generation(path) in owners.get(b, ()):
+                    finals.setdefault(b, []).append(path)
+            for b in pending:
+                self.fs.write_json_atomic(self._manifest(b, self.generation),
+                                          {"batch": b, "files": sorted(finals.get(b, ()))})
+            for p in chosen:
+                self.fs.delete_tree(p.path)
+        if chosen or self._through() < batch_id:
+            self._write_commit_point(max(batch_id, self._through()))
+        if self.generation:
+            self._remove_fenced_files()
+        if moved:
+            log.info("pipeline=%s sink=%s: committed batches <= %s (%d files, %d bytes, %s rows) to %s",
+                     self.pipeline_id, self.stage, batch_id, moved, size, rows, self.uri)
+        return SinkCommit(files=moved, bytes=size, rows=rows if chosen else 0, batches=tuple(pending))
+
+    def _remove_fenced_files(self) -> None:
+        """Delete files an older generation moved in after this one took over (a race the fence check
+        cannot close on storage without conditional writes): batches after this generation's base named
+        by an older generation and named by no manifest readers trust (never a newer one's: a superseded run
+        that raced its check deletes nothing of the run that took over); plain folder readers stop seeing them."""
+        mine = _read_commit_point(self.fs, self.generation)
+        if "base" not in mine:
+            return
+        base = int(mine["base"])
+        named = set(_trusted_files(self.fs))
+        stray = [path for b, path in self._committed_files()
+                 if b > base and _final_generation(path) < self.generation and path not in named]
+        for path in stray:
+            self.fs.delete(path)
+        if stray:
+            log.warning("pipeline=%s sink=%s: removed %d files a superseded run committed after the takeover",
+                        self.pipeline_id, self.stage, len(stray))
+
+    def _manifest_rows(self, folder: str) -> int | None:
+        path = f"{folder}/{_BATCH_MANIFEST}"
+        if not self.fs.exists(path):
+            return None  # pre-committed by an older version, or the count was lost
+        rows = (self.fs.read_json(path) or {}).get("rows")
+        return int(rows) if rows is not None else None
+
+    def rollback_to(self, batch_id: int) -> None:
+        """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
+        self.commit_through(batch_id, any_generation=True)
+        self._write_commit_point(batch_id, base=batch_id)  # readers stop seeing later batches first
+        for b, path in _manifests(self.fs):
+            if b > batch_id:
+                self.fs.delete(path)
+        for p in self._pending_dirs():
+            if p.batch > batch_id:
+                self.fs.delete_tree(p.path)
+        dropped = 0
+        for b, path in self._committed_files():
+            if b > batch_id:
+                self.fs.delete(path)
+                dropped += 1
+        log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
+                 self.pipeline_id, self.stage, batch_id, dropped)
+
+    def public_after(self, batch_id: int) -> int | None:  # noqa: ARG002 - the protocol's signature
+        """None: a rollback takes back whatever was committed after ``batch_id`` (readers see it go)."""
+        return None
+
+    def trim_through(self, batch_id: int) -> None:
+        """Nothing to forget: committed files are the sink's output, and a rollback deletes by batch id."""
+
+    # ------------------------------------------------------------------ listing
+
+    def pending_batches(self) -> list[int]:
+        """The pre-committed batches of every generation."""
+        return sorted({p.batch for p in self._pending_dirs()})
+
+    def _pending_dirs(self) -> list[_Pending]:
+        out = []
+        for e in self.fs.list_dir(f"{_META}/pending"):
+            m = _PENDING_NAME.match(e.name) if e.is_dir else None
+            if m:
+                out.append(_Pending(int(m.group(1)), int(m.group(2) or 0), e.path))
+        return out
+
+    def committed_batches(self) -> list[int]:
+        """The batch ids whose files are committed, ascending."""
+        return sorted({b for b, _ in self._committed_files()})
+
+    def _committed_files(self) -> list[tuple[int, str]]:
+        out = []
+        for e in self.fs.list_files():
+            if any(_hidden(part) for part in e.path.split("/")):
+                continue
+            head, _, _ = posixpath.basename(e.path).partition("-")
+            if len(head) == _BATCH_DIGITS and head.isdigit():
+                out.append((int(head), e.path))
+        return out
+
+    def _pending(self, batch_id: int) -> str:
+        return f"{_META}/pending/{batch_id}{_gen_suffix(self.generation)}"
+
+    @staticmethod
+    def _manifest(batch_id: int, generation: int = 0) -> str:
+        return f"{_MANIFESTS}/{batch_id:0{_BATCH_DIGITS}d}{_gen_suffix(generation)}.json"
+
+    def _through(self) -> int:
+        return _through(self.fs)
+
+    @staticmethod
+    def _committed_name(batch_id: int, rel: str, generation: int = 0) -> str:
+        folder, name = posixpath.split(rel)  # partitioned writes keep their key=value folders
+        tag = f"g{generation}-" if generation else ""
+        return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{tag}{name}")
+
+
+def _final_generation(path: str) -> int:
+    """The generation in a committed file's name (``<batch>-g<G>-<part>``; 0 without one)."""
+    _, _, rest = posixpath.basename(path).partition("-")
+    m = _FINAL_GEN.match(rest)
+    return int(m.group(1)) if m else 0
+
+
+def _manifests(fs: FileSystem) -> list[tuple[int, str]]:
+    """(batch, path) of every manifest of every generation."""
+    out = []
+    for e in fs.list_dir(_MANIFESTS):
+        head, _, gen = e.name.removesuffix(".json").partition("-g")
+        if e.name.endswith(".json") and head.isdigit() and (not gen or gen.isdigit()):
+            out.append((int(head), e.path))
+    return sorted(out)
+
+
+def _commit_point_path(generation: int) -> str:
+    return f"{_META}/committed-g{generation}.json" if generation else _THROUGH
+
+
+def _commit_point(fs: FileSystem) -> tuple[int, int]:
+    """``(through, generation)`` of the commit point readers trust: the one of the highest generation."""
+    generations = [int(m.group(1) or 0) for e in fs.list_dir(_META) if (m := _COMMIT_POINT.match(e.name))]
+    if not generations:
+        return -1, 0
+    newest = max(generations)
+    return int(_read_commit_point(fs, newest)["through"]), newest
+
+
+def _read_commit_point(fs: FileSystem, generation: int) -> dict[str, int]:
+    try:
+        return dict(fs.read_json(_commit_point_path(generation)))
+    except FileNotFoundError:
+        return {}
+
+
+def _through(fs: FileSystem) -> int:
+    return _commit_point(fs)[0]
+
+
+def committed_through(uri: str) -> int:
+    """The newest batch the trusted commit point (the highest generation's) says is committed; -1 for none."""
+    return _through(FileSystem.from_uri(uri))
+
+
+def committed_files(uri: str, through: int | None = None) -> list[str]:
+    """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
+    batch order): what a reader that must never see part of an epoch reads, e.g.
+    ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``. Per batch, the manifest of the
+    highest generation not above the trusted commit point's (a superseded run's later ones are ignored).
+    ``through``: only the batches up to it (what a given commit, e.g. an Asset event's ``batch_id``, covered)."""
+    return _trusted_files(FileSystem.from_uri(uri), through)
+
+
+def _trusted_files(fs: FileSystem, limit: int | None = None) -> list[str]:
+    through, generation = _commit_point(fs)
+    if limit is not None:
+        through = min(through, limit)
+    chosen: dict[int, tuple[int, str]] = {}
+    for b, path in _manifests(fs):
+        gen = _manifest_generation(path)
+        if b <= through and gen <= generation and gen >= chosen.get(b, (-1, ""))[0]:
+            chosen[b] = (gen, path)
+    out: list[str] = []
+    for b in sorted(chosen):
+        out.extend(fs.read_json(chosen[b][1])["files"])
+    return out
+
+
+def _manifest_generation(path: str) -> int:
+    _, _, gen = posixpath.basename(path).removesuffix(".json").partition("-g")
+    return int(gen) if gen.isdigit() else 0
