@@ -51,8 +51,8 @@ from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, PIPELINE_ID, EmbeddedA
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.operators.pipeline import driver_log_path
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochRecord, EpochStore, PipelineRecord, RestartRecord
-from airflow_arroyo.triggers.pipeline import LocalProcess
 
 FIGURES = ("noticed", "resubmitted", "running", "first_epoch", "restart_to_first_epoch", "later_epoch")
 

@@ -260,7 +260,7 @@ class EmbeddedAirflow:
     def _kill_left_over_spark_submits(self) -> None:
         """spark-submit runs in a session of its own (it must outlive its task): end what is left,
         identified by the pid files the submit operator wrote (pid + start time, never a recycled pid)."""
-        from airflow_arroyo.triggers.pipeline import LocalProcess
+        from airflow_arroyo.processes import LocalProcess
 
         for pid_file in sorted((self.home / "logs" / "arroyo").glob("*/*.pid")):
             fields = pid_file.read_text().split()

@@ -79,6 +79,7 @@ from airflow_arroyo.exceptions import (
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
 from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop
 from airflow_arroyo.supervision import (
     RestartStrategy,
@@ -89,7 +90,6 @@ from airflow_arroyo.supervision import (
 )
 from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
-    LocalProcess,
     PipelineStateTrigger,
     Verdict,
     WaitVerdict,

@@ -37,12 +37,10 @@ import contextlib
 import enum
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -50,13 +48,13 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.hooks.spark_deploy import ClusterApplication
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = [
     "WAITABLE_STATES",
-    "LocalProcess",
     "WatchesSubmission",
     "PipelineStateTrigger",
     "WaitVerdict",
@@ -181,96 +179,6 @@ def evaluate_wait(
 
 
 # --------------------------------------------------------------------------- the local spark-submit process
-
-
-@dataclass(frozen=True)
-class LocalProcess:
-    """A process (and its process group) identified robustly on one host: pid + kernel start time,
-    so that a recycled pid is never mistaken for it. Linux ``/proc`` only; elsewhere it reports
-    "unknown" (None) and nothing is killed."""
-
-    pid: int
-    host: str
-    start_ticks: int | None
-
-    @classmethod
-    def of(cls, pid: int) -> LocalProcess:
-        """The process ``pid`` on this host."""
-        return cls(pid=pid, host=socket.gethostname(), start_ticks=_start_ticks(pid))
-
-    @property
-    def on_this_host(self) -> bool:
-        """True if the process ran on this machine (only there can it be checked)."""
-        return self.host == socket.gethostname()
-
-    def alive(self) -> bool | None:
-        """True/False when it can be told here, None when not (another host, no /proc)."""
-        if not self.on_this_host or self.start_ticks is None:
-            return None
-        stat = _proc_stat(self.pid)
-        if stat is None:
-            return False
-        state, ticks = stat
-        return ticks == self.start_ticks and state not in ("Z", "X")
-
-    def group_alive(self) -> bool:
-        """Whether any live process is left in its process group (its group id is its pid: it was
-        started as a session leader). False when it cannot be told here."""
-        if not self.on_this_host:
-            return False
-        return any(
-            (s := _proc_stat_full(p)) is not None and s[1] == self.pid and s[0] not in ("Z", "X")
-            for p in _all_pids()
-        )
-
-    def owns_group(self) -> bool:
-        """Whether the process group ``pid`` is still the one we started: its leader is the same
-        process (same start time), or the leader is gone and members remain (a pid is not reused as
-        long as a group of that id exists)."""
-        if not self.on_this_host or self.start_ticks is None:
-            return False
-        leader = _proc_stat_full(self.pid)
-        if leader is not None and leader[2] != self.start_ticks:
-            return False  # the pid was recycled by another process
-        return self.group_alive()
-
-    def signal_group(self, sig: int) -> bool:
-        """Send ``sig`` to the process group if it is still ours. Returns whether a signal was sent."""
-        if not self.owns_group():
-            return False
-        try:
-            os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def _proc_stat_full(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgid, start ticks) of a process from /proc, None if it does not exist."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm may contain spaces and parentheses: the fields after the last ')' are fixed.
-    fields = raw[raw.rfind(")") + 2:].split()
-    return fields[0], int(fields[2]), int(fields[19])
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    full = _proc_stat_full(pid)
-    return None if full is None else (full[0], full[2])
-
-
-def _start_ticks(pid: int) -> int | None:
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[1]
-
-
-def _all_pids() -> list[int]:
-    try:
-        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except FileNotFoundError:
-        return []
 
 
 def driver_error(log_text: str) -> str | None:

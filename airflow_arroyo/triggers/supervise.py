@@ -52,6 +52,7 @@ from airflow_arroyo.exceptions import (
     TransientStoreError,
     UnknownPipelineError,
 )
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
 from airflow_arroyo.supervision import (
     PastFailure,
@@ -62,7 +63,7 @@ from airflow_arroyo.supervision import (
     parse_strategy,
     restart_run_id,
 )
-from airflow_arroyo.triggers.pipeline import LocalProcess, WatchesSubmission, log_tail, open_async_store
+from airflow_arroyo.triggers.pipeline import WatchesSubmission, log_tail, open_async_store
 from airflow_arroyo.triggers.resubmit import Resubmission, end_failed_run, launch, log_path_of, restart_attempt
 from airflow_arroyo.triggers.settle import hold_until
 

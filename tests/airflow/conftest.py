@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.triggers.pipeline import LocalProcess
 
 CONN = "arroyo_test"
 SPARK = "spark_test"

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.supervision import restart_pending
 from airflow_arroyo.testing import wait_for
-from airflow_arroyo.triggers.pipeline import LocalProcess
 from tests.airflow.test_pipeline_operators import _TI, PID, run_trigger, submit_op
 from tests.airflow.test_supervised_submit import _supervised_until_running
 

@@ -23,9 +23,10 @@ from airflow.sdk.exceptions import TaskDeferred
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ArroyoError
 from airflow_arroyo.hooks import arroyo as hook_module
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
-from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
+from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
 from tests.airflow.test_pipeline_operators import _TI, CONN, PID, submit_op
 
 pytestmark = [pytest.mark.usefixtures("no_defer_settle"), pytest.mark.timeout(240)]

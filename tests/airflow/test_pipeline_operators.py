@@ -36,10 +36,11 @@ from airflow_arroyo.operators.pipeline import (
     SubmitPipelineOperator,
     parse_restore_from,
 )
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.supervision import parse_strategy
 from airflow_arroyo.testing import wait_for
-from airflow_arroyo.triggers.pipeline import LocalProcess, PipelineStateTrigger
+from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
 
 FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
 PID = "orders"

@@ -24,12 +24,12 @@ from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 from airflow_arroyo.store import EpochStore, PipelineRecord
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers import pipeline as trigger_module
 from airflow_arroyo.triggers.pipeline import (
-    LocalProcess,
     PipelineStateTrigger,
     Verdict,
     evaluate_wait,
@@ -351,9 +351,24 @@ def test_a_recycled_pid_is_never_signalled(process_group: subprocess.Popen[bytes
     assert process_group.poll() is None
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (read apart from psutil, which the code uses)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
 def _group_size(process: LocalProcess) -> int:
-    return sum(1 for p in trigger_module._all_pids()
-               if (s := trigger_module._proc_stat_full(p)) is not None and s[1] == process.pid)
+    stats = [_proc_stat(int(p)) for p in os.listdir("/proc") if p.isdigit()]
+    return sum(1 for s in stats if s is not None and int(s[2]) == process.pid and s[0] not in ("Z", "X"))
+
+
+def test_the_start_time_is_the_kernels_clock_ticks(process_group: subprocess.Popen[bytes]) -> None:
+    """Identities recorded by earlier releases hold /proc's start ticks (field 22): the psutil reading matches."""
+    stat = _proc_stat(process_group.pid)
+    assert stat is not None and LocalProcess.of(process_group.pid).start_ticks == int(stat[19])
 
 
 # --------------------------------------------------------------------------- the sensor

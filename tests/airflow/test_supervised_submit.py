@@ -23,9 +23,9 @@ from airflow.sdk.exceptions import TaskDeferred
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import PipelineFailedError
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, driver_log_path
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
-from airflow_arroyo.triggers.pipeline import LocalProcess
 from airflow_arroyo.triggers.resubmit import RUN_ID_SLOT, Resubmission
 from airflow_arroyo.triggers.supervise import PipelineSupervisorTrigger
 from tests.airflow.test_pipeline_operators import _TI, PID, run_trigger, submit_op

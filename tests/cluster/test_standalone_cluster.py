@@ -30,11 +30,11 @@ from airflow_arroyo.devtools.spark_cluster import StandaloneCluster
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
 from airflow_arroyo.operators.pipeline import SubmitPipelineOperator
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
-from airflow_arroyo.triggers.pipeline import LocalProcess
 from tests.airflow.test_pipeline_operators import _TI, run_trigger
 
 # two driver starts on a 2-core machine: minutes (10-13 min measured while five test runs shared it)

@@ -45,8 +45,9 @@ from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, RETENTION_DAG, Embedde
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import SINK_STAGE, expected_report
 from airflow_arroyo.exceptions import UnknownPipelineError
+from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.triggers.pipeline import LocalProcess, log_tail
+from airflow_arroyo.triggers.pipeline import log_tail
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
 
