@@ -13,7 +13,7 @@ acknowledged after the trigger and how long alignment, the wait for Spark's comm
 ``--mode alternate`` runs the two one after the other instead (rounds alternate the order: ABBA...).
 In concurrent mode the pipelines share Spark's job scheduler and the snapshot threads' CPU, which
 pulls the ratio towards 1; on an idle machine alternate mode is the sharper comparison. Figures
-measured here are in docs/runtime.md ("Figures").
+measured here are in benchmarks/results/epoch_overhead.md.
 
     python benchmarks/epoch_overhead.py                 # about 3 minutes
     python benchmarks/epoch_overhead.py --mode alternate --rounds 2 --duration 45   # about 7 minutes
