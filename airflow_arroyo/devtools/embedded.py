@@ -239,9 +239,9 @@ class EmbeddedAirflow:
             return
         self.process = None
         if proc.poll() is None:
-            # SIGINT to standalone alone: it terminates its components itself (about 10 s). SIGINT to
-            # the whole group also reaches LocalExecutor's workers, and the scheduler then waited on
-            # them for minutes here; the group only gets signals if standalone does not exit.
+            # SIGINT to standalone alone: it terminates its components itself. SIGINT to the whole group
+            # would also reach LocalExecutor's workers, which the scheduler then waits on for minutes, so
+            # the group gets signals only if standalone does not exit.
             _say("stopping airflow standalone (SIGINT)")
             steps = ((os.kill, signal.SIGINT, grace), (os.killpg, signal.SIGINT, 15.0),
                      (os.killpg, signal.SIGTERM, 15.0), (os.killpg, signal.SIGKILL, 10.0))
