@@ -3,11 +3,11 @@
  *
  * Hadoop's RawLocalFileSystem sets a file's permission (on every create and mkdirs with a permission, which
  * is how Spark writes its offsets, commits and state files) through libhadoop's chmod when that native
- * library is loaded, and otherwise by STARTING A `chmod` PROCESS. The pip pyspark ships no libhadoop, so a
- * two-query pipeline on a local disk started about 100 processes a second (about 5 ms of CPU each, from a
- * JVM). This class sets the same permission bits through java.nio instead: same files, same modes, an
- * IOException naming a missing file (Hadoop's names chmod's exit status). A file with a setuid or setgid bit
- * (chmod keeps a folder's setgid bit, java.nio would clear it) and the sticky bit still go Hadoop's way.
+ * library is loaded, and otherwise by STARTING A `chmod` PROCESS: with the pip pyspark, which ships no
+ * libhadoop, one per checkpoint file (figures: benchmarks/results/hop_breakdown.md). This class sets the
+ * same permission bits through java.nio instead: same files, same modes, an IOException naming a missing file
+ * (Hadoop's names chmod's exit status). A file with a setuid or setgid bit (chmod keeps a folder's setgid
+ * bit, java.nio would clear it) and the sticky bit still go Hadoop's way.
  */
 package airflow.arroyo.hadoop;
 
