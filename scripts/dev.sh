@@ -53,6 +53,17 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The lowest apache-spark provider release pyproject.toml allows, beside the installed one, for the contract test
+# of the provider internals the submit operator uses (tests/airflow/test_spark_provider_contract.py).
+lowest_spark_provider=$(.venv/bin/python -c 'import re, tomllib; d = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(re.search(r">=\s*([\d.]+)", next(x for x in d if x.startswith("apache-airflow-providers-apache-spark"))).group(1))')
+contract_dir=".cache/provider-contract/$lowest_spark_provider"
+if [ ! -d "$contract_dir/airflow" ]; then
+  log "installing apache-airflow-providers-apache-spark==$lowest_spark_provider into $contract_dir (contract test)"
+  "$PY" -m uv --version >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check uv
+  "$PY" -m uv pip install -q --no-deps --python .venv/bin/python --target "$contract_dir" \
+    "apache-airflow-providers-apache-spark==$lowest_spark_provider"
+fi
+
 # The JVM artifacts the provider hands to Spark (Kafka connector, S3A) and the test broker's jars, each set
 # pinned by its pom (airflow_arroyo/jvm/deps/*/pom.xml) and resolved by Maven into $ARROYO_JVM_CACHE (default
 # .cache/jvm) once per version of the pom; never committed.

@@ -17,11 +17,11 @@ process to the task. Then the operator defers to
   (``spark.yarn.submit.waitAppCompletion`` / ``spark.kubernetes.submission.waitAppCompletion`` are
   set to ``false`` unless given): the operator waits for that, reads the application's handle (YARN
   application id, driver pod) with the provider's parser, and the trigger tracks and kills it
-  through its cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
+  through its cluster manager (:class:`~airflow_arroyo.submit.deploy.ClusterApplication`).
 * The store DSN is never on the command line: ``ARROYO_DSN`` in the process environment (local and
   client mode), a 0600 file shipped with ``--files`` (YARN cluster mode), a Kubernetes secret
   (``dsn_secret``, Kubernetes cluster mode). Application, interpreter and DSN per mode:
-  :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit` (``docs/clusters.md``).
+  :func:`~airflow_arroyo.submit.deploy.plan_submit` (``docs/clusters.md``).
 * XCom: ``pipeline_id``, ``run_id`` (also the return value), ``spark_ui_url``, ``spark_app_id``,
   ``epoch_at_start`` (the pipeline's last epoch number when this run started: epoch numbers go on
   across runs), ``submit_log``, ``submit_process`` (pid, host, start time and log of the local
@@ -76,11 +76,12 @@ from airflow_arroyo.exceptions import (
     PipelineFailedError,
     UnknownPipelineError,
 )
-from airflow_arroyo.hooks.spark_deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
 from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop
+from airflow_arroyo.submit import provider
+from airflow_arroyo.submit.deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.supervision import (
     RestartStrategy,
     SupervisionState,
@@ -116,9 +117,7 @@ __all__ = [
 DRIVER_APPLICATION = str(Path(__file__).resolve().parent.parent / "runtime" / "driver.py")
 
 _CLUSTER_WAIT_CONFS = ("spark.yarn.submit.waitAppCompletion", "spark.kubernetes.submission.waitAppCompletion")
-#: SparkSubmitHook arguments that are a Spark conf spark-submit takes over the --conf (hook attribute, conf key):
-#: --driver-class-path and --jars; build_spark_submit passes them as the conf, which the plan may extend
-_HOOK_CONF_ARGUMENTS = (("_driver_class_path", "spark.driver.extraClassPath"), ("_jars", "spark.jars"))
+
 
 
 class SubmitCommand(NamedTuple):
@@ -451,7 +450,7 @@ class SubmitPipelineOperator(BaseOperator):
     def build_spark_submit(self, run_id: str, restore: str | None, dsn: str, *,
                            secret_dir: str | None = None, takeover: bool | None = None) -> SubmitCommand:
         """The spark-submit command of a run, built by the provider's hook; what goes into it per
-        cluster manager and deploy mode is :func:`~airflow_arroyo.hooks.spark_deploy.plan_submit`'s
+        cluster manager and deploy mode is :func:`~airflow_arroyo.submit.deploy.plan_submit`'s
         decision (application, interpreter, where the DSN travels)."""
         from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
@@ -477,12 +476,8 @@ class SubmitPipelineOperator(BaseOperator):
             **self.spark_submit_kwargs,
         )
         target = DeployTarget.from_hook(hook)
-        for attribute, key in _HOOK_CONF_ARGUMENTS:
-            # the hook writes these options after the --confs and spark-submit takes the option over the conf:
-            # one conf value instead, which the plan may extend (the provider's jar: airflow_arroyo.jvm.master_conf)
-            if getattr(hook, attribute):
-                conf[key] = getattr(hook, attribute)
-                setattr(hook, attribute, None)
+        # one conf value instead of the hook's option, which the plan may extend (airflow_arroyo.jvm.master_conf)
+        conf.update(provider.take_conf_arguments(hook))
         if target.cluster_mode and target.manager is ClusterManager.YARN and secret_dir is None:
             secret_dir = tempfile.mkdtemp(prefix="arroyo-submit-")  # 0700: only this user reads the DSN file
         plan = plan_submit(
@@ -491,21 +486,20 @@ class SubmitPipelineOperator(BaseOperator):
             cluster_python=self.cluster_python, dsn_secret=self.dsn_secret, secret_dir=secret_dir,
             local_python=os.environ.get("PYSPARK_PYTHON") if target.manager is ClusterManager.LOCAL else None,
         )
-        hook._conf.update(plan.conf)
+        submit_conf = provider.spark_conf(hook)
+        submit_conf.update(plan.conf)
         if target.cluster_mode:
             for key in _CLUSTER_WAIT_CONFS:
-                hook._conf.setdefault(key, "false")
+                submit_conf.setdefault(key, "false")
         if plan.files:
-            hook._files = ",".join([*filter(None, [hook._files]), *plan.files])
-        # _build_spark_submit_command is the provider's own command builder (SparkSubmitHook.submit
-        # uses it too); it also decides how the user's env_vars travel (process env, or --conf for YARN/K8s).
-        command = hook._build_spark_submit_command(plan.application)
+            provider.add_files(hook, plan.files)
+        command = provider.build_command(hook, plan.application)
         process_env = {k: v for k, v in os.environ.items() if k not in plan.drop_env}
         # spark-submit is found on PATH, and its find-spark-home runs `python3` from PATH: the
         # interpreter that has pyspark installed must come first.
         process_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), process_env.get("PATH", "")])
         process_env.update(plan.process_env)
-        process_env.update({k: str(v) for k, v in (hook._env or {}).items()})
+        process_env.update(provider.env_vars(hook))
         self._pipeline_module_path(target, process_env)
         return SubmitCommand(command, process_env, target.cluster_mode, hook, plan.secret_file)
 

@@ -20,7 +20,7 @@ When the submit operator defers to it, it also knows the detached ``spark-submit
 deferred task (mark failed/success, clear), :meth:`PipelineStateTrigger.on_kill` asks the pipeline to
 stop immediately and, when the triggerer runs on the host that started ``spark-submit``, kills its
 process group. A cluster-mode run (``cluster_application``) is instead watched and killed through its
-cluster manager (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication`).
+cluster manager (:class:`~airflow_arroyo.submit.deploy.ClusterApplication`).
 
 Usage (inside an operator)::
 
@@ -47,9 +47,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
-from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
+from airflow_arroyo.submit.deploy import ClusterApplication
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 
@@ -368,7 +368,7 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
     :param submit_exits: True when ``spark-submit`` exits once the application is submitted (cluster
         deploy modes): then its exit is not a failure.
     :param cluster_application: a cluster-mode run's handle
-        (:class:`~airflow_arroyo.hooks.spark_deploy.ClusterApplication` as a dict): while the run has
+        (:class:`~airflow_arroyo.submit.deploy.ClusterApplication` as a dict): while the run has
         not reached the target, its cluster manager is asked every ``cluster_poll_interval`` seconds
         whether the application ended (YARN ResourceManager, driver pod phase); killing the task kills
         it there.

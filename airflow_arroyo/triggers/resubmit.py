@@ -33,10 +33,10 @@ from typing import Any
 
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ArroyoError
-from airflow_arroyo.hooks.spark_deploy import ClusterApplication
 from airflow_arroyo.operators.driver_log import start_writer
 from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
+from airflow_arroyo.submit.deploy import ClusterApplication
 from airflow_arroyo.triggers.pipeline import stop_run
 
 __all__ = ["RUN_ID_SLOT", "SECRET_NAME_PARTS", "Resubmission", "end_failed_run", "launch", "log_path_of",

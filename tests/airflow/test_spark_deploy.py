@@ -22,7 +22,10 @@ import pytest
 
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
-from airflow_arroyo.hooks.spark_deploy import (
+from airflow_arroyo.operators.pipeline import DRIVER_APPLICATION, SubmitPipelineOperator, _write_private
+from airflow_arroyo.runtime.driver import dsn_from_environment
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.submit.deploy import (
     CLUSTER_DRIVER_APPLICATION,
     DSN_FILE_ALIAS,
     ClusterApplication,
@@ -30,9 +33,6 @@ from airflow_arroyo.hooks.spark_deploy import (
     DeployTarget,
     plan_submit,
 )
-from airflow_arroyo.operators.pipeline import DRIVER_APPLICATION, SubmitPipelineOperator, _write_private
-from airflow_arroyo.runtime.driver import dsn_from_environment
-from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger, stop_run
 
 DSN = "postgresql://arroyo:s3cret-pw@db.internal:5432/arroyo"

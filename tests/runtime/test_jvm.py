@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from py4j.protocol import Py4JJavaError
 
-from airflow_arroyo.hooks.spark_deploy import ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.jvm import (
     FS_IMPL_CONF,
     JAR,
@@ -35,6 +34,7 @@ from airflow_arroyo.jvm import (
     s3a_conf,
     spark_home,
 )
+from airflow_arroyo.submit.deploy import ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.testing import wait_for
 from tests.runtime.conftest import S3Server, s3a_on
 

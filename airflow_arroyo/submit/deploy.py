@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ConfigurationError
 from airflow_arroyo.jvm import master_conf, master_kind
+from airflow_arroyo.submit import provider
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -86,7 +87,7 @@ class DeployTarget:
     @classmethod
     def from_hook(cls, hook: SparkSubmitHook) -> DeployTarget:
         """The target of the Spark connection of ``hook``."""
-        conn = hook._connection
+        conn = provider.connection(hook)
         return cls.of(conn["master"], conn["deploy_mode"], conn.get("namespace"))
 
 
@@ -201,12 +202,12 @@ class ClusterApplication:
         uses) and keep the handle it found."""
         target = DeployTarget.from_hook(hook)
         # the parser also logs every line into the task log (spark-submit's output holds no DSN)
-        hook._process_spark_submit_log(iter(lines))
+        found = provider.parse_submit_output(hook, lines)
         if target.manager is ClusterManager.YARN:
-            app = cls(target.manager.value, spark_conn_id, application_id=hook._yarn_application_id)
+            app = cls(target.manager.value, spark_conn_id, application_id=found.yarn_application_id)
         else:
-            app = cls(target.manager.value, spark_conn_id, application_id=hook._kubernetes_application_id,
-                      driver_pod=hook._kubernetes_driver_pod, namespace=target.namespace)
+            app = cls(target.manager.value, spark_conn_id, application_id=found.kubernetes_application_id,
+                      driver_pod=found.kubernetes_driver_pod, namespace=target.namespace)
         if app.application_id is None and app.driver_pod is None:
             raise ConfigurationError(
                 f"spark-submit's output names no {target.manager} application (no YARN application id, no driver "
@@ -230,17 +231,10 @@ class ClusterApplication:
         return f"driver pod {self.namespace}/{self.driver_pod}"
 
     def _hook(self) -> SparkSubmitHook:
-        from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
-
         is_yarn = self.manager == ClusterManager.YARN
-        hook = SparkSubmitHook(conn_id=self.spark_conn_id, yarn_track_via_rm_api=is_yarn and self._rm_address(),
-                               track_driver_via_k8s_api=not is_yarn)
-        hook._yarn_application_id = self.application_id if is_yarn else None
-        hook._kubernetes_driver_pod = self.driver_pod
-        hook._kubernetes_application_id = None if is_yarn else self.application_id
-        if self.namespace:
-            hook._connection["namespace"] = self.namespace
-        return hook
+        return provider.tracking_hook(self.spark_conn_id, yarn=is_yarn, rm_api=is_yarn and self._rm_address(),
+                                      application_id=self.application_id, driver_pod=self.driver_pod,
+                                      namespace=self.namespace)
 
     def _rm_address(self) -> bool:
         from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -259,7 +253,7 @@ class ClusterApplication:
             if not self._rm_address() or not self.application_id:
                 return None
             try:
-                state, final, diagnostics = hook._query_yarn_application_status(self.application_id)
+                state, final, diagnostics = provider.yarn_status(hook, self.application_id)
             except RuntimeError:
                 return None
             ended = state in ("FINISHED", "FAILED", "KILLED")
@@ -293,8 +287,8 @@ class ClusterApplication:
         if self.manager == ClusterManager.YARN:
             if not self.application_id:
                 return
-            if hook._yarn_track_via_rm_api:
-                hook._kill_yarn_application(self.application_id)
+            if provider.tracks_yarn_via_rm_api(hook):
+                provider.kill_yarn_application(hook, self.application_id)
                 return
             try:  # the provider's legacy kill (SparkSubmitHook.on_kill without yarn_track_via_rm_api)
                 subprocess.run(["yarn", "application", "-kill", self.application_id], check=False, timeout=60,
@@ -303,4 +297,4 @@ class ClusterApplication:
                 log.warning("yarn application -kill %s failed: %s", self.application_id, exc)
             return
         if self.driver_pod:
-            hook._delete_driver_pod()
+            provider.delete_driver_pod(hook)
