@@ -145,7 +145,7 @@ def local_master_conf(conf: Mapping[str, str] | None = None) -> dict[str, str]:
 def master_kind(master: str) -> str | None:
     """The cluster manager a Spark master URL names: ``"local"`` (``local``, ``local[N]``...), ``"standalone"``
     (``spark://``), ``"kubernetes"`` (``k8s://``), ``"yarn"``; None for any other. The one reading of a master
-    URL: :func:`master_conf` and the operator's ``DeployTarget`` (``hooks/spark_deploy.py``) use it."""
+    URL: :func:`master_conf` and the operator's ``DeployTarget`` (``submit/deploy.py``) use it."""
     for prefix, kind in (("local", "local"), ("spark://", "standalone"), ("k8s://", "kubernetes"), ("yarn", "yarn")):
         if master.startswith(prefix):
             return kind
