@@ -16,6 +16,8 @@ Pipeline life cycle (:data:`PIPELINE_TRANSITIONS`)::
     registered ──> running ──> stopping ──> stopped ──> registered (a new run)
          │            │           │
          └────────────┴───────────┴──> failed ──> registered (a new run)
+
+``registered`` and ``running`` may also go straight to ``stopped`` (an immediate stop, or one before ``running``).
 """
 
 from __future__ import annotations
