@@ -2,7 +2,8 @@
 
 Like :func:`airflow_arroyo.epochs.decide_trigger`, each rule lives here once and is tested by enumerating
 facts -> decision (``tests/runtime/test_driver_decisions.py``); :class:`~airflow_arroyo.runtime.driver.
-PipelineDriver` reads the facts, asks, and applies the answer:
+PipelineDriver` reads the facts, asks, and applies the answer (the restore facts come from
+:mod:`airflow_arroyo.restores`, where ``airflow-arroyo restore`` reads them too):
 
 * :func:`plan_restore` — before anything is written: a fresh start, a start over (``'latest'`` with no
   completed epoch) or the restore of one epoch; or :class:`ConfigurationError` naming the problem and the fix;
@@ -67,7 +68,8 @@ class EpochFacts:
 
 @dataclass(frozen=True)
 class RestoreFacts:
-    """What the driver read before deciding what to restore (nothing is written before the decision).
+    """What a run's restore is decided on (:func:`airflow_arroyo.restores.read_restore_facts`; the driver writes
+    nothing before the decision).
 
     ``epoch`` is the candidate: for ``'latest'`` the latest completed epoch, for ``N`` epoch ``N``; None when
     there is none (or the pipeline is unknown). ``has_state`` is read for a fresh start only (``requested`` is
