@@ -69,8 +69,8 @@ OPTIONS: dict[str, Option] = {
         "True", "boolean",
         "When the first checkpoint trigger starts in a triggerer process, collect garbage once and move every "
         "object alive then (mostly the imported modules) out of the reach of Python's cyclic garbage collector "
-        "(gc.freeze), whose full collections otherwise stop the triggerer's event loop for 0.1-0.5 s every "
-        "20-30 s at 1000 triggers (docs/controller.md, Load). False: leave the process's collector alone.",
+        "(gc.freeze), whose full collections otherwise stop the triggerer's event loop long enough to make "
+        "epochs start late (docs/controller.md, Load). False: leave the process's collector alone.",
     ),
     "retention_schedule": Option(
         "*/15 * * * *", "string", "Schedule of the arroyo_retention DAG (a cron expression).",
