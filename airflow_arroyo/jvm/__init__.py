@@ -4,10 +4,10 @@ It holds three things. Hadoop's local file system (``file:``) without its ``chmo
 ``RawLocalFileSystem`` sets the permission of every file and folder it creates with a permission (every
 checkpoint file Spark writes: ``offsets/b``, ``commits/b``, state ``.delta`` files, and their ``.crc``) through
 libhadoop, and where that native library is missing, as in the pip ``pyspark``, by starting a ``chmod``
-process from the JVM. A two-query pipeline on a local disk started ~100 of them a second (108 measured), ~5 ms
-of CPU each (docs/runtime.md, "Channel hops"). ``airflow.arroyo.hadoop.NioLocalFileSystem`` is Hadoop's
-``LocalFileSystem`` (checksummed, as ``file:`` is by default) whose raw file system sets the same bits
-through ``java.nio``: the same files and modes, no process. Files with a setuid or setgid bit still go
+process from the JVM: one per checkpoint file, a cost a micro-batch pays on every batch (docs/runtime.md,
+"Channel hops"; figures: benchmarks/results/hop_breakdown.md). ``airflow.arroyo.hadoop.NioLocalFileSystem``
+is Hadoop's ``LocalFileSystem`` (checksummed, as ``file:`` is by default) whose raw file system sets the same
+bits through ``java.nio``: the same files and modes, no process. Files with a setuid or setgid bit still go
 Hadoop's way (``chmod`` keeps a folder's setgid bit, ``java.nio`` clears it), as does the sticky bit. Spark's
 default checkpoint file manager writes through Hadoop's ``FileContext``, whose local file system is Hadoop's
 own: a stage's query switches to the ``FileSystem`` manager (``runtime/spark_checkpoint.py``); a user's own
@@ -37,7 +37,7 @@ AWS SDK's environment, which :func:`master_conf` adds where it adds the S3A jars
 place (the driver's own session and the operator's ``spark-submit`` both call it). On a ``local`` master
 (:func:`local_master_conf`): the jar's file system, and Python workers reached over a Unix domain socket
 (``spark.python.unix.domain.socket.enabled``, Spark 4.1+) instead of loopback TCP, where each Python task
-(a channel's read, any Python data source or UDF) spent ~40 ms more (docs/runtime.md, "Python workers over
+(a channel's read, any Python data source or UDF) waited for the socket (docs/runtime.md, "Python workers over
 a Unix domain socket"). On a standalone master (``spark://``): the socket (each executor's workers are on its
 own node; its socket files go to the JVM's temporary folder), the jar on the driver's class path and the
 executors' plugin.
