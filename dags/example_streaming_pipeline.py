@@ -7,7 +7,8 @@
     run_for ──> stop                  (waits until it stopped or `minutes`, then makes sure it is stopped)
 
 * ``submit`` starts ``airflow_arroyo.examples.pipelines:demo`` (two generator sources, a keyed
-  stream-stream join of both, a filter) as a long-running Spark application with spark-submit
+  stream-stream join of both, a filter, and an exactly-once Parquet sink whose commits are the report
+  Asset's events) as a long-running Spark application with spark-submit
   (connection ``spark_default``; local mode on one machine) as run ``<dag id>.<DAG run id>``, then
   supervises it in the triggerer for its whole life (``restart_strategy``, Flink's restart strategies):
   when the driver dies it resubmits the pipeline restoring the latest completed epoch, and the task
