@@ -15,8 +15,8 @@ Offsets are ``{"pos": <int>}``. Barrier entries carry no rows; a batch may be ba
 Planning methods run in a Python process on the driver and only read files; ``read`` runs on executors
 and reads one Parquet file per partition.
 
-Options: ``uri`` (required), ``cap_path``, ``cap_key`` (default: ``uri``), ``stop_at_barriers``
-(``true``/``false``), ``max_rows_per_batch``, ``max_files_per_batch``.
+Options: ``uri`` (required; ``path``, as ``load(path)`` sets it, is read too), ``cap_path``, ``cap_key``
+(default: ``uri``), ``stop_at_barriers`` (``true``/``false``), ``max_rows_per_batch``, ``max_files_per_batch``.
 """
 
 from __future__ import annotations
