@@ -27,7 +27,8 @@ import psycopg2
 
 from airflow_arroyo.epochs import EpochState, TriggerAction
 from airflow_arroyo.exceptions import ArroyoError
-from airflow_arroyo.store._sync import EpochStore, dict_rows
+from airflow_arroyo.store._db import dict_rows
+from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import EpochRecord, TickReport, TickRequest, TickResult, epoch_columns, from_row
 
 __all__ = ["read_reports", "tick_batch"]

@@ -7,22 +7,20 @@ pruning of one pipeline are serialised and the database's history is in commit o
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg2
 import psycopg2.extras
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extensions import cursor as PgRawCursor
-from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import (
     EPOCH_TRANSITIONS,
@@ -42,19 +40,17 @@ from airflow_arroyo.exceptions import (
     CleanupLockHeld,
     ConcurrencyConflict,
     ConfigurationError,
-    FencedError,
-    IllegalTransitionError,
     LockLostError,
     StoreError,
     TransientStoreError,
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.store import _migrate
+from airflow_arroyo.store._db import Database, PgCursor, dict_rows, one, positive_seconds, redact_dsn
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
-from airflow_arroyo.store._retry import call_with_retry
 from airflow_arroyo.store._transitions import transition
+from airflow_arroyo.store.pipelines import Pipelines, check_token, lock_pipeline, read_pipeline
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -66,13 +62,14 @@ from airflow_arroyo.store.records import (
     PipelineRecord,
     PrunePlan,
     RestartRecord,
-    SinkCommitRecord,
     SnapshotEntry,
     TickRequest,
     TickResult,
     epoch_columns,
     from_row,
 )
+from airflow_arroyo.store.schema import Schema
+from airflow_arroyo.store.sink_commits import SinkCommits
 from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of, unrestorable_latest
 
 _SUPERVISING = (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.value)
@@ -80,6 +77,8 @@ _SUPERVISING = (SupervisionState.WATCHING.value, SupervisionState.RESTARTING.val
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _EPOCH_COLS = epoch_columns()
 #: The longest pin label (migration 0008 checks the same bound).
@@ -130,41 +129,33 @@ _START_EPOCHS = Prepared(
 )
 
 
-def dict_rows(cur: PgRawCursor) -> list[dict[str, Any]]:
-    """The rows of ``cur``'s result as dicts, built in C: a ``RealDictCursor`` builds each row in Python,
-    column by column, which was the largest Python cost of a tick batch (the hot statements use a plain
-    cursor and this)."""
-    names = [d.name for d in cur.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+def _via(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[EpochStore, P], R]:
+    """The store's method that calls ``method`` of its part ``part``: same name, signature and docstring."""
 
+    @functools.wraps(method)
+    def delegate(self: EpochStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, part), *args, **kwargs)
 
-def redact_dsn(dsn: str) -> str:
-    """The DSN without its password, for logs and error messages."""
-    if "://" in dsn:
-        parts = urlsplit(dsn)
-        if parts.password:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-            return urlunsplit(parts._replace(netloc=netloc))
-        return dsn
-    return " ".join("password=***" if p.startswith("password=") else p for p in dsn.split())
+    delegate.__qualname__ = f"EpochStore.{method.__name__}"
+    return delegate
 
-
-_SINK_COMMIT_COLS = ("seq, pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows_committed, bytes_committed,"
-                     " committed_at, table_version")
 
 
 class EpochStore:
-    """Synchronous epoch store API. Thread-safe; holds a small connection pool."""
+    """Synchronous epoch store API. Thread-safe; holds a small connection pool.
+
+    The store's duties are parts of their own over one shared database (pool, retries): ``schema``,
+    ``pipelines`` (runs, fencing), ``sinks`` (sink commits), ... Every operation is also a method of the store
+    itself, the API callers use; new code may call the part.
+    """
 
     def __init__(self, dsn: str, *, max_connections: int = 8, retry_seconds: float = 60.0,
                  application_name: str = "airflow-arroyo") -> None:
-        if not dsn:
-            raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
-        self.dsn = dsn
-        self.retry_seconds = retry_seconds
-        self.application_name = application_name
-        self._pool = ConnectionPool(self.connect, max_connections)
-        self._closed = False
+        self._db = db = Database(dsn, max_connections=max_connections, retry_seconds=retry_seconds,
+                                 application_name=application_name)
+        self.schema = Schema(db)
+        self.pipelines = Pipelines(db)
+        self.sinks = SinkCommits(db)
         # helpers built on this store for one event loop each (the async tick coalescer, the listener)
         self._loop_helpers: dict[tuple[object, str], Any] = {}
         self._loop_helpers_lock = threading.Lock()
@@ -172,10 +163,29 @@ class EpochStore:
     def __repr__(self) -> str:
         return f"EpochStore({redact_dsn(self.dsn)!r})"
 
+    @property
+    def dsn(self) -> str:
+        return self._db.dsn
+
+    @property
+    def retry_seconds(self) -> float:
+        return self._db.retry_seconds
+
+    @property
+    def application_name(self) -> str:
+        return self._db.application_name
+
+    @property
+    def _closed(self) -> bool:
+        return self._db.closed
+
+    @property
+    def _pool(self) -> ConnectionPool:
+        return self._db.pool
+
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._pool.close()
+        if not self._db.closed:
+            self._db.close()
             with self._loop_helpers_lock:
                 helpers, self._loop_helpers = list(self._loop_helpers.values()), {}
             for helper in helpers:
@@ -198,221 +208,39 @@ class EpochStore:
 
     def connect(self) -> PgConnection:
         """A new connection with the store's settings (the pool's, and a listener's of its own)."""
-        return psycopg2.connect(self.dsn, connect_timeout=5, application_name=self.application_name,
-                                options="-c lock_timeout=15000 -c statement_timeout=60000")
+        return self._db.connect()
 
-    @contextmanager
-    def _connection(self) -> Iterator[PgConnection]:
-        with self._pool.connection() as conn:
-            yield conn
+    def _connection(self) -> AbstractContextManager[PgConnection]:
+        return self._db.connection()
 
     def _tx(self, fn: Callable[[PgCursor], T]) -> T:
         """Run ``fn`` in one transaction, retried as a whole on transient errors."""
+        return self._db.tx(fn)
 
-        def attempt() -> T:
-            with self._connection() as conn:
-                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
-                    result = fn(cur)
-                conn.commit()
-                return result
+    # ------------------------------------------------------------------ schema: store.schema
 
-        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+    migrate = _via("schema", Schema.migrate)
+    check_schema = _via("schema", Schema.check_schema)
+    schema_version = _via("schema", Schema.schema_version)
 
-    # ------------------------------------------------------------------ schema
+    # ------------------------------------------------------------------ pipelines, runs, fencing: store.pipelines
 
-    def migrate(self) -> list[int]:
-        """Apply missing migrations; return the versions applied now (idempotent)."""
+    fencing_token = _via("pipelines", Pipelines.fencing_token)
+    register_pipeline = _via("pipelines", Pipelines.register_pipeline)
+    commit_restore = _via("pipelines", Pipelines.commit_restore)
+    fail_run = _via("pipelines", Pipelines.fail_run)
+    set_pipeline_state = _via("pipelines", Pipelines.set_pipeline_state)
+    heartbeat = _via("pipelines", Pipelines.heartbeat)
+    request_stop = _via("pipelines", Pipelines.request_stop)
+    record_checkpoint_interval = _via("pipelines", Pipelines.record_checkpoint_interval)
+    get_pipeline = _via("pipelines", Pipelines.get_pipeline)
+    list_pipelines = _via("pipelines", Pipelines.list_pipelines)
 
-        def attempt() -> list[int]:
-            with self._connection() as conn:
-                return _migrate.apply_migrations(conn)
+    # ------------------------------------------------------------------ sink commits: store.sinks
 
-        return call_with_retry(attempt, max_seconds=self.retry_seconds)
-
-    def check_schema(self, *, complete: bool = True) -> int:
-        """The schema version after checking that it is the one this release ships (not newer, unedited
-        and, with ``complete``, fully applied); raises :class:`SchemaError` (:class:`SchemaMissingError`
-        when ``airflow-arroyo migrate`` fixes it) saying what to run otherwise.
-        Read-only."""
-
-        def attempt() -> int:
-            with self._connection() as conn:
-                return _migrate.check_schema(conn, complete=complete, where=redact_dsn(self.dsn))
-
-        return call_with_retry(attempt, max_seconds=self.retry_seconds)
-
-    def schema_version(self) -> int:
-        def attempt() -> int:
-            with self._connection() as conn:
-                return _migrate.current_version(conn)
-
-        return call_with_retry(attempt, max_seconds=self.retry_seconds)
-
-    # ------------------------------------------------------------------ pipelines
-
-    @staticmethod
-    def _lock_pipeline(cur: PgCursor, pipeline_id: str) -> dict[str, Any]:
-        cur.execute("SELECT * FROM arroyo_pipelines WHERE pipeline_id = %s FOR UPDATE", (pipeline_id,))
-        row = cur.fetchone()
-        if row is None:
-            raise UnknownPipelineError(pipeline_id)
-        return dict(row)
-
-    @staticmethod
-    def _check_token(cur: PgCursor, token: FencingToken | None, what: str) -> None:
-        """Fencing: refuse (:class:`FencedError`) a write of a run that is no longer the pipeline's current
-        generation. The row is share-locked until the transaction ends, so a registration (which updates
-        the row) waits for the write, and a write after a registration sees the new generation."""
-        if token is None:
-            return
-        cur.execute("SELECT run_id, generation FROM arroyo_pipelines WHERE pipeline_id = %s FOR SHARE",
-                    (token.pipeline_id,))
-        row = cur.fetchone()
-        if row is None:
-            raise UnknownPipelineError(token.pipeline_id)
-        if int(row["generation"]) != token.generation or row["run_id"] != token.run_id:
-            raise FencedError(token.pipeline_id, token.run_id, token.generation, by_run=row["run_id"],
-                              by_generation=int(row["generation"]), what=what)
-
-    def fencing_token(self, pipeline_id: str, run_id: str) -> FencingToken:
-        """The fencing token of run ``run_id`` (call it right after registering it);
-        :class:`FencedError` if another run registered since."""
-
-        def tx(cur: PgCursor) -> FencingToken:
-            record = self._get_pipeline(cur, pipeline_id)
-            if record.run_id != run_id:
-                raise FencedError(pipeline_id, run_id, -1, by_run=record.run_id, by_generation=record.generation,
-                                  what="taking its fencing token")
-            return record.token
-
-        return self._tx(tx)
-
-    def register_pipeline(
-        self,
-        pipeline_id: str,
-        *,
-        stages: Sequence[str],
-        run_id: str,
-        channels: Mapping[str, str] | None = None,
-        storage_uri: str | None = None,
-        checkpoint_interval: float | None = None,
-        spark_app_id: str | None = None,
-        spark_ui_url: str | None = None,
-        config: Mapping[str, Any] | None = None,
-        takeover: bool = False,
-    ) -> PipelineRecord:
-        """Register a new run of a pipeline (state ``registered``, ``restored_from_epoch`` unset).
-
-        A pipeline whose previous run stopped or failed starts a new run. A pipeline still
-        registered/running/stopping is refused (two drivers would fight) unless ``takeover``:
-        then the old run is marked failed ("superseded") and its in-flight epoch failed.
-
-        Registering changes no epoch. A run that restores an epoch registers first (so that it owns the
-        pipeline before it touches storage), prepares and verifies everything the restore needs, and
-        only then calls :meth:`commit_restore`, the restore's commit point in the store: a restore that
-        fails or is killed before it leaves every epoch as it was.
-        """
-        validate_pipeline_id(pipeline_id)
-        if not stages:
-            raise ConfigurationError(f"pipeline {pipeline_id!r} has no stages; a pipeline needs at least one")
-        if checkpoint_interval is not None:
-            _positive_seconds(checkpoint_interval, "checkpoint interval")
-        params = {
-            "pipeline_id": pipeline_id, "run_id": run_id, "stages": list(stages),
-            "channels": json.dumps(dict(channels or {})), "storage_uri": storage_uri,
-            "interval": checkpoint_interval, "spark_app_id": spark_app_id, "spark_ui_url": spark_ui_url,
-            "config": json.dumps(dict(config or {})),
-        }
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            cur.execute(
-                "INSERT INTO arroyo_pipelines (pipeline_id, state, run_id, stages, channels, storage_uri,"
-                " checkpoint_interval_s, spark_app_id, spark_ui_url, restored_from_epoch, config, heartbeat_at)"
-                " VALUES (%(pipeline_id)s, 'registered', %(run_id)s, %(stages)s, %(channels)s::jsonb,"
-                " %(storage_uri)s, %(interval)s, %(spark_app_id)s, %(spark_ui_url)s, NULL,"
-                " %(config)s::jsonb, clock_timestamp())"
-                " ON CONFLICT (pipeline_id) DO NOTHING RETURNING *",
-                params,
-            )
-            row = cur.fetchone()
-            if row is not None:
-                return from_row(PipelineRecord, row)
-            current = self._lock_pipeline(cur, pipeline_id)
-            state = PipelineState(current["state"])
-            if not state.terminal:
-                if current["run_id"] == run_id:
-                    raise ConcurrencyConflict(f"run {run_id!r} of pipeline {pipeline_id!r} is already registered")
-                if not takeover:
-                    raise ConcurrencyConflict(
-                        f"pipeline {pipeline_id!r} is {state} (run {current['run_id']!r}, last heartbeat "
-                        f"{current['heartbeat_at']}); stop it first, or register with takeover=True if that "
-                        "driver is dead"
-                    )
-                self._fail_in_flight(cur, pipeline_id, f"run {current['run_id']} superseded by run {run_id}")
-                transition(cur, PipelineState.FAILED, where="p.pipeline_id = %(p)s",
-                           also="failure_cause = %(cause)s, updated_at = now()",
-                           params={"p": pipeline_id, "cause": f"superseded by run {run_id}"})
-            rows = transition(
-                cur, PipelineState.REGISTERED, where="p.pipeline_id = %(pipeline_id)s",
-                also="run_id = %(run_id)s, stages = %(stages)s,"
-                " channels = %(channels)s::jsonb, storage_uri = %(storage_uri)s,"
-                " checkpoint_interval_s = COALESCE(%(interval)s, p.checkpoint_interval_s),"
-                " spark_app_id = %(spark_app_id)s,"
-                " spark_ui_url = %(spark_ui_url)s, restored_from_epoch = NULL, config = %(config)s::jsonb,"
-                " failure_cause = NULL, stop_requested = NULL, heartbeat_at = clock_timestamp(),"
-                " supervision = CASE WHEN %(same_lineage)s THEN p.supervision END,"
-                " updated_at = now()",
-                params={**params, "same_lineage": is_run_of(run_id, current["supervised_run"])}, returning="p.*",
-            )
-            if not rows:  # cannot be: the row is locked and its run ended (or was just failed above)
-                raise IllegalTransitionError("pipeline", current["state"], PipelineState.REGISTERED.value,
-                                             subject=pipeline_id)
-            return from_row(PipelineRecord, rows[0])
-
-        return self._tx(tx)
-
-    def commit_restore(self, pipeline_id: str, run_id: str, epoch: int) -> PipelineRecord:
-        """The commit point of run ``run_id``'s restore of ``epoch``, in one transaction under the pipeline's
-        row lock: the completed epochs after ``epoch`` become ``superseded`` (the restore then cuts every
-        channel right after barrier ``epoch``, so they can never be restored again; "latest completed" and
-        retention's guarantees mean ``epoch`` until the run completes one) and ``restored_from_epoch`` is
-        recorded.
-
-        Call it only once the restore has verified everything it needs (every stage's checkpoint rebuilt
-        and verified, every channel's barrier found, every sink's cut known) and before it changes anything
-        it cannot undo. Refused (``ConcurrencyConflict``) unless ``run_id`` is the pipeline's current run,
-        still ``registered``; refused (``ConfigurationError``) unless ``epoch`` is still ``completed`` (e.g.
-        retention pruned it meanwhile). Idempotent: a later run that finishes a restore cut short after this
-        commit restores the same epoch (now the latest completed) and commits it again.
-        """
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            current = self._lock_pipeline(cur, pipeline_id)
-            if current["run_id"] != run_id or current["state"] != PipelineState.REGISTERED.value:
-                raise ConcurrencyConflict(
-                    f"run {run_id!r} of pipeline {pipeline_id!r} cannot commit its restore of epoch {epoch}: the "
-                    f"pipeline's current run is {current['run_id']!r} ({current['state']}); nothing was changed"
-                )
-            cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (pipeline_id, epoch))
-            row = cur.fetchone()
-            state = row["state"] if row is not None else None
-            if state != EpochState.COMPLETED.value:
-                raise ConfigurationError(
-                    f"epoch {epoch} of pipeline {pipeline_id!r} is {state or 'unknown'}, no longer completed (did "
-                    "retention prune it during the restore?); nothing was changed: restore from a completed epoch"
-                )
-            transition(cur, EpochState.SUPERSEDED, where="e.pipeline_id = %(p)s AND e.epoch > %(n)s",
-                       also="failure_reason = %(reason)s",
-                       params={"p": pipeline_id, "n": epoch,
-                               "reason": f"superseded: run {run_id} restored the older epoch {epoch}"})
-            cur.execute(
-                "UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
-                " WHERE pipeline_id = %s RETURNING *",
-                (epoch, pipeline_id),
-            )
-            return from_row(PipelineRecord, _one(cur))
-
-        return self._tx(tx)
+    record_sink_commit = _via("sinks", SinkCommits.record_sink_commit)
+    sink_commits = _via("sinks", SinkCommits.sink_commits)
+    latest_sink_commit = _via("sinks", SinkCommits.latest_sink_commit)
 
     def commit_fork_restore(self, pipeline_id: str, run_id: str) -> PipelineRecord:
         """The commit point of a fork's first restore (run ``run_id`` restores the fork point, an epoch of
@@ -423,7 +251,7 @@ class EpochStore:
         supersede. Repeatable until the fork completes an epoch."""
 
         def tx(cur: PgCursor) -> PipelineRecord:
-            current = self._get_pipeline(cur, pipeline_id)
+            current = read_pipeline(cur, pipeline_id)
             source, epoch = current.forked_from_pipeline, current.forked_from_epoch
             if source is None or epoch is None:
                 raise ConfigurationError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
@@ -448,160 +276,9 @@ class EpochStore:
                 )
             cur.execute("UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
                         " WHERE pipeline_id = %s RETURNING *", (epoch, pipeline_id))
-            return from_row(PipelineRecord, _one(cur))
+            return from_row(PipelineRecord, one(cur))
 
-        return self._tx(tx)
-
-    @staticmethod
-    def _fail_in_flight(cur: PgCursor, pipeline_id: str, reason: str) -> int | None:
-        """Fail the pipeline's in-flight epoch, if any (the only state that may become failed)."""
-        rows = transition(cur, EpochState.FAILED, where="e.pipeline_id = %(p)s",
-                          also="ended_at = clock_timestamp(), failure_reason = %(reason)s",
-                          params={"p": pipeline_id, "reason": reason}, returning="e.epoch")
-        return int(rows[0]["epoch"]) if rows else None
-
-    def fail_run(self, pipeline_id: str, run_id: str, cause: str, *,
-                 never_registered: bool = False) -> PipelineRecord | None:
-        """Record that run ``run_id`` is gone without its driver saying so (its ``spark-submit`` exited, its
-        cluster application ended, its submit gave up on it): in one transaction under the pipeline's row
-        lock the run becomes ``failed`` with ``cause`` and its in-flight epoch ``failed``, so that nothing
-        waits for the epoch's timeout or for the heartbeat to go stale. Only while ``run_id`` is the
-        pipeline's current, live run. Returns the failed record, or None when there was nothing to fail (the
-        run ended already, or another run is current).
-
-        ``never_registered``: the submit of ``run_id`` failed before its driver registered it (say, a
-        pipeline module the driver cannot import). When the pipeline is unknown, or its current run is
-        another one that has ended, ``run_id`` becomes its current run, registered and failed with ``cause``
-        in this transaction (a new generation; the pipeline's stages, channels and storage are kept), so that
-        whoever waits for that run (the checkpoint controller, a sensor) learns it at once. A live other run
-        is left alone."""
-        cause = cause[:4000]
-
-        def tx(cur: PgCursor) -> PipelineRecord | None:
-            if never_registered:
-                cur.execute("INSERT INTO arroyo_pipelines (pipeline_id, state, run_id, heartbeat_at)"
-                            " VALUES (%s, 'registered', %s, NULL) ON CONFLICT (pipeline_id) DO NOTHING",
-                            (pipeline_id, run_id))
-            try:
-                current = self._lock_pipeline(cur, pipeline_id)
-            except UnknownPipelineError:
-                return None
-            state = PipelineState(current["state"])
-            if current["run_id"] != run_id:
-                if not (never_registered and state.terminal):
-                    return None
-                transition(cur, PipelineState.REGISTERED, where="p.pipeline_id = %(p)s",
-                           also="run_id = %(run)s, spark_app_id = NULL, spark_ui_url = NULL, heartbeat_at = NULL,"
-                                " restored_from_epoch = NULL, stop_requested = NULL, failure_cause = NULL,"
-                                " supervision = CASE WHEN %(same_lineage)s THEN p.supervision END,"
-                                " updated_at = now()",
-                           params={"p": pipeline_id, "run": run_id,
-                                   "same_lineage": is_run_of(run_id, current["supervised_run"])})
-            elif state.terminal:
-                return None
-            self._fail_in_flight(cur, pipeline_id, f"run {run_id} failed: {cause.splitlines()[0] if cause else ''}")
-            rows = transition(cur, PipelineState.FAILED, where="p.pipeline_id = %(p)s",
-                              also="failure_cause = %(cause)s, updated_at = now()",
-                              params={"p": pipeline_id, "cause": cause}, returning="p.*")
-            return from_row(PipelineRecord, rows[0]) if rows else None
-
-        return self._tx(tx)
-
-    def set_pipeline_state(self, pipeline_id: str, target: PipelineState, *, run_id: str | None = None,
-                           failure_cause: str | None = None) -> PipelineRecord:
-        """Move the pipeline to ``target`` if the transition table allows it (and, given ``run_id``,
-        only if that run is the current one). Stopping or failing fails the in-flight epoch."""
-        target = PipelineState(target)
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            current = self._lock_pipeline(cur, pipeline_id)
-            if run_id is not None and current["run_id"] != run_id:
-                raise FencedError(pipeline_id, run_id, -1, by_run=current["run_id"],
-                                  by_generation=current.get("generation"), what=f"the state change to {target.value}")
-            if target.terminal:
-                self._fail_in_flight(cur, pipeline_id, f"pipeline {target.value}")
-            rows = transition(cur, target, where="p.pipeline_id = %(p)s",
-                              also="failure_cause = COALESCE(%(cause)s, p.failure_cause), updated_at = now()",
-                              params={"p": pipeline_id, "cause": failure_cause}, returning="p.*")
-            if not rows:  # refused by the guard: the transaction (and the epoch failed above) rolls back
-                raise IllegalTransitionError("pipeline", current["state"], target.value, subject=pipeline_id)
-            return from_row(PipelineRecord, rows[0])
-
-        return self._tx(tx)
-
-    def heartbeat(self, pipeline_id: str, run_id: str, *, spark_app_id: str | None = None,
-                  spark_ui_url: str | None = None, token: FencingToken | None = None) -> PipelineRecord:
-        """Record that run ``run_id`` is alive; :class:`FencedError` once another run registered (with
-        ``token``: once another generation did, even of the same run id)."""
-        generation = token.generation if token is not None else None
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            cur.execute(
-                "UPDATE arroyo_pipelines SET heartbeat_at = clock_timestamp(),"
-                " spark_app_id = COALESCE(%s, spark_app_id), spark_ui_url = COALESCE(%s, spark_ui_url)"
-                " WHERE pipeline_id = %s AND run_id = %s AND (%s::bigint IS NULL OR generation = %s::bigint)"
-                " RETURNING *",
-                (spark_app_id, spark_ui_url, pipeline_id, run_id, generation, generation),
-            )
-            row = cur.fetchone()
-            if row is None:
-                current = self._get_pipeline(cur, pipeline_id)  # raises UnknownPipelineError
-                raise FencedError(pipeline_id, run_id, -1 if generation is None else generation,
-                                  by_run=current.run_id, by_generation=current.generation, what="the heartbeat")
-            return from_row(PipelineRecord, row)
-
-        return self._tx(tx)
-
-    def request_stop(self, pipeline_id: str, mode: str = "graceful") -> PipelineRecord:
-        """Ask the running pipeline to stop: ``graceful`` takes a final epoch first, ``immediate`` does not."""
-        if mode not in ("graceful", "immediate"):
-            raise ConfigurationError(f"stop mode must be 'graceful' or 'immediate', got {mode!r}")
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            self._lock_pipeline(cur, pipeline_id)
-            cur.execute(
-                "UPDATE arroyo_pipelines SET stop_requested = %s, updated_at = now()"
-                " WHERE pipeline_id = %s RETURNING *",
-                (mode, pipeline_id),
-            )
-            return from_row(PipelineRecord, _one(cur))
-
-        return self._tx(tx)
-
-    def record_checkpoint_interval(self, pipeline_id: str, run_id: str, interval: float) -> PipelineRecord:
-        """Record the checkpoint interval the controller of run ``run_id`` fires epochs at (the UI's
-        Interval column, and the clock of the "checkpoints overdue" warning when that controller dies).
-        A run that is no longer current is left alone."""
-        _positive_seconds(interval, "checkpoint interval")
-
-        def tx(cur: PgCursor) -> PipelineRecord:
-            cur.execute(
-                "UPDATE arroyo_pipelines SET checkpoint_interval_s = %s"
-                " WHERE pipeline_id = %s AND run_id = %s RETURNING *",
-                (float(interval), pipeline_id, run_id),
-            )
-            row = cur.fetchone()
-            return from_row(PipelineRecord, row) if row is not None else self._get_pipeline(cur, pipeline_id)
-
-        return self._tx(tx)
-
-    @staticmethod
-    def _get_pipeline(cur: PgCursor, pipeline_id: str) -> PipelineRecord:
-        cur.execute("SELECT * FROM arroyo_pipelines WHERE pipeline_id = %s", (pipeline_id,))
-        row = cur.fetchone()
-        if row is None:
-            raise UnknownPipelineError(pipeline_id)
-        return from_row(PipelineRecord, row)
-
-    def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
-        return self._tx(lambda cur: self._get_pipeline(cur, pipeline_id))
-
-    def list_pipelines(self) -> list[PipelineRecord]:
-        def tx(cur: PgCursor) -> list[PipelineRecord]:
-            cur.execute("SELECT * FROM arroyo_pipelines ORDER BY pipeline_id")
-            return [from_row(PipelineRecord, r) for r in cur.fetchall()]
-
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     # ------------------------------------------------------------------ triggering
 
@@ -655,7 +332,7 @@ class EpochStore:
             with cur.connection.cursor() as raw:  # the batch's own statements: rows built by dict_rows
                 return self._ticks(cur, raw, requests)
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def _ticks(self, cur: PgCursor, raw: PgRawCursor, requests: Sequence[TickRequest]
                ) -> list[TickResult | ArroyoError | None]:
@@ -797,11 +474,11 @@ class EpochStore:
                         (pipeline_id, epoch))
             row = cur.fetchone()
             if row is None:
-                self._get_pipeline(cur, pipeline_id)
+                read_pipeline(cur, pipeline_id)
                 raise UnknownEpochError(pipeline_id, epoch)
             return from_row(EpochRecord, row)
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
                     states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
@@ -818,10 +495,10 @@ class EpochStore:
             )
             rows = cur.fetchall()
             if not rows:
-                self._get_pipeline(cur, pipeline_id)
+                read_pipeline(cur, pipeline_id)
             return [from_row(EpochRecord, r) for r in rows]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def in_flight_epoch(self, pipeline_id: str) -> EpochRecord | None:
         rows = self.list_epochs(pipeline_id, limit=1, states=[EpochState.TRIGGERED])
@@ -837,14 +514,14 @@ class EpochStore:
         Its state is not changed: it stays what it was for retention; ``'latest'`` and supervision read it."""
 
         def tx(cur: PgCursor) -> None:
-            self._check_token(cur, token, f"marking epoch {epoch} unrestorable")
+            check_token(cur, token, f"marking epoch {epoch} unrestorable")
             cur.execute("UPDATE arroyo_epochs SET unrestorable = COALESCE(unrestorable, %s)"
                         " WHERE pipeline_id = %s AND epoch = %s", (reason[:4000], pipeline_id, epoch))
             if cur.rowcount == 0:
-                self._get_pipeline(cur, pipeline_id)
+                read_pipeline(cur, pipeline_id)
                 raise UnknownEpochError(pipeline_id, epoch, "to mark unrestorable")
 
-        self._tx(tx)
+        self._db.tx(tx)
 
     @staticmethod
     def check_pin_label(label: object) -> str:
@@ -870,7 +547,7 @@ class EpochStore:
         text = self.check_pin_label(label)
 
         def tx(cur: PgCursor) -> EpochRecord:
-            self._lock_pipeline(cur, pipeline_id)  # retention's begin_prune holds the same lock
+            lock_pipeline(cur, pipeline_id)  # retention's begin_prune holds the same lock
             # the row lock keeps the state we check until the pin is written
             cur.execute("SELECT state, pin_label FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                         (pipeline_id, epoch))
@@ -898,7 +575,7 @@ class EpochStore:
                 raise UnknownEpochError(pipeline_id, epoch, "to pin")
             return from_row(EpochRecord, row)
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def pin_final_epoch(self, pipeline_id: str, run_id: str | None, label: str) -> EpochRecord:
         """Pin the final epoch a graceful stop of run ``run_id`` took (the second half of "stop and pin").
@@ -907,14 +584,14 @@ class EpochStore:
         epoch that failed or timed out), naming the latest completed epoch, which can be pinned instead."""
 
         def tx(cur: PgCursor) -> int | None:
-            self._get_pipeline(cur, pipeline_id)
+            read_pipeline(cur, pipeline_id)
             cur.execute("SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %s AND run_id IS NOT DISTINCT FROM %s"
                         " AND is_final AND state = %s ORDER BY epoch DESC LIMIT 1",
                         (pipeline_id, run_id, EpochState.COMPLETED.value))
             row = cur.fetchone()
             return int(row["epoch"]) if row is not None else None
 
-        final = self._tx(tx)
+        final = self._db.tx(tx)
         if final is None:
             latest = self.latest_completed_epoch(pipeline_id)
             instead = (f"pin the latest completed epoch instead: airflow-arroyo pin {pipeline_id} {latest.epoch} "
@@ -934,7 +611,7 @@ class EpochStore:
         ranges. ``force`` unpins anyway; those forks can then no longer start once retention prunes it."""
 
         def tx(cur: PgCursor) -> EpochRecord:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             waiting = self._waiting_forks(cur, pipeline_id, epoch)
             if waiting and not force:
                 raise ConfigurationError(
@@ -952,7 +629,7 @@ class EpochStore:
                 raise UnknownEpochError(pipeline_id, epoch, "to unpin")
             return from_row(EpochRecord, row)
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     @staticmethod
     def _waiting_forks(cur: PgCursor, pipeline_id: str, epoch: int | None = None) -> list[str]:
@@ -971,7 +648,7 @@ class EpochStore:
 
     def waiting_forks(self, pipeline_id: str, epoch: int | None = None) -> list[str]:
         """The forks of ``pipeline_id`` (of its ``epoch`` when given) that still need their fork point."""
-        return self._tx(lambda cur: self._waiting_forks(cur, pipeline_id, epoch))
+        return self._db.tx(lambda cur: self._waiting_forks(cur, pipeline_id, epoch))
 
     # ------------------------------------------------------------------ supervision (airflow_arroyo.supervision)
 
@@ -983,7 +660,7 @@ class EpochStore:
         :class:`ConcurrencyConflict` when the current run is not of that lineage (another run took over)."""
 
         def tx(cur: PgCursor) -> PipelineRecord:
-            current = self._lock_pipeline(cur, pipeline_id)
+            current = lock_pipeline(cur, pipeline_id)
             if not current["run_id"] or not is_run_of(current["run_id"], lineage):
                 raise ConcurrencyConflict(
                     f"pipeline {pipeline_id!r} runs {current['run_id']!r}, not run {lineage!r} or a restart of it: "
@@ -996,9 +673,9 @@ class EpochStore:
                 " updated_at = now() WHERE pipeline_id = %s RETURNING *",
                 (lineage, json.dumps(dict(strategy)), goes_on, goes_on, pipeline_id),
             )
-            return from_row(PipelineRecord, _one(cur))
+            return from_row(PipelineRecord, one(cur))
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     @staticmethod
     def _supervised(pipeline_id: str, lineage: str, current: Mapping[str, Any]) -> datetime:
@@ -1021,7 +698,7 @@ class EpochStore:
         longer this lineage's."""
 
         def tx(cur: PgCursor) -> RestartRecord:
-            current = self._lock_pipeline(cur, pipeline_id)
+            current = lock_pipeline(cur, pipeline_id)
             since = self._supervised(pipeline_id, lineage, current)
             cur.execute("SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND supervised_since = %s"
                         " AND failed_run_id = %s", (pipeline_id, since, failed_run_id))
@@ -1034,7 +711,7 @@ class EpochStore:
                             (pipeline_id, lineage, since))
                 failures = [PastFailure(r["failed_at"], r["restarted_at"]) for r in cur.fetchall()]
                 cur.execute("SELECT clock_timestamp() AS now")
-                now = _one(cur)["now"]
+                now = one(cur)["now"]
                 failures.append(PastFailure(now))
                 cur.execute("SELECT epoch, unrestorable FROM arroyo_epochs WHERE pipeline_id = %s"
                             " AND state = 'completed' ORDER BY epoch DESC LIMIT 1", (pipeline_id,))
@@ -1050,7 +727,7 @@ class EpochStore:
                     (pipeline_id, lineage, since, len(failures), failed_run_id, cause[:4000], now,
                      decision.delay if decision.restart else 0.0, not decision.restart, decision.reason),
                 )
-                record = from_row(RestartRecord, _one(cur))
+                record = from_row(RestartRecord, one(cur))
             if record.new_run_id is None:  # decided, not restarted yet: the pipeline says what comes next
                 state = SupervisionState.GAVE_UP if record.gave_up else SupervisionState.RESTARTING
                 cur.execute("UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
@@ -1058,14 +735,14 @@ class EpochStore:
                             (state.value, pipeline_id, state.value))
             return record
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def claim_restart(self, pipeline_id: str, lineage: str, attempt: int) -> str | None:
         """Whether restart ``attempt`` of the lineage may be submitted now: None if so, else why not (a stop
         was requested since the failure, the supervision ended or moved on, another run took over)."""
 
         def tx(cur: PgCursor) -> str | None:
-            current = self._lock_pipeline(cur, pipeline_id)
+            current = lock_pipeline(cur, pipeline_id)
             try:
                 since = self._supervised(pipeline_id, lineage, current)
             except ConcurrencyConflict as exc:
@@ -1081,7 +758,7 @@ class EpochStore:
                 return f"failure {attempt} is not one whose restart is due"
             return None
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def record_restart(self, pipeline_id: str, lineage: str, attempt: int, new_run_id: str,
                        restored_epoch: int | None) -> RestartRecord:
@@ -1090,7 +767,7 @@ class EpochStore:
         supervisor watches again."""
 
         def tx(cur: PgCursor) -> RestartRecord:
-            current = self._lock_pipeline(cur, pipeline_id)
+            current = lock_pipeline(cur, pipeline_id)
             cur.execute(
                 "UPDATE arroyo_restarts SET new_run_id = %s, restored_epoch = %s,"
                 " restarted_at = COALESCE(restarted_at, clock_timestamp())"
@@ -1106,14 +783,14 @@ class EpochStore:
                         (pipeline_id, lineage))
             return from_row(RestartRecord, row)
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def end_supervision(self, pipeline_id: str, lineage: str,
                         state: SupervisionState = SupervisionState.ENDED) -> None:
         """The supervisor of ``lineage`` lets go (the pipeline stopped, a stop cancelled a restart, it gave up
         or failed itself): a failed run of it is no longer coming back. A no-op when another lineage is
         supervised meanwhile."""
-        self._tx(lambda cur: cur.execute(
+        self._db.tx(lambda cur: cur.execute(
             "UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
             " WHERE pipeline_id = %s AND supervised_run = %s", (state.value, pipeline_id, lineage)))
 
@@ -1129,7 +806,7 @@ class EpochStore:
             )
             return [from_row(RestartRecord, r) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def restart_counts(self) -> dict[str, int]:
         """How many times each supervised pipeline's current lineage was restarted (resubmitted after a
@@ -1146,7 +823,7 @@ class EpochStore:
             )
             return {r["pipeline_id"]: int(r["restarts"]) for r in cur.fetchall()}
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def forks_of(self, pipeline_id: str) -> list[PipelineRecord]:
         """Every pipeline forked from ``pipeline_id``, by fork point then id."""
@@ -1156,7 +833,7 @@ class EpochStore:
                         " ORDER BY forked_from_epoch, pipeline_id", (pipeline_id,))
             return [from_row(PipelineRecord, r) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def fork_pipeline(self, source: str, epoch: int, new_id: str) -> PipelineRecord:
         """Fork pipeline ``new_id`` from completed ``epoch`` of ``source``, in one transaction under the
@@ -1179,7 +856,7 @@ class EpochStore:
         label = f"fork:{new_id}"[:PIN_LABEL_MAX]
 
         def tx(cur: PgCursor) -> PipelineRecord:
-            src = self._lock_pipeline(cur, source)
+            src = lock_pipeline(cur, source)
             cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                         (source, epoch))
             found = cur.fetchone()
@@ -1206,7 +883,7 @@ class EpochStore:
                 (new_id, PipelineState.STOPPED.value, src["stages"], src["storage_uri"], src["checkpoint_interval_s"],
                  epoch, json.dumps(src["config"] or {}), source, epoch),
             )
-            fork = from_row(PipelineRecord, _one(cur))
+            fork = from_row(PipelineRecord, one(cur))
             cur.execute(
                 "UPDATE arroyo_epochs SET pin_label = %s, pinned_at = clock_timestamp()"
                 " WHERE pipeline_id = %s AND epoch = %s AND pin_label IS NULL",
@@ -1214,7 +891,7 @@ class EpochStore:
             )
             return fork
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def oldest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
         """The oldest epoch a restore can still pick (completed, not pruned or superseded)."""
@@ -1228,7 +905,7 @@ class EpochStore:
             row = cur.fetchone()
             return from_row(EpochRecord, row) if row else None
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def ack_epoch(
         self,
@@ -1254,8 +931,8 @@ class EpochStore:
             # The pipeline's row lock first, like every other writer of epoch states: an ack that
             # completes the epoch must not race the trigger expiring it (the trigger's guarded UPDATE
             # would find no row), and the history must stay in commit order per pipeline.
-            self._lock_pipeline(cur, pipeline_id)
-            self._check_token(cur, token, f"the acknowledgement of epoch {epoch} by stage {stage!r}")
+            lock_pipeline(cur, pipeline_id)
+            check_token(cur, token, f"the acknowledgement of epoch {epoch} by stage {stage!r}")
             cur.execute(
                 "SELECT state, stages FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                 (pipeline_id, epoch),
@@ -1284,7 +961,7 @@ class EpochStore:
                 " FROM arroyo_acks WHERE pipeline_id = %s AND epoch = %s AND stage = ANY(%s)",
                 (pipeline_id, epoch, row["stages"]),
             )
-            agg = _one(cur)
+            agg = one(cur)
             if int(agg["n"]) < len(set(row["stages"])):
                 return state
             transition(cur, EpochState.COMPLETED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
@@ -1292,14 +969,14 @@ class EpochStore:
                        params={"p": pipeline_id, "n": epoch, "bn": agg["bn"], "bt": agg["bt"]})
             return EpochState.COMPLETED
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def fail_epoch(self, pipeline_id: str, epoch: int, reason: str, *, token: FencingToken | None = None) -> EpochState:
         """Mark an in-flight epoch failed (e.g. a stage could not snapshot). No-op if it already ended."""
 
         def tx(cur: PgCursor) -> EpochState:
-            self._lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
-            self._check_token(cur, token, f"failing epoch {epoch}")
+            lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
+            check_token(cur, token, f"failing epoch {epoch}")
             if transition(cur, EpochState.FAILED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
                           also="ended_at = clock_timestamp(), failure_reason = %(reason)s",
                           params={"p": pipeline_id, "n": epoch, "reason": reason}):
@@ -1311,7 +988,7 @@ class EpochStore:
                 raise UnknownEpochError(pipeline_id, epoch)
             return EpochState(row["state"])
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
         def tx(cur: PgCursor) -> list[AckRecord]:
@@ -1319,7 +996,7 @@ class EpochStore:
                         (pipeline_id, epoch))
             return [from_row(AckRecord, r) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     # ------------------------------------------------------------------ snapshot objects
 
@@ -1334,7 +1011,7 @@ class EpochStore:
                         (pipeline_id, key_list))
             return {r["object_key"] for r in cur.fetchall()}
 
-        return self._tx(tx) if key_list else set()
+        return self._db.tx(tx) if key_list else set()
 
     def record_snapshot(self, pipeline_id: str, epoch: int, stage: str, entries: Sequence[SnapshotEntry], *,
                         token: FencingToken | None = None) -> None:
@@ -1346,12 +1023,12 @@ class EpochStore:
         """
 
         def tx(cur: PgCursor) -> None:
-            self._check_token(cur, token, f"the snapshot of stage {stage!r} for epoch {epoch}")
+            check_token(cur, token, f"the snapshot of stage {stage!r} for epoch {epoch}")
             cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s FOR UPDATE",
                         (pipeline_id, epoch))
             row = cur.fetchone()
             if row is None:
-                self._get_pipeline(cur, pipeline_id)
+                read_pipeline(cur, pipeline_id)
                 raise UnknownEpochError(pipeline_id, epoch, "to record a snapshot for")
             if row["state"] in (EpochState.PRUNING.value, EpochState.PRUNED.value):
                 raise ConcurrencyConflict(
@@ -1373,7 +1050,7 @@ class EpochStore:
             )
 
         if entries:
-            self._tx(tx)
+            self._db.tx(tx)
 
     def snapshot_entries(self, pipeline_id: str, epoch: int, stage: str) -> list[SnapshotEntry]:
         def tx(cur: PgCursor) -> list[SnapshotEntry]:
@@ -1385,7 +1062,7 @@ class EpochStore:
             )
             return [SnapshotEntry(r["rel_path"], r["object_key"], int(r["bytes"])) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     # ------------------------------------------------------------------ scrubbing (migration 0005)
 
@@ -1394,7 +1071,7 @@ class EpochStore:
         (never verified first, then oldest check), each with the retained epochs that reference it."""
 
         def tx(cur: PgCursor) -> list[ObjectRecord]:
-            self._get_pipeline(cur, pipeline_id)
+            read_pipeline(cur, pipeline_id)
             if epoch is not None:
                 cur.execute("SELECT 1 FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (pipeline_id, epoch))
                 if cur.fetchone() is None:
@@ -1414,7 +1091,7 @@ class EpochStore:
             return [ObjectRecord(r["object_key"], int(r["bytes"]), r["verified_at"], r["verify_state"],
                                  r["verify_detail"], tuple(int(e) for e in r["epochs"])) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def record_verification(self, pipeline_id: str, results: Sequence[tuple[str, str, str | None]]) -> None:
         """Record scrub results ``(object_key, 'ok' | 'missing' | 'corrupt', detail)`` at database time."""
@@ -1429,7 +1106,7 @@ class EpochStore:
             )
 
         if results:
-            self._tx(tx)
+            self._db.tx(tx)
 
     def damaged_objects(self, pipeline_id: str) -> list[ObjectRecord]:
         """Objects the last scrub found missing or corrupt that retained epochs still reference."""
@@ -1444,10 +1121,10 @@ class EpochStore:
         Raises :class:`CleanupLockHeld` if another run holds an unexpired lease. An expired lease
         (its holder crashed) is taken over and that run is marked ``lock_lost``.
         """
-        _positive_seconds(ttl, "cleanup lock ttl")
+        positive_seconds(ttl, "cleanup lock ttl")
 
         def tx(cur: PgCursor) -> CleanupRunRecord:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             cur.execute(
                 "SELECT cleanup_run, holder, expires_at, expires_at > clock_timestamp() AS live"
                 " FROM arroyo_cleanup_locks WHERE pipeline_id = %s",
@@ -1461,7 +1138,7 @@ class EpochStore:
                 " RETURNING *",
                 (pipeline_id, holder, json.dumps(dict(policy or {}), default=str)),
             )
-            run = from_row(CleanupRunRecord, _one(cur))
+            run = from_row(CleanupRunRecord, one(cur))
             lease = timedelta(seconds=ttl)
             if current is None:
                 cur.execute(
@@ -1483,7 +1160,7 @@ class EpochStore:
                 )
             return run
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     @staticmethod
     def _check_lease(cur: PgCursor, pipeline_id: str, cleanup_run: int) -> None:
@@ -1500,20 +1177,20 @@ class EpochStore:
 
     def renew_cleanup_lock(self, pipeline_id: str, cleanup_run: int, *, ttl: float = 60.0) -> datetime:
         """Extend our lease; raises :class:`LockLostError` if it already expired or was taken over."""
-        _positive_seconds(ttl, "cleanup lock ttl")
+        positive_seconds(ttl, "cleanup lock ttl")
 
         def tx(cur: PgCursor) -> datetime:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             cur.execute(
                 "UPDATE arroyo_cleanup_locks SET expires_at = clock_timestamp() + %s"
                 " WHERE pipeline_id = %s AND cleanup_run = %s RETURNING expires_at",
                 (timedelta(seconds=ttl), pipeline_id, cleanup_run),
             )
-            expires: datetime = _one(cur)["expires_at"]
+            expires: datetime = one(cur)["expires_at"]
             return expires
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def release_cleanup_lock(self, pipeline_id: str, cleanup_run: int, *, state: str = "succeeded",
                              error: str | None = None) -> CleanupRunRecord:
@@ -1522,7 +1199,7 @@ class EpochStore:
             raise ConfigurationError(f"cleanup run end state must be succeeded, failed or lock_lost, got {state!r}")
 
         def tx(cur: PgCursor) -> CleanupRunRecord:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             cur.execute("DELETE FROM arroyo_cleanup_locks WHERE pipeline_id = %s AND cleanup_run = %s",
                         (pipeline_id, cleanup_run))
             cur.execute(
@@ -1531,9 +1208,9 @@ class EpochStore:
                 " WHERE id = %s AND pipeline_id = %s RETURNING *",
                 (state, error, cleanup_run, pipeline_id),
             )
-            return from_row(CleanupRunRecord, _one(cur))
+            return from_row(CleanupRunRecord, one(cur))
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def cleanup_lock(self, pipeline_id: str) -> CleanupLockRecord | None:
         """The unexpired cleanup lease of the pipeline, if any."""
@@ -1546,7 +1223,7 @@ class EpochStore:
             row = cur.fetchone()
             return from_row(CleanupLockRecord, row) if row else None
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def list_cleanup_runs(self, pipeline_id: str, *, limit: int = 50) -> list[CleanupRunRecord]:
         def tx(cur: PgCursor) -> list[CleanupRunRecord]:
@@ -1554,7 +1231,7 @@ class EpochStore:
                         (pipeline_id, limit))
             return [from_row(CleanupRunRecord, r) for r in cur.fetchall()]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def begin_prune(self, pipeline_id: str, cleanup_run: int, epochs: Sequence[int]) -> PrunePlan:
         """Mark ``epochs`` as ``pruning`` (while we hold the lease) and say what only they reference.
@@ -1565,7 +1242,7 @@ class EpochStore:
         wanted = sorted({int(e) for e in epochs})
 
         def tx(cur: PgCursor) -> PrunePlan:
-            pipe = self._lock_pipeline(cur, pipeline_id)
+            pipe = lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             transition(cur, EpochState.PRUNING,
                        where="e.pipeline_id = %(p)s AND e.epoch = ANY(%(e)s) AND e.pin_label IS NULL"
@@ -1604,7 +1281,7 @@ class EpochStore:
             return PrunePlan(epochs=marked, objects=objects, channel_low_watermarks=low,
                              storage_uri=pipe["storage_uri"])
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def finish_prune(self, pipeline_id: str, cleanup_run: int, bytes_freed: Mapping[int, int]) -> list[int]:
         """Mark the ``pruning`` epochs in ``bytes_freed`` as ``pruned``, forget the objects that no
@@ -1612,7 +1289,7 @@ class EpochStore:
         epochs = sorted(int(e) for e in bytes_freed)
 
         def tx(cur: PgCursor) -> list[int]:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             done: list[int] = []
             for epoch in epochs:
@@ -1635,7 +1312,7 @@ class EpochStore:
             )
             return done
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def unpruned_epochs(self, pipeline_id: str) -> list[EpochRecord]:
         """Every epoch of a pipeline not yet pruned, oldest first (input of the retention policy)."""
@@ -1648,10 +1325,10 @@ class EpochStore:
             )
             rows = cur.fetchall()
             if not rows:
-                self._get_pipeline(cur, pipeline_id)
+                read_pipeline(cur, pipeline_id)
             return [from_row(EpochRecord, r) for r in rows]
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     # ------------------------------------------------------------------ sink commits
 
@@ -1668,7 +1345,7 @@ class EpochStore:
             raise ConfigurationError(f"compaction horizon must be a duration >= 0, got {horizon!r}")
 
         def tx(cur: PgCursor) -> CompactionCut | None:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             cur.execute("SELECT * FROM arroyo_history_base WHERE pipeline_id = %s", (pipeline_id,))
             base = cur.fetchone()
@@ -1691,7 +1368,7 @@ class EpochStore:
                 " AND kind = 'epoch_state' AND old_state IS NULL",
                 (pipeline_id, cut["seq"]),
             )
-            max_epoch = max(int(_one(cur)["m"]), int(base["max_epoch"]) if base else 0)
+            max_epoch = max(int(one(cur)["m"]), int(base["max_epoch"]) if base else 0)
             cur.execute(
                 "INSERT INTO arroyo_history_base (pipeline_id, through_seq, max_epoch, cut_at, cleanup_run)"
                 " VALUES (%(p)s, %(seq)s, %(max)s, %(at)s, %(run)s) ON CONFLICT (pipeline_id) DO UPDATE SET"
@@ -1702,7 +1379,7 @@ class EpochStore:
             return CompactionCut(through_seq=int(cut["seq"]), max_epoch=max_epoch, cut_at=cut["at"],
                                  cleanup_run=int(cut["cleanup_run"]))
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     _COMPACT_SQL = {
         # epochs pruned before the cut (their acks go with them: ON DELETE CASCADE); pruned is final
@@ -1737,79 +1414,22 @@ class EpochStore:
             raise ConfigurationError(f"compaction batch size must be a whole number >= 1, got {limit!r}")
 
         def tx(cur: PgCursor) -> int:
-            self._lock_pipeline(cur, pipeline_id)
+            lock_pipeline(cur, pipeline_id)
             self._check_lease(cur, pipeline_id, cleanup_run)
             cur.execute(sql, {"p": pipeline_id, "at": cut.cut_at, "seq": cut.through_seq, "run": cut.cleanup_run,
                               "n": limit})
             return int(cur.rowcount)
 
-        return self._tx(tx)
-
-    def record_sink_commit(self, pipeline_id: str, epoch: int, sink: str, *, uri: str, batch_id: int, files: int,
-                           rows: int | None, bytes_committed: int, run_id: str | None = None,
-                           token: FencingToken | None = None, table_version: int | None = None) -> SinkCommitRecord:
-        """Record what a sink made visible for ``epoch`` (idempotent: a repeat returns the first record);
-        ``table_version``: the version a table sink's commit made (a Delta table's)."""
-
-        def tx(cur: PgCursor) -> SinkCommitRecord:
-            self._check_token(cur, token, f"the commit record of sink {sink!r} for epoch {epoch}")
-            cur.execute(
-                "INSERT INTO arroyo_sink_commits (pipeline_id, epoch, sink, uri, run_id, batch_id, files,"
-                " rows_committed, bytes_committed, table_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                " ON CONFLICT (pipeline_id, sink, epoch) DO NOTHING",
-                (pipeline_id, epoch, sink, uri, run_id, batch_id, files, rows, bytes_committed, table_version),
-            )
-            cur.execute(f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits"  # noqa: S608
-                        " WHERE pipeline_id = %s AND sink = %s AND epoch = %s", (pipeline_id, sink, epoch))
-            return from_row(SinkCommitRecord, _one(cur))
-
-        return self._tx(tx)
-
-    def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
-                     limit: int = 100) -> list[SinkCommitRecord]:
-        """Commits of the pipeline's file sinks after ``after_seq``, oldest first."""
-
-        def tx(cur: PgCursor) -> list[SinkCommitRecord]:
-            cur.execute(
-                f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits WHERE pipeline_id = %(p)s"  # noqa: S608
-                " AND seq > %(after)s AND (%(sink)s::text IS NULL OR sink = %(sink)s)"
-                " ORDER BY seq LIMIT %(limit)s",
-                {"p": pipeline_id, "after": after_seq, "sink": sink, "limit": limit},
-            )
-            return [from_row(SinkCommitRecord, r) for r in cur.fetchall()]
-
-        return self._tx(tx)
-
-    def latest_sink_commit(self, pipeline_id: str, sink: str) -> SinkCommitRecord | None:
-        def tx(cur: PgCursor) -> SinkCommitRecord | None:
-            cur.execute(f"SELECT {_SINK_COMMIT_COLS} FROM arroyo_sink_commits"  # noqa: S608
-                        " WHERE pipeline_id = %s AND sink = %s ORDER BY seq DESC LIMIT 1", (pipeline_id, sink))
-            row = cur.fetchone()
-            return from_row(SinkCommitRecord, row) if row is not None else None
-
-        return self._tx(tx)
+        return self._db.tx(tx)
 
     def db_now(self) -> datetime:
         def tx(cur: PgCursor) -> datetime:
             cur.execute("SELECT clock_timestamp() AS now")
-            now: datetime = _one(cur)["now"]
+            now: datetime = one(cur)["now"]
             return now
 
-        return self._tx(tx)
+        return self._db.tx(tx)
 
-
-def _positive_seconds(value: object, name: str) -> None:
-    """A duration in seconds from the user: a finite number above zero (NaN and infinity pass a
-    plain ``<= 0`` test, and PostgreSQL orders NaN above every number)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-
-
-def _one(cur: PgCursor) -> dict[str, Any]:
-    row = cur.fetchone()
-    if row is None:
-        raise StoreError("expected a row from the epoch store, got none")
-    return dict(row)
 
 
 __all__ = ["EpochStore", "TriggerDecision", "redact_dsn"]

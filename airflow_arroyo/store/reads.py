@@ -38,9 +38,9 @@ from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import consecutive_failures, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.store._db import redact_dsn
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
-from airflow_arroyo.store._sync import redact_dsn
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
