@@ -302,6 +302,13 @@ class SnapshotStore:
         ``source``: the storage root and id of the pipeline whose epoch it is, when not this one (a fork's
         first restore reads its source's snapshot objects where they are; nothing is copied to this
         pipeline's objects)."""
+        return self.rebuild(stage, epoch, self.layout.new_checkpoint(stage, epoch), source=source)
+
+    def rebuild(self, stage: str, epoch: int, folder: str, *, source: tuple[FileSystem, str] | None = None
+                ) -> PreparedRestore:
+        """Rebuild ``stage``'s checkpoint of ``epoch`` into ``folder`` (a new folder, relative to the checkpoint
+        root), verifying every object; the objects are only read. :meth:`prepare_restore` rebuilds beside the live
+        checkpoint; a state read (:mod:`airflow_arroyo.state`) into a scratch folder of its own."""
         storage, owner = source if source is not None else (self.fs, self.pipeline_id)
         entries = self.store.snapshot_entries(owner, epoch, stage)
         problems = check_restorable(e.rel_path for e in entries)
@@ -310,7 +317,6 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: its snapshot of stage {stage!r} is not a checkpoint Spark can "
                 f"restart from ({'; '.join(problems)}); nothing was changed", epoch=epoch, stage=stage,
                 problems=tuple(problems))
-        folder = self.layout.new_checkpoint(stage, epoch)
         total = 0
         try:
             self.checkpoint_fs.makedirs(folder)

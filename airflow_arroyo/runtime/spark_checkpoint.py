@@ -48,7 +48,9 @@ __all__ = [
     "rocksdb_zip_references",
     "select_checkpoint_files",
     "snapshot_files",
+    "state_bytes",
     "state_file_version",
+    "state_operators",
 ]
 
 log = logging.getLogger(__name__)
@@ -201,6 +203,23 @@ def state_file_version(name: str) -> tuple[int, str] | None:
     ``snapshot``, ``zip``, ``changelog``), None for any other name."""
     m = _VERSIONED.match(name)
     return (int(m.group(1)), m.group(2)) if m is not None else None
+
+
+def _state_file(rel: str) -> bool:
+    parts = rel.split("/")
+    return parts[0] == "state" and len(parts) >= 3 and not any(_hidden(p) for p in parts)
+
+
+def state_bytes(files: Iterable[tuple[str, str, int]]) -> int:
+    """Bytes of state store files among a snapshot's ``(rel_path, object_key, bytes)`` entries: what the state of
+    the cut takes (base and deltas, RocksDB files, operator metadata and schemas), each object counted once."""
+    return sum({key: size for rel, key, size in files if _state_file(rel)}.values())
+
+
+def state_operators(rel_paths: Iterable[str]) -> list[int]:
+    """The stateful operator ids of a checkpoint's files (``state/<operator>/...``), sorted; empty for a query
+    without state (or a cut before its first batch, which holds no state file)."""
+    return sorted({int(rel.split("/")[1]) for rel in rel_paths if _state_file(rel) and rel.split("/")[1].isdigit()})
 
 
 def snapshot_files(rel_paths: Iterable[str], batch_id: int) -> list[str]:

@@ -55,6 +55,7 @@ from airflow_arroyo.runtime.spark_checkpoint import (
     checkpoint_file_manager,
     checkpoint_offsets,
     latest_commit,
+    state_bytes,
 )
 from airflow_arroyo.store import EpochRecord, EpochStore, FencingToken
 
@@ -436,7 +437,9 @@ class StageRunner:
                 snapshot_uri=self.layout.fs.uri_of(self.layout.snapshots_dir),
                 details={"batch_id": pending.batch_id, "files": len(result.entries),
                          "files_copied": result.files_copied, "commit_wait_ms": round(result.wait_ms, 1),
-                         "copy_ms": round(result.copy_ms, 1)},
+                         "copy_ms": round(result.copy_ms, 1),
+                         "state_bytes": state_bytes((e.rel_path, e.object_key, e.bytes) for e in result.entries),
+                         "state_rows": self._state_rows(pending.batch_id)},
             )
             log.info("pipeline=%s epoch=%s stage=%s: acknowledged (%s bytes new of %s); epoch is %s",
                      self.pipeline_id, epoch, self.name, result.bytes_new, result.bytes_total, state)
@@ -449,6 +452,22 @@ class StageRunner:
         except Exception as exc:  # an unexpected bug must still fail the epoch, not vanish
             log.exception("pipeline=%s epoch=%s stage=%s: snapshot crashed", self.pipeline_id, epoch, self.name)
             self._fail_epoch(epoch, f"stage {self.name}: snapshot crashed: {type(exc).__name__}: {exc}")
+
+    def _state_rows(self, batch_id: int) -> int | None:
+        """Rows in the stage's state after ``batch_id``: the sum of ``stateOperators[].numRowsTotal`` of that
+        batch's progress, which Spark reports right after it commits the batch. None when the query has no state,
+        or when the progress is not there (not reported yet, or older than Spark's recent progress list)."""
+        query = self.query
+        if query is None or batch_id < 0:
+            return None
+        try:
+            progress: dict[str, Any] | None = query.lastProgress
+            if progress is None or progress.get("batchId") != batch_id:  # later batches ran: look further back
+                progress = next((p for p in reversed(query.recentProgress) if p.get("batchId") == batch_id), None)
+        except Exception:  # noqa: BLE001 - a figure for the UI: a query that stopped meanwhile must not fail the ack
+            return None
+        operators = progress.get("stateOperators") if progress is not None else None
+        return sum(int(o.get("numRowsTotal", 0)) for o in operators) if operators else None
 
     def _fail_epoch(self, epoch: int, reason: str) -> None:
         try:
