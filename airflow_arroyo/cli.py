@@ -22,6 +22,9 @@
                                               re-hash snapshot objects; name damaged epochs (exit 3)
     checkpoint PIPELINE [--self-contained] [--timeout DURATION]
                                               fire one epoch now and wait for its end
+    state PIPELINE --epoch N --stage S [--operator ID] [--limit N] [--diff M]
+                                              a stage's state as of a completed epoch (or its diff against
+                                              epoch M), read by a local Spark session from the epoch's snapshot
 
 The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
 connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
@@ -703,6 +706,61 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
                        tuple(sorted(after)), tuple(args))
 
 
+#: Rows ``state`` prints unless --limit says otherwise.
+STATE_ROWS = 20
+
+
+def _state_cell(value: Any) -> str:
+    """A state key or value (a Spark struct) as compact JSON."""
+    return json.dumps(_jsonable(value), default=str, separators=(",", ":"))
+
+
+def _cmd_state(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Print a stage's state as of a completed epoch (Spark's state data source over the epoch's snapshot,
+    rebuilt in a scratch folder: :mod:`airflow_arroyo.state`), or its diff against epoch ``--diff``."""
+    from airflow_arroyo import state
+
+    if args.limit is not None and args.limit < 1:
+        raise ConfigurationError(f"--limit must be at least 1, got {args.limit}")
+    limit = args.limit if args.limit is not None else (None if args.json else STATE_ROWS)
+    _require_schema(store)
+    # every refusal (unknown, not completed, pruned, no state) before the seconds a JVM takes to start
+    for n in (args.epoch, args.diff):
+        if n is not None:
+            state.resolve_state(store, args.pipeline, n, args.stage)
+    spark = state.local_spark()
+    kwargs: dict[str, Any] = {"spark": spark, "operator_id": args.operator}
+    if args.diff is not None:
+        diff = state.read_state_diff(store, args.pipeline, args.diff, args.epoch, args.stage, **kwargs)
+        counts = state.diff_counts(diff)
+        ordered = diff.orderBy("change", "key")
+        rows = [r.asDict(recursive=True) for r in (ordered if limit is None else ordered.limit(limit)).collect()]
+        if args.json:
+            json.dump({"before": args.diff, "after": args.epoch, "counts": counts, "sample": rows}, out,
+                      default=str)
+            out.write("\n")
+            return EXIT_OK
+        _table(["CHANGE", "KEY", "BEFORE", "AFTER"],
+               [[r["change"], _state_cell(r["key"]), _state_cell(r["before"]), _state_cell(r["after"])]
+                for r in rows], out)
+        out.write(f"epoch {args.diff} -> {args.epoch} of stage {args.stage}: {counts['added']} keys added, "
+                  f"{counts['removed']} removed, {counts['changed']} changed\n")
+        return EXIT_OK
+    df = state.read_state(store, args.pipeline, args.epoch, args.stage, **kwargs)
+    total = df.count()
+    ordered = df.orderBy("key")
+    rows = [r.asDict(recursive=True) for r in (ordered if limit is None else ordered.limit(limit)).collect()]
+    if args.json:
+        json.dump(rows, out, default=str)
+        out.write("\n")
+        return EXIT_OK
+    _table(["KEY", "VALUE", "PARTITION"],
+           [[_state_cell(r["key"]), _state_cell(r["value"]), r["partition_id"]] for r in rows], out)
+    out.write(f"{total} rows in the state of stage {args.stage} as of epoch {args.epoch}"
+              + (f" (first {len(rows)} by key; --limit N for more)" if len(rows) < total else "") + "\n")
+    return EXIT_OK
+
+
 class _NotStarted(ArroyoError):
     """``checkpoint`` could not start an epoch (exit 1)."""
 
@@ -793,6 +851,18 @@ def _build_parser() -> _Parser:
                             help="the epoch's snapshot copies every object (shares none with other epochs)")
     checkpoint.add_argument("--timeout", default="5m", metavar="DURATION",
                             help="give up (and expire the epoch) after this long (default 5m)")
+    state = sub.add_parser("state", parents=[common],
+                           help="print a stage's state as of a completed epoch (needs pyspark: a local Spark session)")
+    state.add_argument("pipeline")
+    state.add_argument("--epoch", type=int, required=True, help="a completed, retained epoch")
+    state.add_argument("--stage", required=True, help="a stateful stage of the pipeline")
+    state.add_argument("--operator", type=int, metavar="ID",
+                       help="the stateful operator (needed when the stage's query has several)")
+    state.add_argument("--limit", type=int,
+                       help=f"print at most this many rows, by key (default {STATE_ROWS}; --json prints them all "
+                            "unless given)")
+    state.add_argument("--diff", type=int, metavar="M",
+                       help="print the keys added, removed and changed from epoch M to --epoch instead")
     return parser
 
 
@@ -800,7 +870,7 @@ def _build_parser() -> _Parser:
 #: instead of argparse's "expected one argument").
 _VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
                   "--compact-after",
-                  "--limit", "--wait", "--budget", "--timeout", "--epoch")
+                  "--limit", "--wait", "--budget", "--timeout", "--epoch", "--diff", "--operator")
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
@@ -832,6 +902,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "restore": _cmd_restore,
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,
+    "state": _cmd_state,
 }
 
 
