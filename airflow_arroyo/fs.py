@@ -128,6 +128,12 @@ class FileSystem:
                 ) from fsspec_error
             return cls(uri, pafs.PyFileSystem(pafs.FSSpecHandler(fs)), base, fsspec_fs=fs)
 
+    @classmethod
+    def of(cls, where: str | FileSystem) -> FileSystem:
+        """``where`` itself when it is a file system already (resolved once, handed on), else :meth:`from_uri`:
+        the one conversion for APIs that also take a URI string (a user's, or one shipped to an executor)."""
+        return where if isinstance(where, FileSystem) else cls.from_uri(where)
+
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (FileSystem.from_uri, (self.uri,))
 

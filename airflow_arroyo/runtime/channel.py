@@ -282,33 +282,34 @@ class Channel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, uri: str, schema: pa.Schema | StructType | None = None) -> Channel:
-        """Create the channel at ``uri``, or open it if it exists (idempotent).
+    def create(cls, uri: str | FileSystem, schema: pa.Schema | StructType | None = None) -> Channel:
+        """Create the channel at ``uri`` (a URI, or the channel's folder as a file system), or open it if it
+        exists (idempotent).
 
         With ``schema``: the channel's schema is set now (so readers can start before the first batch).
         An existing channel with a different schema raises :class:`ChannelSchemaError`.
         """
-        fs = FileSystem.from_uri(uri)
+        fs = FileSystem.of(uri)
         wanted = normalize_schema(schema) if schema is not None else None
         header = {"format_version": FORMAT_VERSION, "schema": wanted, "created_at": time.time()}
         if fs.create_exclusive(HEADER_FILE, json.dumps(header, sort_keys=True).encode()):
             log.info("created channel %s", fs.uri)
             return cls(fs, header)
-        channel = cls.open(uri)
+        channel = cls.open(fs)
         if wanted is not None:
             channel._ensure_schema(wanted)
         return channel
 
     @classmethod
-    def open(cls, uri: str) -> Channel:
-        """Open an existing channel; :class:`ChannelError` if there is none at ``uri``."""
-        fs = FileSystem.from_uri(uri)
+    def open(cls, uri: str | FileSystem) -> Channel:
+        """Open an existing channel; :class:`ChannelError` if there is none at ``uri`` (as for :meth:`create`)."""
+        fs = FileSystem.of(uri)
         return cls(fs, _read_header(fs))
 
     @staticmethod
-    def exists(uri: str) -> bool:
-        """True if a channel was created at ``uri``."""
-        return FileSystem.from_uri(uri).exists(HEADER_FILE)
+    def exists(uri: str | FileSystem) -> bool:
+        """True if a channel was created at ``uri`` (as for :meth:`create`)."""
+        return FileSystem.of(uri).exists(HEADER_FILE)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"fs": self._fs, "header": self._header}
@@ -880,7 +881,7 @@ class Channel:
                 )
             return freed
 
-    def copy_to(self, uri: str, end: int) -> Channel:
+    def copy_to(self, uri: str | FileSystem, end: int) -> Channel:
         """Write a new channel at ``uri`` holding this channel's entries below ``end`` as readers see them (a
         fork's first restore: ``end`` is right after the fork point's barrier), at the same positions, so that
         cursors and Spark offsets recorded for this channel hold for the copy. Whatever is at ``uri`` is
@@ -891,7 +892,7 @@ class Channel:
         superseded run's rows reappear. The retention watermark (``_truncated.json``) is copied; the header
         last, so that an interrupted copy is no channel at all. This channel must not be truncated meanwhile.
         """
-        dest = FileSystem.from_uri(uri)
+        dest = FileSystem.of(uri)
         dest.delete(HEADER_FILE)  # first: an interrupted delete leaves no channel either
         for child in dest.list_dir(""):
             dest.delete_tree(child.path)

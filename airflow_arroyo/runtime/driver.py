@@ -329,7 +329,7 @@ class PipelineDriver:
             if self.layout.checkpoint_fs.list_dir(self.layout.checkpoint(name)):
                 return True
         for c in dict.fromkeys([*self.graph.channels, *self.logical.channels]):
-            if Channel.exists(self.layout.channel_uri(c)) and Channel.open(self.layout.channel_uri(c)).end_position():
+            if Channel.exists(self.layout.channel_fs(c)) and Channel.open(self.layout.channel_fs(c)).end_position():
                 return True
         return any(sink.has_state() for sink in self.sinks.values())
 
@@ -383,10 +383,10 @@ class PipelineDriver:
         every older entry readable for the next attempt."""
         assert self.token is not None
         for c in self.graph.channels:
-            uri = self.layout.channel_uri(c)
-            if not Channel.exists(uri):
+            folder = self.layout.channel_fs(c)
+            if not Channel.exists(folder):
                 continue
-            channel = Channel.open(uri)
+            channel = Channel.open(folder)
             if epoch is None:
                 position = 0
             else:
@@ -454,7 +454,7 @@ class PipelineDriver:
            which picks ``epoch`` again and repeats the three phases.
         """
         t0 = time.monotonic()
-        channels = {c: Channel.open(self.layout.channel_uri(c)) for c in self.graph.channels}
+        channels = {c: Channel.open(self.layout.channel_fs(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)
 
         def truncate(_name: str, ch: Channel, position: int) -> None:
@@ -565,12 +565,12 @@ class PipelineDriver:
         t0 = time.monotonic()
         # only the source's storage URI is read (channels, snapshot objects), never its Spark checkpoints
         src = StorageLayout.at(source.storage_uri or self.storage_uri, source.pipeline_id)
-        channels = {c: Channel.open(src.channel_uri(c)) for c in self.graph.channels}
+        channels = {c: Channel.open(src.channel_fs(c)) for c in self.graph.channels}
         cut_positions = check_channels_have_barrier(channels, epoch)
         prepared = self._restore_phases(
             epoch, channels, cut_positions, self._sink_cuts(epoch, owner=source.pipeline_id),
             commit=lambda: self.store.commit_fork_restore(self.pipeline_id, self.run_id),
-            roll_channel=lambda name, ch, position: ch.copy_to(self.layout.channel_uri(name), position),
+            roll_channel=lambda name, ch, position: ch.copy_to(self.layout.channel_fs(name), position),
             roll_step="copied", source=(src.fs, source.pipeline_id))
         log.info("pipeline=%s epoch=%s: restored the fork point from %s (%d stages, %d files, %d channels) in %.1fs",
                  self.pipeline_id, epoch, source.pipeline_id, len(prepared), sum(p.files for p in prepared),
@@ -587,10 +587,10 @@ class PipelineDriver:
                 layout.checkpoint_fs.makedirs(empty)
                 layout.switch_checkpoint(s.name, empty)
         for c in self.graph.channels:
-            uri = self.layout.channel_uri(c)
-            if Channel.exists(uri):
+            folder = self.layout.channel_fs(c)
+            if Channel.exists(folder):
                 # fresh checkpoints restart batch ids at 0: forget the writers' ids too (retention watermark)
-                Channel.open(uri).reset()
+                Channel.open(folder).reset()
         for sink in self.sinks.values():
             sink.rollback_to(-1)  # no epoch ever completed: nothing of it was committed
         log.info("pipeline=%s: no completed epoch; fresh checkpoints and empty channels", self.pipeline_id)
@@ -743,12 +743,12 @@ class PipelineDriver:
     def _ensure_feedback_channel(self, head: str, channel: str) -> None:
         """A loop's feedback channel is read before its writer is built: create it with the schema of the
         head's first aligned input (a loop feeds back records shaped like its input)."""
-        uri = self.layout.channel_uri(channel)
-        if Channel.exists(uri) and Channel.open(uri).schema is not None:
+        folder = self.layout.channel_fs(channel)
+        if Channel.exists(folder) and Channel.open(folder).schema is not None:
             return
         first = self.graph.stage(head).inputs[0]
-        schema = Channel.open(self.layout.channel_uri(first)).spark_schema
-        Channel.create(uri, schema=schema)
+        schema = Channel.open(self.layout.channel_fs(first)).spark_schema
+        Channel.create(folder, schema=schema)
 
     def _stop_queries(self) -> None:
         for r in reversed(self.runners):

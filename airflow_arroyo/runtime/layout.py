@@ -244,8 +244,12 @@ class StorageLayout:
         return self.paths.channel(name)
 
     def channel_uri(self, name: str) -> str:
-        """The URI of channel ``name``."""
+        """The URI of channel ``name`` (for another process; this one opens :meth:`channel_fs`)."""
         return self.fs.uri_of(self.paths.channel(name))
+
+    def channel_fs(self, name: str) -> FileSystem:
+        """The folder of channel ``name`` as a file system sharing the storage root's backend."""
+        return self.fs.child(self.paths.channel(name))
 
     def stage_dir(self, stage: str) -> str:
         """The stage's folder (the same relative path below both roots)."""
