@@ -18,9 +18,13 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from airflow_arroyo.fs import FileSystem
     from airflow_arroyo.store.records import FencingToken
 
-__all__ = ["SinkCommit", "TransactionalSink", "newest_generations"]
+__all__ = ["SINK_META", "SinkCommit", "TransactionalSink", "folder_owner", "newest_generations"]
+
+#: The folder a sink that writes to storage keeps its own files in (claims, manifests, staging), below its target.
+SINK_META = "_arroyo_sink"
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,11 @@ def newest_generations(staged: Mapping[int, Iterable[int]], mine: int) -> dict[i
             out[batch] = max(eligible)
     return out
 
+
+def folder_owner(fs: FileSystem) -> dict[str, str] | None:
+    """Who claimed a sink's folder (``pipeline``, ``stage``, ...: its ``owner.json``), or None if nobody did."""
+    try:
+        value = fs.read_json(f"{SINK_META}/owner.json")
+    except FileNotFoundError:
+        return None
+    return dict(value) if isinstance(value, dict) else None

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.sinks.base import SinkCommit, newest_generations
+from airflow_arroyo.runtime.sinks.base import SINK_META, SinkCommit, folder_owner, newest_generations
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -81,7 +81,7 @@ __all__ = ["DeltaTarget", "TransactionalDeltaSink", "table_files", "table_versio
 
 log = logging.getLogger(__name__)
 
-_META = "_arroyo_sink"
+_META = SINK_META
 _BATCHES = f"{_META}/batches"
 _STAGED = re.compile(r"^(\d{12})-g(\d+)$")  # <table>/<batch>-g<generation>/
 _MANIFEST = re.compile(r"^(\d{12})-g(\d+)\.json$")
@@ -203,11 +203,7 @@ class TransactionalDeltaSink:
 
     def owner(self) -> dict[str, str] | None:
         """Who claimed the table's folder (pipeline, stage), or None."""
-        try:
-            value = self.fs.read_json(f"{_META}/owner.json")
-        except FileNotFoundError:
-            return None
-        return dict(value) if isinstance(value, dict) else None
+        return folder_owner(self.fs)
 
     def check_writable(self) -> None:
         """Refuse (before anything is written) a folder another pipeline or stage writes, a Delta table this sink

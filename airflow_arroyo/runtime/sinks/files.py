@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.runtime.sinks.base import SinkCommit
+from airflow_arroyo.runtime.sinks.base import SINK_META, SinkCommit, folder_owner
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 
 # Spark batch writers that write files into a folder (what ships with pyspark; avro needs a jar).
 FILE_SINK_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
-_META = "_arroyo_sink"
+_META = SINK_META
 _MANIFESTS = f"{_META}/committed"
 _THROUGH = f"{_META}/committed.json"
 _BATCH_DIGITS = 12
@@ -135,11 +135,7 @@ class TransactionalFileSink:
 
     def owner(self) -> dict[str, str] | None:
         """Who claimed the sink folder (pipeline, stage), or None if nobody did."""
-        try:
-            value = self.fs.read_json(f"{_META}/owner.json")
-        except FileNotFoundError:
-            return None
-        return dict(value) if isinstance(value, dict) else None
+        return folder_owner(self.fs)
 
     def check_writable(self) -> None:
         """Refuse (before anything is written or rolled back) a folder another pipeline or stage writes,
