@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.store.reads import EpochDetail
@@ -44,6 +45,10 @@ class StageTiming:
     bytes_total: int | None = None
     acked_at: datetime | None = None
     snapshot_uri: str | None = None
+    # the state as of the stage's cut (recorded with the acknowledgement since issue 33; None before, and
+    # state_rows where Spark had not reported the cut batch's progress): 0 bytes for a stage without state
+    state_bytes: int | None = None
+    state_rows: int | None = None
 
     @property
     def segments(self) -> list[tuple[str, float, float]]:
@@ -71,6 +76,11 @@ def _ms_to_s(ms: float | None) -> float | None:
     return None if ms is None else float(ms) / 1000.0
 
 
+def _count(details: dict[str, Any] | None, key: str) -> int | None:
+    value = (details or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def stage_timings(detail: EpochDetail) -> list[StageTiming]:
     """One entry per expected stage, in the pipeline's stage order (then any unexpected acks)."""
     epoch = detail.epoch
@@ -93,5 +103,6 @@ def stage_timings(detail: EpochDetail) -> list[StageTiming]:
             stage, StageStatus.ACKNOWLEDGED, end_to_end_s=e2e, start_delay_s=max(e2e - reported, 0.0),
             alignment_s=align, sync_s=sync, async_s=asyn, bytes_new=ack.bytes_new,
             bytes_total=ack.bytes_total, acked_at=ack.acked_at, snapshot_uri=ack.snapshot_uri,
+            state_bytes=_count(ack.details, "state_bytes"), state_rows=_count(ack.details, "state_rows"),
         ))
     return out

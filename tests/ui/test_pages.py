@@ -214,6 +214,32 @@ def test_completed_epoch_page_shows_per_stage_timings(client: TestClient, store:
             assert any(t.startswith(f"{stage} · {part} ") for t in titles), (stage, part)
 
 
+def test_epoch_page_shows_each_stages_state_size_and_rows(client: TestClient, store: EpochStore) -> None:
+    from airflow_arroyo.epochs import CheckpointPolicy
+    from tests.support import running, sql
+
+    running(store, "stateful-ui", stages=["src", "counts", "legacy"])
+    try:
+        epoch = store.trigger_tick("stateful-ui", CheckpointPolicy(interval=3600, timeout=3600), force=True).started
+        assert epoch is not None
+        recorded = {"src": {"batch_id": 3, "state_bytes": 0, "state_rows": None},
+                    "counts": {"batch_id": 3, "state_bytes": 1_234_567, "state_rows": 42},
+                    "legacy": {"batch_id": 3}}  # acknowledged by a release that did not record them
+        for stage, details in recorded.items():
+            store.ack_epoch("stateful-ui", epoch.epoch, stage, details=details)
+        doc = page(client, f"/arroyo/pipelines/stateful-ui/epochs/{epoch.epoch}")
+        headers = [th.text() for th in doc.find("table", id="stages").find_all("th")]
+        rows = {r.attrs["data-stage"]: r.find_all("td") for r in doc.find("table", id="stages").find_all("tr")[1:]}
+        at = headers.index("State"), headers.index("State rows")
+        shown = {stage: (cells[at[0]].text(), cells[at[1]].text()) for stage, cells in rows.items()}
+        assert shown == {"src": ("0 B", "–"), "counts": (bytes_human(1_234_567), "42"), "legacy": ("–", "–")}
+        api = client.get(f"/arroyo/api/pipelines/stateful-ui/epochs/{epoch.epoch}").json()
+        assert {s["stage"]: (s["state_bytes"], s["state_rows"]) for s in api["stages"]} == {
+            "src": (0, None), "counts": (1_234_567, 42), "legacy": (None, None)}
+    finally:  # the dataset is shared: other tests count its pipelines
+        sql(store, "DELETE FROM arroyo_pipelines WHERE pipeline_id = 'stateful-ui'")
+
+
 def test_failed_epoch_page_says_why_and_which_stages_never_acknowledged(client: TestClient, dataset: Dataset,
                                                                         store: EpochStore) -> None:
     failed = next(e for e in dataset.plan("orders").epochs if e.outcome == "failed" and e.epoch > 150)
