@@ -97,7 +97,7 @@ def test_diff_of_two_epochs_equals_the_python_diff(ran: Ran, module_store: Epoch
     diff = read_state_diff(module_store, ran.pipeline_id, first, last, "counts", spark=spark)
     rows = {r["key"]["key"]: (r["change"], r["before"] and r["before"]["count"], r["after"] and r["after"]["count"])
             for r in diff.collect()}
-    want = {k: ("added", None, new[k]) for k in new.keys() - old.keys()}
+    want: dict[str, tuple[str, int | None, int | None]] = {k: ("added", None, new[k]) for k in new.keys() - old.keys()}
     want |= {k: ("removed", old[k], None) for k in old.keys() - new.keys()}
     want |= {k: ("changed", old[k], new[k]) for k in old.keys() & new.keys() if old[k] != new[k]}
     assert rows == want
