@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -167,6 +167,15 @@ class SnapshotStore:
             self._hash_cache[cache_key] = key
         return key
 
+    def _forget_hashes(self, root: str, present: Iterable[pafs.FileInfo]) -> None:
+        """Drop the hashes of files below ``root`` that are gone or changed: Spark writes new checkpoint files every
+        batch and deletes old ones, so a memo of every file ever hashed would grow for as long as the driver runs."""
+        keep = {(i.path, int(i.size or 0), int(i.mtime_ns or 0)) for i in present}
+        prefix = root + "/"
+        with self._lock:
+            for key in [k for k in self._hash_cache if k[0].startswith(prefix) and k not in keep]:
+                del self._hash_cache[key]
+
     def capture(self, stage: str, epoch: int, checkpoint: str, batch_id: int, *, commit_timeout: float = 120.0,
                 alive: Callable[[], bool] = lambda: True, self_contained: bool = False) -> CaptureResult:
         """Snapshot ``checkpoint`` (rel to the storage root) as of ``batch_id`` and record it for
@@ -176,6 +185,7 @@ class SnapshotStore:
         t0 = time.monotonic()
         root = self.checkpoint_fs.arrow_path(checkpoint).rstrip("/")
         infos = {i.path[len(root) + 1:]: i for i in self._list(checkpoint)}
+        self._forget_hashes(root, infos.values())
 
         def zip_refs(rel: str) -> list[str] | None:
             try:

@@ -620,6 +620,35 @@ def test_new_full_snapshot_is_chained_over_not_copied_until_the_chain_is_too_lon
         "state/0/0/5.snapshot", *(f"state/0/0/{v}.delta" for v in (6, 7, 8))}
 
 
+def test_the_snapshot_store_remembers_hashes_only_of_files_still_in_the_checkpoint(store: Any, pipeline: str,
+                                                                                   tmp_path: Path) -> None:
+    """A driver runs for months: Spark writes new checkpoint files every batch and deletes old ones, so what the
+    snapshot store keeps per file (its hash memo) must follow the checkpoint, not the run's history."""
+    snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pipeline, store)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "state/0/0").mkdir(parents=True)
+    (ckpt / "offsets").mkdir()
+    (ckpt / "commits").mkdir()
+    (ckpt / "metadata").write_text('{"id":"q"}')
+    sizes: list[int] = []
+    retained = 4  # batches Spark keeps (minBatchesToRetain)
+    for batch in range(40):
+        for rel, data in {f"offsets/{batch}": f"v1\n{{}}\n{{\"pos\":{batch}}}", f"commits/{batch}": "v1\n{}",
+                          f"state/0/0/{batch + 1}.delta": f"delta {batch + 1}"}.items():
+            (ckpt / rel).write_text(data)
+        old = batch - retained
+        if old >= 0:  # Spark's cleanup; the chain then starts at a snapshot of the state it wrote
+            for rel in (f"offsets/{old}", f"commits/{old}", f"state/0/0/{old + 1}.delta", f"state/0/0/{old}.snapshot"):
+                (ckpt / rel).unlink(missing_ok=True)
+            (ckpt / f"state/0/0/{old + 1}.snapshot").write_text(f"state {old + 1}")
+        epoch = new_epoch(store, pipeline)
+        complete(store, pipeline, epoch, snaps.capture("agg", epoch, "ckpt", batch))
+        sizes.append(max([len(v) for v in vars(snaps).values() if isinstance(v, dict | list | set)], default=0))
+    files = sum(1 for p in ckpt.rglob("*") if p.is_file())
+    assert max(sizes) <= files + 4, sizes  # what one listing holds (plus files deleted between two captures)
+    assert sizes[-1] == sizes[-10], sizes  # flat, not one more entry per batch
+
+
 def test_a_restore_from_unreachable_storage_says_retry_not_an_earlier_epoch(
         store: Any, pipeline: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 30, finding 5 g: storage that refuses the connection is not a damaged epoch."""
