@@ -21,7 +21,7 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
-from airflow_arroyo.state import diff_counts, read_state, read_state_diff, resolve_state
+from airflow_arroyo.state import diff_counts, read_state, read_state_diff, resolve_state, state_metadata
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 from airflow_arroyo.testing import channel_row_count, generate_row, generator_source, run_until
 from tests.support import running
@@ -32,12 +32,13 @@ SEED, KEYS, ROWS, PER_BATCH = 33, 7, 480, 40
 
 
 def counting(pipeline_id: str) -> Pipeline:
-    """events (a generator: stateless) -> counts (a count per key: state)."""
+    """events (a generator: stateless) -> counts (a count per key after dropping duplicate ids: two stateful
+    operators in one query, the ids seen and the counts)."""
     def events(spark: Any) -> Any:
         return generator_source(spark, seed=SEED, keys=KEYS, total_rows=ROWS, rows_per_batch=PER_BATCH)
 
     def counts(df: Any) -> Any:
-        return df.groupBy("key").count()
+        return df.dropDuplicates(["id"]).groupBy("key").count()
 
     p = Pipeline(pipeline_id, chaining=False)
     src = p.source("events", events)
@@ -50,15 +51,20 @@ class Ran:
     pipeline_id: str
     layout: StorageLayout
     epochs: list[int]  # completed epochs whose counts cut is at a batch >= 0
+    operators: dict[str, int]  # "dedup", "count" -> operator id
 
 
-def expected_counts(layout: StorageLayout, epoch: int) -> dict[str, int]:
-    """Counts per key of the generator rows before barrier ``epoch`` of the events channel, in plain Python: the
-    rows there must be the generator's first k rows, and each row's key is recomputed from its id."""
+def rows_before(layout: StorageLayout, epoch: int) -> int:
+    """How many generator rows the events channel holds before barrier ``epoch`` (they must be its first k)."""
     ch = Channel.open(layout.channel_uri("events"))
     ids = sorted(ch.read_table(0, ch.find_barrier(epoch)).column("id").to_pylist())
     assert ids == list(range(len(ids))), "the events channel is not the generator's prefix"
-    return dict(Counter(generate_row(SEED, i, KEYS)[1] for i in ids))
+    return len(ids)
+
+
+def expected_counts(layout: StorageLayout, epoch: int) -> dict[str, int]:
+    """Counts per key of the generator rows before barrier ``epoch``, each row's key recomputed in plain Python."""
+    return dict(Counter(generate_row(SEED, i, KEYS)[1] for i in range(rows_before(layout, epoch))))
 
 
 def state_counts(df: Any) -> dict[str, int]:
@@ -77,14 +83,23 @@ def ran(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathF
            for n in completed}
     epochs = sorted(n for n in completed if cut[n] >= 0)
     assert len(epochs) >= 2, f"need two epochs with state, got cuts {cut}"
-    return Ran(pid, StorageLayout.at(str(storage), pid), epochs)
+    meta = state_metadata(module_store, pid, epochs[-1], "counts", spark=spark)
+    names = {int(m["operatorId"]): str(m["operatorName"]).lower() for m in meta}
+    assert len(names) == 2, meta
+    operators = {"dedup": next(i for i, n in names.items() if "dedup" in n),
+                 "count": next(i for i, n in names.items() if "dedup" not in n)}
+    return Ran(pid, StorageLayout.at(str(storage), pid), epochs, operators)
 
 
 def test_each_epochs_state_equals_the_counts_of_its_input(ran: Ran, module_store: EpochStore, spark: Any) -> None:
     seen = []
     for n in ran.epochs:
         expected = expected_counts(ran.layout, n)
-        assert state_counts(read_state(module_store, ran.pipeline_id, n, "counts", spark=spark)) == expected, n
+        counts = read_state(module_store, ran.pipeline_id, n, "counts", spark=spark,
+                            operator_id=ran.operators["count"])
+        assert state_counts(counts) == expected, n
+        ids = read_state(module_store, ran.pipeline_id, n, "counts", spark=spark, operator_id=ran.operators["dedup"])
+        assert sorted(r["key"]["id"] for r in ids.collect()) == list(range(rows_before(ran.layout, n))), n
         seen.append(sum(expected.values()))
     assert len(set(seen)) > 1, f"every epoch held the same rows ({seen}): the reads prove little"
 
@@ -94,7 +109,8 @@ def test_diff_of_two_epochs_equals_the_python_diff(ran: Ran, module_store: Epoch
     first, last = ran.epochs[0], ran.epochs[-1]
     old, new = expected_counts(ran.layout, first), expected_counts(ran.layout, last)
     assert old != new
-    diff = read_state_diff(module_store, ran.pipeline_id, first, last, "counts", spark=spark)
+    diff = read_state_diff(module_store, ran.pipeline_id, first, last, "counts", spark=spark,
+                           operator_id=ran.operators["count"])
     rows = {r["key"]["key"]: (r["change"], r["before"] and r["before"]["count"], r["after"] and r["after"]["count"])
             for r in diff.collect()}
     want: dict[str, tuple[str, int | None, int | None]] = {k: ("added", None, new[k]) for k in new.keys() - old.keys()}
@@ -111,9 +127,9 @@ def test_ack_records_state_bytes_and_rows(ran: Ran, module_store: EpochStore) ->
         state = [e for e in module_store.snapshot_entries(ran.pipeline_id, n, "counts")
                  if e.rel_path.startswith("state/")]
         assert acks["counts"].details["state_bytes"] == sum({e.object_key: e.bytes for e in state}.values()) > 0
-        # the keys counted so far; None only where Spark had not reported the cut batch's progress yet
+        # the ids seen and the keys counted so far; None only where Spark had not reported the cut batch's progress
         rows = acks["counts"].details["state_rows"]
-        assert rows is None or rows == len(expected_counts(ran.layout, n)), (n, rows)
+        assert rows is None or rows == rows_before(ran.layout, n) + len(expected_counts(ran.layout, n)), (n, rows)
         counted += rows is not None
         assert acks["events"].details["state_bytes"] == 0 and acks["events"].details["state_rows"] is None
     assert counted, "no acknowledgement recorded the state's row count"
@@ -126,7 +142,7 @@ def test_a_read_leaves_the_objects_and_the_live_checkpoint_alone(ran: Ran, modul
 
     root = Path(ran.layout.fs.uri_of(ran.layout.snapshots_dir).removeprefix("file://")).parent
     before = tree(root)
-    read_state(module_store, ran.pipeline_id, ran.epochs[-1], "counts", spark=spark).count()
+    read_state(module_store, ran.pipeline_id, ran.epochs[-1], "counts", spark=spark, operator_id=0).count()
     assert tree(root) == before
 
 
@@ -184,26 +200,34 @@ def cli(*argv: str) -> tuple[int, str, str]:
 
 def test_cli_prints_an_epochs_state_and_a_diff(ran: Ran, module_store: EpochStore, spark: Any) -> None:
     n, m = ran.epochs[-1], ran.epochs[0]
-    code, out, err = cli("--dsn", module_store.dsn, "state", ran.pipeline_id, "--epoch", str(n), "--stage",
-                         "counts", "--json")
+    counts = ("state", ran.pipeline_id, "--epoch", str(n), "--stage", "counts", "--operator",
+              str(ran.operators["count"]))
+    code, out, err = cli("--dsn", module_store.dsn, *counts, "--json")
     assert code == EXIT_OK, err
     rows = json.loads(out)
     assert {r["key"]["key"]: r["value"]["count"] for r in rows} == expected_counts(ran.layout, n)
 
-    code, out, err = cli("--dsn", module_store.dsn, "state", ran.pipeline_id, "--epoch", str(n), "--stage",
-                         "counts", "--limit", "2")
+    code, out, err = cli("--dsn", module_store.dsn, *counts, "--limit", "2")
     assert code == EXIT_OK, err
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["KEY", "VALUE", "PARTITION"] and len(lines) == 1 + 2 + 1, out
     assert f"{len(expected_counts(ran.layout, n))} rows" in lines[-1]
 
-    code, out, err = cli("--dsn", module_store.dsn, "state", ran.pipeline_id, "--epoch", str(n), "--stage",
-                         "counts", "--diff", str(m), "--json")
+    code, out, err = cli("--dsn", module_store.dsn, *counts, "--diff", str(m), "--json")
     assert code == EXIT_OK, err
     result = json.loads(out)
     old, new = expected_counts(ran.layout, m), expected_counts(ran.layout, n)
     assert result["counts"]["changed"] == sum(1 for k in old.keys() & new.keys() if old[k] != new[k])
     assert result["counts"]["added"] == len(new.keys() - old.keys())
 
-    code, _, err = cli("--dsn", module_store.dsn, "state", ran.pipeline_id, "--epoch", str(n), "--stage", "events")
-    assert code == EXIT_BAD_INPUT and "holds no state" in err and "counts" in err
+
+def test_cli_refusals(ran: Ran, module_store: EpochStore, spark: Any) -> None:
+    base = ("--dsn", module_store.dsn, "state", ran.pipeline_id, "--epoch", str(ran.epochs[-1]), "--stage")
+    code, _, err = cli(*base, "events")
+    assert code == EXIT_BAD_INPUT and "holds no state" in err and "counts" in err, err
+    # two stateful operators: the refusal names both, with Spark's names for them
+    code, _, err = cli(*base, "counts")
+    assert code == EXIT_BAD_INPUT and "several stateful operators" in err, err
+    assert all(f"{i} (" in err for i in ran.operators.values()) and "dedup" in err.lower(), err
+    code, _, err = cli(*base, "counts", "--operator", "7")
+    assert code == EXIT_BAD_INPUT and "has no stateful operator 7" in err, err
