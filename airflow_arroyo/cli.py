@@ -727,9 +727,9 @@ def _cmd_state(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
     # every refusal (unknown, not completed, pruned, no state) before the seconds a JVM takes to start
     for n in (args.epoch, args.diff):
         if n is not None:
-            state.resolve_state(store, args.pipeline, n, args.stage)
+            state.resolve_state(store, args.pipeline, n, args.stage, storage_uri=args.storage_uri)
     spark = state.local_spark()
-    kwargs: dict[str, Any] = {"spark": spark, "operator_id": args.operator}
+    kwargs: dict[str, Any] = {"spark": spark, "operator_id": args.operator, "storage_uri": args.storage_uri}
     if args.diff is not None:
         diff = state.read_state_diff(store, args.pipeline, args.diff, args.epoch, args.stage, **kwargs)
         counts = state.diff_counts(diff)
@@ -863,6 +863,8 @@ def _build_parser() -> _Parser:
                             "unless given)")
     state.add_argument("--diff", type=int, metavar="M",
                        help="print the keys added, removed and changed from epoch M to --epoch instead")
+    state.add_argument("--storage-uri", metavar="URI",
+                       help="where the snapshot objects are, when not the storage URI the pipeline registered")
     return parser
 
 

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -144,50 +145,60 @@ def local_spark() -> SparkSession:
 
 
 @contextlib.contextmanager
-def _rebuilt(store: EpochStore, cut: StateCut) -> Iterator[str]:
-    """The cut's checkpoint rebuilt into a fresh local scratch folder (deleted afterwards); yields its URI."""
+def _rebuilt(store: EpochStore, cut: StateCut, scratch_uri: str | None) -> Iterator[str]:
+    """The cut's checkpoint rebuilt into a fresh scratch folder, deleted afterwards (a local temporary folder, or a
+    new folder below ``scratch_uri``); yields its URI as Spark spells it."""
     from airflow_arroyo.runtime.snapshot import SnapshotStore
 
-    scratch = tempfile.mkdtemp(prefix=f"arroyo-state-{cut.epoch}-")
+    local = tempfile.mkdtemp(prefix=f"arroyo-state-{cut.epoch}-") if scratch_uri is None else None
+    root = FileSystem.from_uri(local or str(scratch_uri))
+    folder = "" if local else f"arroyo-state-{cut.pipeline_id}-{cut.epoch}-{uuid.uuid4().hex[:8]}"
+    checkpoint = f"{folder}/{_CHECKPOINT}" if folder else _CHECKPOINT
     try:
-        checkpoints = FileSystem.from_uri(scratch)
-        snapshots = SnapshotStore(FileSystem.from_uri(cut.storage_uri), cut.pipeline_id, store,
-                                  checkpoints=checkpoints)
+        snapshots = SnapshotStore(FileSystem.from_uri(cut.storage_uri), cut.pipeline_id, store, checkpoints=root)
         try:
-            snapshots.rebuild(cut.stage, cut.epoch, _CHECKPOINT)
+            snapshots.rebuild(cut.stage, cut.epoch, checkpoint)
         except SnapshotError as exc:
             raise SnapshotError(f"cannot read the state of stage {cut.stage!r} as of epoch {cut.epoch}: {exc}",
                                 epoch=cut.epoch, path=exc.path) from exc
-        yield checkpoints.spark_uri_of(_CHECKPOINT)
+        yield root.spark_uri_of(checkpoint)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if local:
+            shutil.rmtree(local, ignore_errors=True)
+        else:
+            root.delete_tree(folder)
 
 
 def state_metadata(store_or_dsn: EpochStore | str, pipeline_id: str, epoch: int, stage: str, *,
-                   spark: SparkSession | None = None, storage_uri: str | None = None) -> list[dict[str, Any]]:
+                   spark: SparkSession | None = None, storage_uri: str | None = None,
+                   scratch_uri: str | None = None) -> list[dict[str, Any]]:
     """Spark's ``state-metadata`` of the stage's checkpoint as of ``epoch``: one dict per operator and state
     store (``operatorId``, ``operatorName``, ``stateStoreName``, ``numPartitions``, ``minBatchId``, ...)."""
     with _opened(store_or_dsn) as store:
         cut = resolve_state(store, pipeline_id, epoch, stage, storage_uri=storage_uri)
         session = spark or local_spark()
-        with _rebuilt(store, cut) as path:
+        with _rebuilt(store, cut, scratch_uri) as path:
             return [r.asDict(recursive=True) for r in session.read.format("state-metadata").load(path).collect()]
 
 
 def read_state(store_or_dsn: EpochStore | str, pipeline_id: str, epoch: int, stage: str, *,
                spark: SparkSession | None = None, operator_id: int | None = None, store_name: str | None = None,
-               options: Mapping[str, str] | None = None, storage_uri: str | None = None) -> DataFrame:
+               options: Mapping[str, str] | None = None, storage_uri: str | None = None,
+               scratch_uri: str | None = None) -> DataFrame:
     """The state of ``stage`` as of completed epoch ``epoch``: Spark's state data source rows (``key``,
     ``value``, ``partition_id``), materialised in ``spark`` (default: the active session, or a local one).
 
     ``operator_id``: the stateful operator to read (needed when the stage's query has several; the refusal lists
     them with their names). ``store_name``: the operator's state store (Spark's default when None).
     ``options``: further options of Spark's state data source (e.g. ``stateVarName`` for a
-    ``transformWithState`` operator, ``joinSide`` for a stream-stream join)."""
+    ``transformWithState`` operator, ``joinSide`` for a stream-stream join). ``storage_uri``: where the snapshot
+    objects are, when not the pipeline's registered storage. ``scratch_uri``: where to rebuild the checkpoint when
+    the session's executors cannot read this machine's temporary folder (a cluster: a shared ``hdfs://`` or object
+    store URI); a folder of its own is made below it and deleted before return."""
     with _opened(store_or_dsn) as store:
         cut = resolve_state(store, pipeline_id, epoch, stage, storage_uri=storage_uri)
         session = spark or local_spark()
-        with _rebuilt(store, cut) as path:
+        with _rebuilt(store, cut, scratch_uri) as path:
             operator = _operator(session, cut, path, operator_id)
             reader = (session.read.format("statestore").option("path", path).option("batchId", str(cut.batch_id))
                       .option("operatorId", str(operator)))
@@ -239,11 +250,12 @@ def diff_counts(diff: DataFrame) -> dict[str, int]:
 def read_state_diff(store_or_dsn: EpochStore | str, pipeline_id: str, before: int, after: int, stage: str, *,
                     spark: SparkSession | None = None, operator_id: int | None = None,
                     store_name: str | None = None, options: Mapping[str, str] | None = None,
-                    storage_uri: str | None = None) -> DataFrame:
+                    storage_uri: str | None = None, scratch_uri: str | None = None) -> DataFrame:
     """:func:`diff_state` of ``stage``'s state as of epochs ``before`` and ``after`` (both checked as
     :func:`read_state` checks one)."""
     with _opened(store_or_dsn) as store:
         session = spark or local_spark()
         reads = [read_state(store, pipeline_id, n, stage, spark=session, operator_id=operator_id,
-                            store_name=store_name, options=options, storage_uri=storage_uri) for n in (before, after)]
+                            store_name=store_name, options=options, storage_uri=storage_uri, scratch_uri=scratch_uri)
+                 for n in (before, after)]
     return diff_state(*reads)

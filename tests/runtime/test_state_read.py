@@ -136,14 +136,17 @@ def test_ack_records_state_bytes_and_rows(ran: Ran, module_store: EpochStore) ->
 
 
 def test_a_read_leaves_the_objects_and_the_live_checkpoint_alone(ran: Ran, module_store: EpochStore,
-                                                                 spark: Any) -> None:
+                                                                 spark: Any, tmp_path: Path) -> None:
     def tree(root: Path) -> dict[str, tuple[int, int]]:
         return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
     root = Path(ran.layout.fs.uri_of(ran.layout.snapshots_dir).removeprefix("file://")).parent
     before = tree(root)
-    read_state(module_store, ran.pipeline_id, ran.epochs[-1], "counts", spark=spark, operator_id=0).count()
+    df = read_state(module_store, ran.pipeline_id, ran.epochs[-1], "counts", spark=spark, operator_id=0,
+                    scratch_uri=str(tmp_path))
     assert tree(root) == before
+    assert list(tmp_path.iterdir()) == []  # the scratch checkpoint is gone; the rows were materialised before
+    assert df.count() > 0
 
 
 # ----------------------------------------------------------------------------------------- refusals (no Spark)
