@@ -398,6 +398,14 @@ class StageRunner:
         barrier = self.output.append_barrier(epoch, self.name) if self.output is not None else None
         self._write_caps({})
         self._last_cut_epoch = epoch
+        # Entries before the cut are not read again by this run (alignment reads from the cut on; a restore opens
+        # the channels afresh), so their parsed copies go: a run lasts months. Feedback inputs are searched back
+        # for returning barriers and keep theirs (their handles still bound them).
+        if barrier is not None and self.output is not None:
+            self.output.forget_before(barrier)
+        for channel in self.spec.inputs:
+            if channel in cursors:
+                self.inputs[channel].forget_before(cursors[channel] - 1)
         sync_ms = (time.monotonic() - t0) * 1000
         record = CutRecord(epoch, batch_id, dict(cursors), alignment_ms, sync_ms, barrier)
         self.cuts.append(record)

@@ -106,3 +106,47 @@ def test_epochs_still_to_commit_never_changes_what_is_committed() -> None:
                 done_all, done_kept = a or done_all, b or done_kept
                 kept = epochs_still_to_commit(done_kept, kept, view)
                 assert all(view[e] in (EpochState.TRIGGERED, EpochState.COMPLETED) and e > done_kept for e in kept)
+
+
+def test_a_stage_keeps_no_parsed_channel_entries_from_before_its_cut(store: EpochStore, tmp_path: Path) -> None:
+    """A stage runner's channel handles (its inputs, which alignment reads, and its output, which it appends to)
+    hold the entries they parsed; a run lasts months, so what they hold must not grow with the epochs. The
+    runner is driven as its micro-batches drive it, without Spark: the upstream appends data and a barrier per
+    epoch, Spark's offsets log says how far each batch read, the stage's output gets a batch per batch."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+
+    from airflow_arroyo.runtime.channel import Channel
+    from airflow_arroyo.runtime.graph import StageKind, StageSpec
+    from airflow_arroyo.runtime.layout import StorageLayout
+    from airflow_arroyo.runtime.snapshot import SnapshotStore
+    from airflow_arroyo.runtime.stage import StageRunner
+
+    store.register_pipeline("growth", stages=["b"], run_id="run-1", storage_uri=str(tmp_path))
+    layout = StorageLayout.at(str(tmp_path), "growth")
+    schema = pa.schema([("v", pa.int64())])
+    upstream = Channel.create(layout.channel_uri("a"), schema=schema)
+    spec = StageSpec("b", StageKind.STAGE, None, inputs=("a",), output="b")
+    with ThreadPoolExecutor(1) as executor:
+        runner = StageRunner(spec, layout=layout, store=store, snapshots=SnapshotStore(layout.fs, "growth", store),
+                             executor=executor)
+        runner.inputs["a"] = Channel.open(layout.channel_uri("a"))
+        runner.output = Channel.create(layout.channel_uri("b"), schema=schema)
+        held: list[int] = []
+        for batch in range(300):
+            epoch = batch // 2 + 1
+            upstream.append_table(pa.table({"v": [batch]}, schema=schema), batch, "a")
+            if batch % 2:
+                upstream.append_barrier(epoch, "a")
+            layout.checkpoint_fs.write_bytes_atomic(  # what Spark's offsets log says batch `batch` read
+                f"{runner.checkpoint}/offsets/{batch}",
+                f"v1\n{{}}\n{json.dumps({'key': 'a', 'pos': upstream.end_position()})}".encode())
+            runner.output.last_batch_id("b")  # as _write does before it appends
+            runner.output.append_table(pa.table({"v": [batch]}, schema=schema), batch, "b")
+            with runner._lock:
+                runner._channel_cut(batch)
+            held.append(len(runner.inputs["a"]._cache.entries) + len(runner.output._cache.entries))
+    assert runner.last_cut_epoch == 150
+    assert max(held[100:]) <= 8, held  # the entries since the last cut, not every entry of the run
