@@ -33,9 +33,10 @@ _AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.supervision", "air
                      "airflow_arroyo.processes", "airflow_arroyo.state",
                      "airflow_arroyo.testing"]
 # The Airflow side (docs/architecture.md): one subpackage per extension point, and the modules that talk to Airflow.
-_AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.submit", "airflow_arroyo.operators", "airflow_arroyo.sensors",
-                     "airflow_arroyo.triggers", "airflow_arroyo.links", "airflow_arroyo.ui", "airflow_arroyo.assets",
-                     "airflow_arroyo.metrics", "airflow_arroyo.config", "airflow_arroyo.provider"]
+_AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.submit", "airflow_arroyo.operators",
+                     "airflow_arroyo.sensors", "airflow_arroyo.triggers", "airflow_arroyo.links", "airflow_arroyo.ui",
+                     "airflow_arroyo.assets", "airflow_arroyo.metrics", "airflow_arroyo.config",
+                     "airflow_arroyo.provider"]
 # Neither: development tools (a throwaway PostgreSQL, airflow standalone, a Spark cluster for tests).
 _TOOLS = ["airflow_arroyo.devtools"]
 # Modules inside a package above that its package does not import, Airflow-free all the same: the JVM artifacts
