@@ -1,6 +1,12 @@
 """The async twin of :class:`EpochStore`, for triggers: every call runs the blocking psycopg2
 driver in a worker thread, so the triggerer's event loop never blocks.
 
+The async API is derived from the sync one in one way: each method listed in :class:`AsyncEpochStore`'s
+body is ``_in_thread(EpochStore.<name>)``, the sync method of that name awaited in a worker thread, with
+its signature (mypy checks the calls) and docstring. Triggers reach the store only through it (a
+blocking procedure over the store, such as stopping a run and waiting for its process, through
+:meth:`AsyncEpochStore.call`).
+
 The triggers of one event loop share two things per store (``coalesce`` / ``listen``, on by
 default): their ticks go to the database in batches (:mod:`airflow_arroyo.store._coalesce`), and
 one LISTEN connection wakes them when an epoch ends (:mod:`airflow_arroyo.store._listen`)."""
@@ -8,22 +14,35 @@ one LISTEN connection wakes them when an epoch ends (:mod:`airflow_arroyo.store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from datetime import datetime
+import functools
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.epochs import CheckpointPolicy
 from airflow_arroyo.store._coalesce import TickCoalescer
 from airflow_arroyo.store._listen import EpochListener, Subscription
 from airflow_arroyo.store._sync import EpochStore
-from airflow_arroyo.store.records import (
-    AckRecord,
-    CleanupLockRecord,
-    EpochRecord,
-    PipelineRecord,
-    SinkCommitRecord,
-    TickRequest,
-    TickResult,
-)
+from airflow_arroyo.store.records import TickRequest, TickResult
+
+__all__ = ["AsyncEpochStore"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _in_thread(method: Callable[Concatenate[EpochStore, P], R]
+               ) -> Callable[Concatenate[AsyncEpochStore, P], Coroutine[Any, Any, R]]:
+    """The async method that awaits the sync store's ``method`` (looked up by name on each call, so a
+    store's own override counts) in a worker thread."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def call(self: AsyncEpochStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        result: R = await asyncio.to_thread(getattr(self.sync, name), *args, **kwargs)
+        return result
+
+    call.__qualname__ = f"AsyncEpochStore.{name}"
+    return call
 
 
 class AsyncEpochStore:
@@ -40,6 +59,7 @@ class AsyncEpochStore:
 
     async def trigger_tick(self, pipeline_id: str, policy: CheckpointPolicy, *, triggered_by: str = "trigger",
                            force: bool = False, is_final: bool = False, watch: Iterable[int] = ()) -> TickResult:
+        """:meth:`EpochStore.trigger_tick`, sent with the loop's other ticks in one batch (``coalesce``)."""
         if not self.coalesce:
             return await asyncio.to_thread(self.sync.trigger_tick, pipeline_id, policy, triggered_by=triggered_by,
                                            force=force, is_final=is_final, watch=tuple(watch))
@@ -54,39 +74,31 @@ class AsyncEpochStore:
             return None
         return await EpochListener.for_store(self.sync).subscribe(pipeline_id)
 
-    async def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
-        return await asyncio.to_thread(self.sync.get_pipeline, pipeline_id)
+    async def call(self, procedure: Callable[Concatenate[EpochStore, P], R], /, *args: P.args,
+                   **kwargs: P.kwargs) -> R:
+        """``procedure(store, *args, **kwargs)`` in a worker thread: a blocking procedure over the sync store
+        that does more than one store call (asks a run to stop, then waits for its process to end)."""
+        return await asyncio.to_thread(procedure, self.sync, *args, **kwargs)
 
-    async def get_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
-        return await asyncio.to_thread(self.sync.get_epoch, pipeline_id, epoch)
-
-    async def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
-                          states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
-        return await asyncio.to_thread(self.sync.list_epochs, pipeline_id, limit=limit, before=before,
-                                       states=list(states) if states is not None else None)
-
-    async def in_flight_epoch(self, pipeline_id: str) -> EpochRecord | None:
-        return await asyncio.to_thread(self.sync.in_flight_epoch, pipeline_id)
-
-    async def latest_completed_epoch(self, pipeline_id: str) -> EpochRecord | None:
-        return await asyncio.to_thread(self.sync.latest_completed_epoch, pipeline_id)
-
-    async def cleanup_lock(self, pipeline_id: str) -> CleanupLockRecord | None:
-        return await asyncio.to_thread(self.sync.cleanup_lock, pipeline_id)
-
-    async def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
-                           limit: int = 100) -> list[SinkCommitRecord]:
-        return await asyncio.to_thread(self.sync.sink_commits, pipeline_id, after_seq=after_seq, sink=sink,
-                                       limit=limit)
-
-    async def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
-        return await asyncio.to_thread(self.sync.acks, pipeline_id, epoch)
-
-    async def db_now(self) -> datetime:
-        return await asyncio.to_thread(self.sync.db_now)
-
-    async def request_stop(self, pipeline_id: str, mode: str = "graceful") -> PipelineRecord:
-        return await asyncio.to_thread(self.sync.request_stop, pipeline_id, mode)
-
-    async def record_checkpoint_interval(self, pipeline_id: str, run_id: str, interval: float) -> PipelineRecord:
-        return await asyncio.to_thread(self.sync.record_checkpoint_interval, pipeline_id, run_id, interval)
+    # The sync store's methods, each awaited in a worker thread.
+    # pipelines and runs
+    get_pipeline = _in_thread(EpochStore.get_pipeline)
+    request_stop = _in_thread(EpochStore.request_stop)
+    record_checkpoint_interval = _in_thread(EpochStore.record_checkpoint_interval)
+    fail_run = _in_thread(EpochStore.fail_run)
+    # epochs and acknowledgements
+    get_epoch = _in_thread(EpochStore.get_epoch)
+    list_epochs = _in_thread(EpochStore.list_epochs)
+    in_flight_epoch = _in_thread(EpochStore.in_flight_epoch)
+    latest_completed_epoch = _in_thread(EpochStore.latest_completed_epoch)
+    acks = _in_thread(EpochStore.acks)
+    # supervision
+    record_failure = _in_thread(EpochStore.record_failure)
+    claim_restart = _in_thread(EpochStore.claim_restart)
+    record_restart = _in_thread(EpochStore.record_restart)
+    end_supervision = _in_thread(EpochStore.end_supervision)
+    restarts = _in_thread(EpochStore.restarts)
+    # cleanup lease, sink commits, the database's clock
+    cleanup_lock = _in_thread(EpochStore.cleanup_lock)
+    sink_commits = _in_thread(EpochStore.sink_commits)
+    db_now = _in_thread(EpochStore.db_now)

@@ -56,13 +56,16 @@ R = TypeVar("R")
 
 
 def _via(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[EpochStore, P], R]:
-    """The store's method that calls ``method`` of its part ``part``: same name, signature and docstring."""
+    """The store's method that calls the method of that name of its part ``part`` (``method``: its name,
+    signature and docstring)."""
+    name = method.__name__
 
     @functools.wraps(method)
     def delegate(self: EpochStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return method(getattr(self, part), *args, **kwargs)
+        result: R = getattr(getattr(self, part), name)(*args, **kwargs)
+        return result
 
-    delegate.__qualname__ = f"EpochStore.{method.__name__}"
+    delegate.__qualname__ = f"EpochStore.{name}"
     return delegate
 
 

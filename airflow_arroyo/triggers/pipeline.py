@@ -530,8 +530,7 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
         now with the same cause instead of waiting for their registration timeout."""
         if self.run_id is not None:
             try:
-                recorded = await asyncio.to_thread(store.sync.fail_run, self.pipeline_id, self.run_id, message,
-                                                   never_registered=True)
+                recorded = await store.fail_run(self.pipeline_id, self.run_id, message, never_registered=True)
             except ArroyoError as exc:
                 self.log.warning("Pipeline %s: could not record the failure of run %s: %s", self.pipeline_id,
                                  self.run_id, exc)
@@ -544,8 +543,8 @@ class PipelineStateTrigger(WatchesSubmission, BaseTrigger):
         if not self.stop_on_kill:
             return
         store = await self._store()
-        await asyncio.to_thread(stop_run, store.sync, self.pipeline_id, self.run_id, self.process, log=self.log,
-                                cluster_app=self.cluster_app)
+        await store.call(stop_run, self.pipeline_id, self.run_id, self.process, log=self.log,
+                         cluster_app=self.cluster_app)
 
 
 def stop_run(store: EpochStore, pipeline_id: str, run_id: str | None, process: LocalProcess | None,

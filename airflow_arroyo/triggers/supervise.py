@@ -201,7 +201,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
                 f"{self.lineage!r}: another submit took it over; this task no longer supervises it"))
         ours = record is not None and record.run_id == self.run_id
         if ours and record is not None and record.state is PipelineState.STOPPED:
-            await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage)
+            await store.end_supervision(self.pipeline_id, self.lineage)
             latest = await store.latest_completed_epoch(self.pipeline_id)
             return self._event("stopped", f"pipeline {self.pipeline_id!r} run {self.run_id!r} stopped",
                                latest=latest.epoch if latest else None)
@@ -245,7 +245,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         failed and fail its in-flight epoch now, in one transaction (:meth:`~airflow_arroyo.store.EpochStore.fail_run`),
         instead of leaving it ``running`` until its heartbeat goes stale and the epoch until its timeout. The
         supervision still watches, so whoever waits for the run waits for its restart. Returns ``cause``."""
-        failed = await asyncio.to_thread(store.sync.fail_run, self.pipeline_id, self.run_id, f"supervisor: {cause}")
+        failed = await store.fail_run(self.pipeline_id, self.run_id, f"supervisor: {cause}")
         if failed is not None:
             self.log.warning("Pipeline %s run %s: its driver is gone; recorded it failed", self.pipeline_id,
                              self.run_id)
@@ -258,7 +258,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         spark-submit found by the pid file beside its log, on this host)."""
         if self._resubmission is None:  # restarts go through the task, which defers with the current run
             return
-        restarts = await asyncio.to_thread(store.sync.restarts, self.pipeline_id, self.lineage, 1)
+        restarts = await store.restarts(self.pipeline_id, self.lineage, 1)
         newest = restarts[0] if restarts else None
         if newest is None or newest.new_run_id is None or newest.new_run_id == self.run_id:
             return
@@ -279,8 +279,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
 
     async def _decide(self, store: AsyncEpochStore, cause: str) -> TriggerEvent | None:
         try:
-            restart = await asyncio.to_thread(store.sync.record_failure, self.pipeline_id, self.lineage,
-                                              self.run_id, cause, self._decide_in_tx)
+            restart = await store.record_failure(self.pipeline_id, self.lineage, self.run_id, cause, self._decide_in_tx)
         except ConcurrencyConflict as exc:
             return self._event("superseded", str(exc))
         self.log.warning("Pipeline %s run %s failed (failure %s of lineage %s): %s; %s", self.pipeline_id,
@@ -297,7 +296,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         if left > 0:
             self.log.info("Pipeline %s: restart %s in %.1fs", self.pipeline_id, restart.attempt, left)
             await asyncio.sleep(left)
-        why_not = await asyncio.to_thread(store.sync.claim_restart, self.pipeline_id, self.lineage, restart.attempt)
+        why_not = await store.claim_restart(self.pipeline_id, self.lineage, restart.attempt)
         if why_not is not None:  # e.g. a stop came during the backoff
             return self._event("cancelled", f"pipeline {self.pipeline_id!r}: restart {restart.attempt} not submitted: "
                                             f"{why_not}", restart=restart)
@@ -314,16 +313,16 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         supervising; a submission that cannot start is the new run's failure, decided as any other."""
         assert self._resubmission is not None
         failed_run = self.run_id
-        await asyncio.to_thread(end_failed_run, store.sync, self.pipeline_id, failed_run, self.process,
-                                self.cluster_app, restart.cause, self.log)
+        await store.call(end_failed_run, self.pipeline_id, failed_run, self.process, self.cluster_app, restart.cause,
+                         self.log)
         latest = await store.latest_completed_epoch(self.pipeline_id)
         new_run = restart_run_id(self.lineage, restart.attempt)
         self.log.warning("Pipeline %s: restart %s of lineage %s after: %s; restoring %s as run %s (submitted from the "
                          "triggerer)", self.pipeline_id, restart.attempt, self.lineage, restart.cause,
                          f"epoch {latest.epoch}" if latest is not None else "no epoch (none completed: a start over)",
                          new_run)
-        await asyncio.to_thread(store.sync.record_restart, self.pipeline_id, self.lineage, restart.attempt, new_run,
-                                latest.epoch if latest is not None else None)
+        await store.record_restart(self.pipeline_id, self.lineage, restart.attempt, new_run,
+                                   latest.epoch if latest is not None else None)
         self.run_id = new_run
         self.start_deadline = time.time() + self.register_timeout
         self._watch_submission(None, None, None, None, False, None, self.cluster_poll_interval)
@@ -346,7 +345,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
         """The user killed the deferred task: the supervision ends (the run itself is left as it is;
         stop it with the stop operator or ``airflow-arroyo stop``)."""
         store = await open_async_store(self.conn_id)
-        await asyncio.to_thread(store.sync.end_supervision, self.pipeline_id, self.lineage, SupervisionState.ENDED)
+        await store.end_supervision(self.pipeline_id, self.lineage, SupervisionState.ENDED)
 
 
 def _dsn(conn_id: str) -> str:
