@@ -164,23 +164,23 @@ def latest_commit(fs: FileSystem, checkpoint: str) -> int:
     return latest
 
 
-def checkpoint_offsets(checkpoint_uri: str, batch_id: int) -> list[dict[str, Any] | None]:
+def checkpoint_offsets(checkpoint_uri: str | FileSystem, batch_id: int) -> list[dict[str, Any] | None]:
     """The end offsets of micro-batch ``batch_id``, one per source in the query's source order.
 
     Reads ``offsets/<batch_id>`` of a Spark streaming checkpoint (written before the batch runs, so it
     is available inside ``foreachBatch``). A source without an offset yet gives None.
     """
-    fs = FileSystem.from_uri(checkpoint_uri)
+    fs = FileSystem.of(checkpoint_uri)
     try:
         text = fs.read_bytes(offsets_path("", batch_id)).decode()
     except FileNotFoundError:
         raise ChannelError(
-            f"no offsets for batch {batch_id} in checkpoint {checkpoint_uri}; is it the query's "
+            f"no offsets for batch {batch_id} in checkpoint {fs.uri}; is it the query's "
             "checkpointLocation?"
         ) from None
     lines = text.splitlines()
     if not lines or not lines[0].startswith("v"):
-        raise ChannelError(f"unrecognised offset log format in {checkpoint_uri}/{offsets_path('', batch_id)}")
+        raise ChannelError(f"unrecognised offset log format in {fs.uri_of(offsets_path('', batch_id))}")
     out: list[dict[str, Any] | None] = []
     for line in lines[2:]:
         if line.strip() in ("", "-"):

@@ -138,7 +138,8 @@ class StageRunner:
         self.pipeline_id = layout.pipeline_id
         self.commit_timeout = commit_timeout
         self.checkpoint = layout.checkpoint(spec.name)
-        self.checkpoint_uri = layout.checkpoint_uri(spec.name)
+        self.checkpoint_uri = layout.checkpoint_uri(spec.name)  # for Spark's checkpointLocation
+        self._checkpoint_fs = layout.checkpoint_fs.child(self.checkpoint)  # read every batch: resolved once
         self.caps_uri = layout.caps_uri(spec.name, generation)
         self._caps_path = layout.caps(spec.name, generation)
         self.output: Channel | None = None
@@ -506,7 +507,7 @@ class StageRunner:
     # ------------------------------------------------------------------ helpers
 
     def _input_offsets(self, batch_id: int) -> dict[str, int]:
-        raw = checkpoint_offsets(self.checkpoint_uri, batch_id)
+        raw = checkpoint_offsets(self._checkpoint_fs, batch_id)
         out: dict[str, int] = {}
         for offset in raw:
             if offset is not None and "key" in offset:

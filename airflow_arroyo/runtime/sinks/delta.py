@@ -118,22 +118,23 @@ def _table_uri(fs: FileSystem) -> str:
     return fs.uri.removeprefix("file://") if fs.is_local else fs.uri
 
 
-def table_version(uri: str, storage_options: Mapping[str, str] | None = None) -> int | None:
+def table_version(uri: str | FileSystem, storage_options: Mapping[str, str] | None = None) -> int | None:
     """The current version of the Delta table at ``uri`` (None: no table there)."""
     from deltalake import DeltaTable
 
-    path = _table_uri(FileSystem.from_uri(uri))
+    path = _table_uri(FileSystem.of(uri))
     if not DeltaTable.is_deltatable(path, dict(storage_options or {})):
         return None
     return int(DeltaTable(path, storage_options=dict(storage_options or {})).version())
 
 
-def table_files(uri: str, version: int | None = None, storage_options: Mapping[str, str] | None = None) -> list[str]:
+def table_files(uri: str | FileSystem, version: int | None = None,
+                storage_options: Mapping[str, str] | None = None) -> list[str]:
     """The data files of the Delta table at ``uri`` (at ``version``, default the current one), as URIs Spark reads:
     ``spark.read.parquet(*table_files(uri))`` is the table (whole epochs only) without Delta's Spark jar."""
     from deltalake import DeltaTable
 
-    fs = FileSystem.from_uri(uri)
+    fs = FileSystem.of(uri)
     table = DeltaTable(_table_uri(fs), version=version, storage_options=dict(storage_options or {}))
     root = table.table_uri.rstrip("/")
     return [fs.spark_uri_of(uri[len(root) + 1:]) if uri.startswith(root + "/") else uri for uri in table.file_uris()]

@@ -388,18 +388,18 @@ def _through(fs: FileSystem) -> int:
     return _commit_point(fs)[0]
 
 
-def committed_through(uri: str) -> int:
+def committed_through(uri: str | FileSystem) -> int:
     """The newest batch the trusted commit point (the highest generation's) says is committed; -1 for none."""
-    return _through(FileSystem.from_uri(uri))
+    return _through(FileSystem.of(uri))
 
 
-def committed_files(uri: str, through: int | None = None) -> list[str]:
+def committed_files(uri: str | FileSystem, through: int | None = None) -> list[str]:
     """The data files of a file sink folder that belong to committed epochs (paths relative to ``uri``, in
     batch order): what a reader that must never see part of an epoch reads, e.g.
     ``spark.read.parquet(*[f"{uri}/{p}" for p in committed_files(uri)])``. Per batch, the manifest of the
     highest generation not above the trusted commit point's (a superseded run's later ones are ignored).
     ``through``: only the batches up to it (what a given commit, e.g. an Asset event's ``batch_id``, covered)."""
-    return _trusted_files(FileSystem.from_uri(uri), through)
+    return _trusted_files(FileSystem.of(uri), through)
 
 
 def _trusted_files(fs: FileSystem, limit: int | None = None) -> list[str]:
