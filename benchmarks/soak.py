@@ -13,8 +13,8 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 * this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, threads, open
   files;
 * Spark's Python workers: processes and their resident memory;
-* the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, and
-  the epoch store's database size;
+* the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
+  epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned;
 * the epochs completed (the rate the rest is read against).
 
 Prints, per quantity, the first and last sample and the least-squares slope per hour over the samples of
@@ -221,6 +221,18 @@ class Soak:
         conn.close()
         return int(row[0]) if row else 0
 
+    def references(self) -> tuple[int, int]:
+        """(snapshot object references, epochs not pruned): the rows retention bounds, counted exactly."""
+        import psycopg2
+
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT (SELECT count(*) FROM arroyo_epoch_objects WHERE pipeline_id = %(p)s),"
+                        " (SELECT count(*) FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state <> 'pruned')",
+                        {"p": self.pid})
+            row = cur.fetchone()
+        conn.close()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     def tables(self) -> list[tuple[str, int, int, int]]:
         """The epoch store's tables, largest first: (table, live rows, dead rows, bytes with indexes)."""
         import psycopg2
@@ -240,6 +252,7 @@ class Soak:
         files, size = tree(self.storage)
         pruner = self.driver.socket_paths
         heap, metaspace = heap_after_gc(self.jvm_pid)
+        references, unpruned = self.references()
         return {
             "epochs completed": self.completed_epochs(),
             "JVM heap after full GC (MB)": heap / 1e6,
@@ -256,6 +269,8 @@ class Soak:
             "storage files": files,
             "storage (MB)": size / 1e6,
             "epoch store DB (MB)": self.db_size() / 1e6,
+            "epoch object references": references,
+            "epochs not pruned": unpruned,
         }
 
     def run(self) -> list[tuple[float, dict[str, float]]]:
