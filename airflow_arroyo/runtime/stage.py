@@ -196,8 +196,8 @@ class StageRunner:
         else:
             frames = []
             for channel in spec.all_inputs:
-                uri = self.layout.channel_uri(channel)
-                self.inputs[channel] = Channel.open(uri)
+                uri = self.layout.channel_uri(channel)  # what the executors' reader opens
+                self.inputs[channel] = Channel.open(self.layout.channel_fs(channel))
                 frames.append(read_stage_input(
                     spark, uri, key=channel, cap_path=self.caps_uri, stop_at_barriers=channel not in spec.feedback,
                 ))
@@ -214,7 +214,7 @@ class StageRunner:
                 + ("" if not isinstance(df, SparkDataFrame) else " that is not streaming")
             )
         if spec.output is not None:
-            self.output = Channel.create(self.layout.channel_uri(spec.output), schema=df.schema)
+            self.output = Channel.create(self.layout.channel_fs(spec.output), schema=df.schema)
             self.output.token = self.token
         return df
 
@@ -438,7 +438,7 @@ class StageRunner:
                 log.info("pipeline=%s epoch=%s stage=%s: epoch no longer in flight; snapshot skipped",
                          self.pipeline_id, epoch, self.name)
                 return
-            state = self.store.ack_epoch(
+            ack = self.store.acknowledge(
                 self.pipeline_id, epoch, self.name, token=self.token, cursors=pending.cursors,
                 alignment_ms=pending.alignment_ms,
                 sync_ms=pending.sync_ms, async_ms=result.wait_ms + result.copy_ms,
@@ -450,8 +450,9 @@ class StageRunner:
                          "state_bytes": state_bytes((e.rel_path, e.object_key, e.bytes) for e in result.entries),
                          "state_rows": self._state_rows(pending.batch_id)},
             )
-            log.info("pipeline=%s epoch=%s stage=%s: acknowledged (%s bytes new of %s); epoch is %s",
-                     self.pipeline_id, epoch, self.name, result.bytes_new, result.bytes_total, state)
+            log.info("pipeline=%s epoch=%s stage=%s: acknowledged (%s bytes new of %s): %s; epoch is %s",
+                     self.pipeline_id, epoch, self.name, result.bytes_new, result.bytes_total, ack.outcome.value,
+                     ack.state)
         except FencedError as exc:  # superseded: write nothing more (not even the epoch's failure)
             log.error("pipeline=%s epoch=%s stage=%s: %s", self.pipeline_id, epoch, self.name, exc)
             self.errors.append(exc)
