@@ -128,6 +128,12 @@ class FileSystem:
                 ) from fsspec_error
             return cls(uri, pafs.PyFileSystem(pafs.FSSpecHandler(fs)), base, fsspec_fs=fs)
 
+    @staticmethod
+    def shared(uri: str) -> FileSystem:
+        """The file system of ``uri``, built once per process (a Spark executor's Python worker reads many
+        channel files of one root: an object store's client is not rebuilt for each)."""
+        return _shared_file_system(uri)
+
     @classmethod
     def of(cls, where: str | FileSystem) -> FileSystem:
         """``where`` itself when it is a file system already (resolved once, handed on), else :meth:`from_uri`:
@@ -427,3 +433,8 @@ def _s3_put_if_absent(bucket_key: str, data: bytes) -> bool | None:
                         "check-then-put", bucket_key)
             return None
         raise
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_file_system(uri: str) -> FileSystem:
+    return FileSystem.from_uri(uri)

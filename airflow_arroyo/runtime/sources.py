@@ -287,7 +287,7 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         assert isinstance(partition, ChannelPartition)
         target = to_arrow_schema(StructType.fromJson(self.schema_json), timezone="UTC")
-        fs = FileSystem.from_uri(partition.channel_uri)
+        fs = FileSystem.shared(partition.channel_uri)
         try:
             yield from iter_data_file(fs, partition.path, target)
         except FileNotFoundError as exc:
