@@ -92,7 +92,8 @@ class CheckpointOperator(BaseOperator):
     :param pipeline_run_id: the run of the pipeline to control, e.g. ``"{{ run_id }}"`` when the
         pipeline's driver registers with the DAG run id; an earlier run that already stopped is then
         not mistaken for this one. Templated.
-    :param registration_timeout: seconds to wait for the pipeline (run) to register before failing.
+    :param registration_timeout: seconds to wait for the pipeline (run) to register before failing; also how
+        long a supervised restart may take to register once due before it is declared failed.
     :param stop_after_epochs: request a graceful stop so that the pipeline's final epoch is the N-th
         completed epoch of this controller (e.g. ``"{{ params.epochs }}"``); None: run until stopped.
         Templated.

@@ -202,6 +202,7 @@ class EpochStore:
 
     supervise = _via("supervision", Supervision.supervise)
     record_failure = _via("supervision", Supervision.record_failure)
+    expire_restart = _via("supervision", Supervision.expire_restart)
     claim_restart = _via("supervision", Supervision.claim_restart)
     record_restart = _via("supervision", Supervision.record_restart)
     end_supervision = _via("supervision", Supervision.end_supervision)

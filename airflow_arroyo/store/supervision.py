@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError
 from airflow_arroyo.store._db import Concern, PgCursor, one
 from airflow_arroyo.store.pipelines import lock_pipeline
 from airflow_arroyo.store.records import PipelineRecord, RestartRecord, from_row
-from airflow_arroyo.supervision import PastFailure, RestartDecision, SupervisionState, is_run_of, unrestorable_latest
+from airflow_arroyo.supervision import (
+    PastFailure,
+    RestartDecision,
+    SupervisionState,
+    decide_restart,
+    is_run_of,
+    parse_strategy,
+    restart_run_id,
+    unrestorable_latest,
+)
 
 __all__ = ["Supervision"]
 
@@ -70,40 +79,98 @@ class Supervision(Concern):
         def tx(cur: PgCursor) -> RestartRecord:
             current = lock_pipeline(cur, pipeline_id)
             since = self._supervised(pipeline_id, lineage, current)
-            cur.execute("SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND supervised_since = %s"
-                        " AND failed_run_id = %s", (pipeline_id, since, failed_run_id))
-            seen = cur.fetchone()
-            if seen is not None:
-                record = from_row(RestartRecord, seen)
+            return self._record_failure(cur, pipeline_id, lineage, since, failed_run_id, cause, decide, current)
+
+        return self._db.tx(tx)
+
+    @staticmethod
+    def _record_failure(cur: PgCursor, pipeline_id: str, lineage: str, since: datetime, failed_run_id: str,
+                        cause: str, decide: Callable[[list[PastFailure], datetime, bool], RestartDecision],
+                        current: Mapping[str, Any]) -> RestartRecord:
+        """:meth:`record_failure` inside a transaction that holds the pipeline's row lock."""
+        cur.execute("SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND supervised_since = %s"
+                    " AND failed_run_id = %s", (pipeline_id, since, failed_run_id))
+        seen = cur.fetchone()
+        if seen is not None:
+            record = from_row(RestartRecord, seen)
+        else:
+            cur.execute("SELECT failed_at, restarted_at FROM arroyo_restarts WHERE pipeline_id = %s"
+                        " AND lineage = %s AND supervised_since = %s ORDER BY attempt",
+                        (pipeline_id, lineage, since))
+            failures = [PastFailure(r["failed_at"], r["restarted_at"]) for r in cur.fetchall()]
+            cur.execute("SELECT clock_timestamp() AS now")
+            now = one(cur)["now"]
+            failures.append(PastFailure(now))
+            cur.execute("SELECT epoch, unrestorable FROM arroyo_epochs WHERE pipeline_id = %s"
+                        " AND state = 'completed' ORDER BY epoch DESC LIMIT 1", (pipeline_id,))
+            latest = cur.fetchone()
+            if latest is not None and latest["unrestorable"] and not current["stop_requested"]:
+                decision = unrestorable_latest(latest["epoch"], latest["unrestorable"])
             else:
-                cur.execute("SELECT failed_at, restarted_at FROM arroyo_restarts WHERE pipeline_id = %s"
-                            " AND lineage = %s AND supervised_since = %s ORDER BY attempt",
-                            (pipeline_id, lineage, since))
-                failures = [PastFailure(r["failed_at"], r["restarted_at"]) for r in cur.fetchall()]
-                cur.execute("SELECT clock_timestamp() AS now")
-                now = one(cur)["now"]
-                failures.append(PastFailure(now))
-                cur.execute("SELECT epoch, unrestorable FROM arroyo_epochs WHERE pipeline_id = %s"
-                            " AND state = 'completed' ORDER BY epoch DESC LIMIT 1", (pipeline_id,))
-                latest = cur.fetchone()
-                if latest is not None and latest["unrestorable"] and not current["stop_requested"]:
-                    decision = unrestorable_latest(latest["epoch"], latest["unrestorable"])
-                else:
-                    decision = decide(failures, now, bool(current["stop_requested"]))
-                cur.execute(
-                    "INSERT INTO arroyo_restarts (pipeline_id, lineage, supervised_since, attempt, failed_run_id,"
-                    " cause, failed_at, delay_s, gave_up, decision) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
-                    " RETURNING *",
-                    (pipeline_id, lineage, since, len(failures), failed_run_id, cause[:4000], now,
-                     decision.delay if decision.restart else 0.0, not decision.restart, decision.reason),
-                )
-                record = from_row(RestartRecord, one(cur))
-            if record.new_run_id is None:  # decided, not restarted yet: the pipeline says what comes next
-                state = SupervisionState.GAVE_UP if record.gave_up else SupervisionState.RESTARTING
-                cur.execute("UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
-                            " WHERE pipeline_id = %s AND supervision IS DISTINCT FROM %s",
-                            (state.value, pipeline_id, state.value))
-            return record
+                decision = decide(failures, now, bool(current["stop_requested"]))
+            cur.execute(
+                "INSERT INTO arroyo_restarts (pipeline_id, lineage, supervised_since, attempt, failed_run_id,"
+                " cause, failed_at, delay_s, gave_up, decision) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+                " RETURNING *",
+                (pipeline_id, lineage, since, len(failures), failed_run_id, cause[:4000], now,
+                 decision.delay if decision.restart else 0.0, not decision.restart, decision.reason),
+            )
+            record = from_row(RestartRecord, one(cur))
+        if record.new_run_id is None:  # decided, not restarted yet: the pipeline says what comes next
+            state = SupervisionState.GAVE_UP if record.gave_up else SupervisionState.RESTARTING
+            cur.execute("UPDATE arroyo_pipelines SET supervision = %s, updated_at = now()"
+                        " WHERE pipeline_id = %s AND supervision IS DISTINCT FROM %s",
+                        (state.value, pipeline_id, state.value))
+        return record
+
+    def expire_restart(self, pipeline_id: str, grace: float) -> RestartRecord | None:
+        """Declare failed a restart of the supervised lineage that did not register within ``grace`` seconds of
+        being due (its delay after the failure) or of being submitted: the worker submitting it may have died
+        between the failure and the registration, and nothing else would ever end the supervision's wait. The
+        restart's run is recorded as the lineage's next failure, which the recorded strategy decides on: a
+        restart again (a supervisor still alive submits it) or giving up (the wait ends, failed). None when no
+        restart is overdue: none is due or submitted, the restart's run registered, or the supervision ended."""
+        if not isinstance(grace, int | float) or isinstance(grace, bool) or grace < 0:
+            raise ConfigurationError(f"grace must be a number of seconds >= 0, got {grace!r}")
+
+        def tx(cur: PgCursor) -> RestartRecord | None:
+            current = lock_pipeline(cur, pipeline_id)
+            lineage, since = current["supervised_run"], current["supervised_since"]
+            if (current["supervision"] not in _SUPERVISING or not lineage or since is None
+                    or not current["run_id"] or not is_run_of(current["run_id"], lineage)):
+                return None
+            cur.execute("SELECT * FROM arroyo_restarts WHERE pipeline_id = %s AND lineage = %s"
+                        " AND supervised_since = %s ORDER BY attempt DESC LIMIT 1", (pipeline_id, lineage, since))
+            row = cur.fetchone()
+            if row is None or row["gave_up"]:
+                return None
+            if row["new_run_id"] is None:
+                if current["supervision"] != SupervisionState.RESTARTING.value:
+                    return None
+                start, what = row["failed_at"] + timedelta(seconds=float(row["delay_s"] or 0.0)), "was due"
+            else:
+                start, what = row["restarted_at"], "was submitted"
+            # a restart registered when the current run is none of the failed ones, or registered (or beat) since
+            cur.execute("SELECT 1 FROM arroyo_restarts WHERE pipeline_id = %s AND lineage = %s"
+                        " AND supervised_since = %s AND failed_run_id = %s",
+                        (pipeline_id, lineage, since, current["run_id"]))
+            beat = current["heartbeat_at"]
+            if cur.fetchone() is None or (beat is not None and beat >= start):
+                return None
+            cur.execute("SELECT clock_timestamp() AS now")
+            if one(cur)["now"] < start + timedelta(seconds=grace):
+                return None
+            run = row["new_run_id"] or restart_run_id(lineage, int(row["attempt"]))
+            cause = (f"restart {row['attempt']} (run {run}) {what} at {start:%Y-%m-%d %H:%M:%S %Z} and did not "
+                     f"register within {grace:g}s: the worker submitting it may have died")
+            strategy = parse_strategy(current["restart_strategy"])
+
+            def decide(failures: list[PastFailure], now: datetime, stop_requested: bool) -> RestartDecision:
+                if strategy is None:
+                    return RestartDecision(False, 0.0, "no restart strategy is recorded for the lineage")
+                return decide_restart(strategy, failures, now, lineage=lineage, stop_requested=stop_requested)
+
+            return self._record_failure(cur, pipeline_id, lineage, since, run, cause, decide, current)
 
         return self._db.tx(tx)
 

@@ -56,7 +56,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
-from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
+from airflow_arroyo.store import AsyncEpochStore, EpochRecord, EpochStore, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 from airflow_arroyo.units import bytes_human
@@ -179,7 +179,8 @@ class CheckpointTrigger(BaseTrigger):
     :param pipeline_run_id: if given, only this run of the pipeline counts: a pipeline that
         stopped in an earlier run is waited for (it has not started yet), not reported as stopped.
     :param registration_timeout: seconds to wait for the pipeline (or ``pipeline_run_id``) to
-        register before ending with a failure event.
+        register before ending with a failure event; also how long after it is due (or submitted) a
+        supervised restart may take to register before it is declared failed (its submitter may have died).
     :param max_summary_epochs: how many epochs the final event lists (the newest; all are counted).
     :param stop_after_epochs: ask the pipeline for a graceful stop so that its final epoch is the
         N-th completed epoch this controller saw: once N-1 epochs have completed or are in flight,
@@ -421,17 +422,7 @@ class _Controller:
         await self._stop_after_epochs(tick.pipeline_state)
 
         if decision.action is TriggerAction.PIPELINE_ENDED:
-            pipe = await self.store.get_pipeline(self.pipeline_id)
-            if not in_lineage(pipe, self.t.pipeline_run_id):
-                self.run_confirmed = False  # a new run registered meanwhile and ended? wait for ours
-                return None, self.poll
-            if restart_pending(pipe):  # supervised: the failed run comes back as a restart of it
-                if self.idle_state != "restarting":
-                    self.idle_state = "restarting"
-                    self.log.info("pipeline %s: run %s failed and its supervisor restarts it; no epoch until the "
-                                  "restart runs", self.pipeline_id, pipe.run_id)
-                return None, self.poll
-            return self._ended(pipe), 0.0
+            return await self._pipeline_ended()
 
         if new_failure and tick.consecutive_failures > self.policy.tolerable_failures:
             return self.t._event(
@@ -443,6 +434,28 @@ class _Controller:
 
         await self._log_waits(tick)
         return None, self._delay(tick)
+
+    async def _pipeline_ended(self) -> tuple[TriggerEvent | None, float]:
+        """The run ended: wait for ours, or for its restart while a supervisor restarts it; else the end event."""
+        pipe = await self.store.get_pipeline(self.pipeline_id)
+        if not in_lineage(pipe, self.t.pipeline_run_id):
+            self.run_confirmed = False  # a new run registered meanwhile and ended? wait for ours
+            return None, self.poll
+        if restart_pending(pipe):  # supervised: the failed run comes back as a restart of it
+            # unless its submitter died before the restart registered: past the registration bound the
+            # restart is declared failed, and its strategy restarts again or gives up (which ends this wait)
+            overdue = await self.store.call(EpochStore.expire_restart, self.pipeline_id,
+                                            float(self.t.registration_timeout))
+            if overdue is not None:
+                self.log.warning("pipeline %s: %s; %s", self.pipeline_id, overdue.cause, overdue.decision)
+                pipe = await self.store.get_pipeline(self.pipeline_id)
+        if restart_pending(pipe):
+            if self.idle_state != "restarting":
+                self.idle_state = "restarting"
+                self.log.info("pipeline %s: run %s failed and its supervisor restarts it; no epoch until the "
+                              "restart runs", self.pipeline_id, pipe.run_id)
+            return None, self.poll
+        return self._ended(pipe), 0.0
 
     def _mark(self) -> None:
         """Right before a tick: what the subscription heard so far (its announcements from now on end the

@@ -460,6 +460,27 @@ class Crash(Exception):
     """The triggerer process dies."""
 
 
+async def test_a_restart_whose_run_never_registers_ends_the_wait_once_the_strategy_gives_up(
+        running: EpochStore, connection: str) -> None:
+    """Issue 30, finding 6: the worker that was to restart the failed run died before the restart registered.
+    The supervision said `restarting` for good and this trigger waited for the restart for ever; past the
+    registration bound the restart is declared failed, and its strategy, out of attempts, gives up."""
+    from airflow_arroyo.supervision import FixedDelay, RestartDecision, restart_pending
+
+    running.supervise(PID, "run-1", FixedDelay(attempts=1, delay=0.0).to_dict())
+    running.set_pipeline_state(PID, PipelineState.FAILED, run_id="run-1", failure_cause="executor lost")
+    running.record_failure(PID, "run-1", "run-1", "executor lost",
+                           lambda past, now, stop: RestartDecision(True, 0.0, "restart 1 of 1"))
+    assert restart_pending(running.get_pipeline(PID))
+
+    event = await first_event(make_trigger(registration_timeout=0.0), VirtualClock(connection))
+
+    assert event["status"] == "failure" and event["reason"] == "pipeline_failed", event
+    assert running.get_pipeline(PID).supervision == "gave_up"
+    assert [(r.failed_run_id, r.gave_up) for r in running.restarts(PID)] == [("run-1.restart1", True),
+                                                                            ("run-1", False)]
+
+
 async def test_a_restarted_trigger_resumes_from_the_database(running: EpochStore, connection: str) -> None:
     def crash_when_epoch_2_in_flight() -> None:
         ep = running.in_flight_epoch(PID)

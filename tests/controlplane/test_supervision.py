@@ -240,3 +240,44 @@ def test_a_wait_for_a_supervised_run_goes_on_while_it_restarts(store: EpochStore
     assert evaluate_wait(gone, state=PipelineState.STOPPED, run_id="L").verdict is Verdict.FAILED
     store.register_pipeline("w", stages=["a"], run_id="L.restart1", takeover=True)
     assert evaluate_wait(store.get_pipeline("w"), state=PipelineState.STOPPED, run_id="L").verdict is Verdict.WAIT
+
+
+def test_a_restart_that_never_registers_is_declared_failed(store: EpochStore) -> None:
+    """Issue 30, finding 6: the worker submitting a restart dies between the failure and the restart's
+    registration. Past a bound the restart's run is the lineage's next failure, which the strategy decides on:
+    a restart again, then, its attempts used up, giving up, which ends every wait for the run (failed)."""
+    store.register_pipeline("x", stages=["a"], run_id="L")
+    store.set_pipeline_state("x", PipelineState.RUNNING, run_id="L")
+    store.supervise("x", "L", FixedDelay(attempts=2, delay=0.0).to_dict())
+    store.set_pipeline_state("x", PipelineState.FAILED, run_id="L", failure_cause="executor lost")
+    store.record_failure("x", "L", "L", "executor lost", _always())
+    assert store.expire_restart("x", grace=3600) is None  # within the bound: the restart may still come
+    # restart 1 was due and never submitted
+    first = store.expire_restart("x", grace=0)
+    assert first is not None and (first.attempt, first.failed_run_id, first.gave_up) == (2, "L.restart1", False)
+    assert "restart 1 (run L.restart1) was due" in first.cause and "did not register within 0s" in first.cause
+    assert store.get_pipeline("x").supervision == "restarting" and store.expire_restart("x", grace=3600) is None
+    # restart 2 was submitted and its run never registered: attempts used up, the supervision gives up
+    store.record_restart("x", "L", 2, "L.restart2", None)
+    assert store.get_pipeline("x").supervision == "watching"
+    second = store.expire_restart("x", grace=0)
+    assert second is not None and (second.attempt, second.failed_run_id, second.gave_up) == (3, "L.restart2", True)
+    assert "was submitted" in second.cause
+    pipeline = store.get_pipeline("x")
+    assert pipeline.supervision == "gave_up" and not restart_pending(pipeline)
+    assert evaluate_wait(pipeline, state=PipelineState.STOPPED, run_id="L").verdict is Verdict.FAILED
+    assert store.expire_restart("x", grace=0) is None  # nothing more to declare
+
+
+def test_a_restart_that_registered_is_not_declared_failed(store: EpochStore) -> None:
+    """The restart's run registered (its submitter may have died before recording the restart): not overdue."""
+    store.register_pipeline("y", stages=["a"], run_id="L")
+    store.set_pipeline_state("y", PipelineState.RUNNING, run_id="L")
+    store.supervise("y", "L", FixedDelay(attempts=2, delay=0.0).to_dict())
+    store.record_failure("y", "L", "L", "boom", _always())
+    store.register_pipeline("y", stages=["a"], run_id=restart_run_id("L", 1), takeover=True)
+    assert store.expire_restart("y", grace=0) is None
+    store.record_restart("y", "L", 1, restart_run_id("L", 1), None)
+    assert store.expire_restart("y", grace=0) is None
+    with pytest.raises(ConfigurationError, match="grace"):
+        store.expire_restart("y", grace=-1)
