@@ -20,7 +20,8 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 Prints, per quantity, the first and last sample and the least-squares slope per hour over the samples of
 the whole window and of its second half, side by side: a quantity that levels off has a second-half slope
 well below the whole window's; one that leaks keeps the same slope. Then the storage's fullest folders.
-Figures measured here are in docs/runtime.md ("Supervised for months").
+Figures measured here are in benchmarks/results/soak.md; what bounds each quantity, in docs/runtime.md ("Supervised for
+months").
 
     python benchmarks/soak.py                       # 15 minutes measured after 2 of warm-up
     python benchmarks/soak.py --duration 3600       # an hour
