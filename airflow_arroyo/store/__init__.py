@@ -8,7 +8,9 @@ from airflow_arroyo.store._retry import is_transient, retrying
 from airflow_arroyo.store._sync import EpochStore, redact_dsn
 from airflow_arroyo.store.reads import StoreReader
 from airflow_arroyo.store.records import (
+    AckOutcome,
     AckRecord,
+    AckResult,
     CleanupLockRecord,
     CleanupRunRecord,
     CompactionCut,
@@ -26,7 +28,9 @@ from airflow_arroyo.store.records import (
 )
 
 __all__ = [
+    "AckOutcome",
     "AckRecord",
+    "AckResult",
     "AsyncEpochStore",
     "CleanupLockRecord",
     "CleanupRunRecord",

@@ -183,6 +183,7 @@ class EpochStore:
     oldest_completed_epoch = _via("epochs", Epochs.oldest_completed_epoch)
     unpruned_epochs = _via("epochs", Epochs.unpruned_epochs)
     mark_unrestorable = _via("epochs", Epochs.mark_unrestorable)
+    acknowledge = _via("epochs", Epochs.acknowledge)
     ack_epoch = _via("epochs", Epochs.ack_epoch)
     fail_epoch = _via("epochs", Epochs.fail_epoch)
     acks = _via("epochs", Epochs.acks)

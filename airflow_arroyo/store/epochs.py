@@ -17,7 +17,15 @@ from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError
 from airflow_arroyo.store._db import Concern, PgCursor, one
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.pipelines import check_token, lock_pipeline, read_pipeline
-from airflow_arroyo.store.records import AckRecord, EpochRecord, FencingToken, epoch_columns, from_row
+from airflow_arroyo.store.records import (
+    AckOutcome,
+    AckRecord,
+    AckResult,
+    EpochRecord,
+    FencingToken,
+    epoch_columns,
+    from_row,
+)
 
 __all__ = ["Epochs"]
 
@@ -100,7 +108,7 @@ class Epochs(Concern):
 
         return self._db.tx(tx)
 
-    def ack_epoch(
+    def acknowledge(
         self,
         pipeline_id: str,
         epoch: int,
@@ -115,12 +123,16 @@ class Epochs(Concern):
         snapshot_uri: str | None = None,
         details: Mapping[str, Any] | None = None,
         token: FencingToken | None = None,
-    ) -> EpochState:
+    ) -> AckResult:
         """Record a stage's acknowledgement (idempotent per stage); complete the epoch when it is the
-        last one expected. Returns the epoch's state afterwards. An ack for an epoch that already
-        expired or failed is kept for the record and changes nothing."""
+        last one expected. Answers what the acknowledgement did (:class:`AckOutcome`: accepted, completed the
+        epoch, a duplicate of the stage's first one, or too late: the epoch had already ended; kept for the
+        record then, changing nothing) and the epoch's state afterwards.
 
-        def tx(cur: PgCursor) -> EpochState:
+        Raises :class:`UnknownEpochError` for an epoch the pipeline does not have, :class:`ConfigurationError`
+        for a stage that is not one of the epoch's, :class:`FencedError` for a superseded run's ``token``."""
+
+        def tx(cur: PgCursor) -> AckResult:
             # The pipeline's row lock first, like every other writer of epoch states: an ack that
             # completes the epoch must not race the trigger expiring it (the trigger's guarded UPDATE
             # would find no row), and the history must stay in commit order per pipeline.
@@ -146,9 +158,10 @@ class Epochs(Concern):
                 (pipeline_id, epoch, stage, json.dumps(dict(cursors or {})), alignment_ms, sync_ms, async_ms,
                  bytes_new, bytes_total, snapshot_uri, json.dumps(dict(details or {}))),
             )
+            recorded = cur.rowcount == 1
             state = EpochState(row["state"])
             if EpochState.COMPLETED not in EPOCH_TRANSITIONS[state]:
-                return state
+                return AckResult(AckOutcome.EPOCH_ENDED if recorded else AckOutcome.DUPLICATE, state)
             cur.execute(
                 "SELECT count(*) AS n, COALESCE(sum(bytes_new), 0) AS bn, COALESCE(sum(bytes_total), 0) AS bt"
                 " FROM arroyo_acks WHERE pipeline_id = %s AND epoch = %s AND stage = ANY(%s)",
@@ -156,19 +169,29 @@ class Epochs(Concern):
             )
             agg = one(cur)
             if int(agg["n"]) < len(set(row["stages"])):
-                return state
+                return AckResult(AckOutcome.ACCEPTED if recorded else AckOutcome.DUPLICATE, state)
             transition(cur, EpochState.COMPLETED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
                        also="ended_at = clock_timestamp(), bytes_new = %(bn)s, bytes_total = %(bt)s",
                        params={"p": pipeline_id, "n": epoch, "bn": agg["bn"], "bt": agg["bt"]})
-            return EpochState.COMPLETED
+            return AckResult(AckOutcome.COMPLETED_EPOCH, EpochState.COMPLETED)
 
         return self._db.tx(tx)
+
+    def ack_epoch(self, pipeline_id: str, epoch: int, stage: str, *, cursors: Mapping[str, int] | None = None,
+                  alignment_ms: float | None = None, sync_ms: float | None = None, async_ms: float | None = None,
+                  bytes_new: int | None = None, bytes_total: int | None = None, snapshot_uri: str | None = None,
+                  details: Mapping[str, Any] | None = None, token: FencingToken | None = None) -> EpochState:
+        """:meth:`acknowledge`, answering only the epoch's state afterwards (an acknowledgement for an epoch that
+        already expired or failed is kept for the record and changes nothing)."""
+        return self.acknowledge(pipeline_id, epoch, stage, cursors=cursors, alignment_ms=alignment_ms,
+                                sync_ms=sync_ms, async_ms=async_ms, bytes_new=bytes_new, bytes_total=bytes_total,
+                                snapshot_uri=snapshot_uri, details=details, token=token).state
 
     def fail_epoch(self, pipeline_id: str, epoch: int, reason: str, *, token: FencingToken | None = None) -> EpochState:
         """Mark an in-flight epoch failed (e.g. a stage could not snapshot). No-op if it already ended."""
 
         def tx(cur: PgCursor) -> EpochState:
-            lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see ack_epoch
+            lock_pipeline(cur, pipeline_id)  # serialised with the trigger and cleanup, see acknowledge
             check_token(cur, token, f"failing epoch {epoch}")
             if transition(cur, EpochState.FAILED, where="e.pipeline_id = %(p)s AND e.epoch = %(n)s",
                           also="ended_at = clock_timestamp(), failure_reason = %(reason)s",

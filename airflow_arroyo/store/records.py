@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,7 +14,9 @@ from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, T
 
 __all__ = [
     "EPOCH_COLUMNS",
+    "AckOutcome",
     "AckRecord",
+    "AckResult",
     "CleanupLockRecord",
     "CleanupRunRecord",
     "EpochRecord",
@@ -187,6 +190,28 @@ class AckRecord:
     bytes_total: int | None = None
     snapshot_uri: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class AckOutcome(enum.Enum):
+    """What a stage's acknowledgement did (Flink's ``TaskAcknowledgeResult``)."""
+
+    ACCEPTED = "accepted"
+    """Recorded; the epoch still waits for other stages."""
+    COMPLETED_EPOCH = "completed the epoch"
+    """Recorded, and it was the last one expected: the epoch is completed now."""
+    DUPLICATE = "duplicate"
+    """The stage had acknowledged this epoch already (whatever the epoch's state now): its first acknowledgement
+    stays, nothing changed."""
+    EPOCH_ENDED = "epoch already ended"
+    """The epoch had already ended (expired, failed, superseded, ...): kept for the record, nothing changed."""
+
+
+@dataclass(frozen=True)
+class AckResult:
+    """The answer to a stage's acknowledgement: what it did, and the epoch's state afterwards."""
+
+    outcome: AckOutcome
+    state: EpochState
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.store import EpochStore, SnapshotEntry, available_migrations, is_transient
+from airflow_arroyo.store import AckOutcome, AckResult, EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
 from airflow_arroyo.testing import wait_for
 from tests.support import running, sql
@@ -431,6 +431,23 @@ def test_an_ack_after_expiry_is_kept_but_the_epoch_stays_expired(store: EpochSto
     assert rec.failure_reason is not None and "not acknowledged" in rec.failure_reason
     assert len(store.acks("late", epoch)) == 2
     assert store.fail_epoch("late", epoch, "too late") is EpochState.EXPIRED
+
+
+def test_an_ack_answers_what_it_did(store: EpochStore) -> None:
+    """As Flink's ``PendingCheckpoint.acknowledgeTask``: accepted, duplicate, completed the epoch, or too late
+    (the epoch had already ended); with the epoch's state afterwards."""
+    running(store, "answers", stages=["a", "b"])
+    epoch = start(store, "answers")
+    assert store.acknowledge("answers", epoch, "a") == AckResult(AckOutcome.ACCEPTED, EpochState.TRIGGERED)
+    assert store.acknowledge("answers", epoch, "a") == AckResult(AckOutcome.DUPLICATE, EpochState.TRIGGERED)
+    assert store.epochs.acknowledge("answers", epoch, "b") == AckResult(AckOutcome.COMPLETED_EPOCH,
+                                                                        EpochState.COMPLETED)
+    assert store.acknowledge("answers", epoch, "b") == AckResult(AckOutcome.DUPLICATE, EpochState.COMPLETED)
+    late = expire(store, "answers")
+    assert store.acknowledge("answers", late, "a") == AckResult(AckOutcome.EPOCH_ENDED, EpochState.EXPIRED)
+    assert store.acknowledge("answers", late, "a") == AckResult(AckOutcome.DUPLICATE, EpochState.EXPIRED)
+    assert [a.stage for a in store.acks("answers", late)] == ["a"]
+    assert store.get_epoch("answers", late).state is EpochState.EXPIRED
 
 
 def test_ack_racing_the_expiry_of_the_same_epoch_is_serialised(store: EpochStore, migrated_dsn: str) -> None:
