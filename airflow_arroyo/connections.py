@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode
 
 import psycopg2
 from psycopg2.extensions import parse_dsn
@@ -79,20 +79,23 @@ def postgres_dsn(conn_id: str | None, *, host: str | None, port: int | str | Non
             userinfo += ":" + quote(password, safe="")
         userinfo += "@"
     host = host or ""
-    if ":" in host and not host.startswith("["):  # an IPv6 literal
-        host = f"[{host}]"
+    if ":" in host and not host.startswith("["):  # an IPv6 literal (a zone id's % escaped)
+        host = f"[{quote(host, safe=':')}]"
+    elif not host.startswith("["):  # a Unix socket folder is a path: libpq reads it percent-encoded
+        host = quote(host, safe="")
     port_part = f":{int(port)}" if port else ""
     database = quote(schema or "", safe="")
     params = {k: _libpq_value(v) for k, v in sorted(extra.items()) if k in LIBPQ_EXTRAS and v is not None}
-    query = f"?{urlencode(params)}" if params else ""
+    query = f"?{urlencode(params, quote_via=quote)}" if params else ""  # libpq reads "+" as itself, not a space
     return f"postgresql://{userinfo}{host}{port_part}/{database}{query}"
 
 
 def dsn_from_env_value(value: str, var: str) -> str:
-    """The DSN of an ``AIRFLOW_CONN_<ID>`` value in either form Airflow exports: a URI (scheme ``postgres``,
-    ``postgresql`` or ``arroyo``; its query parameters, and the JSON of Airflow's ``__extra__`` parameter, are
-    the connection's extra) or the connection's JSON (``host``, ``port``, ``schema``, ``login``, ``password``,
-    ``extra``). Both go through :func:`postgres_dsn`, so a connection's extras are treated alike on every path."""
+    """The DSN of an ``AIRFLOW_CONN_<ID>`` value in either form Airflow exports: the connection's JSON (``host``,
+    ``port``, ``schema``, ``login``, ``password``, ``extra``), built by :func:`postgres_dsn` like an Airflow
+    ``Connection``; or a URI (scheme ``postgres``, ``postgresql`` or ``arroyo``), kept as written (libpq reads its
+    hosts, socket paths and query parameters itself) but for Airflow's ``__extra__`` parameter, whose JSON
+    becomes query parameters. Either is checked with libpq's own parser."""
     value = value.strip()
     if value.startswith("{"):
         try:
@@ -101,12 +104,11 @@ def dsn_from_env_value(value: str, var: str) -> str:
             raise ConfigurationError(f"{var} is not valid JSON: {exc}") from exc
         if not isinstance(c, dict):
             raise ConfigurationError(f"{var} must be a postgresql://... URI or the connection's JSON object")
-        fields = {k: c.get(k) for k in ("host", "port", "schema", "login", "password")}
         extra = extra_of(var, c.get("conn_type"), c.get("extra"))
+        dsn = postgres_dsn(var, host=c.get("host"), port=c.get("port"), schema=c.get("schema"),
+                           login=c.get("login"), password=c.get("password"), extra=extra)
     else:
-        fields, extra = _uri_fields(value, var)
-    dsn = postgres_dsn(var, host=fields["host"], port=fields["port"], schema=fields["schema"],
-                       login=fields["login"], password=fields["password"], extra=extra)
+        dsn = _uri_dsn(value, var)
     try:
         parse_dsn(dsn)
     except psycopg2.ProgrammingError as exc:
@@ -114,24 +116,26 @@ def dsn_from_env_value(value: str, var: str) -> str:
     return dsn
 
 
-def _uri_fields(value: str, var: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A connection URI's fields and extra, as Airflow reads its ``AIRFLOW_CONN_<ID>`` URIs."""
-    parts = urlsplit(value)
-    if parts.scheme.lower() not in ("postgres", "postgresql", "arroyo") or not parts.netloc and not parts.path:
+def _uri_dsn(value: str, var: str) -> str:
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in ("postgres", "postgresql", "arroyo"):
         raise ConfigurationError(f"{var} must be a postgresql://... URI or the connection's JSON")
+    head, qmark, query = rest.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if not any(key == "__extra__" for key, _ in pairs):
+        return f"postgresql://{rest}"
     extra: dict[str, Any] = {}
-    for key, item in parse_qsl(parts.query, keep_blank_values=False):
+    for key, item in pairs:
         if key == "__extra__":
             extra.update(extra_of(var, None, item))
         else:
             extra[key] = item
-    try:
-        port = parts.port
-    except ValueError:
-        raise ConfigurationError(f"{var} has a port that is not a number") from None
-    return ({"host": unquote(parts.hostname or ""), "port": port, "schema": unquote(parts.path.lstrip("/")),
-             "login": unquote(parts.username) if parts.username else None,
-             "password": unquote(parts.password) if parts.password else None}, extra)
+    bad = sorted(k for k in extra if k in UNSUPPORTED_EXTRAS)
+    if bad:
+        raise ConfigurationError(f"connection {var} asks for {', '.join(bad)}, which airflow-arroyo does not "
+                                 "support; give a login and password (or a client certificate) instead")
+    params = {k: _libpq_value(v) for k, v in extra.items() if k not in UNSUPPORTED_EXTRAS}
+    return f"postgresql://{head}?{urlencode(params, quote_via=quote)}" if params else f"postgresql://{head}"
 
 
 def _libpq_value(value: Any) -> str:
