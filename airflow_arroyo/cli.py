@@ -388,16 +388,16 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
                   f"({asked.previous}{more}); it is {current.state.value}: pass --wait DURATION to wait for it "
                   "to end\n")
         return EXIT_OK
-    record = wait_until_ended(store, current, wait.total_seconds())
-    ended = record.state.terminal
+    end = wait_until_ended(store, current, wait.total_seconds())
+    record, ended = end.record, end.ended
+    state = record.state.value if end.superseded_by is None else f"ended (run {end.superseded_by} registered since)"
     try:
         outcome = finish_stop(store, args.pipeline, current.run_id, args.pin, ended=ended)
     except ConfigurationError as exc:  # the stop happened: not bad input, a failed second half (exit 1)
-        raise _NotPinned(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}, but {exc}") \
-            from None
+        raise _NotPinned(f"pipeline {args.pipeline} (run {current.run_id}) is {state}, but {exc}") from None
     latest, pinned = outcome.latest_epoch, outcome.pinned
     result: dict[str, Any] = {
-        "pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": record.state.value,
+        "pipeline_id": args.pipeline, "run_id": current.run_id, "mode": mode, "state": state,
         "stopped": ended, "latest_completed_epoch": latest, "failure_cause": record.failure_cause}
     if args.pin is not None:
         result["pinned_epoch"] = pinned.epoch if pinned is not None else None
@@ -414,7 +414,7 @@ def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
                   "pass --wait DURATION to wait for it\n")
     else:
         cause = f": {record.failure_cause}" if record.failure_cause else ""
-        out.write(f"pipeline {args.pipeline} (run {current.run_id}) is {record.state.value}{cause}; "
+        out.write(f"pipeline {args.pipeline} (run {current.run_id}) is {state}{cause}; "
                   f"latest completed epoch {latest if latest is not None else '-'}\n")
         if pinned is not None:
             out.write(f"pinned its final epoch {pinned.epoch} ({pinned.pin_label}); retention keeps it until "

@@ -2,8 +2,9 @@
 
 The supervisor, the sensors and the submit operator record a spark-submit (or a driver) by this identity and
 later ask whether it is alive, whether its process group is still the one started, and signal that group.
-Read through psutil (any platform it supports). The start time is kept as kernel clock ticks since boot, the
-unit of ``/proc/<pid>/stat`` that identities recorded by earlier releases hold, so they keep matching.
+Read through psutil. The start time is kept as kernel clock ticks since boot, the unit of ``/proc/<pid>/stat``
+that identities recorded by earlier releases hold, so they keep matching; off Linux it is not known, and a
+process is then reported as unknown and never signalled, as before.
 Airflow-free.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import psutil
@@ -90,6 +92,10 @@ class LocalProcess:
         return True
 
 
-def _ticks(process: psutil.Process) -> int:
-    """Start time in clock ticks since boot (``/proc/<pid>/stat`` field 22 on Linux)."""
+def _ticks(process: psutil.Process) -> int | None:
+    """Start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), on Linux. Elsewhere None: the wall
+    clock start time moves when the clock is stepped, so a live process could look recycled; it is then unknown,
+    and never signalled."""
+    if not sys.platform.startswith("linux"):
+        return None
     return int(round((process.create_time() - psutil.boot_time()) * os.sysconf("SC_CLK_TCK")))

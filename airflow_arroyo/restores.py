@@ -76,8 +76,8 @@ def read_restore_facts(store: EpochStore, pipeline_id: str, requested: RestoreFr
         me = store.get_pipeline(pipeline_id)
         assert me.forked_from_epoch is not None
         point = store.get_epoch(source.pipeline_id, me.forked_from_epoch)
-        return RestoreSituation(replace(facts, requested=point.epoch, pipeline_known=True, epoch=_epoch_facts(point)),
-                                source)
+        return RestoreSituation(replace(facts, requested=point.epoch, pipeline_known=True, epoch=_epoch_facts(point),
+                                        fork_of=source.pipeline_id), source)
     if requested is None:
         return RestoreSituation(replace(facts, has_state=has_state(), location=location))
     try:

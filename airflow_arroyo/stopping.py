@@ -23,7 +23,7 @@ from airflow_arroyo.supervision import restart_pending
 if TYPE_CHECKING:
     from airflow_arroyo.store import EpochRecord, EpochStore, PipelineRecord
 
-__all__ = ["StopAsked", "StopOutcome", "StopRequest", "check_stop", "finish_stop", "request_stop",
+__all__ = ["RunEnd", "StopAsked", "StopOutcome", "StopRequest", "check_stop", "finish_stop", "request_stop",
            "wait_until_ended"]
 
 _MODES = ("graceful", "immediate")
@@ -81,17 +81,26 @@ def request_stop(store: EpochStore, pipeline_id: str, mode: str) -> StopRequest:
     return StopRequest(asked, record, in_force, previous)
 
 
-def wait_until_ended(store: EpochStore, run: PipelineRecord, seconds: float, poll: float = 0.5) -> PipelineRecord:
-    """Poll until the run of ``run`` (a pipeline's record) has ended, at most ``seconds``; its last record read.
-    A run registered meanwhile means ours ended before it: the answer is then ``run`` itself."""
+@dataclass(frozen=True)
+class RunEnd:
+    """What :func:`wait_until_ended` saw: the run's last record read, whether the run ended, and the run that
+    registered after it (then it ended, though its own record, replaced, was last read unended)."""
+
+    record: PipelineRecord
+    ended: bool
+    superseded_by: str | None = None
+
+
+def wait_until_ended(store: EpochStore, run: PipelineRecord, seconds: float, poll: float = 0.5) -> RunEnd:
+    """Poll until the run of ``run`` (a pipeline's record) has ended, at most ``seconds``."""
     deadline = time.monotonic() + max(0.0, seconds)
     record = run
     while not record.state.terminal and time.monotonic() < deadline:
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
         record = store.get_pipeline(run.pipeline_id)
         if record.run_id != run.run_id:
-            return run
-    return record
+            return RunEnd(run, True, record.run_id)
+    return RunEnd(record, record.state.terminal)
 
 
 @dataclass(frozen=True)

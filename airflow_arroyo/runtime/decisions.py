@@ -83,6 +83,7 @@ class RestoreFacts:
     epoch: EpochFacts | None = None
     has_state: bool = False
     location: str = ""
+    fork_of: str | None = None  # a fork's first run: the pipeline whose epoch (the fork point) it restores
 
 
 class RestoreAction(enum.StrEnum):
@@ -123,6 +124,8 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
             )
         return RestorePlan(RestoreAction.FRESH, reason="fresh start")
     epoch = facts.epoch
+    if facts.fork_of is not None and epoch is not None:
+        _check_fork_point(pid, facts.fork_of, epoch)
     if rf == "latest":
         if epoch is None or not facts.pipeline_known:
             return RestorePlan(RestoreAction.START_OVER, reason="no completed epoch to restore from")
@@ -150,6 +153,20 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
             f"(its stages: {', '.join(epoch.stages)}); the graph changed since: restore needs the same stages"
         )
     return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=f"epoch {epoch.epoch} ({rf})")
+
+
+def _check_fork_point(pid: str, source: str, point: EpochFacts) -> None:
+    """A fork's first run restores its fork point or nothing: the way out of a bad one is another fork."""
+    again = (f"fork {source} again from a completed epoch (airflow-arroyo fork {source} --epoch N --to NEW; "
+             f"airflow-arroyo epochs {source} lists them)")
+    if point.state is not EpochState.COMPLETED:
+        raise ConfigurationError(f"the fork point of {pid!r}, epoch {point.epoch} of {source!r}, is {point.state}: "
+                                 f"the fork cannot start; {again}")
+    if point.unrestorable is not None:
+        raise UnrestorableEpochError(
+            f"the fork point of {pid!r}, epoch {point.epoch} of {source!r}, cannot be restored (found by an earlier "
+            f"restore, which changed nothing: {point.unrestorable}); {again}",
+            epoch=point.epoch, stage="", problems=(point.unrestorable,))
 
 
 # --------------------------------------------------------------------------- graceful stop

@@ -330,3 +330,18 @@ def test_the_decisions_import_neither_spark_nor_the_store_nor_airflow() -> None:
             "or m.startswith(('airflow_arroyo.store', 'airflow_arroyo.runtime.driver'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("point", "error", "needle"), [
+    (replace(_epoch(3), state=EpochState.PRUNED), ConfigurationError,
+     "the fork point of 'orders', epoch 3 of 'src', is pruned: the fork cannot start; fork src again"),
+    (replace(_epoch(3), unrestorable="state/0/0/1.delta is missing"), UnrestorableEpochError,
+     "the fork point of 'orders', epoch 3 of 'src', cannot be restored"),
+])
+def test_a_forks_bad_fork_point_advises_another_fork(point: EpochFacts, error: type[Exception], needle: str) -> None:
+    """'latest' would pick the same fork point again, and another epoch number is refused for a fork's first run:
+    the only way on is a new fork."""
+    facts = replace(_facts("latest", epoch=point), requested=3, fork_of="src")
+    with pytest.raises(error, match=needle) as raised:
+        plan_restore(facts)
+    assert "restore_from='latest' picks" not in str(raised.value) and "restore_from=<n>" not in str(raised.value)

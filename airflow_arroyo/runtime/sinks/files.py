@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.store.records import FencingToken
 
-__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink", "committed_files"]
+__all__ = ["FILE_SINK_FORMATS", "SinkCommit", "TransactionalFileSink", "committed_files", "committed_through"]
 
 log = logging.getLogger(__name__)
 
