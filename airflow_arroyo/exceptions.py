@@ -5,6 +5,7 @@ The tree is small on purpose::
     ArroyoError                      base of everything this package raises
     ├── ConfigurationError           bad input from the user: raised before anything is written
     │   ├── PipelineGraphError       the pipeline graph is invalid (names the stage and the fix)
+    │   ├── StateConflictError       the store's rows are not in the state the request needs (nothing changed)
     │   └── SchemaError              the store's schema is not this release's (also a StoreError)
     │       └── SchemaMissingError   missing or behind: `airflow-arroyo migrate` fixes it
     ├── NotFoundError                a named thing does not exist (also a LookupError)
@@ -44,6 +45,7 @@ __all__ = [
     "SchemaError",
     "SchemaMissingError",
     "SnapshotError",
+    "StateConflictError",
     "StageBuildError",
     "StoreError",
     "TransientStoreError",
@@ -63,6 +65,13 @@ class ConfigurationError(ArroyoError, ValueError):
 
 class PipelineGraphError(ConfigurationError):
     """The pipeline graph is invalid (unknown channel, stage without input, ...)."""
+
+
+class StateConflictError(ConfigurationError):
+    """What the request names is not in the state it needs: an epoch no longer completed, a pin label
+    already given, a fork point a fork still needs, a fork that already exists. Nothing was changed; the
+    message says what the state is and what to do instead. A :class:`ConfigurationError`, as these were
+    before they had a type of their own, so existing ``except ConfigurationError`` still catches them."""
 
 
 class NotFoundError(ArroyoError, LookupError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from airflow_arroyo.epochs import EpochState, PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, UnknownEpochError
+from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, StateConflictError, UnknownEpochError
 from airflow_arroyo.store._db import Concern, Database, PgCursor, one
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store.epochs import Epochs
@@ -62,9 +62,9 @@ class Pins(Concern):
         again changes nothing; with another label it is refused unless ``replace`` (``pinned_at`` stays the
         first pin's), since the label is why someone kept it.
 
-        Raises :class:`ConfigurationError` for an empty or over-long label, an epoch that is not
-        completed (nothing restorable to keep) or pinned with another label (naming it) without
-        ``replace``, :class:`UnknownEpochError` for an unknown one.
+        Raises :class:`ConfigurationError` for an empty or over-long label, :class:`StateConflictError` for an
+        epoch that is not completed (nothing restorable to keep) or pinned with another label (naming it)
+        without ``replace``, :class:`UnknownEpochError` for an unknown one.
         """
         text = self.check_pin_label(label)
 
@@ -77,12 +77,12 @@ class Pins(Concern):
             if found is None:
                 raise UnknownEpochError(pipeline_id, epoch, "to pin")
             if found["pin_label"] is not None and found["pin_label"] != text and not replace:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"epoch {epoch} of pipeline {pipeline_id!r} is already pinned with label {found['pin_label']!r}; "
                     "pass --replace to replace that label (replace=True), or keep it"
                 )
             if found["state"] != EpochState.COMPLETED.value:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"epoch {epoch} of pipeline {pipeline_id!r} is {found['state']}, not completed: only a completed "
                     "epoch can be restored, so only one can be pinned; pick a completed epoch (airflow-arroyo "
                     f"epochs {pipeline_id})" + (" or wait for this one to end" if found["state"] == "triggered" else "")
@@ -102,7 +102,7 @@ class Pins(Concern):
     def pin_final_epoch(self, pipeline_id: str, run_id: str | None, label: str) -> EpochRecord:
         """Pin the final epoch a graceful stop of run ``run_id`` took (the second half of "stop and pin").
 
-        Raises :class:`ConfigurationError` when that run completed no final epoch (an immediate stop, a final
+        Raises :class:`StateConflictError` when that run completed no final epoch (an immediate stop, a final
         epoch that failed or timed out), naming the latest completed epoch, which can be pinned instead."""
 
         def tx(cur: PgCursor) -> int | None:
@@ -118,7 +118,7 @@ class Pins(Concern):
             latest = self._epochs.latest_completed_epoch(pipeline_id)
             instead = (f"pin the latest completed epoch instead: airflow-arroyo pin {pipeline_id} {latest.epoch} "
                        "--label ..." if latest is not None else "no epoch of it is completed")
-            raise ConfigurationError(
+            raise StateConflictError(
                 f"run {run_id} of pipeline {pipeline_id!r} completed no final epoch (an immediate stop, or its final "
                 f"epoch failed or timed out), so nothing was pinned; {instead}"
             )
@@ -128,7 +128,7 @@ class Pins(Concern):
         """Unpin ``epoch`` (idempotent: an epoch that is not pinned is returned as it is); retention may
         prune it again from its next run.
 
-        Refused (:class:`ConfigurationError`, naming them) while a fork of this epoch has not completed an
+        Refused (:class:`StateConflictError`, naming them) while a fork of this epoch has not completed an
         epoch of its own (:meth:`waiting_forks`): its first restore reads this epoch's objects and channel
         ranges. ``force`` unpins anyway; those forks can then no longer start once retention prunes it."""
 
@@ -136,7 +136,7 @@ class Pins(Concern):
             lock_pipeline(cur, pipeline_id)
             waiting = forks_waiting(cur, pipeline_id, epoch)
             if waiting and not force:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"epoch {epoch} of pipeline {pipeline_id!r} is the fork point of {', '.join(waiting)}, which "
                     "has not completed an epoch of its own yet: its first run restores from this epoch. Run the fork "
                     "until it completes an epoch, or unpin with --force if the fork is abandoned"
@@ -179,7 +179,8 @@ class Pins(Concern):
         (:meth:`unpin_epoch`).
 
         Idempotent: forking the same epoch to the same id again returns the fork. Raises
-        :class:`ConfigurationError` for a bad or taken id or an epoch that is not completed,
+        :class:`ConfigurationError` for a bad id, :class:`StateConflictError` for a taken one or an epoch that is
+        not completed,
         :class:`UnknownPipelineError` / :class:`UnknownEpochError` for unknown ones.
         """
         validate_pipeline_id(new_id)
@@ -199,12 +200,12 @@ class Pins(Concern):
             if existing is not None:
                 if existing["forked_from_pipeline"] == source and existing["forked_from_epoch"] == epoch:
                     return from_row(PipelineRecord, existing)  # a retried fork
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"pipeline {new_id!r} already exists; fork to a new pipeline id (airflow-arroyo pipelines lists "
                     "the taken ones)"
                 )
             if found["state"] != EpochState.COMPLETED.value:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"epoch {epoch} of pipeline {source!r} is {found['state']}, not completed: a fork starts by "
                     f"restoring its fork point, so fork from a completed epoch (airflow-arroyo epochs {source})"
                 )
@@ -228,7 +229,7 @@ class Pins(Concern):
     def commit_fork_restore(self, pipeline_id: str, run_id: str) -> PipelineRecord:
         """The commit point of a fork's first restore (run ``run_id`` restores the fork point, an epoch of
         another pipeline): under both pipelines' row locks, refused (``ConcurrencyConflict``) unless ``run_id``
-        is the fork's current run, still ``registered``; refused (``ConfigurationError``) unless the fork still
+        is the fork's current run, still ``registered``; refused (:class:`StateConflictError`) unless the fork still
         has no completed epoch of its own and its fork point is still completed in the source. Records
         ``restored_from_epoch`` (the fork point); no epoch changes: the source's are not the fork's to
         supersede. Repeatable until the fork completes an epoch."""
@@ -237,7 +238,7 @@ class Pins(Concern):
             current = read_pipeline(cur, pipeline_id)
             source, epoch = current.forked_from_pipeline, current.forked_from_epoch
             if source is None or epoch is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
+                raise StateConflictError(f"pipeline {pipeline_id!r} is not a fork; nothing was changed")
             execute_prepared(cur, _LOCK_PIPELINES, (sorted([pipeline_id, source]),))
             rows = {r["pipeline_id"]: r for r in cur.fetchall()}
             fork = rows[pipeline_id]
@@ -247,12 +248,12 @@ class Pins(Concern):
                     f"pipeline's current run is {fork['run_id']!r} ({fork['state']}); nothing was changed"
                 )
             if pipeline_id not in forks_waiting(cur, source, epoch):
-                raise ConfigurationError(f"fork {pipeline_id!r} has completed epochs of its own: restore one of "
+                raise StateConflictError(f"fork {pipeline_id!r} has completed epochs of its own: restore one of "
                                          "them (restore_from='latest'); nothing was changed")
             cur.execute("SELECT state FROM arroyo_epochs WHERE pipeline_id = %s AND epoch = %s", (source, epoch))
             row = cur.fetchone()
             if row is None or row["state"] != EpochState.COMPLETED.value:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"the fork point of {pipeline_id!r}, epoch {epoch} of {source!r}, is "
                     f"{row['state'] if row else 'gone'}, no longer completed (was it unpinned with --force and "
                     "pruned?); nothing was changed: fork again from a completed epoch"

@@ -18,6 +18,7 @@ from airflow_arroyo.exceptions import (
     ConfigurationError,
     FencedError,
     IllegalTransitionError,
+    StateConflictError,
     UnknownPipelineError,
 )
 from airflow_arroyo.store._db import Concern, PgCursor, one, positive_seconds
@@ -180,7 +181,7 @@ class Pipelines(Concern):
         Call it only once the restore has verified everything it needs (every stage's checkpoint rebuilt
         and verified, every channel's barrier found, every sink's cut known) and before it changes anything
         it cannot undo. Refused (``ConcurrencyConflict``) unless ``run_id`` is the pipeline's current run,
-        still ``registered``; refused (``ConfigurationError``) unless ``epoch`` is still ``completed`` (e.g.
+        still ``registered``; refused (:class:`StateConflictError`) unless ``epoch`` is still ``completed`` (e.g.
         retention pruned it meanwhile). Idempotent: a later run that finishes a restore cut short after this
         commit restores the same epoch (now the latest completed) and commits it again.
         """
@@ -196,7 +197,7 @@ class Pipelines(Concern):
             row = cur.fetchone()
             state = row["state"] if row is not None else None
             if state != EpochState.COMPLETED.value:
-                raise ConfigurationError(
+                raise StateConflictError(
                     f"epoch {epoch} of pipeline {pipeline_id!r} is {state or 'unknown'}, no longer completed (did "
                     "retention prune it during the restore?); nothing was changed: restore from a completed epoch"
                 )

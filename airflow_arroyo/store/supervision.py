@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError
+from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, StateConflictError
 from airflow_arroyo.store._db import Concern, PgCursor, one
 from airflow_arroyo.store.pipelines import lock_pipeline
 from airflow_arroyo.store.records import PipelineRecord, RestartRecord, from_row
@@ -213,7 +213,7 @@ class Supervision(Concern):
             )
             row = cur.fetchone()
             if row is None:
-                raise ConfigurationError(f"pipeline {pipeline_id!r} lineage {lineage!r} has no failure {attempt} "
+                raise StateConflictError(f"pipeline {pipeline_id!r} lineage {lineage!r} has no failure {attempt} "
                                          "recorded to restart after")
             cur.execute("UPDATE arroyo_pipelines SET supervision = 'watching', updated_at = now()"
                         " WHERE pipeline_id = %s AND supervised_run = %s AND supervision = 'restarting'",

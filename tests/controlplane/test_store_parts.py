@@ -5,6 +5,8 @@
   forgotten on the facade, nor the other way round.
 * Each method of ``AsyncEpochStore`` but the three of its own is the sync method of that name, awaited
   in a worker thread; the triggers reach the store only through it.
+* A request that finds the store's rows in the wrong state raises ``StateConflictError``, a
+  ``ConfigurationError`` as before.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from pathlib import Path
 import pytest
 
 import airflow_arroyo
+from airflow_arroyo.epochs import CheckpointPolicy
+from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
 from airflow_arroyo.store._db import Concern
+from tests.support import running
 
 NOWHERE = "postgresql://nobody@127.0.0.1:1/none"  # never connected to: building a store makes no connection
 PARTS = {name: type(part) for name, part in vars(EpochStore(NOWHERE)).items() if isinstance(part, Concern)}
@@ -104,3 +109,22 @@ def test_the_triggers_reach_the_store_only_through_the_async_store() -> None:
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "sync"]
     assert not found, found
+
+
+def test_a_state_conflict_has_a_type_of_its_own_that_is_still_a_configuration_error(store: EpochStore) -> None:
+    running(store, "conflicts", stages=["a"])
+    tick = store.trigger_tick("conflicts", CheckpointPolicy(interval=3600, timeout=3600), force=True)
+    assert tick.started is not None
+    epoch = tick.started.epoch  # in flight: not completed
+    with pytest.raises(StateConflictError, match="is triggered, not completed"):
+        store.pin_epoch("conflicts", epoch, "keep")
+    with pytest.raises(StateConflictError, match="is triggered, not completed"):
+        store.fork_pipeline("conflicts", epoch, "conflicts-b")
+    with pytest.raises(StateConflictError, match="completed no final epoch"):
+        store.pin_final_epoch("conflicts", "r1", "keep")
+    with pytest.raises(StateConflictError, match="has no failure 1 recorded"):
+        store.record_restart("conflicts", "r1", 1, "r1.restart1", None)
+    with pytest.raises(ConfigurationError) as bad_input:  # bad input stays a plain ConfigurationError
+        store.pin_epoch("conflicts", epoch, " ")
+    assert not isinstance(bad_input.value, StateConflictError)
+    assert issubclass(StateConflictError, ConfigurationError)
