@@ -98,6 +98,7 @@ class AsyncEpochStore:
     record_restart = _in_thread(EpochStore.record_restart)
     end_supervision = _in_thread(EpochStore.end_supervision)
     restarts = _in_thread(EpochStore.restarts)
+    expire_restart = _in_thread(EpochStore.expire_restart)
     # cleanup lease, sink commits, the database's clock
     cleanup_lock = _in_thread(EpochStore.cleanup_lock)
     sink_commits = _in_thread(EpochStore.sink_commits)

@@ -56,7 +56,7 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
-from airflow_arroyo.store import AsyncEpochStore, EpochRecord, EpochStore, PipelineRecord, Subscription, TickResult
+from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 from airflow_arroyo.units import bytes_human
@@ -444,8 +444,7 @@ class _Controller:
         if restart_pending(pipe):  # supervised: the failed run comes back as a restart of it
             # unless its submitter died before the restart registered: past the registration bound the
             # restart is declared failed, and its strategy restarts again or gives up (which ends this wait)
-            overdue = await self.store.call(EpochStore.expire_restart, self.pipeline_id,
-                                            float(self.t.registration_timeout))
+            overdue = await self.store.expire_restart(self.pipeline_id, float(self.t.registration_timeout))
             if overdue is not None:
                 self.log.warning("pipeline %s: %s; %s", self.pipeline_id, overdue.cause, overdue.decision)
                 pipe = await self.store.get_pipeline(self.pipeline_id)

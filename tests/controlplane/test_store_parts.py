@@ -79,7 +79,7 @@ ASYNC_OWN = {"trigger_tick", "subscribe", "call"}
 def test_the_async_store_is_the_sync_methods_awaited() -> None:
     derived = {name: fn for name, fn in vars(AsyncEpochStore).items()
                if inspect.iscoroutinefunction(fn) and not name.startswith("_") and name not in ASYNC_OWN}
-    assert {"get_pipeline", "record_failure", "fail_run", "end_supervision", "db_now"} <= set(derived)
+    assert {"get_pipeline", "record_failure", "fail_run", "end_supervision", "expire_restart", "db_now"} <= set(derived)
     for name, fn in derived.items():
         assert fn.__wrapped__ is getattr(EpochStore, name), name
         assert fn.__doc__ == getattr(EpochStore, name).__doc__
