@@ -25,6 +25,9 @@
     state PIPELINE --epoch N --stage S [--operator ID] [--limit N] [--diff M]
                                               a stage's state as of a completed epoch (or its diff against
                                               epoch M), read by a local Spark session from the epoch's snapshot
+    provenance PIPELINE --epoch N | --file PATH | --table-version V --sink S
+                                              what an epoch read (source offsets, file names), snapshotted and
+                                              committed; which epoch wrote a sink's file or table version
 
 The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
 connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
@@ -706,6 +709,42 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
                        tuple(sorted(after)), tuple(args))
 
 
+def _cmd_provenance(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Print what an epoch read, snapshotted and committed (:mod:`airflow_arroyo.provenance`), or the epoch whose
+    commit made a file sink's file or a table sink's version."""
+    from airflow_arroyo import provenance
+
+    _require_schema(store)
+    if args.epoch is None:
+        if args.table_version is not None and not args.sink:
+            raise ConfigurationError("--table-version needs --sink: name the table sink whose version it is")
+        commit = (provenance.epoch_of_file(store, args.pipeline, args.file) if args.file is not None
+                  else provenance.epoch_of_table_version(store, args.pipeline, args.sink, args.table_version))
+        if args.json:
+            json.dump(_jsonable(commit), out)
+            out.write("\n")
+            return EXIT_OK
+        _table(["EPOCH", "SINK", "BATCH", "TABLE VERSION", "FILES", "ROWS", "COMMITTED"],
+               [[commit.epoch, commit.sink, commit.batch_id, commit.table_version, commit.files,
+                 commit.rows_committed, _when(commit.committed_at)]], out)
+        return EXIT_OK
+    p = provenance.epoch_provenance(store, args.pipeline, args.epoch, storage_uri=args.storage_uri)
+    if args.json:
+        json.dump(_jsonable(p), out)
+        out.write("\n")
+        return EXIT_OK
+    out.write(f"epoch {p.epoch} of {p.pipeline_id} (after epoch {_cell(p.previous_epoch)})\n")
+    _table(["STAGE", "BATCHES", "OBJECTS", "BYTES", "SOURCE", "FROM (EXCL.)", "TO (INCL.)", "FILES"],
+           [[s.stage, f"{_cell(s.previous_batch_id)}..{_cell(s.batch_id)}", s.objects, _size(s.bytes)]
+            + ([r.index, json.dumps(r.start), json.dumps(r.end), r.files] if r is not None else [None] * 4)
+            for s in p.stages for r in ([*s.sources] if s.sources else [None])], out)
+    if p.sinks:
+        _table(["SINK", "BATCHES", "FILES", "ROWS", "BYTES", "TABLE VERSION", "FILE NAMES"],
+               [[k.sink, f"{_cell(k.previous_batch_id)}..{k.batch_id}", k.files, k.rows, _size(k.bytes),
+                 k.table_version, k.file_names] for k in p.sinks], out)
+    return EXIT_OK
+
+
 #: Rows ``state`` prints unless --limit says otherwise.
 STATE_ROWS = 20
 
@@ -865,6 +904,17 @@ def _build_parser() -> _Parser:
                        help="print the keys added, removed and changed from epoch M to --epoch instead")
     state.add_argument("--storage-uri", metavar="URI",
                        help="where the snapshot objects are, when not the storage URI the pipeline registered")
+    prov = sub.add_parser("provenance", parents=[common],
+                          help="what an epoch read, snapshotted and committed; which epoch wrote a file or version")
+    prov.add_argument("pipeline")
+    asked = prov.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--epoch", type=int, help="a completed, retained epoch: its input ranges and commits")
+    asked.add_argument("--file", metavar="PATH", help="a file sink's committed file: the epoch that wrote it")
+    asked.add_argument("--table-version", type=int, metavar="V",
+                       help="a table sink's version (with --sink): the epoch that made it")
+    prov.add_argument("--sink", help="the table sink of --table-version")
+    prov.add_argument("--storage-uri", metavar="URI",
+                      help="where the snapshot objects are, when not the storage URI the pipeline registered")
     return parser
 
 
@@ -905,6 +955,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,
     "state": _cmd_state,
+    "provenance": _cmd_provenance,
 }
 
 

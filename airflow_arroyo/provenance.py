@@ -250,8 +250,10 @@ def epoch_of_file(store: EpochStore, pipeline_id: str, path: str) -> SinkCommitR
             continue
         root = FileSystem.of(mine[-1].uri)
         rel = path
-        for prefix in {mine[-1].uri.rstrip("/") + "/", root.uri.rstrip("/") + "/"}:
-            if path.startswith(prefix):
+        # a local sink's URI is file:///...; a local path names its files as well
+        for prefix in {mine[-1].uri.rstrip("/") + "/", root.uri.rstrip("/") + "/",
+                       root.uri.removeprefix("file://").rstrip("/") + "/"}:
+            if path.startswith(prefix) and prefix != "/":
                 rel = path[len(prefix):]
         if "://" in rel or rel.startswith("/"):
             continue  # a path below another folder
