@@ -733,7 +733,8 @@ def _cmd_provenance(store: EpochStore, args: argparse.Namespace, out: IO[str]) -
         json.dump(_jsonable(p), out)
         out.write("\n")
         return EXIT_OK
-    out.write(f"epoch {p.epoch} of {p.pipeline_id} (after epoch {_cell(p.previous_epoch)})\n")
+    pruned = ", pruned: where the ranges start is unknown" if p.previous_pruned else ""
+    out.write(f"epoch {p.epoch} of {p.pipeline_id} (after epoch {_cell(p.previous_epoch)}{pruned})\n")
     _table(["STAGE", "BATCHES", "OBJECTS", "BYTES", "SOURCE", "FROM (EXCL.)", "TO (INCL.)", "FILES"],
            [[s.stage, f"{_cell(s.previous_batch_id)}..{_cell(s.batch_id)}", s.objects, _size(s.bytes)]
             + ([r.index, json.dumps(r.start), json.dumps(r.end), r.files] if r is not None else [None] * 4)

@@ -84,11 +84,14 @@ class SinkProvenance:
 
 @dataclass(frozen=True)
 class EpochProvenance:
-    """An epoch's provenance: per stage its input ranges and snapshot, per sink its commit."""
+    """An epoch's provenance: per stage its input ranges and snapshot, per sink its commit. The ranges start at
+    ``previous_epoch``'s cut, the newest epoch before it that completed (superseded ones excepted)."""
 
     pipeline_id: str
     epoch: int
     previous_epoch: int | None
+    #: the previous epoch was pruned: its cut's offsets are gone, so each range's ``start`` is unknown (None)
+    previous_pruned: bool
     stages: list[StageProvenance]
     sinks: list[SinkProvenance]
 
@@ -171,9 +174,14 @@ def _all_commits(store: EpochStore, pipeline_id: str, sink: str | None = None) -
             return out
 
 
-def _previous_completed(store: EpochStore, pipeline_id: str, epoch: int) -> int | None:
-    prev = store.list_epochs(pipeline_id, limit=1, before=epoch, states=[EpochState.COMPLETED])
-    return prev[0].epoch if prev else None
+def _previous_completed(store: EpochStore, pipeline_id: str, epoch: int) -> tuple[int | None, bool]:
+    """The newest epoch before ``epoch`` that completed (a superseded one's cut was undone by a restore), and
+    whether retention pruned it since (its snapshot, so where the range starts, is gone)."""
+    prev = store.list_epochs(pipeline_id, limit=1, before=epoch,
+                             states=[EpochState.COMPLETED, EpochState.PRUNING, EpochState.PRUNED])
+    if not prev:
+        return None, False
+    return prev[0].epoch, prev[0].state is not EpochState.COMPLETED
 
 
 def _is_file_sink(commit: SinkCommitRecord) -> bool:
@@ -193,7 +201,7 @@ def epoch_provenance(store: EpochStore, pipeline_id: str, epoch: int, *,
         raise ConfigurationError(f"epoch {epoch} of pipeline {pipeline_id!r} is {record.state.value}, not completed: "
                                  f"only a completed epoch has a cut of every stage; ask about one ({listing})")
     storage = _storage(store, pipeline_id, storage_uri)
-    previous = _previous_completed(store, pipeline_id, epoch)
+    previous, previous_pruned = _previous_completed(store, pipeline_id, epoch)
     cuts = _cut_batches(store, pipeline_id, epoch)
     prev_cuts = _cut_batches(store, pipeline_id, previous) if previous is not None else {}
     stages: list[StageProvenance] = []
@@ -203,7 +211,7 @@ def epoch_provenance(store: EpochStore, pipeline_id: str, epoch: int, *,
         prev_batch = prev_cuts.get(stage)
         end = snap.offsets(cuts[stage])
         start: list[dict[str, Any] | None] = []
-        if previous is not None and prev_batch is not None and prev_batch >= 0:
+        if previous is not None and not previous_pruned and prev_batch is not None and prev_batch >= 0:
             # the previous cut's offset entry: in its own snapshot (this one keeps only the last few entries)
             start = _Snapshot(storage, pipeline_id, store.snapshot_entries(pipeline_id, previous, stage)
                               ).offsets(prev_batch)
@@ -228,7 +236,7 @@ def epoch_provenance(store: EpochStore, pipeline_id: str, epoch: int, *,
             names = [f for f in committed_files(c.uri, c.batch_id) if f not in before]
         sinks.append(SinkProvenance(c.sink, c.uri, c.batch_id, prev_b, c.files, c.rows_committed,
                                     c.bytes_committed, c.table_version, names))
-    return EpochProvenance(pipeline_id, epoch, previous, stages, sinks)
+    return EpochProvenance(pipeline_id, epoch, previous, previous_pruned, stages, sinks)
 
 
 def _file_batch(name: str) -> int | None:

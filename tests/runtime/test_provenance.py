@@ -99,6 +99,7 @@ def test_each_epochs_files_are_those_its_rows_came_from(ran: Ran, module_store: 
     for n in ran.epochs:
         p = epoch_provenance(module_store, ran.pipeline_id, n)
         assert p.previous_epoch == (None if n == ran.epochs[0] else ran.epochs[ran.epochs.index(n) - 1])
+        assert not p.previous_pruned
         stage = next(s for s in p.stages if s.stage == "events")
         assert stage.objects == len(module_store.snapshot_entries(ran.pipeline_id, n, "events")) > 0
         rows = channel_segment(ran.layout, p.previous_epoch, n)
