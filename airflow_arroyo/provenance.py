@@ -165,13 +165,30 @@ def _cut_batches(store: EpochStore, pipeline_id: str, epoch: int) -> dict[str, i
     return out
 
 
-def _all_commits(store: EpochStore, pipeline_id: str, sink: str | None = None) -> list[SinkCommitRecord]:
-    out: list[SinkCommitRecord] = []
+def _superseded(store: EpochStore, pipeline_id: str) -> set[int]:
+    out: set[int] = set()
+    before: int | None = None
     while True:
-        page = store.sink_commits(pipeline_id, after_seq=out[-1].seq if out else 0, sink=sink, limit=500)
-        out += page
+        page = store.list_epochs(pipeline_id, limit=500, before=before, states=[EpochState.SUPERSEDED])
+        out |= {e.epoch for e in page}
         if len(page) < 500:
             return out
+        before = page[-1].epoch
+
+
+def _all_commits(store: EpochStore, pipeline_id: str, sink: str | None = None) -> list[SinkCommitRecord]:
+    """The sinks' commits in commit order, those of superseded epochs left out: a restore rolled their batches
+    back, and the restored lineage's next commit covers the batches after the restored cut again."""
+    out: list[SinkCommitRecord] = []
+    after = 0
+    while True:
+        page = store.sink_commits(pipeline_id, after_seq=after, sink=sink, limit=500)
+        out += page
+        if len(page) < 500:
+            break
+        after = page[-1].seq
+    undone = _superseded(store, pipeline_id)
+    return [c for c in out if c.epoch not in undone]
 
 
 def _previous_completed(store: EpochStore, pipeline_id: str, epoch: int) -> tuple[int | None, bool]:
@@ -265,12 +282,8 @@ def epoch_of_file(store: EpochStore, pipeline_id: str, path: str) -> SinkCommitR
                 rel = path[len(prefix):]
         if "://" in rel or rel.startswith("/"):
             continue  # a path below another folder
-        # the covering commit: after a restore later commits cover a batch again, so the newest one whose
-        # predecessor had not yet committed the batch
-        covering = None
-        for i, c in enumerate(mine):
-            if c.batch_id >= batch and (i == 0 or mine[i - 1].batch_id < batch):
-                covering = c
+        # the covering commit: the first one whose batch reaches it (superseded epochs' commits are left out)
+        covering = next((c for c in mine if c.batch_id >= batch), None)
         if covering is not None and rel in committed_files(root, covering.batch_id):
             return covering
     raise NotFoundError(f"no commit of pipeline {pipeline_id!r} made {path!r} visible: it is not a committed file "
