@@ -33,14 +33,18 @@ __all__ = [
     "RestorePlan",
     "SinkCommit",
     "SinkCommitPlan",
+    "StageAction",
+    "StageUpgrade",
     "StopAction",
     "StopDecision",
     "StopFacts",
     "StopMode",
+    "UpgradePlan",
     "decide_stop",
     "epoch_to_commit",
     "epochs_still_to_commit",
     "plan_restore",
+    "plan_upgrade",
     "sink_cuts",
     "sinks_to_commit",
 ]
@@ -167,6 +171,149 @@ def _check_fork_point(pid: str, source: str, point: EpochFacts) -> None:
             f"the fork point of {pid!r}, epoch {point.epoch} of {source!r}, cannot be restored (found by an earlier "
             f"restore, which changed nothing: {point.unrestorable}); {again}",
             epoch=point.epoch, stage="", problems=(point.unrestorable,))
+
+
+# --------------------------------------------------------------------------- upgrade plan
+
+
+class StageAction(enum.StrEnum):
+    """What a restore does with one stage when the code changed since the epoch (:func:`plan_upgrade`)."""
+
+    RESTORED = "restored"  # same identity, snapshot in the epoch: its state is restored
+    NEW = "new"  # no snapshot in the epoch: starts with empty state
+    REMOVED = "removed"  # in the epoch, not in the graph: its state is dropped (allowed by name only)
+    INCOMPATIBLE = "incompatible"  # cannot take its snapshot: refused
+
+
+@dataclass(frozen=True)
+class StageUpgrade:
+    """One row of an :class:`UpgradePlan`: the new graph's stage (or the epoch's, for a removed one)."""
+
+    stage: str
+    action: StageAction
+    reason: str
+    snapshot: str | None = None  # the epoch's stage whose snapshot it restores (differs from ``stage`` on a rename)
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class UpgradePlan:
+    """The answer of :func:`plan_upgrade`: a row per stage, and whether the restore may go ahead."""
+
+    epoch: int
+    stages: tuple[StageUpgrade, ...]
+
+    @property
+    def refused(self) -> tuple[StageUpgrade, ...]:
+        """The rows that stop the restore."""
+        return tuple(s for s in self.stages if s.refused)
+
+    @property
+    def restores(self) -> bool:
+        """Whether the restore may go ahead."""
+        return not self.refused
+
+    def snapshot_of(self) -> dict[str, str]:
+        """New stage -> the epoch's stage whose snapshot it restores (restored stages only)."""
+        return {s.stage: s.snapshot for s in self.stages
+                if s.action is StageAction.RESTORED and s.snapshot is not None}
+
+
+def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, str], *,
+                 allow_dropped_state: Iterable[str] = (), renamed: Mapping[str, str] | None = None,
+                 epoch_fusion: Iterable[Iterable[str]] | None = None,
+                 graph_fusion: Iterable[Iterable[str]] | None = None) -> UpgradePlan:
+    """Each stage of the new code's graph against epoch ``epoch``: restored, new, removed or incompatible.
+
+    ``graph`` maps each new stage's name to its identity (its ``uid``, else its name); ``epoch_stages`` are the
+    identities the epoch holds snapshots of. ``renamed`` maps an epoch's identity to the new stage (by name or
+    identity) that takes its snapshot, as Flink maps state by operator uid: a rename is never guessed. A stage in
+    the epoch and not in the graph is refused unless ``allow_dropped_state`` names it (Flink's
+    ``allowNonRestoredState``, but per stage). ``epoch_fusion`` / ``graph_fusion`` are the fused groups (the epoch's
+    stage identities, the new graph's stage names, run as one Spark query) when known: a restored stage whose
+    group changed is incompatible, since its Spark checkpoint belongs to another query's plan.
+    """
+    renamed = dict(renamed or {})
+    held = list(dict.fromkeys(epoch_stages))
+    dropped = set(allow_dropped_state)
+    by_identity = _check_upgrade_input(epoch, held, graph, dropped, renamed)
+    source_of: dict[str, str] = {}  # new stage name -> the epoch identity whose snapshot it takes
+    for name, ident in graph.items():
+        if ident in held and ident not in renamed:
+            source_of[name] = ident
+    for old, new in renamed.items():
+        name = new if new in graph else by_identity[new]
+        if name in source_of:
+            raise ConfigurationError(f"stage {name!r} would take the snapshots of both {source_of[name]!r} and "
+                                     f"{old!r}; a stage restores one snapshot")
+        source_of[name] = old
+    groups_then = _groups(epoch_fusion)
+    groups_now = _groups(graph_fusion)
+    rows: list[StageUpgrade] = []
+    for name, ident in graph.items():
+        snap = source_of.get(name)
+        if snap is None:
+            rows.append(StageUpgrade(name, StageAction.NEW, f"no snapshot in epoch {epoch}: starts with empty "
+                                     "state, its channels read from the epoch's cut"))
+            continue
+        then = groups_then.get(snap)
+        now = {source_of.get(member, graph[member]) for member in groups_now.get(name, ())} or None
+        if then is not None and now is not None and then != now:
+            rows.append(StageUpgrade(
+                name, StageAction.INCOMPATIBLE,
+                f"fusion changed: epoch {epoch} ran it in the query of {', '.join(sorted(then))}, the new code in "
+                f"that of {', '.join(sorted(now))}; restore with the same fusion (across fusion: not yet supported)",
+                snapshot=snap, refused=True))
+            continue
+        how = f"renamed from {snap!r}" if snap != ident else "same identity"
+        rows.append(StageUpgrade(name, StageAction.RESTORED, f"{how}, snapshot in epoch {epoch}", snapshot=snap))
+    taken = set(source_of.values())
+    for ident in held:
+        if ident in taken:
+            continue
+        if ident in dropped:
+            rows.append(StageUpgrade(ident, StageAction.REMOVED, "not in the new graph; its state is dropped "
+                                     "(allow_dropped_state)"))
+        else:
+            rows.append(StageUpgrade(
+                ident, StageAction.REMOVED,
+                f"not in the new graph but epoch {epoch} holds its state; drop it with "
+                f"allow_dropped_state=[{ident!r}], or map it to its new name with renamed={{{ident!r}: 'NEW'}}",
+                refused=True))
+    return UpgradePlan(epoch, tuple(rows))
+
+
+def _check_upgrade_input(epoch: int, held: list[str], graph: Mapping[str, str], dropped: set[str],
+                         renamed: Mapping[str, str]) -> dict[str, str]:
+    """Refuse options naming no stage (a typo must not drop or move state); answer identity -> new stage name."""
+    by_identity: dict[str, str] = {}
+    for name, ident in graph.items():
+        if ident in by_identity:
+            raise ConfigurationError(f"stages {by_identity[ident]!r} and {name!r} have the same identity "
+                                     f"{ident!r}; give each stage its own uid")
+        by_identity[ident] = name
+    for old, new in renamed.items():
+        if old not in held:
+            raise ConfigurationError(f"renamed names {old!r}, which epoch {epoch} has no snapshot of (its stages: "
+                                     f"{', '.join(held) or 'none'}); map an epoch's stage to a new one, old=new")
+        if new not in graph and new not in by_identity:
+            raise ConfigurationError(f"renamed maps {old!r} to {new!r}, which is no stage of the new graph "
+                                     f"(its stages: {', '.join(graph)})")
+    unknown = sorted(dropped - set(held))
+    if unknown:
+        raise ConfigurationError(f"allow_dropped_state names {', '.join(unknown)}, which epoch {epoch} has no "
+                                 f"snapshot of (its stages: {', '.join(held) or 'none'}); name only stages to drop")
+    return by_identity
+
+
+def _groups(fusion: Iterable[Iterable[str]] | None) -> dict[str, frozenset[str]]:
+    """Stage identity -> the identities of the query it runs in."""
+    out: dict[str, frozenset[str]] = {}
+    for group in fusion or ():
+        members = frozenset(group)
+        for m in members:
+            out[m] = members
+    return out
 
 
 # --------------------------------------------------------------------------- graceful stop
