@@ -460,6 +460,41 @@ def _cmd_restore(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
     return EXIT_OK
 
 
+def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Dry run: the new code's stages (``--pipeline-module``) against an epoch of ``PIPELINE``, each restored, new,
+    removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). Touches nothing; exit 0 when
+    the plan restores, 2 when it is refused."""
+    from airflow_arroyo.restores import parse_restore_from, read_restore_facts
+    from airflow_arroyo.runtime.decisions import plan_upgrade
+    from airflow_arroyo.runtime.driver import load_pipeline
+
+    _require_schema(store)
+    renamed: dict[str, str] = {}
+    for pair in args.rename or ():
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new:
+            raise ConfigurationError(f"--rename must look like OLD=NEW (the epoch's stage=the new stage), got {pair!r}")
+        renamed[old] = new
+    graph = load_pipeline(args.pipeline_module).validate()
+    requested = parse_restore_from(args.epoch)
+    facts = read_restore_facts(store, args.pipeline, requested, stages=None).facts
+    if facts.epoch is None:
+        raise ConfigurationError(f"pipeline {args.pipeline} has no epoch {args.epoch} to plan an upgrade from "
+                                 f"(airflow-arroyo epochs {args.pipeline} lists them)")
+    plan = plan_upgrade(facts.epoch.epoch, facts.epoch.stages, {n: n for n in graph.stage_names},
+                        allow_dropped_state=args.allow_dropped_state or (), renamed=renamed)
+    if args.json:
+        json.dump({"pipeline": args.pipeline, "epoch": plan.epoch, "restores": plan.restores,
+                   "stages": [_jsonable(row) for row in plan.stages]}, out)
+        out.write("\n")
+    else:
+        _table(["STAGE", "ACTION", "REASON"],
+               [[r.stage, r.action.value + (" (refused)" if r.refused else ""), r.reason] for r in plan.stages], out)
+        if not plan.restores:
+            out.write(f"refused: {', '.join(r.stage for r in plan.refused)} (see each reason for the fix)\n")
+    return EXIT_OK if plan.restores else EXIT_BAD_INPUT
+
+
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     from airflow_arroyo.retention import parse_duration, prune_pipeline
 
@@ -869,6 +904,16 @@ def _build_parser() -> _Parser:
                              help="check that a pipeline can restore an epoch now and print how to launch it")
     restore.add_argument("pipeline")
     restore.add_argument("--epoch", default="latest", help="an epoch number or 'latest' (default)")
+    upgrade = sub.add_parser("upgrade-plan", parents=[common],
+                             help="dry run: which stages of new pipeline code restore an epoch's state")
+    upgrade.add_argument("pipeline")
+    upgrade.add_argument("--pipeline-module", required=True, metavar="MODULE:ATTR",
+                         help="the new code's Pipeline (or a function returning one), as the driver's --pipeline")
+    upgrade.add_argument("--epoch", default="latest", help="an epoch number or 'latest' (default)")
+    upgrade.add_argument("--allow-dropped-state", action="append", metavar="STAGE",
+                         help="a stage of the epoch the new code drops, with its state (repeatable)")
+    upgrade.add_argument("--rename", action="append", metavar="OLD=NEW",
+                         help="the epoch's stage OLD restores into the new stage NEW (repeatable)")
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
     stop = sub.add_parser("stop", parents=[common],
@@ -953,6 +998,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "stop": _cmd_stop,
     "fork": _cmd_fork,
     "restore": _cmd_restore,
+    "upgrade-plan": _cmd_upgrade_plan,
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,
     "state": _cmd_state,
