@@ -740,15 +740,13 @@ class Channel:
         nothing and returns None), empty batches leave no entry. The rows are written into a fresh
         directory, and the entry is committed afterwards.
 
-        A small batch (the writer's previous one had at most :attr:`DRIVER_WRITE_MAX_ROWS` rows) is
-        collected to the driver as Arrow (``df.toArrow()``) and written as one file from here: a
-        micro-batch of a few thousand rows costs one Spark job instead of a Hadoop write job's task
-        commits, renames and marker files (measured 70-155 ms against 250-590 ms on the 2-core build
-        machine; docs/runtime.md "Channel hops"). Otherwise (and for a writer's first batch, whose size
-        is unknown) the executors write: on a local disk or HDFS Spark's own writer
-        (``df.write.parquet``); on an object store each executor task writes its partition with pyarrow
-        (one PUT per file, no Hadoop committer renaming files, no ``s3a://`` connector needed), and only
-        the files of tasks that succeeded are named by the entry.
+        A small batch (the writer's previous one had at most :attr:`DRIVER_WRITE_MAX_ROWS` rows) is collected to the
+        driver as Arrow (``df.toArrow()``) and written as one file from here: a micro-batch of a few thousand rows
+        costs one Spark job instead of a Hadoop write job's task commits, renames and marker files (figures:
+        benchmarks/results/hop_breakdown.md). Otherwise (and for a writer's first batch, whose size is unknown) the
+        executors write: on a local disk or HDFS Spark's own writer (``df.write.parquet``); on an object store each
+        executor task writes its partition with pyarrow (one PUT per file, no Hadoop committer renaming files, no
+        ``s3a://`` connector needed), and only the files of tasks that succeeded are named by the entry.
         """
         _check_writer(writer)
         _check_batch_id(batch_id)

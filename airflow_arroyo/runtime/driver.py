@@ -113,9 +113,9 @@ EPOCH_READ_FALLBACK = 5.0
 # A registered run that has not heartbeated for this long is presumed dead: a new run takes it over.
 DEFAULT_STALE_AFTER = 30.0
 
-# How long the warm-up waits for every query's first micro-batch before the run goes `running` anyway. The first
-# micro-batch of a restored stage loads its state, starts its Python workers and generates code: 20-37 s measured on
-# the demo restored on a loaded 2-core machine (issue 30, finding 3), where the former 20 s let epochs start during it.
+# How long the warm-up waits for every query's first micro-batch before the run goes `running` anyway: a restored
+# stage's first batch loads its state, starts its Python workers and generates code, and an epoch started during it
+# waits for all of that (figures: benchmarks/results/recovery.md).
 DEFAULT_WARMUP_TIMEOUT = 120.0
 
 # How many of the newest epochs a run saw its result lists (DriverResult.epochs_seen; epochs_seen_count counts all).

@@ -91,9 +91,9 @@ def local_checkpoint_file_manager(spark: SparkSession) -> str | None:
 
     *Why:* Spark's default manager writes each checkpoint file through Hadoop's ``FileContext``, which on a
     local disk without Hadoop's native library starts processes: ``readlink`` and ``chmod`` for the file and
-    its ``.crc``, ten per file (counted with strace, Spark 4.2). Every micro-batch writes two such files
-    (``offsets/b`` before it runs, ``commits/b`` after), which took 38 ms each on the 2-core build machine
-    against 11 ms through ``FileSystem`` (two ``chmod``), and 84 / 25 ms per batch with two queries running.
+    its ``.crc``, ten per file (Spark 4.2). Every micro-batch writes two such files (``offsets/b`` before it
+    runs, ``commits/b`` after); through ``FileSystem`` each costs two ``chmod`` (figures:
+    benchmarks/results/hop_breakdown.md).
     The ``FileSystem`` manager writes the same temporary file and renames it (``rename(2)``: atomic); where
     the ``FileContext`` rename refuses an existing target, it checks for the target first, which only a
     second writer of the same checkpoint folder could race, and the driver never runs two (a restore or a

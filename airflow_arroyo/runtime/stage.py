@@ -78,7 +78,7 @@ DEFAULT_TRIGGER_INTERVAL = 0.1
 
 
 #: the cuts a stage keeps in memory (:attr:`StageRunner.cuts`), newest last: one a stage per epoch would grow for
-#: as long as the run lasts (benchmarks/soak.py found it)
+#: as long as the run lasts
 CUTS_KEPT = 256
 
 

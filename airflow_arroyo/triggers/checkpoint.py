@@ -83,14 +83,10 @@ FOLLOWER_SKIPS = 4
 # Wait for the database's announcements (epoch ended, pipeline changed) rather than poll for them.
 # Without a live listener (off here, or its connection lost) the trigger polls.
 WAKE_ON_NOTIFY = True
-# When the first of these triggers runs in a process (a triggerer), move every object alive then (the
-# modules Airflow and its providers imported: ~200,000 objects) out of the reach of Python's cyclic
-# garbage collector (``gc.freeze``; the dag processor and the local executor do the same). Without it,
-# a full collection scanned them all every 20-30 s at 1000 triggers and stopped the event loop for
-# 140-470 ms each time, which made a burst of late epochs (docs/controller.md "Load"). Objects
-# freed by reference counting still are; only cycles among the frozen objects would stay in memory.
-# ``[arroyo] triggerer_freeze_gc = False`` leaves the process's collector alone;
-# ``benchmarks/trigger_load.py --paths new,new-gc`` compares.
+# When the first of these triggers runs in a triggerer, freeze every object alive then (the modules Airflow
+# imported) out of the cyclic collector's reach, as the dag processor does: otherwise full collections scan them
+# all and stall the event loop, which makes epochs late (figures: benchmarks/results/trigger_load.md). Cycles among
+# frozen objects would stay in memory; ``[arroyo] triggerer_freeze_gc = False`` leaves the collector alone.
 _gc_frozen = False
 
 
