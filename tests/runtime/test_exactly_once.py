@@ -364,54 +364,79 @@ def test_killed_right_after_an_epoch_cut_while_batch_0_ran_then_restored_from_la
     STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY), and the sink must end with the join exactly once."""
     from tests.runtime import files_join
 
-    pid, inputs, sink, logs = f"b0-{uuid.uuid4().hex[:8]}", tmp_path / "in", tmp_path / "out", tmp_path / "logs"
-    logs.mkdir()
-    for side in ("orders", "payments"):
-        (inputs / side).mkdir(parents=True)
-    storage = tmp_path / "storage"
-    layout = StorageLayout.at(str(storage), pid)
-    start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink,
-                              pipeline="tests.runtime.files_join:pipeline",
-                              args={"input_path": str(inputs), "sink_path": str(sink)})
+    def attempt(n: int) -> tuple[Any, ...] | None:
+        """One first run: the epoch cut at batch -1 after batch 0 wrote state, or None when batch 0 finished
+        before an epoch was cut during it (a fast batch 0 leaves no such window: try again with a fresh pipeline)."""
+        pid = f"b0-{uuid.uuid4().hex[:8]}"
+        inputs, sink, logs = tmp_path / f"in{n}", tmp_path / f"out{n}", tmp_path / f"logs{n}"
+        logs.mkdir()
+        for side in ("orders", "payments"):
+            (inputs / side).mkdir(parents=True)
+        storage = tmp_path / f"storage{n}"
+        layout = StorageLayout.at(str(storage), pid)
+        start = functools.partial(Driver, dsn=store.dsn, storage=storage, pipeline_id=pid, logs=logs, sink=sink,
+                                  pipeline="tests.runtime.files_join:pipeline",
+                                  args={"input_path": str(inputs), "sink_path": str(sink)})
 
-    def running(run_id: str) -> bool:
+        def join_cut() -> tuple[Any, int | None, float | None]:
+            latest = store.latest_completed_epoch(pid)
+            stage = next((s for s in store.get_pipeline(pid).stages if "joined" in s), None)
+            if latest is None or stage is None:
+                return None, None, None
+            ack = {a.stage: a for a in store.acks(pid, latest.epoch)}.get(stage)
+            state = [p for p in (storage / layout.checkpoint(stage) / "state").rglob("*") if p.is_file()]
+            first_state = min((p.stat().st_mtime for p in state), default=None)
+            return latest, (None if ack is None else ack.details.get("batch_id")), first_state
+
+        def found() -> Any:
+            latest, batch, first_state = join_cut()
+            if latest is None or batch is None:
+                return None
+            if batch == -1 and first_state is not None and latest.triggered_at.timestamp() > first_state:
+                return ("found", latest)
+            return ("missed", latest) if batch >= 0 else None
+
+        with CheckpointTicker(store, pid, interval=0.5, timeout=60.0, tick=0.1):
+            first = start(run_id="first")
+            try:
+                wait_for(lambda: running(pid, "first") or not first.alive(), timeout=300,
+                         what="the first run to start")
+                drop(inputs, 0, range(0, 150))
+                outcome = wait_for(lambda: found() or (not first.alive() and ("dead", None)), timeout=240,
+                                   interval=0.02, what="an epoch cut at batch -1 after batch 0 wrote state")
+                assert outcome[0] != "dead", first.tail()
+            finally:
+                first.kill()
+        latest = store.latest_completed_epoch(pid)
+        if outcome[0] == "missed" or latest is None or latest.epoch != outcome[1].epoch:
+            return None  # missed, or a later epoch completed before the kill: not the moment this test is about
+        return pid, inputs, sink, start, outcome[1]
+
+    def running(pid: str, run_id: str) -> bool:
         rec = current(store, pid)
         return rec is not None and rec.run_id == run_id and rec.state is PipelineState.RUNNING
 
-    def drop(part: int, ids: range) -> None:
+    def drop(inputs: Path, part: int, ids: range) -> None:
         files_join.write_file(inputs / "orders", f"o{part}.json", map(files_join.order, ids))
         files_join.write_file(inputs / "payments", f"p{part}.json", map(files_join.payment, ids))
 
-    def cut_while_batch_0_ran() -> Any:
-        """The latest completed epoch, if the join's stage cut it at batch -1 after batch 0 wrote state."""
-        latest = store.latest_completed_epoch(pid)
-        stage = next((s for s in store.get_pipeline(pid).stages if "joined" in s), None)
-        if latest is None or stage is None:
-            return None
-        ack = {a.stage: a for a in store.acks(pid, latest.epoch)}.get(stage)
-        state = [p for p in (storage / layout.checkpoint(stage) / "state").rglob("*") if p.is_file()]
-        first_state = min((p.stat().st_mtime for p in state), default=None)
-        if ack is None or ack.details.get("batch_id") != -1 or first_state is None:
-            return None
-        return latest if latest.triggered_at.timestamp() > first_state else None
-
+    tried = [attempt(n) for n in range(1)]
+    for n in range(1, 4):
+        if tried[-1] is not None:
+            break
+        tried.append(attempt(n))
+    chosen = tried[-1]
+    assert chosen is not None, f"batch 0 finished before an epoch was cut during it in {len(tried)} pipelines"
+    pid, inputs, sink, start, epoch = chosen
     with CheckpointTicker(store, pid, interval=0.5, timeout=60.0, tick=0.1):
-        first = start(run_id="first")
-        try:
-            wait_for(lambda: running("first") or not first.alive(), timeout=300, what="the first run to start")
-            drop(0, range(0, 150))
-            epoch = wait_for(lambda: cut_while_batch_0_ran() or (not first.alive() and "dead"), timeout=240,
-                             interval=0.02, what="an epoch cut at batch -1 after batch 0 wrote state")
-            assert epoch != "dead", first.tail()
-        finally:
-            first.kill()
-        print(f"killed after epoch {epoch.epoch} (cut at batch -1 with state on disk)")
+        print(f"killed after epoch {epoch.epoch} (cut at batch -1 with state on disk), attempt {len(tried)}")
         second = start(run_id="second")
         try:
-            wait_for(lambda: running("second") or not second.alive(), timeout=300, what="the restored run to start")
+            wait_for(lambda: running(pid, "second") or not second.alive(), timeout=300,
+                     what="the restored run to start")
             assert second.alive(), second.tail()
             assert store.get_pipeline(pid).restored_from_epoch == epoch.epoch
-            drop(1, range(150, 300))
+            drop(inputs, 1, range(150, 300))
             want = files_join.expected(range(300))
             wait_for(lambda: len(committed_rows(sink)) >= len(want) or not second.alive(), timeout=300,
                      interval=0.5, what="every joined row committed")
