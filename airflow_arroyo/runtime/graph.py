@@ -261,32 +261,32 @@ def _writers(specs: Sequence[StageSpec]) -> dict[str, str]:
 
 def _check_sink_targets(specs: Sequence[StageSpec]) -> None:
     """A sink folder or table has one exactly-once writer."""
-    paths: dict[str, str] = {}
+    writers: dict[str, str] = {}
     for s in specs:
-        if s.sink_format in FILE_SINK_FORMATS:
-            path = s.sink_options["path"].rstrip("/")
-            if path in paths:
-                raise PipelineGraphError(
-                    f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a sink folder has one writer: "
-                    "give each sink its own path"
-                )
-            paths[path] = s.name
-        elif s.table is not None and isinstance(s.table, DeltaTarget):
-            path = s.table.path.rstrip("/")
-            if path in paths:
-                raise PipelineGraphError(
-                    f"sinks {paths[path]!r} and {s.name!r} both write {path!r}; a Delta table has one exactly-once "
-                    "writer: give each sink its own path"
-                )
-            paths[path] = s.name
-        elif s.postgres is not None and isinstance(s.postgres, PostgresTarget):
-            where = f"{s.postgres.dsn or s.postgres.dsn_env or s.postgres.conn_id}#{s.postgres.table}"
-            if where in paths:
-                raise PipelineGraphError(
-                    f"sinks {paths[where]!r} and {s.name!r} both write table {s.postgres.table!r}; a table has one "
-                    "exactly-once writer: give each sink its own table"
-                )
-            paths[where] = s.name
+        target = _sink_target(s)
+        if target is None:
+            continue
+        key, what, kind = target
+        if key in writers:
+            raise PipelineGraphError(
+                f"sinks {writers[key]!r} and {s.name!r} both write {what}; {kind} has one exactly-once writer: "
+                f"give each sink its own {'table' if kind == 'a table' else 'path'}"
+            )
+        writers[key] = s.name
+
+
+def _sink_target(s: StageSpec) -> tuple[str, str, str] | None:
+    """(identity, how a message names it, what it is) of an exactly-once sink's target; None for other stages."""
+    if s.sink_format in FILE_SINK_FORMATS:
+        path = s.sink_options["path"].rstrip("/")
+        return path, repr(path), "a sink folder"
+    if s.table is not None and isinstance(s.table, DeltaTarget):
+        path = s.table.path.rstrip("/")
+        return path, repr(path), "a Delta table"
+    if s.postgres is not None and isinstance(s.postgres, PostgresTarget):
+        where = f"{s.postgres.dsn or s.postgres.dsn_env or s.postgres.conn_id}#{s.postgres.table}"
+        return where, f"table {s.postgres.table!r}", "a table"
+    return None
 
 
 def _check_inputs(specs: Sequence[StageSpec], writers: dict[str, str]) -> None:
