@@ -4,7 +4,7 @@ The supervisor, the sensors and the submit operator record a spark-submit (or a 
 later ask whether it is alive, whether its process group is still the one started, and signal that group.
 Read through psutil. The start time is kept as kernel clock ticks since boot, the unit of ``/proc/<pid>/stat``
 that identities recorded by earlier releases hold, so they keep matching; off Linux it is not known, and a
-process is then reported as unknown and never signalled, as before.
+process is then reported as unknown and never signalled.
 Airflow-free.
 """
 
