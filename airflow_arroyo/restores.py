@@ -84,14 +84,18 @@ def read_restore_facts(store: EpochStore, pipeline_id: str, requested: RestoreFr
         store.get_pipeline(pipeline_id)
     except UnknownPipelineError:
         return RestoreSituation(facts)
+    blocker = store.gate_blocker(pipeline_id)
+    held_by = None if blocker is None else (blocker.epoch, blocker.sink, blocker.state.value)
     record: EpochRecord | None
     if requested == "latest":
-        record = store.latest_completed_epoch(pipeline_id)
+        # never beyond a gate without a pass: the restore would commit the output it holds
+        record = (store.latest_completed_epoch(pipeline_id) if blocker is None
+                  else store.latest_completed_before(pipeline_id, blocker.epoch))
     else:
         assert isinstance(requested, int)
         try:
             record = store.get_epoch(pipeline_id, requested)
         except UnknownEpochError:  # bad input, not a store failure: plan_restore refuses it
             record = None
-    return RestoreSituation(replace(facts, pipeline_known=True,
+    return RestoreSituation(replace(facts, pipeline_known=True, held_by=held_by,
                                     epoch=None if record is None else _epoch_facts(record)))

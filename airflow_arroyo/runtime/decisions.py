@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnrestorableEpochError
+from airflow_arroyo.exceptions import ConfigurationError, StateConflictError, UnknownEpochError, UnrestorableEpochError
 
 __all__ = [
     "FINAL_EPOCH_ATTEMPTS",
@@ -88,6 +88,8 @@ class RestoreFacts:
     has_state: bool = False
     location: str = ""
     fork_of: str | None = None  # a fork's first run: the pipeline whose epoch (the fork point) it restores
+    # the oldest commit gate without a pass (airflow_arroyo.gates): (epoch, sink, state); no restore at or after it
+    held_by: tuple[int, str, str] | None = None
 
 
 class RestoreAction(enum.StrEnum):
@@ -144,6 +146,13 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
                if epoch.state is EpochState.SUPERSEDED else "")
         raise ConfigurationError(f"epoch {rf} of pipeline {pid!r} is {epoch.state}, not completed{why}; "
                                  f"{_PICK_COMPLETED}")
+    if facts.held_by is not None and epoch.epoch >= facts.held_by[0]:
+        held, sink, state = facts.held_by
+        raise StateConflictError(
+            f"epoch {epoch.epoch} of pipeline {pid!r} cannot be restored: the gate of sink {sink!r} for epoch {held} "
+            f"is {state}, and a restore commits the output of the epochs it keeps. Record a pass first (airflow-arroyo "
+            f"gate pass {pid} --sink {sink} --epoch {held}) or restore an epoch before {held} (restore_from='latest' "
+            "picks the newest one)")
     if epoch.unrestorable is not None:
         raise UnrestorableEpochError(
             f"epoch {epoch.epoch} of pipeline {pid!r} cannot be restored (found by an earlier restore, which "

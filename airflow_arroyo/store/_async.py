@@ -102,4 +102,7 @@ class AsyncEpochStore:
     # cleanup lease, sink commits, the database's clock
     cleanup_lock = _in_thread(EpochStore.cleanup_lock)
     sink_commits = _in_thread(EpochStore.sink_commits)
+    # commit gates (a watcher of pending gates, a sensor)
+    list_gates = _in_thread(EpochStore.list_gates)
+    get_gate = _in_thread(EpochStore.get_gate)
     db_now = _in_thread(EpochStore.db_now)

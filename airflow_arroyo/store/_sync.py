@@ -15,6 +15,7 @@ share (connection pool, retry policy, transactions):
 ``store.objects``             :class:`~airflow_arroyo.store.objects.Objects`: snapshot objects, scrub results
 ``store.cleanup``             :class:`~airflow_arroyo.store.cleanup.Cleanup`: cleanup lease, pruning, compaction
 ``store.sinks``               :class:`~airflow_arroyo.store.sink_commits.SinkCommits`: sink commit records
+``store.gates``               :class:`~airflow_arroyo.store.gates.Gates`: commit gates and their verdicts
 ============================  ===================================================================
 
 Every operation of a part is also a method of :class:`EpochStore` of the same name, signature and
@@ -40,6 +41,7 @@ from airflow_arroyo.store._db import Database, PgCursor, redact_dsn
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store.cleanup import Cleanup
 from airflow_arroyo.store.epochs import Epochs
+from airflow_arroyo.store.gates import Gates
 from airflow_arroyo.store.objects import Objects
 from airflow_arroyo.store.pins import Pins
 from airflow_arroyo.store.pipelines import Pipelines
@@ -85,6 +87,7 @@ class EpochStore:
         self.objects = Objects(db)
         self.cleanup = Cleanup(db)
         self.sinks = SinkCommits(db)
+        self.gates = Gates(db)
         # helpers built on this store for one event loop each (the async tick coalescer, the listener)
         self._loop_helpers: dict[tuple[object, str], Any] = {}
         self._loop_helpers_lock = threading.Lock()
@@ -236,3 +239,15 @@ class EpochStore:
     record_sink_commit = _via("sinks", SinkCommits.record_sink_commit)
     sink_commits = _via("sinks", SinkCommits.sink_commits)
     latest_sink_commit = _via("sinks", SinkCommits.latest_sink_commit)
+
+    # ------------------------------------------------------------------ commit gates: store.gates
+
+    open_gate = _via("gates", Gates.open_gate)
+    get_gate = _via("gates", Gates.get_gate)
+    list_gates = _via("gates", Gates.list_gates)
+    open_gates = _via("gates", Gates.open_gates)
+    decide_gate = _via("gates", Gates.decide_gate)
+    time_out_gate = _via("gates", Gates.time_out_gate)
+    close_gate = _via("gates", Gates.close_gate)
+    gate_blocker = _via("gates", Gates.gate_blocker)
+    latest_completed_before = _via("gates", Gates.latest_completed_before)

@@ -205,6 +205,7 @@ class Pipelines(Concern):
                        also="failure_reason = %(reason)s",
                        params={"p": pipeline_id, "n": epoch,
                                "reason": f"superseded: run {run_id} restored the older epoch {epoch}"})
+            _settle_gates_on_restore(cur, pipeline_id, epoch)
             cur.execute(
                 "UPDATE arroyo_pipelines SET restored_from_epoch = %s, updated_at = now()"
                 " WHERE pipeline_id = %s RETURNING *",
@@ -352,3 +353,16 @@ class Pipelines(Concern):
 
         return self._db.tx(tx)
 
+
+_OPEN_GATES = ["failed", "passed", "pending", "timed_out"]  # airflow_arroyo.gates.OPEN_GATE_STATES
+
+
+def _settle_gates_on_restore(cur: PgCursor, pipeline_id: str, epoch: int) -> None:
+    """The commit gates' part of a restore's commit of ``epoch`` (here, not in store/gates.py, which builds on this
+    module): passed gates up to it are committed by the restore's rollback, and every open gate after it is
+    superseded (its epoch's output is recomputed under a new gate)."""
+    cur.execute("UPDATE arroyo_gates SET state = 'committed', closed_at = clock_timestamp()"
+                " WHERE pipeline_id = %s AND epoch <= %s AND state = 'passed'", (pipeline_id, epoch))
+    cur.execute("UPDATE arroyo_gates SET state = 'superseded', closed_at = clock_timestamp(),"
+                " reason = COALESCE(reason, %s) WHERE pipeline_id = %s AND epoch > %s AND state = ANY(%s)",
+                (f"superseded: the pipeline restored the older epoch {epoch}", pipeline_id, epoch, _OPEN_GATES))
