@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
@@ -75,6 +76,8 @@ from airflow_arroyo.runtime.decisions import (
     sink_cuts,
     sinks_to_commit,
 )
+from airflow_arroyo.runtime.gatekeeper import GateKeeper, GateStop
+from airflow_arroyo.runtime.graph import sink_kind
 from airflow_arroyo.runtime.kafka_offsets import KafkaSource, kafka_offsets, kafka_sources, lost_offsets
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
@@ -219,6 +222,7 @@ class PipelineDriver:
         self.started = threading.Event()  # set once every query runs (tests wait on it)
         # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
         self.sinks: dict[str, TransactionalSink] = self._transactional_sinks()
+        self.gates = self._gatekeeper()  # gated sinks: their output waits for verdicts (airflow_arroyo.gates)
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
         self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
         # Test seam: called with the name of each step of a start (see _restore) before the next begins; a
@@ -229,6 +233,13 @@ class PipelineDriver:
         return {s.name: sink for s in self.graph.stages if s.output is None
                 if (sink := transactional_sink(self.pipeline_id, s, self.layout.fs.child(
                     f"{self.layout.stage_dir(s.name)}/staging"))) is not None}
+
+    def _gatekeeper(self) -> GateKeeper:
+        """The gated sinks of the physical graph, by the name the user gave the sink (a fused query's last stage)."""
+        declared = {g.name: g.stages[-1] for g in self.plan.groups}
+        gated = {s.name: (declared.get(s.name, s.name), s.gate.checked(s.name, sink_kind(s) or ""))
+                 for s in self.graph.stages if s.gate is not None and s.name in self.sinks}
+        return GateKeeper(self.pipeline_id, self.run_id, self.store, self.sinks, gated)
 
     def _plan_chains(self) -> None:
         """Ask Spark's analyzer about the stages (composed, no query started); warn of a watermark that a
@@ -260,6 +271,7 @@ class PipelineDriver:
         self.plan = fused
         self.graph = self.plan.graph
         self.sinks = self._transactional_sinks()
+        self.gates = self._gatekeeper()
         log.info("pipeline=%s: physical plan:\n%s", self.pipeline_id, self.plan.explain())
 
     # ------------------------------------------------------------------ public
@@ -373,6 +385,7 @@ class PipelineDriver:
         self.snapshots.token = token
         for sink in self.sinks.values():
             sink.token = token
+        self.gates.token = token
         log.info("pipeline=%s run=%s: registered as generation %s", self.pipeline_id, self.run_id, token.generation)
 
     def _fence_channels(self, epoch: int | None) -> None:
@@ -507,6 +520,7 @@ class PipelineDriver:
         for name, sink in self.sinks.items():
             sink.rollback_to(sink_cuts[name])
             self._step(f"rolled-back:{name}")
+        self.gates.start_at(sink_cuts)
         self._sinks_committed = epoch
         self.restored_from_epoch = epoch
         self._step("restored")
@@ -593,6 +607,7 @@ class PipelineDriver:
                 Channel.open(folder).reset()
         for sink in self.sinks.values():
             sink.rollback_to(-1)  # no epoch ever completed: nothing of it was committed
+        self.store.supersede_gates(self.pipeline_id, after=0, token=self.token)  # their epochs are recomputed
         log.info("pipeline=%s: no completed epoch; fresh checkpoints and empty channels", self.pipeline_id)
 
     # ------------------------------------------------------------------ Spark
@@ -788,6 +803,9 @@ class PipelineDriver:
         while True:
             self._check_queries()
             self._follow_epochs(turn, changed)
+            gate_stop = self.gates.advance(now=datetime.now(UTC))
+            if gate_stop is not None:
+                return self._stop_for_gate(gate_stop)
             for r in self.runners:
                 r.cut_if_idle()
             self._heartbeat_if_due(turn)
@@ -901,7 +919,10 @@ class PipelineDriver:
         oldest_epoch = oldest.epoch if oldest is not None else None
         floors = self._sink_cuts(oldest_epoch) if oldest_epoch is not None and oldest_epoch != epoch else None
         plan = sinks_to_commit(epoch, cuts, oldest_epoch, floors)
+        self.gates.hold(epoch, {name: cut for name, cut in cuts.items() if name in self.gates})
         for commit in plan.commits:
+            if commit.sink in self.gates:
+                continue  # its output waits for a verdict (GateKeeper.advance commits it)
             sink = self.sinks[commit.sink]
             try:
                 result = sink.commit_through(commit.batch)
@@ -915,7 +936,25 @@ class PipelineDriver:
         self._sinks_committed = epoch
         self._epochs_to_commit = [e for e in self._epochs_to_commit if e > epoch]
         for trim in plan.trims:
-            self.sinks[trim.sink].trim_through(trim.batch)
+            self.sinks[trim.sink].trim_through(self.gates.trim_floor(trim.sink, trim.batch))
+
+    def _stop_for_gate(self, stop: GateStop) -> DriverResult:
+        """A gate stops the pipeline (``hold``'s limit, ``rollback_and_stop``): queries first, so nothing more is
+        pre-committed; for ``rollback_and_stop`` every sink then goes back to the newest completed epoch before the
+        failed one (the epoch the next ``restore_from='latest'`` restores)."""
+        log.error("pipeline=%s: %s", self.pipeline_id, stop.cause)
+        self._stop_queries()
+        if stop.rollback_before is not None:
+            floor = self.store.latest_completed_before(self.pipeline_id, stop.rollback_before)
+            cuts = self._sink_cuts(floor.epoch) if floor is not None else dict.fromkeys(self.sinks, -1)
+            for name, sink in self.sinks.items():
+                try:
+                    sink.rollback_to(cuts[name])
+                except FencedError as exc:
+                    raise self._superseded(exc) from None
+            log.error("pipeline=%s: every sink rolled back to epoch %s", self.pipeline_id,
+                      floor.epoch if floor is not None else "(none: to the start)")
+        return self._finish(None, cause=stop.cause)
 
     def _try_final_epoch(self) -> tuple[int | None, float]:
         policy = CheckpointPolicy(interval=1.0, timeout=max(1.0, self.final_epoch_timeout))

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import PipelineGraphError
+from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.gates import Gate
 from airflow_arroyo.runtime.sinks.delta import DeltaTarget
 from airflow_arroyo.runtime.sinks.files import FILE_SINK_FORMATS
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
@@ -79,6 +80,7 @@ class StageSpec:
     table: DeltaTarget | None = None  # sinks: an exactly-once Delta Lake table
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
     chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
+    gate: Gate | None = None  # sinks: each epoch's output waits for a verdict before it commits (airflow_arroyo.gates)
 
     @property
     def is_iteration_head(self) -> bool:
@@ -224,11 +226,37 @@ def _check_sink(s: StageSpec) -> None:
         )
     if s.foreach_batch is not None and not callable(s.foreach_batch):
         raise PipelineGraphError(f"sink {s.name!r}: foreach_batch must be callable, got {s.foreach_batch!r}")
+    if s.gate is not None:
+        _check_gate(s)
     if s.fn is None and len(s.all_inputs) != 1:
         raise PipelineGraphError(
             f"sink {s.name!r} reads {len(s.all_inputs)} channels; give transform=<function(*inputs)> "
             "that combines them into one DataFrame"
         )
+
+
+def sink_kind(s: StageSpec) -> str | None:
+    """What an exactly-once sink writes (``files``, ``postgres``, ``kafka``, ``delta``); None for other stages."""
+    if s.sink_format in FILE_SINK_FORMATS:
+        return "files"
+    for kind, target in (("postgres", s.postgres), ("kafka", s.kafka), ("delta", s.table)):
+        if target is not None:
+            return kind
+    return None
+
+
+def _check_gate(s: StageSpec) -> None:
+    if not isinstance(s.gate, Gate):
+        raise PipelineGraphError(f"sink {s.name!r}: gate= takes a Gate(policy=..., timeout=...), got {s.gate!r}")
+    kind = sink_kind(s)
+    try:
+        s.gate.checked(s.name, kind or "foreach_batch or other at-least-once")
+    except ConfigurationError as exc:
+        raise PipelineGraphError(str(exc)) from None
+    quarantine = (s.gate.quarantine_path or "").rstrip("/")
+    if quarantine and kind == "files" and quarantine == s.sink_options["path"].rstrip("/"):
+        raise PipelineGraphError(f"sink {s.name!r}: quarantine_path must differ from the sink's path (failed "
+                                 "epochs would be committed where passed ones are)")
 
 
 def _check_names(pipeline_id: str, specs: Sequence[StageSpec]) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.gates import Gate
 from airflow_arroyo.runtime.graph import (
     OUTPUT_MODES,
     STATE_STORES,
@@ -162,7 +163,7 @@ class Pipeline:
              table: DeltaTarget | None = None, transform: TransformFn | None = None,
              output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
-             spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> None:
+             spark_conf: Mapping[str, str] | None = None, chain: bool = True, gate: Gate | None = None) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
         Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``), a
@@ -182,13 +183,14 @@ class Pipeline:
         application transaction; a restore restores the table's version (:mod:`~airflow_arroyo.runtime.sinks.delta`).
         ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
-        ``chain=False`` keeps a channel before the sink when the pipeline chains.
+        ``chain=False`` keeps a channel before the sink when the pipeline chains. ``gate=Gate(...)`` (a file or
+        PostgreSQL sink) holds each epoch's output until a verdict passes it (:mod:`airflow_arroyo.gates`).
         """
         spec = StageSpec(
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
             foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
-            kafka=kafka, table=table, spark_conf=dict(spark_conf or {}), chain=chain,
+            kafka=kafka, table=table, spark_conf=dict(spark_conf or {}), chain=chain, gate=gate,
         )
         self._add(spec)
 

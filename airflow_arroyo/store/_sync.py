@@ -249,5 +249,6 @@ class EpochStore:
     decide_gate = _via("gates", Gates.decide_gate)
     time_out_gate = _via("gates", Gates.time_out_gate)
     close_gate = _via("gates", Gates.close_gate)
+    supersede_gates = _via("gates", Gates.supersede_gates)
     gate_blocker = _via("gates", Gates.gate_blocker)
     latest_completed_before = _via("gates", Gates.latest_completed_before)

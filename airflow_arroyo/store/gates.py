@@ -145,6 +145,19 @@ class Gates(Concern):
 
         return self._db.tx(tx)
 
+    def supersede_gates(self, pipeline_id: str, *, after: int, token: FencingToken | None = None) -> int:
+        """Every open gate of an epoch after ``after`` is superseded (a run that starts over recomputes their output);
+        returns how many."""
+
+        def tx(cur: PgCursor) -> int:
+            check_token(cur, token, f"superseding the gates after epoch {after}")
+            cur.execute("UPDATE arroyo_gates SET state = 'superseded', closed_at = clock_timestamp(),"
+                        " reason = COALESCE(reason, %s) WHERE pipeline_id = %s AND epoch > %s AND state = ANY(%s)",
+                        (f"superseded: the pipeline started over after epoch {after}", pipeline_id, after, _OPEN))
+            return int(cur.rowcount)
+
+        return self._db.tx(tx)
+
     def gate_blocker(self, pipeline_id: str) -> GateRecord | None:
         """The oldest gate that keeps restores behind it (pending, failed or timed out), if any."""
 

@@ -62,7 +62,7 @@ import posixpath
 import re
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_arroyo.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.fs import FileSystem
@@ -251,6 +251,45 @@ class TransactionalFileSink:
             log.info("pipeline=%s sink=%s: committed batches <= %s (%d files, %d bytes, %s rows) to %s",
                      self.pipeline_id, self.stage, batch_id, moved, size, rows, self.uri)
         return SinkCommit(files=moved, bytes=size, rows=rows if chosen else 0, batches=tuple(pending))
+
+    def pending_output(self, batch_from: int, batch_to: int) -> dict[str, Any]:
+        """Where this generation's pre-committed batches ``batch_from..batch_to`` wait, for a commit gate: the URIs of
+        their data files, Spark's format name and their rows (None when a batch's count is unknown)."""
+        files: list[str] = []
+        rows: int | None = 0
+        for p in sorted(self._pending_dirs()):
+            if not batch_from <= p.batch <= batch_to or p.generation != self.generation:
+                continue
+            counted = self._manifest_rows(p.path)
+            rows = rows + counted if rows is not None and counted is not None else None
+            files += [self.fs.uri_of(e.path) for e in self.fs.list_files(p.path)
+                      if not any(_hidden(part) for part in e.path[len(p.path) + 1:].split("/"))]
+        return {"kind": "files", "format": self.format, "files": sorted(files), "rows": rows}
+
+    def quarantine_through(self, batch_id: int, target: str) -> SinkCommit:
+        """A gate's failed output goes to ``target`` instead of the sink's folder: this generation's pending batches
+        ``<= batch_id`` are copied there (named as a commit names them), then removed, and the commit point moves
+        past them, so readers of the sink never see them and a later commit does not pick them up."""
+        self._check_fence(f"the quarantine through micro-batch {batch_id}")
+        dest = FileSystem.of(target)
+        chosen = sorted(p for p in self._pending_dirs() if p.batch <= batch_id and p.generation == self.generation)
+        moved = size = 0
+        for p in chosen:
+            for e in self.fs.list_files(p.path):
+                rel = e.path[len(p.path) + 1:]
+                if any(_hidden(part) for part in rel.split("/")):
+                    continue
+                # a copy, not a move: the quarantine may be on another file system; re-copying after a crash is
+                # harmless (same name, same bytes), and the pending folder goes only once all are copied
+                dest.write_bytes_atomic(self._committed_name(p.batch, rel, self.generation), self.fs.read_bytes(e.path))
+                moved += 1
+                size += e.size
+            self.fs.delete_tree(p.path)
+        if chosen or self._through() < batch_id:
+            self._write_commit_point(max(batch_id, self._through()))
+        log.warning("pipeline=%s sink=%s: quarantined batches <= %s (%d files, %d bytes) to %s",
+                    self.pipeline_id, self.stage, batch_id, moved, size, dest.uri)
+        return SinkCommit(files=moved, bytes=size, rows=None, batches=tuple(sorted({p.batch for p in chosen})))
 
     def _remove_fenced_files(self) -> None:
         """Delete files an older generation moved in after this one took over (a race the fence check

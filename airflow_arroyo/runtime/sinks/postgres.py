@@ -524,6 +524,16 @@ class TransactionalPostgresSink:
                             "WHERE pipeline_id = %s AND sink = %s").format(self._ident(_PROGRESS)),
                     (batch_id, self.pipeline_id, self.stage))
 
+    def pending_output(self, batch_from: int, batch_to: int) -> dict[str, Any]:  # noqa: ARG002 - the gate's range
+        """Where pre-committed batches wait, for a commit gate (:func:`airflow_arroyo.gates.pending_output` selects
+        the gate's range): the pending table, in the target table's schema, and the target's columns. No rows are
+        read here."""
+        if self._columns is None:
+            self._run(self._describe, what="reading the table's columns")
+        assert self._columns is not None
+        return {"kind": "postgres", "schema": self._schema or "public", "pending_table": self._pending_name,
+                "target": self.target.table, "columns": [c.name for c in self._columns], "batch_column": _BATCH}
+
     def commit_through(self, batch_id: int) -> SinkCommit:
         """Make every pending batch ``<= batch_id`` visible in one transaction; says what it wrote."""
 
