@@ -276,11 +276,30 @@ class PendingOutput:
 
     def create_view(self, cursor: Any, name: str = "pending") -> None:
         """In the PostgreSQL sink's target database: a temporary view ``name`` over the pending rows (on the
-        cursor's connection, gone with its session), for a check written against ``name``."""
+        cursor's connection, gone with its session), for a check written against ``name``. PostgreSQL creates no
+        view in a read-only transaction: create it first, then check read-only (:meth:`query` does both)."""
         if self.select_sql is None:
             raise ConfigurationError(f"sink {self.gate.sink!r} is a {self.kind} sink: its pending output is files "
                                      "(PendingOutput.files), not rows a view can show")
         cursor.execute(f"CREATE TEMPORARY VIEW {_quote(name)} AS {self.select_sql}", self.select_params)
+
+    def query(self, conn: Any, statement: str, params: Any = None, *, view: str = "pending") -> list[tuple[Any, ...]]:
+        """Run ``statement`` (a check written against ``view``) on psycopg2 connection ``conn`` to the sink's target
+        database in a READ ONLY transaction, after creating the view in a transaction of its own; returns its rows.
+        The check can read the pending rows and anything else, and write nothing."""
+        with conn.cursor() as cur:
+            self.create_view(cur, view)
+        conn.commit()
+        was = conn.readonly
+        conn.readonly = True
+        try:
+            with conn.cursor() as cur:
+                cur.execute(statement, params)
+                fetched = cur.fetchall() if cur.description else []
+        finally:
+            conn.rollback()
+            conn.readonly = was
+        return [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in fetched]
 
 
 def pending_output(store: GateStore, pipeline_id: str, sink: str, epoch: int) -> PendingOutput:
