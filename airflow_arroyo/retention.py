@@ -414,20 +414,10 @@ def _wait_no_in_flight(store: EpochStore, lease: _Lease, wait: timedelta, poll_i
 
 def _facts(records: Iterable[EpochRecord], keep_from: int | None = None) -> list[EpochFacts]:
     """The epochs as :func:`select_prunable` sees them; those from ``keep_from`` on are kept as pinned."""
-    held = "commit gate: a restore may need it while a gate waits for a verdict"
+    held = "commit gates: a restore may go back to it"
     return [EpochFacts(r.epoch, r.state, r.triggered_at, r.ended_at,
                        held if r.pin_label is None and keep_from is not None and r.epoch >= keep_from else r.pin_label)
             for r in records]
-
-
-def _gate_floor(store: EpochStore, pipeline_id: str) -> int | None:
-    """While a commit gate waits (airflow_arroyo.gates): the epoch a restore goes back to, before it. It and every
-    later epoch are kept: they become that epoch as verdicts pass."""
-    blocker = store.gate_blocker(pipeline_id)
-    if blocker is None:
-        return None
-    floor = store.latest_completed_before(pipeline_id, blocker.epoch)
-    return floor.epoch if floor is not None else blocker.epoch
 
 
 def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy,
@@ -435,7 +425,7 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
                        open_channel: Callable[[str], TruncatableChannel | None], report: PruneReport) -> None:
     pipeline_id = lease.pipeline_id
     records = store.unpruned_epochs(pipeline_id)
-    selection = select_prunable(_facts(records, _gate_floor(store, pipeline_id)), policy, store.db_now())
+    selection = select_prunable(_facts(records, store.retention_floor(pipeline_id)), policy, store.db_now())
     report.kept = list(selection.keep)
     if not selection.prune:
         log.info("pipeline %s: nothing to prune (kept %s)", pipeline_id, report.kept)

@@ -251,4 +251,5 @@ class EpochStore:
     close_gate = _via("gates", Gates.close_gate)
     supersede_gates = _via("gates", Gates.supersede_gates)
     gate_blocker = _via("gates", Gates.gate_blocker)
+    retention_floor = _via("gates", Gates.retention_floor)
     latest_completed_before = _via("gates", Gates.latest_completed_before)

@@ -169,6 +169,28 @@ class Gates(Concern):
 
         return self._db.tx(tx)
 
+    def retention_floor(self, pipeline_id: str) -> int | None:
+        """The oldest epoch retention must keep for the pipeline's gates (None: no gate ever opened). While a gate
+        waits, the newest completed epoch before it (what ``'latest'`` restores); otherwise the newest completed
+        epoch up to the newest closed gate: the next gate may open at any moment (its epoch has completed, the driver
+        has not yet seen it), and a restore then goes back to the epoch before it."""
+
+        def tx(cur: PgCursor) -> int | None:
+            cur.execute("SELECT min(epoch) FILTER (WHERE state = ANY(%s)) AS blocker,"
+                        " max(epoch) FILTER (WHERE state IN ('committed', 'quarantined')) AS closed"
+                        " FROM arroyo_gates WHERE pipeline_id = %s", (_BLOCKING, pipeline_id))
+            row = cur.fetchone()
+            if row is None or (row["blocker"] is None and row["closed"] is None):
+                return None
+            bound, inclusive = (row["blocker"], False) if row["blocker"] is not None else (row["closed"], True)
+            cur.execute("SELECT max(epoch) AS epoch FROM arroyo_epochs WHERE pipeline_id = %s AND state = %s"
+                        " AND (epoch < %s OR (%s AND epoch = %s))",
+                        (pipeline_id, EpochState.COMPLETED.value, bound, inclusive, bound))
+            found = cur.fetchone()
+            return int(found["epoch"]) if found and found["epoch"] is not None else int(bound)
+
+        return self._db.tx(tx)
+
     def latest_completed_before(self, pipeline_id: str, epoch: int) -> EpochRecord | None:
         """The newest completed epoch before ``epoch`` (what ``'latest'`` restores while a gate at ``epoch`` waits)."""
 

@@ -742,3 +742,33 @@ def test_compaction_deletes_the_sink_commits_of_the_epochs_it_deletes_and_keeps_
     with_rows = {e.epoch for e in store.list_epochs("orders")}
     assert {(sink, e) for sink, e in commits() if e not in with_rows} == {("retired", first[0])}
     check_history(store.dsn).assert_clean()
+
+
+def test_while_a_commit_gate_waits_retention_keeps_the_epoch_a_restore_goes_back_to_and_every_later_one(
+        store: EpochStore, pipe: Pipeline) -> None:
+    from airflow_arroyo.gates import GatePolicy, GateState, record_verdict
+
+    epochs = [pipe.epoch({"agg": {f"state-{i}": 10}}) for i in range(6)]
+    e1, e2, e3, e4, e5, e6 = epochs
+
+    def gate(epoch: int) -> None:
+        store.open_gate("orders", "out", epoch, run_id="run-1", uri="file:///out", policy=GatePolicy.HOLD,
+                        batch_from=epoch, batch_to=epoch, details={"kind": "files", "files": []}, timeout=None)
+
+    gate(e2)
+    record_verdict(store, "orders", "out", e2, passed=True, by="check")
+    store.close_gate("orders", "out", e2, GateState.COMMITTED)
+    for e in (e4, e5):
+        gate(e)
+    record_verdict(store, "orders", "out", e5, passed=True, by="check")  # passed, but behind e4's pending gate
+    # e4's gate waits: 'latest' restores e3, and e3..e6 become that epoch in turn as verdicts pass
+    report = prune(store, policy=RetentionPolicy(keep_last=1))
+    assert report.epochs_pruned == [e1, e2]
+    assert report.kept == [e3, e4, e5, e6]
+    # every gate passed and committed: the next gate may open for e6 at any moment, so e5 (the newest epoch up to
+    # the newest closed gate) stays as the epoch a restore would go back to
+    record_verdict(store, "orders", "out", e4, passed=True, by="check")
+    for e in (e4, e5):
+        store.close_gate("orders", "out", e, GateState.COMMITTED)
+    assert prune(store, policy=RetentionPolicy(keep_last=1)).epochs_pruned == [e3, e4]
+    assert pipe.states()[e5] is EpochState.COMPLETED
