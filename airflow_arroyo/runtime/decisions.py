@@ -90,6 +90,9 @@ class RestoreFacts:
     fork_of: str | None = None  # a fork's first run: the pipeline whose epoch (the fork point) it restores
     # the oldest commit gate without a pass (airflow_arroyo.gates): (epoch, sink, state); no restore at or after it
     held_by: tuple[int, str, str] | None = None
+    # an upgrade (plan_upgrade): the epoch's stages whose state the new code may drop, and old -> new stage names
+    allow_dropped_state: tuple[str, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
 
 
 class RestoreAction(enum.StrEnum):
@@ -107,6 +110,7 @@ class RestorePlan:
     action: RestoreAction
     epoch: int | None = None
     reason: str = ""
+    upgrade: UpgradePlan | None = None  # RESTORE with the new graph's stages known: what each stage becomes
 
 
 def plan_restore(facts: RestoreFacts) -> RestorePlan:
@@ -159,13 +163,17 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
             f"changed nothing: {epoch.unrestorable}); restore an earlier completed epoch with restore_from=<n> "
             "(airflow-arroyo epochs lists them), or start over in a new storage folder",
             epoch=epoch.epoch, stage="", problems=(epoch.unrestorable,))
-    missing = sorted(set(facts.stages or ()) - set(epoch.stages))
-    if missing:
+    reason = f"epoch {epoch.epoch} ({rf})"
+    if facts.stages is None:  # the caller does not have the code (the CLI): the driver plans the upgrade
+        return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=reason)
+    upgrade = plan_upgrade(epoch.epoch, epoch.stages, {s: s for s in facts.stages},
+                           allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed))
+    if not upgrade.restores:
+        refused = "; ".join(f"stage {r.stage!r} {r.action.value}: {r.reason}" for r in upgrade.refused)
         raise ConfigurationError(
-            f"epoch {epoch.epoch} of pipeline {pid!r} has no snapshot of stage(s) {', '.join(missing)} "
-            f"(its stages: {', '.join(epoch.stages)}); the graph changed since: restore needs the same stages"
-        )
-    return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=f"epoch {epoch.epoch} ({rf})")
+            f"epoch {epoch.epoch} of pipeline {pid!r} does not restore into this code's graph (its stages: "
+            f"{', '.join(epoch.stages)}): {refused} (airflow-arroyo upgrade-plan prints the whole plan)")
+    return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=reason, upgrade=upgrade)
 
 
 def _check_fork_point(pid: str, source: str, point: EpochFacts) -> None:

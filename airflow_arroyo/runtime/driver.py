@@ -40,9 +40,9 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,7 @@ from airflow_arroyo.runtime.decisions import (
     StopDecision,
     StopFacts,
     StopMode,
+    UpgradePlan,
     decide_stop,
     epoch_to_commit,
     epochs_still_to_commit,
@@ -181,6 +182,8 @@ class PipelineDriver:
         own_spark: bool | None = None,
         max_backlog_entries: int | None = None,
         warmup_timeout: float = DEFAULT_WARMUP_TIMEOUT,
+        allow_dropped_state: Sequence[str] = (),
+        renamed: Mapping[str, str] | None = None,
     ) -> None:
         self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
@@ -203,6 +206,12 @@ class PipelineDriver:
         self.commit_timeout = commit_timeout
         self.max_backlog_entries = self.DEFAULT_MAX_BACKLOG if max_backlog_entries is None else max_backlog_entries
         self.warmup_timeout = warmup_timeout
+        # an upgrade (docs/upgrading.md): the epoch's stages whose state this code drops, and old -> new stage names
+        self.allow_dropped_state = tuple(allow_dropped_state)
+        self.renamed = dict(renamed or {})
+        self._upgrade: UpgradePlan | None = None  # what each stage becomes in this run's restore
+        self._fresh_channels: set[str] = set()  # written by stages that start afresh in an upgrade: empty, at 0
+        self._channel_starts: dict[str, dict[str, int]] = {}  # new stage -> input channel -> where it starts
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
         self.runners: list[StageRunner] = []
@@ -289,6 +298,7 @@ class PipelineDriver:
         """
         self._plan_chains()  # which stages run fused; watermarks a channel drops (Spark's analyzer)
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
+        self._upgrade = plan.upgrade
         self._register()  # owns the pipeline from here on; changes no epoch
         self._take_token()
         try:
@@ -361,7 +371,8 @@ class PipelineDriver:
         situation = read_restore_facts(self.store, self.pipeline_id, self.restore_from, self.graph.stage_names,
                                        has_state=self._has_state, location=self.layout.fs.uri_of(self.pipeline_id))
         self._fork_source = situation.fork_source
-        return situation.facts
+        return replace(situation.facts, allow_dropped_state=self.allow_dropped_state,
+                       renamed=tuple(self.renamed.items()))
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,
@@ -400,7 +411,7 @@ class PipelineDriver:
             if not Channel.exists(folder):
                 continue
             channel = Channel.open(folder)
-            if epoch is None:
+            if epoch is None or c in self._fresh_channels:
                 position = 0
             else:
                 barrier = channel.find_barrier(epoch)
@@ -467,7 +478,7 @@ class PipelineDriver:
            which picks ``epoch`` again and repeats the three phases.
         """
         t0 = time.monotonic()
-        channels = {c: Channel.open(self.layout.channel_fs(c)) for c in self.graph.channels}
+        channels = {c: Channel.open(self.layout.channel_fs(c)) for c in self._carried_channels()}
         cut_positions = check_channels_have_barrier(channels, epoch)
 
         def truncate(_name: str, ch: Channel, position: int) -> None:
@@ -475,7 +486,7 @@ class PipelineDriver:
             Channel.open(ch.uri).remove_orphans()
 
         prepared = self._restore_phases(
-            epoch, channels, cut_positions, self._sink_cuts(epoch),
+            epoch, channels, cut_positions, self._restored_sink_cuts(epoch),
             commit=lambda: self.store.commit_restore(self.pipeline_id, self.run_id, epoch),
             roll_channel=truncate, roll_step="truncated")
         log.info("pipeline=%s epoch=%s: restored %d stages (%d files) and truncated %d channels in %.1fs",
@@ -497,9 +508,12 @@ class PipelineDriver:
         try:
             if source is None:
                 self._check_kafka_offsets(epoch)
+            snapshot_of = self._snapshot_of()
             for s in self.graph.stages:
-                prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source))
-                self._step(f"prepared:{s.name}")
+                if s.name in snapshot_of:
+                    prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source,
+                                                                   snapshot_stage=snapshot_of[s.name]))
+                    self._step(f"prepared:{s.name}")
             commit()
         except UnrestorableEpochError as exc:
             self.snapshots.discard(prepared)
@@ -517,6 +531,7 @@ class PipelineDriver:
         for name, ch in channels.items():
             roll_channel(name, ch, cut_positions[name])
             self._step(f"{roll_step}:{name}")
+        self._start_new_stages(cut_positions)
         for name, sink in self.sinks.items():
             sink.rollback_to(sink_cuts[name])
             self._step(f"rolled-back:{name}")
@@ -526,6 +541,68 @@ class PipelineDriver:
         self._step("restored")
         return prepared
 
+    # ------------------------------------------------------------------ upgrades: stages the epoch has no state of
+
+    def _snapshot_of(self) -> dict[str, str]:
+        """Each stage this restore rebuilds -> the epoch's stage whose snapshot it takes (itself unless renamed);
+        a stage missing here is new in this code and starts with empty state."""
+        if self._upgrade is None:
+            return {name: name for name in self.graph.stage_names}
+        return self._upgrade.snapshot_of()
+
+    def _carried_channels(self) -> list[str]:
+        """The channels a restore cuts at the epoch's barrier: those written by a restored stage. A restored stage
+        reading a channel whose writer starts afresh is refused: its checkpoint's positions are into what the old
+        writer wrote."""
+        restored = self._snapshot_of()
+        carried = [c for c in self.graph.channels if self.graph.writers.get(c) in restored]
+        for s in self.graph.stages:
+            fresh = [c for c in s.all_inputs if c not in carried]
+            if s.name in restored and fresh:
+                raise ConfigurationError(
+                    f"stage {s.name!r} is restored but reads channel(s) {', '.join(fresh)}, whose writer starts "
+                    "with empty state in this upgrade: its checkpoint's positions belong to what the old writer "
+                    f"wrote. Start {s.name!r} afresh too (a new name, and allow_dropped_state=[{s.name!r}]), or "
+                    "keep the writer's state (renamed=...)")
+        missing = [c for c in carried if not Channel.exists(self.layout.channel_fs(c))]
+        if missing:
+            raise ConfigurationError(
+                f"channel(s) {', '.join(missing)} of restored stage(s) "
+                f"{', '.join(str(self.graph.writers[c]) for c in missing)} do not exist in this pipeline's storage: "
+                "a renamed stage keeps its state, not its channel's name (channels are named after the stage that "
+                "writes them); give it output='<old name>' to keep writing its channel")
+        self._fresh_channels = set(self.graph.channels) - set(carried)
+        return carried
+
+    def _restored_sink_cuts(self, epoch: int) -> dict[str, int]:
+        """Each exactly-once sink's cut in ``epoch``, by the snapshot it restores; -1 for a sink new in this code
+        (nothing of the epoch is its output)."""
+        snapshot_of = self._snapshot_of()
+        restored = {name: snapshot_of[name] for name in self.sinks if name in snapshot_of}
+        details = {a.stage: a.details for a in self.store.acks(self.pipeline_id, epoch)} if restored else {}
+        cuts = sink_cuts(self.pipeline_id, epoch, restored.values(), details)
+        return {name: cuts[restored[name]] if name in restored else -1 for name in self.sinks}
+
+    def _start_new_stages(self, cut_positions: Mapping[str, int]) -> None:
+        """After the commit point: a stage new in this code starts from an empty checkpoint, reading each carried
+        input channel from right after the epoch's barrier; a channel it writes starts empty."""
+        restored = self._snapshot_of()
+        layout = self.layout
+        for s in self.graph.stages:
+            if s.name in restored:
+                continue
+            if layout.checkpoint_fs.exists(layout.checkpoint(s.name)):  # left by a stage of that name long ago
+                empty = layout.new_checkpoint(s.name, 0)
+                layout.checkpoint_fs.makedirs(empty)
+                layout.switch_checkpoint(s.name, empty)
+            self._channel_starts[s.name] = {c: cut_positions[c] for c in s.all_inputs if c in cut_positions}
+            log.info("pipeline=%s: stage %r is new in this code: empty state, its inputs from the epoch's cut %s",
+                     self.pipeline_id, s.name, self._channel_starts[s.name])
+        for c in sorted(self._fresh_channels):
+            folder = layout.channel_fs(c)
+            if Channel.exists(folder):
+                Channel.open(folder).reset()
+
     def _check_kafka_offsets(self, epoch: int) -> None:
         """Before the commit point: refuse an epoch whose Kafka source offsets point at records the topics no
         longer hold (:func:`~airflow_arroyo.runtime.kafka_offsets.lost_offsets`): restoring it would skip them."""
@@ -533,7 +610,8 @@ class PipelineDriver:
             return
         for s in self.graph.stages:
             logs = sorted((int(e.rel_path.split("/")[1]), e.object_key)
-                          for e in self.store.snapshot_entries(self.pipeline_id, epoch, s.name)
+                          for e in self.store.snapshot_entries(self.pipeline_id, epoch,
+                                                               self._snapshot_of().get(s.name, s.name))
                           if re.fullmatch(r"offsets/\d+", e.rel_path))
             if not logs:
                 continue
@@ -635,6 +713,7 @@ class PipelineDriver:
                 self._ensure_feedback_channel(spec.name, fb)
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
+                                 channel_starts=self._channel_starts.get(spec.name),
                                  gated=True, sink=self.sinks.get(spec.name), token=self.token)
             try:
                 df = runner.build(spark)  # runs the user's source read / transform
@@ -902,6 +981,14 @@ class PipelineDriver:
         details = {a.stage: a.details for a in self.store.acks(owner or self.pipeline_id, epoch)}
         return sink_cuts(self.pipeline_id, epoch, self.sinks, details)
 
+    def _sink_floors(self, epoch: int) -> dict[str, int]:
+        """Each sink's cut in the oldest retained ``epoch``, below which no restore goes (what a trim may forget);
+        -1 for a sink that epoch has no cut of (new since an upgrade: it keeps all it has)."""
+        details = {a.stage: a.details for a in self.store.acks(self.pipeline_id, epoch)}
+        present = [name for name in self.sinks if (details.get(name) or {}).get("batch_id") is not None]
+        cuts = sink_cuts(self.pipeline_id, epoch, present, details)
+        return {name: cuts.get(name, -1) for name in self.sinks}
+
     def _commit_sinks(self) -> None:
         """Second phase of the exactly-once sinks: commit every batch up to the cut of the newest completed
         epoch this run took part in (:func:`epoch_to_commit`); then let them forget what only a restore behind
@@ -917,7 +1004,7 @@ class PipelineDriver:
         cuts = self._sink_cuts(epoch)
         oldest = self.store.oldest_completed_epoch(self.pipeline_id)
         oldest_epoch = oldest.epoch if oldest is not None else None
-        floors = self._sink_cuts(oldest_epoch) if oldest_epoch is not None and oldest_epoch != epoch else None
+        floors = self._sink_floors(oldest_epoch) if oldest_epoch is not None and oldest_epoch != epoch else None
         plan = sinks_to_commit(epoch, cuts, oldest_epoch, floors)
         self.gates.hold(epoch, {name: cut for name, cut in cuts.items() if name in self.gates})
         for commit in plan.commits:
@@ -1212,6 +1299,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds between heartbeats (default: $ARROYO_HEARTBEAT_INTERVAL, else 2)")
     parser.add_argument("--warmup-timeout", type=float, default=DEFAULT_WARMUP_TIMEOUT,
                         help="seconds to let every query run its first micro-batch before epochs may start")
+    parser.add_argument("--allow-dropped-state", action="append", default=[], metavar="STAGE",
+                        help="an upgrade: a stage of the restored epoch whose state this code drops (repeatable)")
+    parser.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                        help="an upgrade: the epoch's stage OLD is this code's stage NEW (repeatable)")
     parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -1300,7 +1391,9 @@ def main(argv: list[str] | None = None) -> int:
                             run_id=args.run_id,
                             restore_from=args.restore_from, spark=spark, takeover=args.takeover,
                             poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
-                            own_spark=True, warmup_timeout=args.warmup_timeout)
+                            own_spark=True, warmup_timeout=args.warmup_timeout,
+                            allow_dropped_state=args.allow_dropped_state,
+                            renamed={k: str(v) for k, v in _kv(args.rename, "--rename").items()})
 
     def on_signal(signum: int, _frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)

@@ -63,12 +63,15 @@ class KeyedChannelReader(ChannelStreamReader):
 
 
 def read_stage_input(spark: SparkSession, uri: str, *, key: str, cap_path: str | None,
-                     stop_at_barriers: bool) -> DataFrame:
-    """A streaming DataFrame over channel ``uri`` for the stage input named ``key`` (also its cap key)."""
+                     stop_at_barriers: bool, start_pos: int | None = None) -> DataFrame:
+    """A streaming DataFrame over channel ``uri`` for the stage input named ``key`` (also its cap key);
+    ``start_pos``: where a query without a checkpoint starts (default: the channel's start)."""
     register_data_sources(spark)
     register_data_source(spark, StageInputDataSource)
     reader = (spark.readStream.format(StageInputDataSource.name()).option("uri", uri).option("cap_key", key)
               .option("stop_at_barriers", "true" if stop_at_barriers else "false"))
     if cap_path:
         reader = reader.option("cap_path", cap_path)
+    if start_pos is not None:
+        reader = reader.option("start_pos", str(start_pos))
     return reader.load()

@@ -304,23 +304,24 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ restore
 
-    def prepare_restore(self, stage: str, epoch: int, *, source: tuple[FileSystem, str] | None = None
-                        ) -> PreparedRestore:
+    def prepare_restore(self, stage: str, epoch: int, *, source: tuple[FileSystem, str] | None = None,
+                        snapshot_stage: str | None = None) -> PreparedRestore:
         """Rebuild ``stage``'s checkpoint of ``epoch`` into a new checkpoint folder, verifying every object.
         Nothing existing is touched; :meth:`commit_restore` makes the folder live.
 
         ``source``: the storage root and id of the pipeline whose epoch it is, when not this one (a fork's
         first restore reads its source's snapshot objects where they are; nothing is copied to this
-        pipeline's objects)."""
-        return self.rebuild(stage, epoch, self.layout.new_checkpoint(stage, epoch), source=source)
+        pipeline's objects). ``snapshot_stage``: the epoch's stage whose snapshot it is, when renamed since."""
+        return self.rebuild(stage, epoch, self.layout.new_checkpoint(stage, epoch), source=source,
+                            snapshot_stage=snapshot_stage)
 
-    def rebuild(self, stage: str, epoch: int, folder: str, *, source: tuple[FileSystem, str] | None = None
-                ) -> PreparedRestore:
+    def rebuild(self, stage: str, epoch: int, folder: str, *, source: tuple[FileSystem, str] | None = None,
+                snapshot_stage: str | None = None) -> PreparedRestore:
         """Rebuild ``stage``'s checkpoint of ``epoch`` into ``folder`` (a new folder, relative to the checkpoint
         root), verifying every object; the objects are only read. :meth:`prepare_restore` rebuilds beside the live
         checkpoint; a state read (:mod:`airflow_arroyo.state`) into a scratch folder of its own."""
         storage, owner = source if source is not None else (self.fs, self.pipeline_id)
-        entries = self.store.snapshot_entries(owner, epoch, stage)
+        entries = self.store.snapshot_entries(owner, epoch, snapshot_stage or stage)
         problems = check_restorable(e.rel_path for e in entries)
         if problems:
             raise UnrestorableEpochError(

@@ -215,6 +215,8 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
         self.max_rows = parse_positive_int(options.get("max_rows_per_batch"), option="max_rows_per_batch")
         self.max_files = parse_positive_int(options.get("max_files_per_batch"), option="max_files_per_batch")
+        start = options.get("start_pos")
+        self.start_pos = int(start) if start not in (None, "") else None
         self.schema_json: dict[str, Any] = schema.jsonValue()
         self._channel: Channel | None = None
         self._target: int | None = None
@@ -233,8 +235,10 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._channel
 
     def initialOffset(self) -> dict[str, int]:
-        """Spark: the channel's start position."""
-        return {"pos": self.channel.start_position()}
+        """Spark: the channel's start position, or ``start_pos`` when given (a stage new in an upgrade reads from
+        the restored epoch's barrier on, not the history before it)."""
+        start = self.channel.start_position()
+        return {"pos": start if self.start_pos is None else max(start, self.start_pos)}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         """Spark: the per-batch limit from the options (rows, files, or all available)."""

@@ -123,8 +123,12 @@ class StageRunner:
         gated: bool = False,
         sink: TransactionalSink | None = None,
         token: FencingToken | None = None,
+        channel_starts: Mapping[str, int] | None = None,
     ) -> None:
         self.spec = spec
+        # a stage new in an upgrade (empty checkpoint): where each input channel starts, right after the restored
+        # epoch's barrier (a restored stage's checkpoint says where it resumes)
+        self.channel_starts = dict(channel_starts or {})
         # the run's fencing token: on every channel entry, caps file, acknowledgement and epoch failure
         self.token = token
         generation = token.generation if token is not None else 0
@@ -200,6 +204,7 @@ class StageRunner:
                 self.inputs[channel] = Channel.open(self.layout.channel_fs(channel))
                 frames.append(read_stage_input(
                     spark, uri, key=channel, cap_path=self.caps_uri, stop_at_barriers=channel not in spec.feedback,
+                    start_pos=self.channel_starts.get(channel),
                 ))
                 # a restored reader resumes right after barrier N, where the restore cut the channel
                 self.consumed[channel] = self.inputs[channel].end_position()

@@ -55,7 +55,10 @@ def _epoch(n: int, state: EpochState = EpochState.COMPLETED, stages: tuple[str, 
         (_facts("latest", known=False), RestoreAction.START_OVER, None),
         (_facts("latest"), RestoreAction.START_OVER, None),  # no completed epoch
         (_facts("latest", epoch=_epoch(7)), RestoreAction.RESTORE, 7),
-        (_facts("latest", epoch=_epoch(7, stages=(*STAGES, "gone"))), RestoreAction.RESTORE, 7),  # a stage removed
+        # a stage removed, its state dropped by name (unnamed: refused, below)
+        (replace(_facts("latest", epoch=_epoch(7, stages=(*STAGES, "gone"))), allow_dropped_state=("gone",)),
+         RestoreAction.RESTORE, 7),
+        (_facts("latest", epoch=_epoch(7, stages=("left", "right", "joined"))), RestoreAction.RESTORE, 7),  # a new one
         (_facts(3, epoch=_epoch(3)), RestoreAction.RESTORE, 3),
     ],
 )
@@ -78,10 +81,12 @@ def test_plan_restore_picks(facts: RestoreFacts, action: RestoreAction, epoch: i
         (_facts(3, epoch=_epoch(3, EpochState.TRIGGERED)), "is triggered, not completed; restore from a completed"),
         (_facts(3, epoch=_epoch(3, EpochState.SUPERSEDED)), "is superseded, not completed"),
         (_facts(3, epoch=_epoch(3, EpochState.PRUNED)), "is pruned, not completed"),
-        (_facts(3, epoch=_epoch(3, stages=("left", "right"))),
-         r"epoch 3 of pipeline 'orders' has no snapshot of stage\(s\) files, joined \(its stages: left, right\); "
-         "the graph changed since"),
-        (_facts("latest", epoch=_epoch(7, stages=("left",))), r"epoch 7 .* no snapshot of stage\(s\) files, joined"),
+        (_facts(3, epoch=_epoch(3, stages=("left", "right", "joined", "files", "old"))),
+         r"epoch 3 of pipeline 'orders' does not restore into this code's graph \(its stages: left, right, joined, "
+         r"files, old\): stage 'old' removed: not in the new graph but epoch 3 holds its state; drop it with "
+         r"allow_dropped_state=\['old'\]"),
+        (_facts("latest", epoch=_epoch(7, stages=("left", "renamed_join"))),
+         r"epoch 7 .*stage 'renamed_join' removed: .*renamed=\{'renamed_join': 'NEW'\}"),
         (_facts("newest"), "restore_from must be 'latest', an epoch number or None, got 'newest'"),
         (_facts(True), "restore_from must be"),
     ],
@@ -115,7 +120,7 @@ restore_facts = st.builds(
 
 @settings(max_examples=100, deadline=None)
 @given(restore_facts)
-def test_plan_restore_restores_only_a_known_completed_epoch_with_every_stage(f: RestoreFacts) -> None:
+def test_plan_restore_restores_only_a_known_completed_epoch_whose_state_the_graph_keeps(f: RestoreFacts) -> None:
     try:
         plan = plan_restore(f)
     except ConfigurationError as exc:
@@ -123,7 +128,8 @@ def test_plan_restore_restores_only_a_known_completed_epoch_with_every_stage(f: 
         refused = True
     else:
         refused = False
-    complete = f.epoch is not None and set(STAGES) <= set(f.epoch.stages)
+    # every stage the epoch holds state of is in the graph (none dropped unasked); the graph's others start empty
+    complete = f.epoch is not None and set(f.epoch.stages) <= set(STAGES)
     if f.requested is None:
         assert refused == f.has_state  # a fresh start never guesses over state that is there
         if not refused:
@@ -345,3 +351,18 @@ def test_a_forks_bad_fork_point_advises_another_fork(point: EpochFacts, error: t
     with pytest.raises(error, match=needle) as raised:
         plan_restore(facts)
     assert "restore_from='latest' picks" not in str(raised.value) and "restore_from=<n>" not in str(raised.value)
+
+
+def test_a_restore_into_new_code_plans_each_stage() -> None:
+    """An epoch of an older graph restores: stages it has no snapshot of start empty, a dropped stage's state goes
+    only when named, and a renamed stage takes the old one's snapshot (plan_upgrade decides, plan_restore applies)."""
+    older = _epoch(5, stages=("left", "right", "joined_v1", "legacy"))
+    facts = replace(_facts(5, epoch=older), allow_dropped_state=("legacy",), renamed=(("joined_v1", "joined"),))
+    plan = plan_restore(facts)
+    assert (plan.action, plan.epoch) == (RestoreAction.RESTORE, 5)
+    assert plan.upgrade is not None
+    assert {s.stage: s.action.value for s in plan.upgrade.stages} == {
+        "left": "restored", "right": "restored", "joined": "restored", "files": "new", "legacy": "removed"}
+    assert plan.upgrade.snapshot_of() == {"left": "left", "right": "right", "joined": "joined_v1"}
+    with pytest.raises(ConfigurationError, match=r"stage 'legacy' removed: .*allow_dropped_state=\['legacy'\]"):
+        plan_restore(replace(facts, allow_dropped_state=()))
