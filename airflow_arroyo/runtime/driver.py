@@ -882,7 +882,7 @@ class PipelineDriver:
         while True:
             self._check_queries()
             self._follow_epochs(turn, changed)
-            gate_stop = self.gates.advance(now=datetime.now(UTC))
+            gate_stop = self.gates.advance(now=datetime.now(UTC), force=changed)  # a verdict is announced too
             if gate_stop is not None:
                 return self._stop_for_gate(gate_stop)
             for r in self.runners:

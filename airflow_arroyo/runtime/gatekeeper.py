@@ -48,7 +48,9 @@ class GateStop:
 class GateKeeper:
     """The gated sinks of one run: ``gated`` maps a physical sink stage to (the sink's declared name, its gate)."""
 
-    poll_interval = 1.0  # seconds between reads of the open gates (a verdict's latency to its commit)
+    # seconds between reads of the open gates when nothing is announced (a verdict is: Gates.decide_gate notifies the
+    # pipeline's channel, and the driver's loop then forces a read)
+    poll_interval = 1.0
 
     def __init__(self, pipeline_id: str, run_id: str, store: EpochStore, sinks: Mapping[str, TransactionalSink],
                  gated: Mapping[str, tuple[str, Gate]]) -> None:

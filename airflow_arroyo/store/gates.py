@@ -106,7 +106,8 @@ class Gates(Concern):
             cur.execute("UPDATE arroyo_gates SET state = %s, decided_by = %s, reason = %s,"
                         " decided_at = clock_timestamp() WHERE pipeline_id = %s AND sink = %s AND epoch = %s",
                         (verdict.value, by, reason, pipeline_id, sink, epoch))
-            cur.execute("SELECT pg_notify('arroyo_gates', %s)", (pipeline_id,))
+            # the pipeline's channel (migration 0004): the driver's epoch watch wakes and acts on the verdict at once
+            cur.execute("SELECT pg_notify(arroyo_channel(%s), %s)", (pipeline_id, f"gate {sink} {epoch} {verdict}"))
             return _get(cur, pipeline_id, sink, epoch)
 
         return self._db.tx(tx)
