@@ -465,7 +465,7 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). Touches nothing; exit 0 when
     the plan restores, 2 when it is refused."""
     from airflow_arroyo.restores import parse_restore_from, read_restore_facts
-    from airflow_arroyo.runtime.decisions import plan_upgrade
+    from airflow_arroyo.runtime.decisions import plan_stages
     from airflow_arroyo.runtime.driver import load_pipeline
 
     _require_schema(store)
@@ -481,8 +481,11 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     if facts.epoch is None:
         raise ConfigurationError(f"pipeline {args.pipeline} has no epoch {args.epoch} to plan an upgrade from "
                                  f"(airflow-arroyo epochs {args.pipeline} lists them)")
-    plan = plan_upgrade(facts.epoch.epoch, facts.epoch.stages, {n: n for n in graph.stage_names},
-                        allow_dropped_state=args.allow_dropped_state or (), renamed=renamed)
+    new_code = dataclasses.replace(
+        facts, stages=tuple(graph.stage_names), renamed=tuple(renamed.items()),
+        identities=tuple((s.name, s.uid) for s in graph.stages if s.uid and s.uid != s.name),
+        allow_dropped_state=tuple(args.allow_dropped_state or ()))
+    plan = plan_stages(new_code, facts.epoch)
     if args.json:
         json.dump({"pipeline": args.pipeline, "epoch": plan.epoch, "restores": plan.restores,
                    "stages": [_jsonable(row) for row in plan.stages]}, out)

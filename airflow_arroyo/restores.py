@@ -77,11 +77,12 @@ def read_restore_facts(store: EpochStore, pipeline_id: str, requested: RestoreFr
         assert me.forked_from_epoch is not None
         point = store.get_epoch(source.pipeline_id, me.forked_from_epoch)
         return RestoreSituation(replace(facts, requested=point.epoch, pipeline_known=True, epoch=_epoch_facts(point),
-                                        fork_of=source.pipeline_id), source)
+                                        fork_of=source.pipeline_id, epoch_identities=registered_identities(source)),
+                                source)
     if requested is None:
         return RestoreSituation(replace(facts, has_state=has_state(), location=location))
     try:
-        store.get_pipeline(pipeline_id)
+        registered = store.get_pipeline(pipeline_id)
     except UnknownPipelineError:
         return RestoreSituation(facts)
     blocker = store.gate_blocker(pipeline_id)
@@ -98,4 +99,12 @@ def read_restore_facts(store: EpochStore, pipeline_id: str, requested: RestoreFr
         except UnknownEpochError:  # bad input, not a store failure: plan_restore refuses it
             record = None
     return RestoreSituation(replace(facts, pipeline_known=True, held_by=held_by,
-                                    epoch=None if record is None else _epoch_facts(record)))
+                                    epoch=None if record is None else _epoch_facts(record),
+                                    epoch_identities=registered_identities(registered)))
+
+
+def registered_identities(record: PipelineRecord) -> tuple[tuple[str, str], ...]:
+    """Stage name -> identity (its ``uid``) as the pipeline's last run registered them, where they differ."""
+    stages = (record.config or {}).get("stages") or {}
+    return tuple((name, str(cfg["uid"])) for name, cfg in stages.items()
+                 if isinstance(cfg, dict) and cfg.get("uid") and cfg["uid"] != name)

@@ -16,6 +16,7 @@ PipelineDriver` reads the facts, asks, and applies the answer (the restore facts
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ __all__ = [
     "epoch_to_commit",
     "epochs_still_to_commit",
     "plan_restore",
+    "plan_stages",
     "plan_upgrade",
     "sink_cuts",
     "sinks_to_commit",
@@ -93,6 +95,10 @@ class RestoreFacts:
     # an upgrade (plan_upgrade): the epoch's stages whose state the new code may drop, and old -> new stage names
     allow_dropped_state: tuple[str, ...] = ()
     renamed: tuple[tuple[str, str], ...] = ()
+    # stage identities (a stage's uid, else its name) where they differ from the name: the new graph's, and the
+    # epoch's stages' as their pipeline's last run registered them
+    identities: tuple[tuple[str, str], ...] = ()
+    epoch_identities: tuple[tuple[str, str], ...] = ()
 
 
 class RestoreAction(enum.StrEnum):
@@ -166,14 +172,28 @@ def plan_restore(facts: RestoreFacts) -> RestorePlan:
     reason = f"epoch {epoch.epoch} ({rf})"
     if facts.stages is None:  # the caller does not have the code (the CLI): the driver plans the upgrade
         return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=reason)
-    upgrade = plan_upgrade(epoch.epoch, epoch.stages, {s: s for s in facts.stages},
-                           allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed))
+    upgrade = plan_stages(facts, epoch)
     if not upgrade.restores:
         refused = "; ".join(f"stage {r.stage!r} {r.action.value}: {r.reason}" for r in upgrade.refused)
         raise ConfigurationError(
             f"epoch {epoch.epoch} of pipeline {pid!r} does not restore into this code's graph (its stages: "
             f"{', '.join(epoch.stages)}): {refused} (airflow-arroyo upgrade-plan prints the whole plan)")
     return RestorePlan(RestoreAction.RESTORE, epoch.epoch, reason=reason, upgrade=upgrade)
+
+
+def plan_stages(facts: RestoreFacts, epoch: EpochFacts) -> UpgradePlan:
+    """What each stage of the new graph (``facts.stages``, with ``facts.identities``) becomes in a restore of
+    ``epoch`` (:func:`plan_upgrade` over identities, with ``facts``'s ``allow_dropped_state`` and ``renamed``); each
+    restored row's ``snapshot`` is the epoch's stage *name* whose snapshot it takes. The driver and
+    ``airflow-arroyo upgrade-plan`` both plan here."""
+    ids, held_ids = dict(facts.identities), dict(facts.epoch_identities)
+    upgrade = plan_upgrade(epoch.epoch, [held_ids.get(s, s) for s in epoch.stages],
+                           {s: ids.get(s, s) for s in facts.stages or ()},
+                           allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed))
+    name_of = {held_ids.get(s, s): s for s in epoch.stages}  # the plan speaks identities; snapshots are by name
+    return dataclasses.replace(upgrade, stages=tuple(
+        dataclasses.replace(r, snapshot=name_of.get(r.snapshot, r.snapshot)) if r.snapshot else r
+        for r in upgrade.stages))
 
 
 def _check_fork_point(pid: str, source: str, point: EpochFacts) -> None:

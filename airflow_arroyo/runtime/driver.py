@@ -372,7 +372,8 @@ class PipelineDriver:
                                        has_state=self._has_state, location=self.layout.fs.uri_of(self.pipeline_id))
         self._fork_source = situation.fork_source
         return replace(situation.facts, allow_dropped_state=self.allow_dropped_state,
-                       renamed=tuple(self.renamed.items()))
+                       renamed=tuple(self.renamed.items()),
+                       identities=tuple((s.name, s.uid) for s in self.graph.stages if s.uid and s.uid != s.name))
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,
@@ -383,7 +384,7 @@ class PipelineDriver:
             storage_uri=self.storage_uri, takeover=takeover,
             config={"driver": "airflow_arroyo.runtime.driver", "checkpoint_uri": self.checkpoint_uri, "stages": {
                 s.name: {"kind": s.kind.value, "inputs": list(s.inputs), "feedback": list(s.feedback),
-                         "output": s.output} for s in self.graph.stages}, "plan": self.plan.as_dict()},
+                         "output": s.output, "uid": s.uid} for s in self.graph.stages}, "plan": self.plan.as_dict()},
         )
 
     # ------------------------------------------------------------------ fencing

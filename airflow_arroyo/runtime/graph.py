@@ -81,6 +81,12 @@ class StageSpec:
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
     chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
     gate: Gate | None = None  # sinks: each epoch's output waits for a verdict before it commits (airflow_arroyo.gates)
+    uid: str | None = None  # the stage's identity across code versions (None: its name); see plan_upgrade
+
+    @property
+    def identity(self) -> str:
+        """Who this stage is to a restore of an older epoch: its ``uid``, else its name."""
+        return self.uid or self.name
 
     @property
     def is_iteration_head(self) -> bool:
@@ -143,6 +149,11 @@ def _check_spec(s: StageSpec) -> None:
         raise PipelineGraphError(
             f"stage name {s.name!r} cannot name a folder: use 1-100 letters, digits, '_', '.' or '-' "
             "(not starting with '.' or '-')"
+        )
+    if s.uid is not None and (not isinstance(s.uid, str) or not STAGE_NAME.match(s.uid)):
+        raise PipelineGraphError(
+            f"stage {s.name!r}: uid {s.uid!r} must be 1-100 letters, digits, '_', '.' or '-' (not starting with "
+            "'.' or '-'), and stay the same across versions of the code"
         )
     if s.output is not None and (not isinstance(s.output, str) or not STAGE_NAME.match(s.output)):
         raise PipelineGraphError(
@@ -260,8 +271,9 @@ def _check_gate(s: StageSpec) -> None:
 
 
 def _check_names(pipeline_id: str, specs: Sequence[StageSpec]) -> None:
-    """Each stage is well formed and has a name of its own."""
+    """Each stage is well formed and has a name and an identity of its own."""
     names: dict[str, StageSpec] = {}
+    identities: dict[str, str] = {}
     for s in specs:
         _check_spec(s)
         if s.name in names:
@@ -269,6 +281,11 @@ def _check_names(pipeline_id: str, specs: Sequence[StageSpec]) -> None:
                 f"stage {s.name!r} is defined twice in pipeline {pipeline_id!r}; give each stage a unique name"
             )
         names[s.name] = s
+        other = identities.setdefault(s.identity, s.name)
+        if other != s.name:
+            raise PipelineGraphError(f"stages {other!r} and {s.name!r} of pipeline {pipeline_id!r} have the same "
+                                     f"identity {s.identity!r} (a uid, or a name another stage has as uid); give "
+                                     "each stage a uid of its own")
 
 
 def _writers(specs: Sequence[StageSpec]) -> dict[str, str]:

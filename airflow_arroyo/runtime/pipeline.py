@@ -120,16 +120,21 @@ class Pipeline:
     # ------------------------------------------------------------------ builders
 
     def source(self, name: str, read: ReadFn, *, output: str | None = None,
-               trigger_interval: float | None = None, spark_conf: Mapping[str, str] | None = None) -> Stream:
+               trigger_interval: float | None = None, spark_conf: Mapping[str, str] | None = None,
+               uid: str | None = None) -> Stream:
         """A stage that reads a Spark streaming source: ``read(spark)`` returns a streaming DataFrame.
 
         Any Spark streaming source works (files, rate, a Python data source, the replayable
         :func:`~airflow_arroyo.testing.generator_source`); the source must be replayable
         from the offsets in its checkpoint for a restore to be exactly-once (the generator, files and
         Kafka are; ``rate`` with wall-clock timestamps is not byte-identical).
+
+        ``uid`` (every builder takes it): the stage's identity across code versions, Flink's operator uid. A
+        restore of an older epoch gives a stage the state of the epoch's stage with the same identity, whatever
+        its name is now (docs/upgrading.md); without one the identity is the name.
         """
         spec = StageSpec(name=name, kind=StageKind.SOURCE, fn=read, output=output or name,
-                         trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}))
+                         trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}), uid=uid)
         stream = self._add(spec)
         assert stream is not None
         return stream
@@ -138,7 +143,7 @@ class Pipeline:
               feedback: Sequence[Stream | str] = (), output: str | None = None,
               output_mode: Literal["append", "update", "complete"] = "append",
               state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
-              spark_conf: Mapping[str, str] | None = None, chain: bool = True) -> Stream:
+              spark_conf: Mapping[str, str] | None = None, chain: bool = True, uid: str | None = None) -> Stream:
         """A stage over channels: ``transform(*inputs, *feedback)`` returns a streaming DataFrame.
 
         ``output_mode`` is Spark's (``update`` for an aggregation's running results). ``state_store``
@@ -151,7 +156,7 @@ class Pipeline:
             inputs=_names(inputs, stage=name, what="inputs"),
             feedback=_names(feedback, stage=name, what="feedback inputs"),
             output=output or name, output_mode=output_mode, state_store=state_store,
-            trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}), chain=chain,
+            trigger_interval=trigger_interval, spark_conf=dict(spark_conf or {}), chain=chain, uid=uid,
         )
         stream = self._add(spec)
         assert stream is not None
@@ -163,7 +168,8 @@ class Pipeline:
              table: DeltaTarget | None = None, transform: TransformFn | None = None,
              output_mode: Literal["append", "update", "complete"] = "append",
              state_store: Literal["hdfs", "rocksdb"] | None = None, trigger_interval: float | None = None,
-             spark_conf: Mapping[str, str] | None = None, chain: bool = True, gate: Gate | None = None) -> None:
+             spark_conf: Mapping[str, str] | None = None, chain: bool = True, gate: Gate | None = None,
+             uid: str | None = None) -> None:
         """A stage that writes to a Spark sink instead of a channel.
 
         Give one of ``foreach_batch(df, batch_id)``, a batch writer ``format`` (+ ``options``), a
@@ -190,7 +196,7 @@ class Pipeline:
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),
             output=None, output_mode=output_mode, state_store=state_store, trigger_interval=trigger_interval,
             foreach_batch=foreach_batch, sink_format=format, sink_options=dict(options or {}), postgres=postgres,
-            kafka=kafka, table=table, spark_conf=dict(spark_conf or {}), chain=chain, gate=gate,
+            kafka=kafka, table=table, spark_conf=dict(spark_conf or {}), chain=chain, gate=gate, uid=uid,
         )
         self._add(spec)
 

@@ -286,6 +286,7 @@ def _fused_spec(group: _Building, stateful: Mapping[str, bool | None]) -> StageS
         inputs=() if group.branches else head.inputs, feedback=() if group.branches else head.feedback,
         output_mode=next(iter(modes), "append"), state_store=next(iter(stores), None),
         trigger_interval=head.trigger_interval, spark_conf=dict(head.spark_conf),
+        uid=None,  # a fused query is known by its group's name (its members' uids describe the logical stages)
     )
 
 

@@ -366,3 +366,32 @@ def test_a_restore_into_new_code_plans_each_stage() -> None:
     assert plan.upgrade.snapshot_of() == {"left": "left", "right": "right", "joined": "joined_v1"}
     with pytest.raises(ConfigurationError, match=r"stage 'legacy' removed: .*allow_dropped_state=\['legacy'\]"):
         plan_restore(replace(facts, allow_dropped_state=()))
+
+
+def test_a_uid_carries_a_stages_state_across_a_rename_without_a_mapping() -> None:
+    """The epoch's stage 'agg' was registered with uid 'totals'; the new code calls the stage 'agg_v2' with the same
+    uid: it takes 'agg''s snapshot (by name: snapshots are kept by the name they were taken under)."""
+    older = _epoch(5, stages=("left", "right", "joined", "agg"))
+    facts = replace(_facts(5, epoch=older), epoch_identities=(("agg", "totals"),),
+                    identities=(("files", "totals"),))
+    plan = plan_restore(facts)
+    assert plan.upgrade is not None and plan.upgrade.restores
+    assert plan.upgrade.snapshot_of() == {"left": "left", "right": "right", "joined": "joined", "files": "agg"}
+    # the same code without the uid: 'totals' (the epoch's 'agg') would be dropped: refused
+    with pytest.raises(ConfigurationError, match=r"stage 'totals' removed: .*allow_dropped_state=\['totals'\]"):
+        plan_restore(replace(facts, identities=()))
+
+
+def test_two_stages_cannot_share_an_identity() -> None:
+    from airflow_arroyo.exceptions import PipelineGraphError
+    from airflow_arroyo.runtime.pipeline import Pipeline
+
+    p = Pipeline("ids")
+    src = p.source("src", lambda spark: spark.readStream.format("rate").load(), uid="input")
+    p.stage("input", lambda df: df, [src])
+    with pytest.raises(PipelineGraphError, match="stages 'src' and 'input' .* same identity 'input'"):
+        p.validate()
+    q = Pipeline("ids2")
+    with pytest.raises(PipelineGraphError, match="uid '-x' must be"):
+        q.source("src", lambda spark: spark.readStream.format("rate").load(), uid="-x")
+        q.validate()
