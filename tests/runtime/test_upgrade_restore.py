@@ -22,6 +22,7 @@ from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
+from airflow_arroyo.upgrades import UpgradeError, prepare_upgrade
 
 pytestmark = [pytest.mark.spark]
 
@@ -73,7 +74,7 @@ def folder_values(path: Path, column: str) -> list[int]:
     return out
 
 
-def test_an_upgrade_renames_a_stateful_stage_and_adds_one_that_starts_at_the_epochs_cut(
+def test_an_upgrade_in_one_step_renames_a_stateful_stage_and_adds_one_that_starts_at_the_final_epochs_cut(
         spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
     pid = f"upgrade-{uuid.uuid4().hex[:6]}"
     storage = str(tmp_path / "storage")
@@ -88,25 +89,33 @@ def test_an_upgrade_renames_a_stateful_stage_and_adds_one_that_starts_at_the_epo
 
     first = DriverThread(PipelineDriver(v1(pid, tmp_path), module_store, storage_uri=storage, spark=spark)).start()
     with CheckpointTicker(module_store, pid, interval=1.0):
-        wait_for(lambda: first.error or (completed() >= 3 and channel_row_count(src_channel) >= 80),
-                 timeout=240, what="three epochs of the old code")
-    module_store.request_stop(pid, "immediate")  # no final epoch: the new code restores the latest completed one
+        wait_for(lambda: first.error or (completed() >= 2 and channel_row_count(src_channel) >= 80),
+                 timeout=240, what="two epochs of the old code")
+        # the rename without its mapping reads as a stage dropped: refused while the old code still runs
+        with pytest.raises(UpgradeError, match=r"step 'plan': .*stage 'dedup' removed: .*Nothing was changed"):
+            prepare_upgrade(module_store, pid, v2(pid, tmp_path).validate())
+        assert module_store.get_pipeline(pid).state is PipelineState.RUNNING
+        ready = prepare_upgrade(module_store, pid, v2(pid, tmp_path).validate(), renamed={"dedup": "dedup_v2"},
+                                label="v2", stop_timeout=120)
     assert first.join(240).state is PipelineState.STOPPED
-    epoch = module_store.latest_completed_epoch(pid)
-    assert epoch is not None
+    pinned = module_store.get_epoch(pid, ready.epoch)
+    assert (pinned.is_final, pinned.pin_label) == (True, "v2")
+    assert ready.driver_args() == ["--restore-from", str(ready.epoch), "--rename", "dedup=dedup_v2"]
+    assert {r.stage: r.action.value for r in ready.plan.stages} == {
+        "src": "restored", "dedup_v2": "restored", "out": "restored", "evens": "new", "evens_out": "new"}
     channel = Channel.open(src_channel)
-    barrier = channel.find_barrier(epoch.epoch)
+    barrier = channel.find_barrier(ready.epoch)
     assert barrier is not None
     before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
     assert 0 < len(before_cut) < ROWS
 
-    # the rename without its mapping reads as a stage dropped: refused before anything is written
+    # the driver plans the same way: without the mapping it refuses before anything is written
     with pytest.raises(ConfigurationError, match=r"stage 'dedup' removed: .*renamed=\{'dedup': 'NEW'\}"):
         PipelineDriver(v2(pid, tmp_path), module_store, storage_uri=storage, spark=spark,
-                       restore_from="latest").run()
+                       restore_from=ready.epoch).run()
 
-    driver = PipelineDriver(v2(pid, tmp_path), module_store, storage_uri=storage, spark=spark, restore_from="latest",
-                            renamed={"dedup": "dedup_v2"})
+    driver = PipelineDriver(v2(pid, tmp_path), module_store, storage_uri=storage, spark=spark,
+                            restore_from=ready.epoch, renamed={"dedup": "dedup_v2"})
     second = DriverThread(driver).start()
     expected_evens = sorted(i for i in range(ROWS) if i % 2 == 0 and i not in before_cut)
     with CheckpointTicker(module_store, pid, interval=1.0):
@@ -114,7 +123,7 @@ def test_an_upgrade_renames_a_stateful_stage_and_adds_one_that_starts_at_the_epo
                  timeout=300, what="the new stage's output")
     module_store.request_stop(pid, "graceful")
     result = second.join(240)
-    assert result.restored_from_epoch == epoch.epoch
+    assert result.restored_from_epoch == ready.epoch
     assert sorted(folder_values(tmp_path / "evens", "id")) == expected_evens
     # the renamed stage kept its state: every key once, though the new run read ids whose keys it saw before
     assert sorted(folder_values(tmp_path / "out", "k")) == list(range(KEYS))
