@@ -10,6 +10,8 @@ Two kinds of Assets describe what a pipeline makes durable:
   the commit made (time travel reads exactly it, whatever the table holds by then).
 * :func:`epochs_asset`: the pipeline's checkpoints. One event per completed epoch (``epoch``,
   ``bytes_new``, ``bytes_total``, ``duration_s``): a restorable, consistent cut.
+* :func:`gate_asset`: a gated sink's epochs waiting for a verdict (:mod:`airflow_arroyo.gates`). One event per
+  gate the driver opens, for a DAG that checks that epoch's pending output (:func:`pending_gates` reads them).
 
 Two ways to emit them, because a deferred task cannot write Asset events (Airflow registers a task's
 ``outlet_events`` only when the task succeeds, and a trigger's events only resume its task):
@@ -54,6 +56,8 @@ __all__ = [
     "committed_payloads",
     "epoch_payload",
     "epochs_asset",
+    "gate_asset",
+    "pending_gates",
     "publish_outlet_events",
     "sink_asset",
     "sink_commit_payload",
@@ -95,6 +99,23 @@ def epochs_asset(pipeline_id: str, *, conn_id: str | None = None, watch: bool = 
         pipeline_id=pipeline_id, kind=KIND_EPOCHS, conn_id=conn, poll_interval=poll_interval))] if watch else []
     return Asset(name=f"arroyo-{pipeline_id}-epochs", uri=f"x-arroyo://{pipeline_id}/epochs", group="arroyo",
                  extra=meta, watchers=watchers)
+
+
+def gate_asset(pipeline_id: str, sink: str, *, conn_id: str | None = None, watch: bool = True,
+               poll_interval: float = 5.0) -> Asset:
+    """The Asset "an epoch's output of gated sink ``sink`` of ``pipeline_id`` is pending": one event per gate the
+    driver opens (:class:`~airflow_arroyo.triggers.gates.GateOpenedTrigger`; payload: ``epoch``, ``batch_from``,
+    ``batch_to``, ``uri``, ``deadline``...), for a DAG that checks it (:func:`pending_gates`)."""
+    from airflow_arroyo.triggers.gates import KIND_GATE, GateOpenedTrigger
+
+    validate_pipeline_id(pipeline_id)
+    conn = conn_id or config.get("conn_id")
+    meta: dict[str, Any] = {"arroyo": {"pipeline_id": pipeline_id, "kind": KIND_GATE, "sink": sink, "conn_id": conn}}
+    name = f"arroyo-{pipeline_id}-{sink}-gates"
+    watchers = [AssetWatcher(name=name, trigger=GateOpenedTrigger(
+        pipeline_id=pipeline_id, sink=sink, conn_id=conn, poll_interval=poll_interval))] if watch else []
+    return Asset(name=name, uri=f"x-arroyo://{pipeline_id}/gates/{sink}", group="arroyo", extra=meta,
+                 watchers=watchers)
 
 
 def sink_commit_payload(rec: SinkCommitRecord) -> dict[str, Any]:
@@ -294,6 +315,21 @@ def committed_payloads(events: Iterable[Any]) -> list[dict[str, Any]]:
         if isinstance(payload, Mapping) and "epoch" in payload:
             out.append(dict(payload))
     return sorted(out, key=lambda p: (int(p["epoch"]), int(p.get("seq") or 0)))
+
+
+def pending_gates(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The gates announced by :func:`gate_asset` events (``triggering_asset_events[asset]``), one per epoch (a
+    repeated announcement counts once), oldest epoch first."""
+    from airflow_arroyo.triggers.gates import KIND_GATE
+
+    by_epoch: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for event in events:
+        extra = getattr(event, "extra", None) or (event.get("extra") if isinstance(event, Mapping) else None) or {}
+        payload = extra.get("payload") if isinstance(extra, Mapping) else None
+        if isinstance(payload, Mapping) and payload.get("kind") == KIND_GATE and "epoch" in payload:
+            key = (str(payload.get("pipeline_id")), str(payload.get("sink")), int(payload["epoch"]))
+            by_epoch.setdefault(key, {k: v for k, v in payload.items() if k != "repeat"})
+    return [by_epoch[k] for k in sorted(by_epoch, key=lambda k: (k[2], k[0], k[1]))]
 
 
 def committed_files(uri: str, batch_id: int) -> list[str]:
