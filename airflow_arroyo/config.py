@@ -72,6 +72,13 @@ OPTIONS: dict[str, Option] = {
         "(gc.freeze), whose full collections otherwise stop the triggerer's event loop long enough to make "
         "epochs start late (docs/controller.md, Load). False: leave the process's collector alone.",
     ),
+    "lineage_kafka_namespace": Option(
+        "", "string",
+        "The OpenLineage namespace (kafka://host:port, one of the bootstrap servers) of the Kafka cluster the "
+        "pipelines' Kafka sources read, in the epochs' OpenLineage events (docs/lineage.md): Spark's offset log "
+        "names the topics, not the brokers. Empty: kafka://unknown.",
+        "kafka://broker1:9092",
+    ),
     "retention_schedule": Option(
         "*/15 * * * *", "string", "Schedule of the arroyo_retention DAG (a cron expression).",
     ),

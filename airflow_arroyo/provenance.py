@@ -202,7 +202,12 @@ def _previous_completed(store: EpochStore, pipeline_id: str, epoch: int) -> tupl
 
 
 def _is_file_sink(commit: SinkCommitRecord) -> bool:
-    return commit.table_version is None and FileSystem.of(commit.uri).exists("_arroyo_sink/committed")
+    if commit.table_version is not None:
+        return False
+    try:
+        return FileSystem.of(commit.uri).exists("_arroyo_sink/committed")
+    except ConfigurationError:  # no file system: a Kafka topic or a PostgreSQL table (``<dsn>#<table>``)
+        return False
 
 
 def epoch_provenance(store: EpochStore, pipeline_id: str, epoch: int, *,

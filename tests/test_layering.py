@@ -36,7 +36,9 @@ _AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.supervision", "air
 _AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.submit", "airflow_arroyo.operators",
                      "airflow_arroyo.sensors", "airflow_arroyo.triggers", "airflow_arroyo.links", "airflow_arroyo.ui",
                      "airflow_arroyo.assets", "airflow_arroyo.metrics", "airflow_arroyo.config",
-                     "airflow_arroyo.provider"]
+                     "airflow_arroyo.provider",
+                     # OpenLineage events: its client comes with Airflow's OpenLineage provider, not the [spark] list
+                     "airflow_arroyo.lineage"]
 # Neither: development tools (a throwaway PostgreSQL, airflow standalone, a Spark cluster for tests).
 _TOOLS = ["airflow_arroyo.devtools"]
 # Modules inside a package above that its package does not import, Airflow-free all the same: the JVM artifacts

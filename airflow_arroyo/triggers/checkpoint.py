@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowNotFoundException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -60,6 +60,9 @@ from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, S
 from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 from airflow_arroyo.units import bytes_human
+
+if TYPE_CHECKING:
+    from airflow_arroyo.lineage import EpochLineage
 
 __all__ = ["CheckpointTrigger", "format_bytes", "format_epoch_line"]
 
@@ -103,6 +106,17 @@ def _freeze_gc_once() -> None:
     if wanted:
         gc.collect()  # once: what is garbage now is not frozen
         gc.freeze()
+
+
+def _epoch_lineage(pipeline_id: str) -> EpochLineage | None:
+    """The emitter of the pipeline's OpenLineage run events per epoch (docs/lineage.md); None without OpenLineage's
+    client (the ``[openlineage]`` extra), whose events are then simply not sent."""
+    try:
+        from airflow_arroyo.lineage import EpochLineage
+    except ImportError as exc:
+        logging.getLogger(__name__).debug("pipeline %s: no OpenLineage events of epochs: %s", pipeline_id, exc)
+        return None
+    return EpochLineage(pipeline_id, kafka_namespace=config.get("lineage_kafka_namespace") or None)
 
 
 def format_bytes(n: int | None) -> str:
@@ -337,6 +351,7 @@ class _Controller:
         self.sub: Subscription | None = None  # wake-ups from the database (None: poll)
         self.mark = 0  # the subscription's mark taken before the last tick
         self.wake = False  # may the next wait end early on an announcement?
+        self.lineage = _epoch_lineage(self.pipeline_id)  # OpenLineage events of completed epochs (or None)
 
     async def run(self) -> TriggerEvent:
         self.log.info(
@@ -414,6 +429,8 @@ class _Controller:
         self.outage_since = None
         self.registration_deadline = None
         new_failure = await self._observe(tick)
+        if self.lineage is not None:
+            await self.lineage.look(self.store, self.summary.counts["completed"])
         decision = tick.decision
         await self._stop_after_epochs(tick.pipeline_state)
 
@@ -450,6 +467,8 @@ class _Controller:
                 self.log.info("pipeline %s: run %s failed and its supervisor restarts it; no epoch until the "
                               "restart runs", self.pipeline_id, pipe.run_id)
             return None, self.poll
+        if self.lineage is not None:  # the run ended: its newest epoch is settled too
+            await self.lineage.look(self.store, self.summary.counts["completed"], final=True)
         return self._ended(pipe), 0.0
 
     def _mark(self) -> None:
