@@ -89,6 +89,7 @@ from airflow_arroyo.runtime.plan import (
     stateful_stages,
     watermarks_not_crossing,
 )
+from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
@@ -184,6 +185,7 @@ class PipelineDriver:
         warmup_timeout: float = DEFAULT_WARMUP_TIMEOUT,
         allow_dropped_state: Sequence[str] = (),
         renamed: Mapping[str, str] | None = None,
+        rescale: Mapping[str, int] | None = None,
     ) -> None:
         self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
@@ -209,6 +211,7 @@ class PipelineDriver:
         # an upgrade (docs/upgrading.md): the epoch's stages whose state this code drops, and old -> new stage names
         self.allow_dropped_state = tuple(allow_dropped_state)
         self.renamed = dict(renamed or {})
+        self.rescale = dict(rescale or {})  # stage -> the state partitions its restored checkpoint is rewritten into
         self._upgrade: UpgradePlan | None = None  # what each stage becomes in this run's restore
         self._fresh_channels: set[str] = set()  # written by stages that start afresh in an upgrade: empty, at 0
         self._channel_starts: dict[str, dict[str, int]] = {}  # new stage -> input channel -> where it starts
@@ -362,9 +365,26 @@ class PipelineDriver:
         for sink in self.sinks.values():
             sink.check_writable()  # read-only: before any restore touches the folder
         plan = plan_restore(self._restore_facts())
+        self._check_rescale(plan)
         if plan.action is RestoreAction.START_OVER:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
+
+    def _check_rescale(self, plan: RestorePlan) -> None:
+        """Refuse a rescale that names no stage this restore rebuilds, before anything is written."""
+        if not self.rescale:
+            return
+        if plan.action is not RestoreAction.RESTORE:
+            raise ConfigurationError(
+                f"rescale= rewrites a restored stage's state; this run restores nothing ({plan.reason}): a stage "
+                "that starts empty takes its spark_conf's spark.sql.shuffle.partitions")
+        restored = plan.upgrade.snapshot_of() if plan.upgrade is not None else {n: n for n in self.graph.stage_names}
+        unknown = sorted(set(self.rescale) - set(restored))
+        if unknown:
+            raise ConfigurationError(
+                f"rescale= names {', '.join(unknown)}, which this restore does not rebuild from epoch {plan.epoch} "
+                f"(restored stages: {', '.join(restored)}); a stage that starts empty takes its spark_conf's "
+                "spark.sql.shuffle.partitions")
 
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from`` (read as the CLI reads them)."""
@@ -515,6 +535,10 @@ class PipelineDriver:
                     prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source,
                                                                    snapshot_stage=snapshot_of[s.name]))
                     self._step(f"prepared:{s.name}")
+                    if s.name in self.rescale:  # this run's own new folder, before the commit point
+                        rescale_checkpoint(self._session(), self.layout.checkpoint_fs, prepared[-1].folder,
+                                           self.rescale[s.name], stage=s.name)
+                        self._step(f"rescaled:{s.name}")
             commit()
         except UnrestorableEpochError as exc:
             self.snapshots.discard(prepared)
@@ -1304,6 +1328,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an upgrade: a stage of the restored epoch whose state this code drops (repeatable)")
     parser.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                         help="an upgrade: the epoch's stage OLD is this code's stage NEW (repeatable)")
+    parser.add_argument("--rescale", action="append", default=[], metavar="STAGE=N",
+                        help="a restore: rewrite the restored state of STAGE into N state partitions (repeatable)")
     parser.add_argument("--log-level", default=os.environ.get("ARROYO_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -1394,7 +1420,8 @@ def main(argv: list[str] | None = None) -> int:
                             poll_interval=args.poll_interval, heartbeat_interval=args.heartbeat_interval,
                             own_spark=True, warmup_timeout=args.warmup_timeout,
                             allow_dropped_state=args.allow_dropped_state,
-                            renamed={k: str(v) for k, v in _kv(args.rename, "--rename").items()})
+                            renamed={k: str(v) for k, v in _kv(args.rename, "--rename").items()},
+                            rescale={k: int(v) for k, v in _kv(args.rescale, "--rescale").items()})
 
     def on_signal(signum: int, _frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)
