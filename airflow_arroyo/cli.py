@@ -28,6 +28,10 @@
     provenance PIPELINE --epoch N | --file PATH | --table-version V --sink S
                                               what an epoch read (source offsets, file names), snapshotted and
                                               committed; which epoch wrote a sink's file or table version
+    gate list PIPELINE [--sink S] [--all]     a pipeline's commit gates that wait (--all: every gate)
+    gate show PIPELINE --sink S --epoch N     one gate and its pending output (files, or the SELECT of its rows)
+    gate pass|fail PIPELINE --sink S --epoch N [--reason TEXT] [--by NAME]
+                                              record a verdict on a gate (--by: default the OS user name)
 
 The store is a PostgreSQL URI (``--dsn`` or the ``ARROYO_DSN`` environment variable) or an Airflow
 connection id (``--conn-id``, resolved through :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook`;
@@ -63,6 +67,7 @@ from airflow_arroyo.units import bytes_human
 
 if TYPE_CHECKING:
     from airflow_arroyo.epochs import RetentionPolicy
+    from airflow_arroyo.gates import GateRecord
     from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
@@ -839,6 +844,113 @@ def _cmd_state(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
     return EXIT_OK
 
 
+def _gate_row(g: GateRecord) -> list[Any]:
+    return [g.epoch, g.sink, g.state.value, f"{g.batch_from}..{g.batch_to}", _when(g.opened_at), _when(g.deadline),
+            g.decided_by, _headline(g.reason, CAUSE_WIDTH)]
+
+
+_GATE_HEADERS = ["EPOCH", "SINK", "STATE", "BATCHES", "OPENED", "DEADLINE", "DECIDED BY", "REASON"]
+
+
+def _cmd_gate(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Commit gates (:mod:`airflow_arroyo.gates`): list them, show one's pending output, record a verdict."""
+    _require_schema(store)
+    store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2 (a list of its gates would just be empty)
+    if args.gate_command == "list":
+        return _gate_list(store, args, out)
+    if args.gate_command == "show":
+        return _gate_show(store, args, out)
+    return _gate_verdict(store, args, out)
+
+
+def _gate_list(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    if args.all:
+        gates: list[GateRecord] = []
+        while True:  # every gate, in opening order, a page at a time
+            page = store.list_gates(args.pipeline, sink=args.sink, after_seq=gates[-1].seq if gates else 0,
+                                    limit=500)
+            gates += page
+            if len(page) < 500:
+                break
+    else:
+        gates = [g for g in store.open_gates(args.pipeline) if args.sink is None or g.sink == args.sink]
+    if args.json:
+        json.dump(_jsonable(gates), out)
+        out.write("\n")
+        return EXIT_OK
+    if not gates:
+        of_sink = f" of sink {args.sink}" if args.sink else ""
+        which = "no gates" if args.all else "no gates waiting (--all lists the closed ones too)"
+        out.write(f"pipeline {args.pipeline} has {which}{of_sink}\n")
+        return EXIT_OK
+    _table(_GATE_HEADERS, [_gate_row(g) for g in gates], out)
+    return EXIT_OK
+
+
+def _gate_show(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    from airflow_arroyo.gates import OPEN_GATE_STATES, pending_output
+
+    gate = store.get_gate(args.pipeline, args.sink, args.epoch)
+    pending = pending_output(store, args.pipeline, args.sink, args.epoch) if gate.state in OPEN_GATE_STATES \
+        else None
+    if args.json:
+        json.dump({"gate": _jsonable(gate),
+                   "pending": None if pending is None else {
+                       "kind": pending.kind, "files": list(pending.files), "format": pending.format,
+                       "select_sql": pending.select_sql,
+                       "select_params": list(pending.select_params) if pending.select_params else None,
+                       "rows": pending.rows}}, out)
+        out.write("\n")
+        return EXIT_OK
+    _table(_GATE_HEADERS, [_gate_row(g) for g in [gate]], out)
+    out.write(f"policy {gate.policy.value}; run {gate.run_id}; sink {gate.uri}\n")
+    if gate.reason and len(gate.reason) > CAUSE_WIDTH:
+        out.write(f"reason: {gate.reason}\n")
+    if pending is None:
+        out.write(f"its output no longer waits: the gate is {gate.state.value}\n")
+    elif pending.kind == "files":
+        rows = "" if pending.rows is None else f", {pending.rows} rows"
+        out.write(f"pending output: {len(pending.files)} {pending.format or ''} files{rows}\n".replace("  ", " "))
+        for f in pending.files:
+            out.write(f"  {f}\n")
+    else:
+        assert pending.select_sql is not None and pending.select_params is not None
+        out.write("pending rows (in the sink's target database; a check reads them read-only):\n"
+                  f"  {pending.select_sql}\n  -- with batches {pending.select_params[0]} and "
+                  f"{pending.select_params[1]} for the two %s\n")
+    if pending is not None:
+        out.write(f"record a verdict: airflow-arroyo gate pass|fail {gate.pipeline_id} --sink {gate.sink} "
+                  f"--epoch {gate.epoch} --reason TEXT\n")
+    return EXIT_OK
+
+
+def _gate_verdict(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    from airflow_arroyo.gates import record_verdict
+
+    by = args.by
+    if by is None:
+        try:
+            by = getpass.getuser()
+        except (OSError, KeyError):  # no user name in the environment and none in the password database
+            raise ConfigurationError("cannot tell who gives this verdict (no OS user name): pass --by NAME") from None
+    before = store.get_gate(args.pipeline, args.sink, args.epoch)
+    gate = record_verdict(store, args.pipeline, args.sink, args.epoch, passed=args.gate_command == "pass", by=by,
+                          reason=args.reason)
+    if args.json:
+        json.dump({**_jsonable(gate), "changed": gate.state is not before.state}, out)
+        out.write("\n")
+        return EXIT_OK
+    what = f"the gate of sink {gate.sink} for epoch {gate.epoch} of pipeline {gate.pipeline_id}"
+    if gate.state is before.state:
+        by_whom = f" by {gate.decided_by}" if gate.decided_by else ""
+        out.write(f"{what} is already {gate.state.value}{by_whom}; nothing changed\n")
+    else:
+        reason = f" ({gate.reason})" if gate.reason else ""
+        out.write(f"{what} is {gate.state.value} by {gate.decided_by}{reason}; the pipeline's driver acts on it "
+                  f"(was {before.state.value})\n")
+    return EXIT_OK
+
+
 class _NotStarted(ArroyoError):
     """``checkpoint`` could not start an epoch (exit 1)."""
 
@@ -964,6 +1076,25 @@ def _build_parser() -> _Parser:
     prov.add_argument("--sink", help="the table sink of --table-version")
     prov.add_argument("--storage-uri", metavar="URI",
                       help="where the snapshot objects are, when not the storage URI the pipeline registered")
+    gate = sub.add_parser("gate", parents=[common],
+                          help="commit gates: list them, show one's pending output, record a pass or a fail")
+    verbs = gate.add_subparsers(dest="gate_command", metavar="VERB", parser_class=_Parser)
+    verbs.required = True
+    gate_list = verbs.add_parser("list", parents=[common], help="the gates that wait (--all: every gate)")
+    gate_list.add_argument("pipeline")
+    gate_list.add_argument("--sink", help="only this sink's gates")
+    gate_list.add_argument("--all", action="store_true",
+                           help="every gate, also committed, quarantined and superseded ones, in opening order")
+    for verb, text in (("show", "one gate and its pending output"),
+                       ("pass", "record a pass: the gate's output commits"),
+                       ("fail", "record a fail: the gate's policy acts (hold, rollback_and_stop, quarantine)")):
+        one = verbs.add_parser(verb, parents=[common], help=text)
+        one.add_argument("pipeline")
+        one.add_argument("--sink", required=True, help="the gated sink")
+        one.add_argument("--epoch", type=int, required=True, help="the gate's epoch")
+        if verb != "show":
+            one.add_argument("--reason", metavar="TEXT", help="why (shown in the UI and the listing)")
+            one.add_argument("--by", metavar="NAME", help="who gives the verdict (default: the OS user name)")
     return parser
 
 
@@ -971,7 +1102,7 @@ def _build_parser() -> _Parser:
 #: instead of argparse's "expected one argument").
 _VALUE_OPTIONS = ("--keep-last", "--keep-newer-than", "--wait-for-lock", "--wait-for-in-flight", "--lock-ttl",
                   "--compact-after",
-                  "--limit", "--wait", "--budget", "--timeout", "--epoch", "--diff", "--operator")
+                  "--limit", "--wait", "--budget", "--timeout", "--epoch", "--diff", "--operator", "--reason")
 
 
 def _attach_dash_values(argv: list[str]) -> list[str]:
@@ -1006,6 +1137,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "checkpoint": _cmd_checkpoint,
     "state": _cmd_state,
     "provenance": _cmd_provenance,
+    "gate": _cmd_gate,
 }
 
 
