@@ -304,14 +304,13 @@ def emit_settled_epochs(store: EpochStore, pipeline_id: str, after: int | None, 
                             kafka_namespace=kafka_namespace)
         try:
             emit(event)
-        except Exception as exc:  # the transport's own errors (HTTP, Kafka, a file): the next epoch tries again
+        except Exception as exc:  # the transport's own (HTTP, Kafka, a file): best effort, as the provider's events
             log.warning("pipeline %s epoch %s: the OpenLineage transport failed: %s", pipeline_id, rec.epoch, exc,
                         exc_info=True)
             continue
         log.info("pipeline %s epoch %s: OpenLineage run event emitted (%s inputs, %s outputs)", pipeline_id,
                  rec.epoch, len(event.inputs or ()), len(event.outputs or ()))
     return position
-
 
 
 class EpochLineage:
