@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
+import psycopg2.extensions
 import psycopg2.extras
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extensions import cursor as PgRawCursor
@@ -32,21 +33,29 @@ T = TypeVar("T")
 
 class Database:
     """The epoch store's PostgreSQL: connections made with the store's settings, pooled, and every unit of
-    work retried as a whole on transient errors. Thread-safe."""
+    work retried as a whole on transient errors. Thread-safe.
 
-    def __init__(self, dsn: str, *, max_connections: int, retry_seconds: float, application_name: str) -> None:
+    ``read_only``: every connection refuses writes (``default_transaction_read_only``), what the store's readers
+    (:class:`~airflow_arroyo.store.StoreReader`: the UI) use; ``statement_timeout_ms`` bounds each statement."""
+
+    def __init__(self, dsn: str, *, max_connections: int, retry_seconds: float, application_name: str,
+                 read_only: bool = False, statement_timeout_ms: int = 60_000) -> None:
         if not dsn:
             raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
         self.dsn = dsn
         self.retry_seconds = retry_seconds
         self.application_name = application_name
+        self.read_only = read_only
+        self.statement_timeout_ms = int(statement_timeout_ms)
         self.pool = ConnectionPool(self.connect, max_connections)
         self.closed = False
 
     def connect(self) -> PgConnection:
         """A new connection with the store's settings (the pool's, and a listener's of its own)."""
-        return psycopg2.connect(self.dsn, connect_timeout=5, application_name=self.application_name,
-                                options="-c lock_timeout=15000 -c statement_timeout=60000")
+        options = f"-c lock_timeout=15000 -c statement_timeout={self.statement_timeout_ms}"
+        if self.read_only:
+            options += " -c default_transaction_read_only=on"
+        return psycopg2.connect(self.dsn, connect_timeout=5, application_name=self.application_name, options=options)
 
     @contextmanager
     def connection(self) -> Iterator[PgConnection]:
@@ -66,6 +75,20 @@ class Database:
                     result = fn(cur)
                 conn.commit()
                 return result
+
+        return self.retried(attempt)
+
+    def read(self, fn: Callable[[PgCursor], T]) -> T:
+        """Run ``fn`` in one ``REPEATABLE READ READ ONLY`` snapshot (a page that is consistent), retried as a whole
+        on transient errors."""
+
+        def attempt() -> T:
+            with self.connection() as conn:
+                if conn.status == psycopg2.extensions.STATUS_READY:
+                    conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ,
+                                     readonly=True)
+                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
+                    return fn(cur)
 
         return self.retried(attempt)
 

@@ -30,17 +30,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-import psycopg2
-import psycopg2.extensions
-import psycopg2.extras
-from psycopg2.extensions import connection as PgConnection
 from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import consecutive_failures, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
-from airflow_arroyo.store._db import redact_dsn
-from airflow_arroyo.store._pool import ConnectionPool
-from airflow_arroyo.store._retry import call_with_retry
+from airflow_arroyo.store._db import Database, redact_dsn
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -283,49 +277,48 @@ class StoreReader:
 
     def __init__(self, dsn: str, *, max_connections: int = 4, retry_seconds: float = 5.0,
                  statement_timeout_ms: int = 10_000, application_name: str = "airflow-arroyo-ui") -> None:
-        if not dsn:
-            raise ConfigurationError("an epoch store DSN is required, e.g. postgresql://user@host:5432/db")
-        self.dsn = dsn
-        self.retry_seconds = retry_seconds
-        self.application_name = application_name
-        self.statement_timeout_ms = int(statement_timeout_ms)
-        self._pool = ConnectionPool(self._connect, max_connections)
-        self._closed = False
+        # the store's own Database (pool, retry rule, transaction shape), on connections that cannot write
+        self._db = Database(dsn, max_connections=max_connections, retry_seconds=retry_seconds,
+                            application_name=application_name, read_only=True,
+                            statement_timeout_ms=statement_timeout_ms)
+
+    @property
+    def dsn(self) -> str:
+        """The epoch store's DSN."""
+        return self._db.dsn
+
+    @property
+    def retry_seconds(self) -> float:
+        """How long a read retries transient errors."""
+        return self._db.retry_seconds
+
+    @property
+    def application_name(self) -> str:
+        """The connections' application name."""
+        return self._db.application_name
+
+    @property
+    def statement_timeout_ms(self) -> int:
+        """Each statement's time limit."""
+        return self._db.statement_timeout_ms
 
     def __repr__(self) -> str:
         return f"StoreReader({redact_dsn(self.dsn)!r})"
 
     def close(self) -> None:
         """Close the reader's connections."""
-        if not self._closed:
-            self._closed = True
-            self._pool.close()
+        self._db.close()
 
     @property
     def closed(self) -> bool:
         """True once closed."""
-        return self._closed
+        return self._db.closed
 
     # ------------------------------------------------------------------ plumbing
 
-    def _connect(self) -> PgConnection:
-        return psycopg2.connect(
-            self.dsn, connect_timeout=5, application_name=self.application_name,
-            options=f"-c default_transaction_read_only=on -c statement_timeout={self.statement_timeout_ms}",
-        )
-
     def _read(self, fn: Callable[[PgCursor], T]) -> T:
         """Run ``fn`` in one read-only snapshot, retried briefly on transient errors."""
-
-        def attempt() -> T:
-            with self._pool.connection() as conn:
-                if conn.status == psycopg2.extensions.STATUS_READY:
-                    conn.set_session(isolation_level=psycopg2.extensions.ISOLATION_LEVEL_REPEATABLE_READ,
-                                     readonly=True)
-                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur:
-                    return fn(cur)
-
-        return call_with_retry(attempt, max_seconds=self.retry_seconds)
+        return self._db.read(fn)
 
     @staticmethod
     def _now(cur: PgCursor) -> datetime:

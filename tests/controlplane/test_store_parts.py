@@ -36,8 +36,8 @@ def _public_functions(cls: type) -> dict[str, object]:
 
 
 def test_the_store_has_one_part_per_concern() -> None:
-    assert sorted(PARTS) == ["cleanup", "epochs", "gates", "objects", "pins", "pipelines", "schema", "sinks", "supervision",
-                             "ticks"]
+    assert sorted(PARTS) == ["cleanup", "epochs", "gates", "objects", "pins", "pipelines", "schema", "sinks",
+                             "supervision", "ticks"]
 
 
 @pytest.mark.parametrize("attr", sorted(PARTS))
