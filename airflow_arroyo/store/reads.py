@@ -17,6 +17,9 @@ Every query is parameterised, bounded (``LIMIT``) and driven by an index of migr
 * cleanup runs: ``arroyo_cleanup_runs_by_pipeline (pipeline_id, id DESC)``; the lock: its primary key;
 * a supervised pipeline's newest restarts: the ``arroyo_restarts`` primary key prefix (migration 0011), one
   row per failure a supervisor noticed, ``LIMIT`` :data:`RESTARTS_SHOWN`.
+* a pipeline's commit gates (migration 0014): the open ones on the partial index ``arroyo_gates_open``; the
+  newest closed ones per gated sink on the primary key ``(pipeline_id, sink, epoch)``, the sinks found by a loose
+  index scan of it, ``LIMIT`` :data:`CLOSED_GATES_SHOWN` each.
 
 No page reads all epochs of a pipeline, let alone of all pipelines. The connections are opened with
 ``default_transaction_read_only=on``: the UI cannot write to the epoch store even by mistake.
@@ -34,6 +37,7 @@ from psycopg2.extras import RealDictCursor as PgCursor
 
 from airflow_arroyo.epochs import consecutive_failures, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.gates import OPEN_GATE_STATES, GateRecord
 from airflow_arroyo.store._db import Database, redact_dsn
 from airflow_arroyo.store.records import (
     AckRecord,
@@ -51,6 +55,7 @@ __all__ = [
     "MAX_PAGE_SIZE",
     "RECENT_WINDOW",
     "RESTARTS_SHOWN",
+    "CLOSED_GATES_SHOWN",
     "EpochDetail",
     "EpochsPage",
     "PipelineOverview",
@@ -70,6 +75,11 @@ RECENT_WINDOW = 10
 MAX_PAGE_SIZE = 500
 #: How many of a supervised pipeline's newest restarts its page shows (``airflow-arroyo restarts``: all).
 RESTARTS_SHOWN = 50
+#: How many of a pipeline's newest closed gates (committed, quarantined, superseded) its page shows, per gated
+#: sink; every open gate is shown (``airflow-arroyo gate list --all``: every gate).
+CLOSED_GATES_SHOWN = 20
+#: A bound on the open gates read (a hold policy stops the pipeline long before: ``Gate.max_waiting``).
+OPEN_GATES_SHOWN = 200
 
 _EPOCH_COLS = epoch_columns("e")
 
@@ -152,6 +162,24 @@ SQL_RESTARTS = (
     "SELECT * FROM arroyo_restarts WHERE pipeline_id = %(p)s"
     " ORDER BY failed_at DESC, attempt DESC LIMIT %(limit)s"
 )
+# ``details`` (where the output waits: possibly many file names) is left out: the page does not show it.
+_GATE_COLS = ("pipeline_id, sink, epoch, run_id, uri, policy, batch_from, batch_to, state, opened_at, deadline,"
+              " decided_by, reason, decided_at, closed_at, seq")
+_OPEN_GATES = "ARRAY[" + ", ".join(f"'{s.value}'" for s in sorted(OPEN_GATE_STATES)) + "]"
+SQL_OPEN_GATES = (
+    f"SELECT {_GATE_COLS} FROM arroyo_gates WHERE pipeline_id = %(p)s"  # noqa: S608 - constant columns
+    f" AND state = ANY({_OPEN_GATES}) ORDER BY epoch, sink LIMIT %(limit)s"
+)
+SQL_CLOSED_GATES = (
+    "WITH RECURSIVE sinks(sink) AS ("  # noqa: S608 - constant columns and states
+    "   (SELECT sink FROM arroyo_gates WHERE pipeline_id = %(p)s ORDER BY sink LIMIT 1)"
+    "   UNION ALL SELECT (SELECT g.sink FROM arroyo_gates g WHERE g.pipeline_id = %(p)s AND g.sink > s.sink"
+    "     ORDER BY g.sink LIMIT 1) FROM sinks s WHERE s.sink IS NOT NULL)"
+    f" SELECT c.* FROM sinks s CROSS JOIN LATERAL (SELECT {_GATE_COLS} FROM arroyo_gates g"
+    f"   WHERE g.pipeline_id = %(p)s AND g.sink = s.sink AND g.state <> ALL({_OPEN_GATES})"
+    "   ORDER BY g.epoch DESC LIMIT %(limit)s) c WHERE s.sink IS NOT NULL"
+    " ORDER BY c.epoch DESC, c.sink"
+)
 SQL_NOW = "SELECT clock_timestamp() AS now"
 
 
@@ -224,6 +252,8 @@ class PipelinePage:
     # a supervisor's record of its failures and restarts (migration 0011), newest first, at most RESTARTS_SHOWN
     restarts: list[RestartRecord] = field(default_factory=list)
     more_restarts: bool = False  # older restarts than those in ``restarts`` exist
+    # commit gates (migration 0014): the open ones by epoch, then the newest closed ones (CLOSED_GATES_SHOWN a sink)
+    gates: list[GateRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -443,9 +473,16 @@ class StoreReader:
             restarts = [from_row(RestartRecord, r) for r in cur.fetchall()]
             return PipelinePage(overview=overview, epochs=self._epochs_page(cur, pipeline_id, before, after, size),
                                 summary=summary, forks=forks, restarts=restarts[:RESTARTS_SHOWN],
-                                more_restarts=len(restarts) > RESTARTS_SHOWN)
+                                more_restarts=len(restarts) > RESTARTS_SHOWN, gates=self._gates(cur, pipeline_id))
 
         return self._read(read)
+
+    @staticmethod
+    def _gates(cur: PgCursor, pipeline_id: str) -> list[GateRecord]:
+        cur.execute(SQL_OPEN_GATES, {"p": pipeline_id, "limit": OPEN_GATES_SHOWN})
+        gates = [from_row(GateRecord, r) for r in cur.fetchall()]
+        cur.execute(SQL_CLOSED_GATES, {"p": pipeline_id, "limit": CLOSED_GATES_SHOWN})
+        return gates + [from_row(GateRecord, r) for r in cur.fetchall()]
 
     def epoch_detail(self, pipeline_id: str, epoch: int) -> EpochDetail:
         """One epoch, its acknowledgements, and which stages have not acknowledged yet."""

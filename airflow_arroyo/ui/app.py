@@ -12,6 +12,14 @@ HTML pages (server-rendered, no JavaScript, charts as inline SVG):
 JSON API (same data): ``/api/pipelines``, ``/api/pipelines/{id}``, ``/api/pipelines/{id}/epochs``,
 ``/api/pipelines/{id}/epochs/{n}``, ``/api/pipelines/{id}/retention``.
 
+The one write: a person's verdict on a commit gate (:func:`airflow_arroyo.gates.record_verdict`), as JSON
+(``POST /api/pipelines/{id}/gates/{sink}/{epoch}/verdict``) or from the pipeline page's Approve and Reject
+buttons (an HTML form posting to the same path without ``/api``). It needs more than reading: Airflow's own
+permission to answer a human-in-the-loop task (``requires_access_dag("PUT", DagAccessEntity.HITL_DETAIL)``), and
+the verdict is recorded under the authenticated user's name, never one from the request. Neither can be sent by
+another site: the JSON route takes ``application/json`` only (a cross-site form cannot send it), the form route
+only a same-origin browser request (``Sec-Fetch-Site``, else ``Origin``).
+
 Airflow does not put its authentication in front of plugin apps: every route here depends on
 ``requires_access_view(AccessView.PLUGINS)`` (a valid Airflow JWT as ``Authorization: Bearer`` or
 the ``_token`` cookie the Airflow UI sets, and the auth manager's permission to view plugins). The
@@ -28,17 +36,27 @@ from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_arroyo.epochs import EpochState, validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, StoreError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.exceptions import (
+    ConfigurationError,
+    NotFoundError,
+    StateConflictError,
+    StoreError,
+    UnknownEpochError,
+    UnknownPipelineError,
+)
+from airflow_arroyo.gates import GATE_TRANSITIONS, GateRecord, GateState, record_verdict
 from airflow_arroyo.store.reads import EpochDetail, PipelineOverview, StoreReader
 from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.supervision import restart_due, strategy_text
@@ -165,6 +183,31 @@ def _page_url(request: Request, path: str, **params: Any) -> str:
     return f"{_base(request)}{path}" + (f"?{urlencode(kept)}" if kept else "")
 
 
+class VerdictBody(BaseModel):
+    """``POST .../verdict``: pass or fail, and why. Who gives it is the signed-in user (a ``by`` is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    passed: StrictBool
+    reason: str | None = Field(None, max_length=4000)
+
+
+def _gate_actions(state: GateState) -> tuple[bool, bool]:
+    """Whether a gate in ``state`` may still be approved, rejected (the buttons the page shows)."""
+    moves = GATE_TRANSITIONS[state]
+    return GateState.PASSED in moves, GateState.FAILED in moves
+
+
+def _same_origin(request: Request) -> bool:
+    """A browser's own form post: ``Sec-Fetch-Site: same-origin``, or, from a browser without it, an ``Origin``
+    that is this server's. Anything else (another site, or no evidence at all) is refused."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site == "same-origin"
+    origin = request.headers.get("origin")
+    return origin is not None and origin == f"{request.url.scheme}://{request.url.netloc}"
+
+
 @dataclass(frozen=True)
 class _Ui:
     """What the routes share: the read-only queries, the templates, the health thresholds."""
@@ -183,6 +226,15 @@ class _Ui:
             return self.src.get()
         except ConfigurationError as exc:
             raise StoreUnavailable(str(exc)) from exc
+
+    def verdict(self, pipeline_id: str, sink: str, epoch: int, *, passed: bool, by: str,
+                reason: str | None) -> GateRecord:
+        """Record a person's verdict through the one use case (the CLI and the operators call it too)."""
+        try:
+            store = self.src.writer()
+        except ConfigurationError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        return record_verdict(store, pipeline_id, sink, epoch, passed=passed, by=by, reason=reason or None)
 
     def error(self, request: Request, status_code: int, message: str) -> Response:
         if _wants_json(request):
@@ -227,6 +279,7 @@ def create_app(source: StoreSource | None = None, *,
     _add_error_handlers(app, ui)
     _add_pages(app, ui)
     _add_api(app, ui)
+    _add_verdicts(app, ui)
     return app
 
 
@@ -255,6 +308,14 @@ def _add_error_handlers(app: FastAPI, ui: _Ui) -> None:
     @app.exception_handler(UnknownEpochError)
     async def unknown_epoch(request: Request, exc: UnknownEpochError) -> Response:
         return ui.error(request, 404, str(exc))
+
+    @app.exception_handler(NotFoundError)
+    async def not_found(request: Request, exc: NotFoundError) -> Response:
+        return ui.error(request, 404, str(exc))  # e.g. no gate of that sink for that epoch
+
+    @app.exception_handler(StateConflictError)
+    async def state_conflict(request: Request, exc: StateConflictError) -> Response:
+        return ui.error(request, 409, str(exc))  # e.g. a verdict on a gate already committed: nothing changed
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(request: Request, exc: StoreUnavailable) -> Response:
@@ -312,7 +373,7 @@ def _add_pages(app: FastAPI, ui: _Ui) -> None:
             restart_due=restart_due(o.pipeline, page.restarts), headline=_headline,
             restart_at=lambda r: r.failed_at + timedelta(seconds=r.delay_s),
             strategy=strategy_text(o.pipeline.restart_strategy) if o.pipeline.restart_strategy else None,
-            plan=plan_view(o.pipeline.config),
+            plan=plan_view(o.pipeline.config), gates=page.gates, gate_actions=_gate_actions,
             # the newest page follows an epoch in flight; a page of older history stays still
             refresh_s=REFRESH_S if o.in_flight is not None and before is None and after is None else None,
         )
@@ -405,3 +466,47 @@ def _add_api(app: FastAPI, ui: _Ui) -> None:
             "cleanup_runs": [_json(r) for r in page.runs],
             "next_before_id": page.next_before_id,
         }
+
+
+def _add_verdicts(app: FastAPI, ui: _Ui) -> None:
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.api_fastapi.core_api.security import get_user, requires_access_dag
+
+    # Airflow's permission to answer a human-in-the-loop task: more than the plugin view every route needs
+    may_decide = [Depends(requires_access_dag(method="PUT", access_entity=DagAccessEntity.HITL_DETAIL))]
+
+    @app.post("/api/pipelines/{pipeline_id}/gates/{sink}/{epoch}/verdict", dependencies=may_decide)
+    def api_verdict(request: Request, pipeline_id: str, sink: str, epoch: int, body: VerdictBody,
+                    user: Any = Depends(get_user)) -> dict[str, Any]:
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            # a cross-site form cannot send JSON; refusing anything else keeps cookie-borne requests honest
+            raise StarletteHTTPException(415, "send the verdict as application/json: {\"passed\": true, "
+                                              "\"reason\": \"...\"}")
+        gate = ui.verdict(_pipeline_id_ok(pipeline_id), sink, epoch, passed=body.passed, by=user.get_name(),
+                          reason=body.reason)
+        log.info("Arroyo UI: %s recorded %s on the gate of sink %s for epoch %s of pipeline %s", user.get_name(),
+                 gate.state, sink, epoch, pipeline_id)
+        return {"gate": _json(gate)}
+
+    @app.post("/pipelines/{pipeline_id}/gates/{sink}/{epoch}/verdict", dependencies=may_decide,
+              include_in_schema=False)
+    async def form_verdict(request: Request, pipeline_id: str, sink: str, epoch: int,
+                           user: Any = Depends(get_user)) -> Response:
+        if not _same_origin(request):
+            return ui.error(request, 403, "a verdict from this form must come from the Arroyo page itself (the "
+                                          "browser did not say it did); scripts use the JSON API: POST "
+                                          f"{_base(request)}/api/pipelines/<id>/gates/<sink>/<epoch>/verdict")
+        form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=10)
+        verdict = (form.get("verdict") or [""])[0]
+        reason = (form.get("reason") or [""])[0].strip()
+        if verdict not in ("pass", "fail"):
+            return ui.error(request, 422, "the form's verdict must be 'pass' (Approve) or 'fail' (Reject)")
+        if len(reason) > 4000:
+            return ui.error(request, 422, f"the reason is {len(reason)} characters long; at most 4000")
+        pid = _pipeline_id_ok(pipeline_id)
+        gate = await run_in_threadpool(ui.verdict, pid, sink, epoch, passed=verdict == "pass", by=user.get_name(),
+                                       reason=reason or None)
+        log.info("Arroyo UI: %s recorded %s on the gate of sink %s for epoch %s of pipeline %s", user.get_name(),
+                 gate.state, sink, epoch, pipeline_id)
+        # back to the page (a GET: reloading it does not post again)
+        return RedirectResponse(f"{_base(request)}/pipelines/{quote(pid, safe='')}#gates", status_code=303)

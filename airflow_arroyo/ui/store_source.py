@@ -3,7 +3,8 @@
 The DSN is what :class:`~airflow_arroyo.hooks.arroyo.ArroyoHook` makes of the connection (an
 ``arroyo`` or ``postgres`` connection from any secrets backend, ``AIRFLOW_CONN_ARROYO_DEFAULT``
 included), so the UI reads the same store as the triggers and operators. The UI never migrates the
-schema (it only reads).
+schema. It reads on read-only connections; its one write, a person's verdict on a commit gate, goes through
+a small store of its own (:meth:`StoreSource.writer`), opened on the first verdict.
 
 Resolution is cached for ``ttl_s`` seconds (a changed connection is picked up within a minute); the
 read-only pool is made once per DSN and closed when the DSN changes. Nothing is resolved at import
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.store import redact_dsn
+from airflow_arroyo.store import EpochStore, redact_dsn
 from airflow_arroyo.store.reads import StoreReader
 
 __all__ = ["DEFAULT_CONN_ID", "StoreSource", "resolve_dsn"]
@@ -44,19 +45,27 @@ def resolve_dsn(conn_id: str = DEFAULT_CONN_ID) -> str:
         ) from exc
 
 
+def _writer(dsn: str) -> EpochStore:
+    # verdicts are rare: two connections, and a short retry so that a click does not hang
+    return EpochStore(dsn, max_connections=2, retry_seconds=5.0, application_name="airflow-arroyo-ui")
+
+
 class StoreSource:
     """Gives the app its :class:`StoreReader`, resolving the DSN lazily and at most every ``ttl_s``."""
 
     def __init__(self, resolve: Callable[[], str] = resolve_dsn, *, ttl_s: float = 60.0,
                  factory: Callable[[str], StoreReader] = StoreReader,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 writer_factory: Callable[[str], EpochStore] = _writer) -> None:
         self._resolve = resolve
         self._ttl_s = ttl_s
         self._factory = factory
+        self._writer_factory = writer_factory
         self._clock = clock
         self._lock = threading.Lock()
         self._queries: StoreReader | None = None
         self._resolved_at: float | None = None
+        self._writer: EpochStore | None = None
 
     def get(self) -> StoreReader:
         """The queries for the current DSN. Raises ConfigurationError when none is configured."""
@@ -76,12 +85,27 @@ class StoreSource:
             self._resolved_at = now
             return self._queries
 
+    def writer(self) -> EpochStore:
+        """A store that can write, on the readers' DSN (for a verdict on a commit gate). Raises
+        ConfigurationError when none is configured."""
+        dsn = self.get().dsn
+        with self._lock:
+            if self._writer is not None and self._writer.dsn != dsn:
+                self._writer.close()
+                self._writer = None
+            if self._writer is None:
+                self._writer = self._writer_factory(dsn)
+            return self._writer
+
     def reset(self) -> None:
-        """Forget the resolved DSN and close the pool (the next request resolves again)."""
+        """Forget the resolved DSN and close the pools (the next request resolves again)."""
         with self._lock:
             if self._queries is not None:
                 self._queries.close()
+            if self._writer is not None:
+                self._writer.close()
             self._queries = None
+            self._writer = None
             self._resolved_at = None
 
     def close(self) -> None:

@@ -31,11 +31,22 @@ URLS = {
     "/api/pipelines/{pipeline_id}/epochs/{epoch}": "/arroyo/api/pipelines/orders/epochs/241",
     "/api/pipelines/{pipeline_id}/retention": "/arroyo/api/pipelines/orders/retention",
 }
+# The writes (a verdict on a commit gate: tests/ui/test_gates_ui.py has the permission beyond reading).
+POSTS = {
+    "/pipelines/{pipeline_id}/gates/{sink}/{epoch}/verdict": "/arroyo/pipelines/orders/gates/out/1/verdict",
+    "/api/pipelines/{pipeline_id}/gates/{sink}/{epoch}/verdict": "/arroyo/api/pipelines/orders/gates/out/1/verdict",
+}
 
 
 def test_every_route_of_the_mounted_app_is_listed_here(airflow_api: Any) -> None:
-    routes = {r.path for r in mounted_arroyo_app(airflow_api).routes if isinstance(r, APIRoute)}
-    assert routes == set(URLS)
+    routes = {(r.path, m) for r in mounted_arroyo_app(airflow_api).routes if isinstance(r, APIRoute) for m in r.methods}
+    assert routes == {(p, "GET") for p in URLS} | {(p, "POST") for p in POSTS}
+
+
+@pytest.mark.parametrize("url", sorted(POSTS.values()))
+def test_anonymous_writes_are_refused(anon: TestClient, url: str) -> None:
+    r = anon.post(url, json={"passed": True}, headers={"Sec-Fetch-Site": "same-origin"})
+    assert r.status_code == 401, (url, r.status_code, r.text[:200])
 
 
 @pytest.mark.parametrize("url", sorted(URLS.values()))

@@ -78,3 +78,18 @@ def test_resolve_dsn_without_a_connection_says_what_to_create(monkeypatch: pytes
     monkeypatch.delenv("AIRFLOW_CONN_ARROYO_UI_MISSING", raising=False)
     with pytest.raises(ConfigurationError, match="arroyo_ui_missing.*AIRFLOW_CONN_ARROYO_UI_MISSING"):
         resolve_dsn("arroyo_ui_missing")
+
+
+def test_the_writer_is_made_on_first_use_on_the_readers_dsn_and_closed_with_them() -> None:
+    dsn = {"value": "postgresql://a/db1"}
+    clock = Clock()
+    source = StoreSource(lambda: dsn["value"], ttl_s=60, factory=FakeQueries,  # type: ignore[arg-type]
+                         writer_factory=FakeQueries, clock=clock)  # type: ignore[arg-type]
+    first = source.writer()
+    assert first.dsn == "postgresql://a/db1" and source.writer() is first
+    dsn["value"] = "postgresql://a/db2"
+    clock.t = 200
+    second = source.writer()  # the connection changed: a writer on the new DSN, the old one closed
+    assert second.dsn == "postgresql://a/db2" and first.closed and not second.closed
+    source.reset()
+    assert second.closed
