@@ -16,6 +16,11 @@ Printed per placement: capture time, restore time (median of the rounds: rebuild
 pointer switch), files and bytes moved by the restore, S3 requests the restore made (counted by the
 moto server), and the ratio of each restore time to the local one.
 
+``--latency-ms`` adds that many milliseconds before each object read of the S3 placements (a stand-in for a
+region's first-byte latency, which moto on loopback does not have: its answers take about a millisecond).
+Each restore runs once with every ``--workers`` setting per round, alternating (objects copied one at a time
+against ``SnapshotStore.restore_workers`` at once): the table shows each and their ratio.
+
     python benchmarks/restore_s3.py                  # about a minute
     python benchmarks/restore_s3.py --keys 200000    # a bigger state
 """
@@ -53,6 +58,18 @@ class RequestCounter(logging.Handler):
         self.count += 1
 
 
+class SlowReads(FileSystem):
+    """``fs`` whose object reads each wait ``delay`` seconds first (the benchmark's stand-in for S3's latency)."""
+
+    def __init__(self, fs: FileSystem, delay: float) -> None:
+        self.__dict__.update(fs.__dict__)
+        self.delay = delay
+
+    def open_input(self, path: str) -> Any:
+        time.sleep(self.delay)  # a simulated network round trip, not a wait for a condition
+        return super().open_input(path)
+
+
 def make_checkpoint(spark: Any, path: Path, keys: int, batches: int) -> None:
     from pyspark.sql import functions as F
 
@@ -74,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=50_000)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", default="1,8", help="restore_workers settings compared, e.g. 1,8")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="simulated first-byte latency of each S3 object read (0: moto's own)")
     args = parser.parse_args(argv)
+    settings = [int(w) for w in args.workers.split(",")]
 
     import boto3
     from moto.server import ThreadedMotoServer
@@ -114,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 store.register_pipeline(pid, stages=["agg"], run_id="r1", storage_uri=storage_uri)
                 store.set_pipeline_state(pid, PipelineState.RUNNING)
                 storage = FileSystem.from_uri(storage_uri)
+                if args.latency_ms and storage.is_s3:
+                    storage = SlowReads(storage, args.latency_ms / 1000)
                 checkpoints = FileSystem.from_uri(checkpoint_uri) if checkpoint_uri else storage
                 snaps = SnapshotStore(storage, pid, store, checkpoints=checkpoints)
                 # the pipeline's live checkpoint: Spark's folder, copied to where this placement keeps it
@@ -128,23 +151,28 @@ def main(argv: list[str] | None = None) -> int:
                 captured = snaps.capture("agg", epoch, live, args.batches - 1)
                 capture_s = time.monotonic() - t0
                 store.ack_epoch(pid, epoch, "agg", bytes_new=captured.bytes_new, bytes_total=captured.bytes_total)
-                times = []
+                times: dict[int, list[float]] = {w: [] for w in settings}
                 requests = []
-                for _ in range(args.rounds):
-                    before = counter.count
-                    t0 = time.monotonic()
-                    prepared = snaps.prepare_restore("agg", epoch)
-                    snaps.commit_restore(prepared)
-                    times.append(time.monotonic() - t0)
-                    requests.append(counter.count - before)
-                rows.append((name, capture_s, statistics.median(times), prepared.files, prepared.bytes,
-                             statistics.median(requests)))
-            base = rows[0][2]
-            print(f"\n{'placement':<12} {'capture s':>10} {'restore s':>10} {'files':>7} {'bytes moved':>12} "
-                  f"{'S3 requests':>12} {'restore vs local':>17}")
+                for r in range(args.rounds):
+                    for w in settings if r % 2 == 0 else list(reversed(settings)):
+                        snaps.restore_workers = w
+                        before = counter.count
+                        t0 = time.monotonic()
+                        prepared = snaps.prepare_restore("agg", epoch)
+                        snaps.commit_restore(prepared)
+                        times[w].append(time.monotonic() - t0)
+                        requests.append(counter.count - before)
+                rows.append((name, capture_s, {w: statistics.median(ts) for w, ts in times.items()}, prepared.files,
+                             prepared.bytes, statistics.median(requests)))
+            base = rows[0][2][settings[0]]
+            heads = "".join(f"{f'restore s ({w})':>16}" for w in settings)
+            print(f"\n{'placement':<12} {'capture s':>10}{heads} {'files':>7} {'bytes moved':>12} "
+                  f"{'S3 requests':>12} {'vs local (' + str(settings[0]) + ')':>16} "
+                  f"{f'({settings[0]}) / ({settings[-1]})':>12}")
             for name, cap, rest, files, nbytes, reqs in rows:
-                print(f"{name:<12} {cap:>10.2f} {rest:>10.2f} {files:>7} {nbytes:>12} {reqs:>12.0f} "
-                      f"{rest / base:>16.1f}x")
+                cols = "".join(f"{rest[w]:>16.2f}" for w in settings)
+                print(f"{name:<12} {cap:>10.2f}{cols} {files:>7} {nbytes:>12} {reqs:>12.0f} "
+                      f"{rest[settings[0]] / base:>15.1f}x {rest[settings[0]] / rest[settings[-1]]:>11.2f}x")
     finally:
         spark.stop()
         server.stop()

@@ -54,6 +54,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -79,6 +80,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
+#: Objects a restore copies at once (SnapshotStore.restore_workers).
+RESTORE_WORKERS = 8
 _SPOOL_IN_MEMORY = 8 << 20  # objects up to this size are hashed in memory before an object-store put
 
 
@@ -125,6 +128,9 @@ class SnapshotStore:
             raise ConfigurationError(f"max_delta_chain must be a number of deltas >= 0 (0: always copy the newest "
                                      f"snapshot) or None (no bound but Spark's cleanup), got {max_delta_chain!r}")
         self.max_delta_chain = max_delta_chain
+        # objects a restore copies at once: on object storage each is a few requests whose latency dominates
+        # (benchmarks/restore_s3.py); 1 copies one after the other
+        self.restore_workers = RESTORE_WORKERS
 
     # ------------------------------------------------------------------ capture
 
@@ -328,16 +334,34 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: its snapshot of stage {stage!r} is not a checkpoint Spark can "
                 f"restart from ({'; '.join(problems)}); nothing was changed", epoch=epoch, stage=stage,
                 problems=tuple(problems))
-        total = 0
         try:
             self.checkpoint_fs.makedirs(folder)
-            for e in entries:
-                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
-                total += e.bytes
+            self._restore_all(entries, epoch, stage, folder, storage, owner)
         except BaseException:
             self.checkpoint_fs.delete_tree(folder)  # our own half-built folder, never the live checkpoint
             raise
-        return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries), bytes=total)
+        return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries),
+                               bytes=sum(e.bytes for e in entries))
+
+    def _restore_all(self, entries: Sequence[SnapshotEntry], epoch: int, stage: str, folder: str,
+                     storage: FileSystem, owner: str) -> None:
+        """Copy and verify every entry into ``folder``, up to :attr:`restore_workers` at once; the first failure is
+        raised once the copies under way have ended (the caller deletes the folder)."""
+        workers = max(1, min(self.restore_workers, len(entries)))
+        if workers == 1:
+            for e in entries:
+                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
+            return
+        with ThreadPoolExecutor(workers, thread_name_prefix=f"arroyo-restore-{stage}") as pool:
+            futures = [pool.submit(self._restore_one, e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
+                       for e in entries]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            errors = [exc for f in futures if f.done() and not f.cancelled() and (exc := f.exception()) is not None]
+            if errors:
+                for f in futures:
+                    f.cancel()
+                wait(futures)  # no copy may still write into the folder the caller is about to delete
+                raise errors[0]
 
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,
                      owner: str) -> None:
