@@ -99,6 +99,8 @@ def anon(airflow_api: Any) -> Iterator[Any]:
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD = "vera", "arroyo-ui-test-password"
+#: A user who may also decide commit gates (the simple auth manager's "user" role: more than a viewer).
+APPROVER, APPROVER_PASSWORD = "ana", "arroyo-ui-approver-password"
 
 
 @dataclass(frozen=True)
@@ -154,11 +156,12 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float,
 def api_server(airflow_db: str, dataset: Dataset, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     """``airflow api-server`` in its own process group: its own AIRFLOW_HOME (config, passwords), the
     session's already migrated metadata DB, the repository's ``plugins/`` folder, the simple auth
-    manager with one known viewer, the test store as ``arroyo_default``. Stopped with SIGINT to its group."""
+    manager with one known viewer and an approver of commit gates, the test store as ``arroyo_default``.
+    Stopped with SIGINT to its group."""
     home = tmp_path_factory.mktemp("airflow-home")
     (home / "dags").mkdir()
     passwords = home / "passwords.json"
-    passwords.write_text(json.dumps({USER: PASSWORD}))
+    passwords.write_text(json.dumps({USER: PASSWORD, APPROVER: APPROVER_PASSWORD}))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW__", "AIRFLOW_CONN_"))}
     env.update({
@@ -168,7 +171,7 @@ def api_server(airflow_db: str, dataset: Dataset, tmp_path_factory: pytest.TempP
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:viewer,{APPROVER}:user",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
         "AIRFLOW__API_AUTH__JWT_SECRET": "arroyo-ui-test-secret-" + "x" * 48,
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
