@@ -286,9 +286,13 @@ class PendingOutput:
     def query(self, conn: Any, statement: str, params: Any = None, *, view: str = "pending") -> list[tuple[Any, ...]]:
         """Run ``statement`` (a check written against ``view``) on psycopg2 connection ``conn`` to the sink's target
         database in a READ ONLY transaction, after creating the view in a transaction of its own; returns its rows.
-        The check can read the pending rows and anything else, and write nothing."""
+        The check can read the pending rows and anything else, and write nothing (by mistake: a check that turns
+        read-write on purpose can; a role with SELECT only is the boundary for checks nobody reviewed)."""
         with conn.cursor() as cur:
             self.create_view(cur, view)
+            # the session read-only too: a COMMIT in the check's text ends the READ ONLY transaction, and its next
+            # statement would otherwise run read-write
+            cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
         conn.commit()
         was = conn.readonly
         conn.readonly = True
@@ -299,6 +303,9 @@ class PendingOutput:
         finally:
             conn.rollback()
             conn.readonly = was
+        with conn.cursor() as cur:  # the session as it was (the view stays until it ends)
+            cur.execute("RESET default_transaction_read_only")
+        conn.commit()
         return [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in fetched]
 
 

@@ -52,7 +52,8 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {
                 "integration-name": "Arroyo epochs",
-                "python-modules": ["airflow_arroyo.triggers.checkpoint", "airflow_arroyo.triggers.pipeline"],
+                "python-modules": ["airflow_arroyo.triggers.checkpoint", "airflow_arroyo.triggers.gates",
+                                   "airflow_arroyo.triggers.pipeline"],
             }
         ],
         "operators": [
@@ -60,12 +61,14 @@ def get_provider_info() -> dict[str, Any]:
                 "integration-name": "Arroyo epochs",
                 "python-modules": [
                     "airflow_arroyo.operators.checkpoint",
+                    "airflow_arroyo.operators.gates",
                     "airflow_arroyo.operators.pipeline",
                     "airflow_arroyo.operators.retention",
                 ],
             }
         ],
-        "sensors": [{"integration-name": "Arroyo epochs", "python-modules": ["airflow_arroyo.sensors.pipeline"]}],
+        "sensors": [{"integration-name": "Arroyo epochs",
+                     "python-modules": ["airflow_arroyo.sensors.gates", "airflow_arroyo.sensors.pipeline"]}],
         "extra-links": [
             "airflow_arroyo.operators.checkpoint.ArroyoCheckpointsLink",
             "airflow_arroyo.links.pipeline.ArroyoPipelineLink",
