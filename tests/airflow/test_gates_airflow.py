@@ -508,3 +508,69 @@ def test_dag_test_a_check_that_writes_fails_and_records_nothing(gate_dag: Any, c
     assert _task_states(run) == {"wait_gate": "success", "check": "failed"}
     assert conns.get_gate(PID, SINK, e1).state is GateState.PENDING
     assert target_rows(target) == len(ROWS)
+
+
+# --------------------------------------------------------------------------- the example DAGs
+
+DAGS = Path(__file__).resolve().parents[2] / "dags"
+
+
+def test_the_example_dags_import_and_fit_the_gated_pipeline() -> None:
+    import inspect
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    from airflow_arroyo.examples.gated import gated_orders
+
+    for name in ("example_gated_pipeline", "example_gate_check"):
+        bag = DagBag(dag_folder=str(DAGS / f"{name}.py"))
+        assert bag.import_errors == {}
+    producer = DagBag(dag_folder=str(DAGS / "example_gated_pipeline.py")).dags["example_gated_pipeline"]
+    submit = producer.task_dict["submit"]
+    assert submit.pipeline == "airflow_arroyo.examples.gated:gated_orders"
+    assert producer.task_dict["create_table"].downstream_task_ids == {"submit"}
+    inspect.signature(gated_orders).bind(**submit.pipeline_args)
+    (sink,) = [s for s in gated_orders().validate().stage_names if s == "orders_pg"]
+    consumer = DagBag(dag_folder=str(DAGS / "example_gate_check.py")).dags["example_gate_check"]
+    check = consumer.task_dict["check_orders"]
+    assert (check.pipeline_id, check.sink) == (submit.pipeline_id, sink)
+    (asset,) = consumer.timetable.asset_condition.objects  # schedule=[asset]: all of one
+    assert asset.uri == f"x-arroyo://{submit.pipeline_id}/gates/{sink}"
+    assert isinstance(asset.watchers[0].trigger, GateOpenedTrigger)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("airflow_db")
+def test_the_example_check_dag_passes_a_good_epoch_and_holds_a_bad_one(store: EpochStore,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example's check in dag.test(), on the pending rows of a sink shaped like the example's (the table the
+    PostgreSQL sink stages in, in the epoch store's database as in the example)."""
+    from airflow_arroyo.examples.names import GATED_PIPELINE_ID, GATED_SINK
+
+    monkeypatch.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", store.dsn)
+    with psycopg2.connect(store.dsn) as conn, conn.cursor() as cur:
+        cur.execute("CREATE TABLE arroyo_sink_pending_g (order_id bigint, customer text, amount bigint,"
+                    " _arroyo_batch bigint NOT NULL)")
+        cur.executemany("INSERT INTO arroyo_sink_pending_g VALUES (%s, %s, %s, %s)",
+                        [(1, "k1", 5, 0), (2, "k2", 7, 0), (3, "k3", 1, 1), (3, "k3", 1, 1)])  # batch 1: a duplicate
+    conn.close()
+    running(store, GATED_PIPELINE_ID, stages=("orders", GATED_SINK))
+    e1, e2 = complete(store, GATED_PIPELINE_ID), complete(store, GATED_PIPELINE_ID)
+    details = {**DETAILS, "pending_table": "arroyo_sink_pending_g"}
+    for epoch, batch in ((e1, 0), (e2, 1)):
+        store.open_gate(GATED_PIPELINE_ID, GATED_SINK, epoch, run_id="r1", uri="postgresql:arroyo_gated_orders",
+                        policy=GatePolicy.HOLD, batch_from=batch, batch_to=batch, details=details, timeout=600)
+    spec = importlib.util.spec_from_file_location("example_gate_check_under_test", DAGS / "example_gate_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    first = module.dag.test()  # no triggering events here: the oldest pending gate, e1
+    assert _task_states(first) == {"check_orders": "success"}
+    assert store.get_gate(GATED_PIPELINE_ID, GATED_SINK, e1).state is GateState.PASSED
+    second = module.dag.test()
+    assert _task_states(second) == {"check_orders": "failed"}
+    gate = store.get_gate(GATED_PIPELINE_ID, GATED_SINK, e2)
+    assert (gate.state, gate.decided_by, gate.reason) == (GateState.FAILED, "example_gate_check.check_orders",
+                                                          "check failed: column 2 of (True, False, True)")
