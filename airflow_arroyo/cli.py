@@ -51,6 +51,7 @@ import getpass
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -474,12 +475,7 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     from airflow_arroyo.runtime.driver import load_pipeline
 
     _require_schema(store)
-    renamed: dict[str, str] = {}
-    for pair in args.rename or ():
-        old, sep, new = pair.partition("=")
-        if not sep or not old or not new:
-            raise ConfigurationError(f"--rename must look like OLD=NEW (the epoch's stage=the new stage), got {pair!r}")
-        renamed[old] = new
+    renamed = _renames(args.rename)
     graph = load_pipeline(args.pipeline_module).validate()
     requested = parse_restore_from(args.epoch)
     facts = read_restore_facts(store, args.pipeline, requested, stages=None).facts
@@ -501,6 +497,85 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
         if not plan.restores:
             out.write(f"refused: {', '.join(r.stage for r in plan.refused)} (see each reason for the fix)\n")
     return EXIT_OK if plan.restores else EXIT_BAD_INPUT
+
+
+def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
+    renamed: dict[str, str] = {}
+    for pair in pairs or ():
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new:
+            raise ConfigurationError(f"--rename must look like OLD=NEW (the epoch's stage=the new stage), got {pair!r}")
+        renamed[old] = new
+    return renamed
+
+
+def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Upgrade a running pipeline to new code in one step (:func:`airflow_arroyo.upgrades.prepare_upgrade`: plan,
+    graceful stop, pin the final epoch, plan again), then print how to start the new code, or with ``--start``
+    start it as a local driver process and wait until it runs."""
+    from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.runtime.driver import load_pipeline
+    from airflow_arroyo.upgrades import prepare_upgrade
+
+    _require_schema(store)
+    wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
+    graph = load_pipeline(args.pipeline_module).validate()
+    ready = prepare_upgrade(store, args.pipeline, graph, allow_dropped_state=args.allow_dropped_state or (),
+                            renamed=_renames(args.rename), label=args.label, stop_timeout=wait)
+    command = [sys.executable, *(["-m", "airflow_arroyo.runtime.driver"] if args.driver is None else [args.driver]),
+               "--pipeline", args.pipeline_module, "--run-id", f"upgrade-{datetime.now():%Y%m%dT%H%M%S}",
+               *ready.driver_args()]
+    if ready.storage_uri:
+        command += ["--storage-uri", ready.storage_uri]
+    if ready.checkpoint_uri and ready.checkpoint_uri != ready.storage_uri:
+        command += ["--checkpoint-uri", str(ready.checkpoint_uri)]
+    if args.master:
+        command += ["--master", args.master]
+    result: dict[str, Any] = {"pipeline_id": args.pipeline, "pinned_epoch": ready.epoch, "pin_label": ready.label,
+                              "stages": [_jsonable(r) for r in ready.plan.stages], "command": command}
+    if args.start:
+        result.update(_start_driver(store, args.pipeline, command, args.log, wait))
+    if args.json:
+        json.dump(result, out)
+        out.write("\n")
+    else:
+        out.write(f"pipeline {args.pipeline}: stopped with its final epoch {ready.epoch} pinned ({ready.label!r});"
+                  " the new code restores it:\n")
+        _table(["STAGE", "ACTION", "REASON"], [[r.stage, r.action.value, r.reason] for r in ready.plan.stages], out)
+        if args.start:
+            out.write(f"started run {result['run_id']} ({result['state']}); its log: {result['log']}\n")
+        else:
+            out.write("start the new code with (the epoch store's DSN in ARROYO_DSN, as for any driver):\n  "
+                      + " ".join(shlex.quote(c) for c in command) + "\n")
+    return EXIT_OK if not args.start or result["state"] == "running" else EXIT_ERROR
+
+
+def _start_driver(store: EpochStore, pipeline_id: str, command: list[str], log: str | None,
+                  wait: float) -> dict[str, Any]:
+    """Start ``command`` (a driver) detached, its output in ``log``, the store's DSN in its environment (never on
+    its command line); wait until the run it registers is running, or the process ended, or ``wait`` passed."""
+    import subprocess
+
+    from airflow_arroyo.epochs import PipelineState
+
+    before = store.get_pipeline(pipeline_id).run_id
+    path = log or f"{pipeline_id}-upgrade-{int(time.time())}.log"
+    with open(path, "ab") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, DSN_ENV: store.dsn})
+
+    def settled() -> bool:
+        record = store.get_pipeline(pipeline_id)
+        return process.poll() is not None or (record.run_id != before and record.state is not PipelineState.REGISTERED)
+
+    deadline = time.monotonic() + wait
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    record = store.get_pipeline(pipeline_id)
+    mine = record.run_id != before
+    state = record.state.value if mine else ("exited" if process.poll() is not None else "starting")
+    return {"run_id": record.run_id if mine else None, "state": state, "pid": process.pid, "log": path,
+            "exit_code": process.poll()}
 
 
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
@@ -1029,6 +1104,23 @@ def _build_parser() -> _Parser:
                          help="a stage of the epoch the new code drops, with its state (repeatable)")
     upgrade.add_argument("--rename", action="append", metavar="OLD=NEW",
                          help="the epoch's stage OLD restores into the new stage NEW (repeatable)")
+    up = sub.add_parser("upgrade", parents=[common],
+                        help="upgrade a running pipeline to new code: plan, stop with a final epoch, pin it, plan "
+                             "again, then start the new code (--start) or print how")
+    up.add_argument("pipeline")
+    up.add_argument("--pipeline-module", required=True, metavar="MODULE:ATTR", help="the new code's Pipeline")
+    up.add_argument("--allow-dropped-state", action="append", metavar="STAGE",
+                    help="a stage of the epoch the new code drops, with its state (repeatable)")
+    up.add_argument("--rename", action="append", metavar="OLD=NEW",
+                    help="the epoch's stage OLD restores into the new stage NEW (repeatable)")
+    up.add_argument("--label", help="the pin label of the final epoch (default: 'upgrade <time>')")
+    up.add_argument("--wait", default="10m", metavar="DURATION",
+                    help="how long the old run may take to stop, and the new one to run (default 10m)")
+    up.add_argument("--start", action="store_true",
+                    help="start the new code as a local driver process (output to --log) and wait until it runs")
+    up.add_argument("--master", help="the Spark master of the started driver, e.g. 'local[2]'")
+    up.add_argument("--log", help="the started driver's log file (default: ./<pipeline>-upgrade-<time>.log)")
+    up.add_argument("--driver", help="the driver script to start (default: the runtime driver module)")
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
     stop = sub.add_parser("stop", parents=[common],
@@ -1133,6 +1225,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "fork": _cmd_fork,
     "restore": _cmd_restore,
     "upgrade-plan": _cmd_upgrade_plan,
+    "upgrade": _cmd_upgrade,
     "verify": _cmd_verify,
     "checkpoint": _cmd_checkpoint,
     "state": _cmd_state,

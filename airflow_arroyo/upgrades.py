@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from airflow_arroyo.runtime.graph import PipelineGraph
     from airflow_arroyo.store import EpochStore
 
-__all__ = ["UpgradeError", "UpgradeReady", "check_upgrade", "prepare_upgrade"]
+__all__ = ["UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "prepare_upgrade"]
 
 
 class UpgradeError(ArroyoError):
@@ -42,6 +42,10 @@ class UpgradeError(ArroyoError):
         super().__init__(f"upgrade of pipeline {pipeline_id!r} stopped at step '{step}': {detail}. {after}")
         self.pipeline_id = pipeline_id
         self.step = step
+
+
+class UpgradeRefused(UpgradeError, ConfigurationError):
+    """The new code's plan is refused before anything was asked (bad input: exit status 2 in the CLI)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ def prepare_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, *
     check_stop("graceful", label)
     before = check_upgrade(store, pipeline_id, graph, allow_dropped_state=allow_dropped_state, renamed=renamed)
     if not before.restores:
-        raise UpgradeError(pipeline_id, "plan", f"the new code cannot restore epoch {before.epoch}: "
+        raise UpgradeRefused(pipeline_id, "plan", f"the new code cannot restore epoch {before.epoch}: "
                            f"{_refusal(before)}", after="Nothing was changed: the old code still runs")
     asked = request_stop(store, pipeline_id, "graceful")
     if asked.asked is StopAsked.RESTART_CANCELLED or asked.mode != "graceful":

@@ -1,0 +1,15 @@
+"""New code for the upgrade CLI test: the stand-in driver's stages ('source', 'sink') with the sink renamed. The
+attribute is named after the pipeline (the stand-in driver takes its pipeline id from it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow_arroyo.runtime.pipeline import Pipeline
+
+
+def up_cli(**_: Any) -> Pipeline:
+    p = Pipeline("up_cli", chaining=False)
+    src = p.source("source", lambda spark: spark.readStream.format("rate").load())
+    p.sink("sink_v2", [src], foreach_batch=lambda df, batch: None)
+    return p
