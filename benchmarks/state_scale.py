@@ -1,9 +1,10 @@
 """State at scale: epochs, bytes new, and restore-to-first-output against a cold start, at growing state sizes.
 
 One invocation, one SparkSession (local[2]), one throwaway PostgreSQL. For each ``--keys`` size and each
-``--store`` (``rocksdb``, ``hdfs`` = Spark's default store), one pipeline (the deterministic generator, ``--pad``
-bytes of padding per key (hex digits of hashes, so that no store compresses them away), into a stateful aggregation per key that keeps the longest padding seen, into a
-``foreach_batch`` sink) runs as the product runs it (``PipelineDriver``, epochs every ``--interval`` s):
+``--store`` (``rocksdb``, ``hdfs`` = Spark's default store), one pipeline (the deterministic generator with
+``--pad`` bytes of padding per key, hex digits of hashes so that no store compresses them away, into a stateful
+aggregation per key that keeps the longest padding seen, into a ``foreach_batch`` sink) runs as the product runs
+it (``PipelineDriver``, epochs every ``--interval`` s):
 
 1. **fill**: until the state holds every key, then ``--epochs`` more epochs; printed: state bytes of the last
    epoch's snapshot, epoch duration p50/p99 (trigger to completion, from the store) and bytes new per epoch
