@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,16 +64,17 @@ def pipeline(pid: str, *, keys: int, pad: int, batch: int, store: str, start: in
 
     def read(spark: Any) -> Any:
         df = generator_source(spark, keys=keys, rows_per_batch=batch, start=start, partitions=2)
-        # key = id mod keys: the state holds every key once `keys` rows are in; the padding is hashes (a store's
-        # compression would shrink repeated characters to nothing)
-        key = F.col("id") % keys
-        hashes = F.concat(*[F.sha2(F.concat_ws("/", key.cast("string"), F.lit(str(i))), 512)
-                            for i in range(pad // 128 + 1)])
-        return df.select(key.alias("key"), "value", F.substring(hashes, 1, pad).alias("pad"))
+        # key = id mod keys: the state holds every key once `keys` rows are in
+        return df.select((F.col("id") % keys).alias("key"), "value")
 
     def aggregate(df: Any) -> Any:
-        return df.groupBy("key").agg(F.count(F.lit(1)).alias("n"), F.sum("value").alias("total"),
-                                     F.max("pad").alias("pad"))
+        # the padding is made here, so that only the state holds it (not the channels); hashes, so that no store's
+        # compression shrinks it to nothing
+        hashes = F.concat(*[F.sha2(F.concat_ws("/", F.col("key").cast("string"), F.lit(str(i))), 512)
+                            for i in range(pad // 128 + 1)])
+        padded = df.withColumn("pad", F.substring(hashes, 1, pad))
+        return (padded.groupBy("key").agg(F.count(F.lit(1)).alias("n"), F.sum("value").alias("total"),
+                                         F.max("pad").alias("pad")).select("key", "n", "total"))
 
     p = Pipeline(pid, chaining=False)
     src = p.source("src", read)
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                             cold_pid = f"cold-{uuid.uuid4().hex[:6]}"
                             cold.append(first_output(spark, store, args, cold_pid, f"{tmp}/{cold_pid}", keys,
                                                      kind, False))
+                shutil.rmtree(filled["storage"], ignore_errors=True)  # the next size needs the disk
+                for folder in Path(tmp).glob("cold-*"):
+                    shutil.rmtree(folder, ignore_errors=True)
                 row = {**filled, "keys": keys, "store": kind, "restore_s": statistics.median(restored),
                        "cold_s": statistics.median(cold), "restore_runs": restored, "cold_runs": cold}
                 rows.append(row)
