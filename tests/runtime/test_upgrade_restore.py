@@ -26,7 +26,7 @@ from airflow_arroyo.upgrades import UpgradeError, prepare_upgrade
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 400
+ROWS = 600  # 15 s of input at 40 rows/s: the old code's two epochs come well before its end, even on a loaded machine
 KEYS = 50
 
 
