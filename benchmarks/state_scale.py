@@ -74,7 +74,8 @@ def pipeline(pid: str, *, keys: int, pad: int, batch: int, store: str, start: in
                             for i in range(pad // 128 + 1)])
         padded = df.withColumn("pad", F.substring(hashes, 1, pad))
         return (padded.groupBy("key").agg(F.count(F.lit(1)).alias("n"), F.sum("value").alias("total"),
-                                         F.max("pad").alias("pad")).select("key", "n", "total"))
+                                         F.max("pad").alias("pad"))
+                .select("key", "n", "total", F.length("pad").alias("pad_len")))  # uses it: the state keeps it
 
     p = Pipeline(pid, chaining=False)
     src = p.source("src", read)
