@@ -64,6 +64,7 @@ def get_provider_info() -> dict[str, Any]:
                     "airflow_arroyo.operators.gates",
                     "airflow_arroyo.operators.pipeline",
                     "airflow_arroyo.operators.retention",
+                    "airflow_arroyo.operators.upgrade",
                 ],
             }
         ],

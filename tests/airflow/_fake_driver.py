@@ -13,6 +13,11 @@ from ``ARROYO_DSN``. Behaviour knobs (environment):
   (cause ``FAKE_FAIL_CAUSE``) and exit 1.
 * ``FAKE_SINK_URI=uri``: record a commit of a file sink ``sink`` at that URI for every completed
   epoch (epoch n commits batch n with n rows, 100 * n bytes), as the real driver does after moving files.
+* ``FAKE_STAGES=a,b``: the stages it registers and acknowledges epochs from (default ``STAGES``), as new code
+  with renamed stages would.
+
+``--rename``, ``--allow-dropped-state`` and ``--rescale`` (an upgrade's restore) are not acted on, only recorded in
+the registered ``config`` (lists of the values given), so a test can read what a run was given.
 
 It stops on ``request_stop``: graceful takes a final epoch first.
 """
@@ -44,15 +49,20 @@ def main() -> int:
     parser.add_argument("--restore-from")
     parser.add_argument("--storage-uri")
     parser.add_argument("--takeover", action="store_true")
+    for upgrade_option in ("--rename", "--allow-dropped-state", "--rescale"):
+        parser.add_argument(upgrade_option, action="append", default=[])
     args, _ = parser.parse_known_args()
+    stages = os.environ.get("FAKE_STAGES", "").split(",") if os.environ.get("FAKE_STAGES") else STAGES
     pipeline_id = args.pipeline.rsplit(":", 1)[-1]
     if os.environ.get("FAKE_EXIT_BEFORE_REGISTER"):
         print(os.environ["FAKE_EXIT_BEFORE_REGISTER"], flush=True)
         return 3
     store = EpochStore(os.environ["ARROYO_DSN"], max_connections=2)
     store.migrate()
-    store.register_pipeline(pipeline_id, stages=STAGES, run_id=args.run_id, storage_uri=args.storage_uri,
-                            config={"restore_from": args.restore_from, "pid": os.getpid()}, takeover=args.takeover)
+    store.register_pipeline(pipeline_id, stages=stages, run_id=args.run_id, storage_uri=args.storage_uri,
+                            config={"restore_from": args.restore_from, "pid": os.getpid(), "rename": args.rename,
+                                    "allow_dropped_state": args.allow_dropped_state, "rescale": args.rescale},
+                            takeover=args.takeover)
     store.heartbeat(pipeline_id, args.run_id, spark_app_id=f"local-fake-{os.getpid()}",
                     spark_ui_url="http://127.0.0.1:4040")
     store.set_pipeline_state(pipeline_id, PipelineState.RUNNING, run_id=args.run_id)
@@ -67,7 +77,7 @@ def main() -> int:
             return 2
         in_flight = store.in_flight_epoch(pipeline_id)
         if in_flight is not None and not os.environ.get("FAKE_HOLD_EPOCHS"):
-            for stage in STAGES:
+            for stage in stages:
                 store.ack_epoch(pipeline_id, in_flight.epoch, stage, cursors={}, bytes_new=10, bytes_total=100)
             _commit_sink(store, pipeline_id, in_flight.epoch, args.run_id)
             completed += 1
@@ -81,7 +91,7 @@ def main() -> int:
                 tick = store.trigger_tick(pipeline_id, CheckpointPolicy(interval=1.0), triggered_by="final",
                                           force=True, is_final=True)
                 if tick.started is not None:
-                    for stage in STAGES:
+                    for stage in stages:
                         store.ack_epoch(pipeline_id, tick.started.epoch, stage)
                     _commit_sink(store, pipeline_id, tick.started.epoch, args.run_id)
             if pipe.state is PipelineState.RUNNING:
