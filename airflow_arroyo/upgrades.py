@@ -1,6 +1,6 @@
-"""Upgrading a running pipeline to new code in one step, for every surface: :class:`~airflow_arroyo.operators.
-UpgradePipelineOperator` and ``airflow-arroyo upgrade`` go through :func:`prepare_upgrade` and only choose how the
-new code starts. Airflow-free.
+"""Upgrading a running pipeline to new code in one step, for every surface:
+:class:`~airflow_arroyo.operators.upgrade.UpgradePipelineOperator` and ``airflow-arroyo upgrade`` go through
+:func:`prepare_upgrade` and only choose how the new code starts. Airflow-free.
 
 1. **plan** against the latest completed epoch, before anything is asked: new code that cannot take the pipeline's
    state is refused while the old code still runs (nothing changed);
