@@ -470,23 +470,15 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     """Dry run: the new code's stages (``--pipeline-module``) against an epoch of ``PIPELINE``, each restored, new,
     removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). Touches nothing; exit 0 when
     the plan restores, 2 when it is refused."""
-    from airflow_arroyo.restores import parse_restore_from, read_restore_facts
-    from airflow_arroyo.runtime.decisions import plan_stages
+    from airflow_arroyo.restores import parse_restore_from
     from airflow_arroyo.runtime.driver import load_pipeline
+    from airflow_arroyo.upgrades import check_upgrade
 
     _require_schema(store)
     renamed = _renames(args.rename)
     graph = load_pipeline(args.pipeline_module).validate()
-    requested = parse_restore_from(args.epoch)
-    facts = read_restore_facts(store, args.pipeline, requested, stages=None).facts
-    if facts.epoch is None:
-        raise ConfigurationError(f"pipeline {args.pipeline} has no epoch {args.epoch} to plan an upgrade from "
-                                 f"(airflow-arroyo epochs {args.pipeline} lists them)")
-    new_code = dataclasses.replace(
-        facts, stages=tuple(graph.stage_names), renamed=tuple(renamed.items()),
-        identities=tuple((s.name, s.uid) for s in graph.stages if s.uid and s.uid != s.name),
-        allow_dropped_state=tuple(args.allow_dropped_state or ()))
-    plan = plan_stages(new_code, facts.epoch)
+    plan = check_upgrade(store, args.pipeline, graph, parse_restore_from(args.epoch),
+                         allow_dropped_state=args.allow_dropped_state or (), renamed=renamed)
     if args.json:
         json.dump({"pipeline": args.pipeline, "epoch": plan.epoch, "restores": plan.restores,
                    "stages": [_jsonable(row) for row in plan.stages]}, out)

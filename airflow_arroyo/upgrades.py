@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.restores import read_restore_facts
-from airflow_arroyo.runtime.decisions import UpgradePlan, plan_stages
+from airflow_arroyo.runtime.decisions import RestoreFrom, UpgradePlan, plan_stages
+from airflow_arroyo.runtime.graph import stage_identities
 from airflow_arroyo.stopping import StopAsked, check_stop, request_stop, wait_until_ended
 
 if TYPE_CHECKING:
@@ -71,19 +72,15 @@ class UpgradeReady:
         return args
 
 
-def _identities(graph: PipelineGraph) -> tuple[tuple[str, str], ...]:
-    return tuple((s.name, s.uid) for s in graph.stages if s.uid and s.uid != s.name)
-
-
-def check_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, epoch: str | int = "latest", *,
+def check_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, epoch: RestoreFrom = "latest", *,
                   allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None) -> UpgradePlan:
     """The plan of a restore of ``epoch`` into the code of ``graph`` (its logical stages); reads only."""
     facts = read_restore_facts(store, pipeline_id, epoch, stages=None).facts
     if facts.epoch is None:
-        raise ConfigurationError(f"pipeline {pipeline_id!r} has no completed epoch {epoch} to upgrade from "
+        raise ConfigurationError(f"pipeline {pipeline_id} has no epoch {epoch} to plan an upgrade from "
                                  f"(airflow-arroyo epochs {pipeline_id} lists them)")
     new_code = dataclasses.replace(
-        facts, stages=tuple(graph.stage_names), identities=_identities(graph),
+        facts, stages=tuple(graph.stage_names), identities=stage_identities(graph.stages),
         allow_dropped_state=tuple(allow_dropped_state), renamed=tuple((renamed or {}).items()))
     return plan_stages(new_code, facts.epoch)
 

@@ -78,7 +78,7 @@ from airflow_arroyo.runtime.decisions import (
     sinks_to_commit,
 )
 from airflow_arroyo.runtime.gatekeeper import GateKeeper, GateStop
-from airflow_arroyo.runtime.graph import sink_kind
+from airflow_arroyo.runtime.graph import sink_kind, stage_identities
 from airflow_arroyo.runtime.kafka_offsets import KafkaSource, kafka_offsets, kafka_sources, lost_offsets
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
@@ -393,7 +393,7 @@ class PipelineDriver:
         self._fork_source = situation.fork_source
         return replace(situation.facts, allow_dropped_state=self.allow_dropped_state,
                        renamed=tuple(self.renamed.items()),
-                       identities=tuple((s.name, s.uid) for s in self.graph.stages if s.uid and s.uid != s.name))
+                       identities=stage_identities(self.graph.stages))
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import enum
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -445,3 +445,9 @@ def _check_feedback(specs: Sequence[StageSpec], writers: Mapping[str, str]) -> N
                     f"stage {s.name!r} lists channel {c!r} as feedback, but its writer {writers[c]!r} is not "
                     f"downstream of {s.name!r}, so it closes no loop; list {c!r} in inputs instead"
                 )
+
+
+def stage_identities(stages: Iterable[StageSpec]) -> tuple[tuple[str, str], ...]:
+    """(name, uid) of each stage whose identity is not its name: what a restore's plan needs to know of new code
+    (:class:`~airflow_arroyo.runtime.decisions.RestoreFacts` ``identities``)."""
+    return tuple((s.name, s.identity) for s in stages if s.identity != s.name)
