@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.exceptions import ConfigurationError, NotFoundError
@@ -33,10 +34,35 @@ from airflow_arroyo.runtime.sinks.files import committed_files
 from airflow_arroyo.runtime.spark_checkpoint import offsets_path
 
 if TYPE_CHECKING:
-    from airflow_arroyo.store import EpochStore, SinkCommitRecord, SnapshotEntry
+    from airflow_arroyo.store import AckRecord, EpochRecord, PipelineRecord, SinkCommitRecord, SnapshotEntry
 
-__all__ = ["EpochProvenance", "SinkProvenance", "SourceRange", "StageProvenance", "epoch_of_file",
-           "epoch_of_table_version", "epoch_provenance", "parse_offset_log"]
+__all__ = ["EpochProvenance", "ProvenanceReads", "SinkProvenance", "SourceRange", "StageProvenance",
+           "epoch_of_file", "epoch_of_table_version", "epoch_provenance", "parse_offset_log"]
+
+
+class ProvenanceReads(Protocol):
+    """The epoch store's reads provenance needs: an :class:`~airflow_arroyo.store.EpochStore` (the CLI), or the
+    read-only :class:`~airflow_arroyo.store.reads.RecordReads` (the UI, on connections that cannot write)."""
+
+    def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
+        """The pipeline's record."""
+
+    def get_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+        """The epoch's record."""
+
+    def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
+                    states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
+        """Epochs, newest first."""
+
+    def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
+        """The stages' acknowledgements of an epoch."""
+
+    def snapshot_entries(self, pipeline_id: str, epoch: int, stage: str) -> list[SnapshotEntry]:
+        """The files of a stage's snapshot of an epoch."""
+
+    def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
+                     limit: int = 100) -> list[SinkCommitRecord]:
+        """The sinks' commits, oldest first."""
 
 _BATCH_DIGITS = 12  # a file sink's committed names start with the batch, zero-padded (runtime/sinks/files.py)
 
@@ -149,7 +175,7 @@ class _Snapshot:
         return sorted(set(out))
 
 
-def _storage(store: EpochStore, pipeline_id: str, storage_uri: str | None) -> FileSystem:
+def _storage(store: ProvenanceReads, pipeline_id: str, storage_uri: str | None) -> FileSystem:
     where = storage_uri or store.get_pipeline(pipeline_id).storage_uri
     if not where:
         raise ConfigurationError(f"pipeline {pipeline_id!r} has no storage URI registered: pass the one its driver "
@@ -157,7 +183,7 @@ def _storage(store: EpochStore, pipeline_id: str, storage_uri: str | None) -> Fi
     return FileSystem.of(where)
 
 
-def _cut_batches(store: EpochStore, pipeline_id: str, epoch: int) -> dict[str, int | None]:
+def _cut_batches(store: ProvenanceReads, pipeline_id: str, epoch: int) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for a in store.acks(pipeline_id, epoch):
         b = (a.details or {}).get("batch_id")
@@ -165,7 +191,7 @@ def _cut_batches(store: EpochStore, pipeline_id: str, epoch: int) -> dict[str, i
     return out
 
 
-def _superseded(store: EpochStore, pipeline_id: str) -> set[int]:
+def _superseded(store: ProvenanceReads, pipeline_id: str) -> set[int]:
     out: set[int] = set()
     before: int | None = None
     while True:
@@ -176,7 +202,7 @@ def _superseded(store: EpochStore, pipeline_id: str) -> set[int]:
         before = page[-1].epoch
 
 
-def _all_commits(store: EpochStore, pipeline_id: str, sink: str | None = None) -> list[SinkCommitRecord]:
+def _all_commits(store: ProvenanceReads, pipeline_id: str, sink: str | None = None) -> list[SinkCommitRecord]:
     """The sinks' commits in commit order, those of superseded epochs left out: a restore rolled their batches
     back, and the restored lineage's next commit covers the batches after the restored cut again."""
     out: list[SinkCommitRecord] = []
@@ -191,7 +217,7 @@ def _all_commits(store: EpochStore, pipeline_id: str, sink: str | None = None) -
     return [c for c in out if c.epoch not in undone]
 
 
-def _previous_completed(store: EpochStore, pipeline_id: str, epoch: int) -> tuple[int | None, bool]:
+def _previous_completed(store: ProvenanceReads, pipeline_id: str, epoch: int) -> tuple[int | None, bool]:
     """The newest epoch before ``epoch`` that completed (a superseded one's cut was undone by a restore), and
     whether retention pruned it since (its snapshot, so where the range starts, is gone)."""
     prev = store.list_epochs(pipeline_id, limit=1, before=epoch,
@@ -210,7 +236,7 @@ def _is_file_sink(commit: SinkCommitRecord) -> bool:
         return False
 
 
-def epoch_provenance(store: EpochStore, pipeline_id: str, epoch: int, *,
+def epoch_provenance(store: ProvenanceReads, pipeline_id: str, epoch: int, *,
                      storage_uri: str | None = None) -> EpochProvenance:
     """What epoch ``epoch`` of ``pipeline_id`` read, snapshotted and committed. Refuses (naming the fix) an epoch
     that is not completed or was pruned: only a retained completed epoch has a snapshot to read ranges from."""
@@ -266,7 +292,7 @@ def _file_batch(name: str) -> int | None:
     return int(head) if len(head) == _BATCH_DIGITS and head.isdigit() else None
 
 
-def epoch_of_file(store: EpochStore, pipeline_id: str, path: str) -> SinkCommitRecord:
+def epoch_of_file(store: ProvenanceReads, pipeline_id: str, path: str) -> SinkCommitRecord:
     """The commit (and so the epoch) that made a file sink's committed file visible. ``path``: the file's URI or
     path (absolute, or relative to its sink's folder). Raises NotFoundError naming why when none did."""
     batch = _file_batch(path)
@@ -296,7 +322,7 @@ def epoch_of_file(store: EpochStore, pipeline_id: str, path: str) -> SinkCommitR
                         "epoch committed)")
 
 
-def epoch_of_table_version(store: EpochStore, pipeline_id: str, sink: str, version: int) -> SinkCommitRecord:
+def epoch_of_table_version(store: ProvenanceReads, pipeline_id: str, sink: str, version: int) -> SinkCommitRecord:
     """The commit (and so the epoch) of table sink ``sink`` that made table version ``version``."""
     commits = _all_commits(store, pipeline_id, sink)
     if not commits:

@@ -28,17 +28,20 @@ No page reads all epochs of a pipeline, let alone of all pipelines. The connecti
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
 from psycopg2.extras import RealDictCursor as PgCursor
 
-from airflow_arroyo.epochs import consecutive_failures, validate_pipeline_id
+from airflow_arroyo.epochs import EpochState, consecutive_failures, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.gates import OPEN_GATE_STATES, GateRecord
 from airflow_arroyo.store._db import Database, redact_dsn
+from airflow_arroyo.store.epochs import Epochs
+from airflow_arroyo.store.objects import Objects
+from airflow_arroyo.store.pipelines import Pipelines
 from airflow_arroyo.store.records import (
     AckRecord,
     CleanupLockRecord,
@@ -46,9 +49,12 @@ from airflow_arroyo.store.records import (
     EpochRecord,
     PipelineRecord,
     RestartRecord,
+    SinkCommitRecord,
+    SnapshotEntry,
     epoch_columns,
     from_row,
 )
+from airflow_arroyo.store.sink_commits import SinkCommits
 from airflow_arroyo.summary import CheckpointSummary
 
 __all__ = [
@@ -61,6 +67,7 @@ __all__ = [
     "PipelineOverview",
     "PipelinePage",
     "PipelinesPage",
+    "RecordReads",
     "RetentionPage",
     "StoreReader",
 ]
@@ -298,6 +305,45 @@ def _page_size(limit: int) -> int:
     return min(limit, MAX_PAGE_SIZE)
 
 
+class RecordReads:
+    """The store's own record reads (the same queries as :class:`~airflow_arroyo.store.EpochStore`'s) over a
+    reader's read-only database: what the Airflow-free use cases that take a store read through, for the UI
+    (:mod:`airflow_arroyo.provenance`). Each read is its own transaction; a write cannot happen (the connections
+    refuse it), and none is offered."""
+
+    def __init__(self, db: Database) -> None:
+        if not db.read_only:
+            raise ConfigurationError("RecordReads needs a read-only database (Database(..., read_only=True))")
+        self._pipelines, self._epochs, self._objects, self._sinks = Pipelines(db), Epochs(db), Objects(db), \
+            SinkCommits(db)
+
+    def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
+        """:meth:`~airflow_arroyo.store.pipelines.Pipelines.get_pipeline`."""
+        return self._pipelines.get_pipeline(pipeline_id)
+
+    def get_epoch(self, pipeline_id: str, epoch: int) -> EpochRecord:
+        """:meth:`~airflow_arroyo.store.epochs.Epochs.get_epoch`."""
+        return self._epochs.get_epoch(pipeline_id, epoch)
+
+    def list_epochs(self, pipeline_id: str, *, limit: int = 100, before: int | None = None,
+                    states: Iterable[EpochState] | None = None) -> list[EpochRecord]:
+        """:meth:`~airflow_arroyo.store.epochs.Epochs.list_epochs`."""
+        return self._epochs.list_epochs(pipeline_id, limit=limit, before=before, states=states)
+
+    def acks(self, pipeline_id: str, epoch: int) -> list[AckRecord]:
+        """:meth:`~airflow_arroyo.store.epochs.Epochs.acks`."""
+        return self._epochs.acks(pipeline_id, epoch)
+
+    def snapshot_entries(self, pipeline_id: str, epoch: int, stage: str) -> list[SnapshotEntry]:
+        """:meth:`~airflow_arroyo.store.objects.Objects.snapshot_entries`."""
+        return self._objects.snapshot_entries(pipeline_id, epoch, stage)
+
+    def sink_commits(self, pipeline_id: str, *, after_seq: int = 0, sink: str | None = None,
+                     limit: int = 100) -> list[SinkCommitRecord]:
+        """:meth:`~airflow_arroyo.store.sink_commits.SinkCommits.sink_commits`."""
+        return self._sinks.sink_commits(pipeline_id, after_seq=after_seq, sink=sink, limit=limit)
+
+
 class StoreReader:
     """Read-only access to the epoch store. Thread-safe; a small pool of read-only connections.
 
@@ -343,6 +389,11 @@ class StoreReader:
     def closed(self) -> bool:
         """True once closed."""
         return self._db.closed
+
+    @property
+    def records(self) -> RecordReads:
+        """The store's record reads on this reader's read-only connections (:class:`RecordReads`)."""
+        return RecordReads(self._db)
 
     # ------------------------------------------------------------------ plumbing
 

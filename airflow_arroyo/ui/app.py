@@ -8,9 +8,19 @@ HTML pages (server-rendered, no JavaScript, charts as inline SVG):
                                             physical plan its run recorded (queries, remaining channels)
 * ``/pipelines/{pipeline_id}/epochs/{n}``   one epoch: per-stage timeline, stages not acknowledged yet
 * ``/pipelines/{pipeline_id}/retention``    cleanup runs and the cleanup lock
+* ``/pipelines/{pipeline_id}/epochs/{n}/provenance``
+                                            what a completed epoch read (per source, its input range), its
+                                            snapshot's objects, and what each sink committed for it
+* ``/pipelines/{pipeline_id}/provenance``   which epoch wrote this: a file sink's file (``?file=``) or a table's
+                                            version (``?sink=&table_version=``)
 
 JSON API (same data): ``/api/pipelines``, ``/api/pipelines/{id}``, ``/api/pipelines/{id}/epochs``,
-``/api/pipelines/{id}/epochs/{n}``, ``/api/pipelines/{id}/retention``.
+``/api/pipelines/{id}/epochs/{n}``, ``/api/pipelines/{id}/retention``, ``/api/pipelines/{id}/epochs/{n}/provenance``,
+``/api/pipelines/{id}/provenance``.
+
+Provenance is read by :mod:`airflow_arroyo.provenance` (the CLI's code) through the reader's read-only connections
+(:attr:`StoreReader.records`), and from the pipeline's snapshot objects in its storage: the api-server needs read
+access to that storage (the same credentials as the driver's, e.g. S3's in its environment).
 
 The one write: a person's verdict on a commit gate (:func:`airflow_arroyo.gates.record_verdict`), as JSON
 (``POST /api/pipelines/{id}/gates/{sink}/{epoch}/verdict``) or from the pipeline page's Approve and Reject
@@ -57,8 +67,9 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
 )
 from airflow_arroyo.gates import GATE_TRANSITIONS, GateRecord, GateState, record_verdict
+from airflow_arroyo.provenance import EpochProvenance, epoch_of_file, epoch_of_table_version, epoch_provenance
 from airflow_arroyo.store.reads import EpochDetail, PipelineOverview, StoreReader
-from airflow_arroyo.store.records import EpochRecord
+from airflow_arroyo.store.records import EpochRecord, SinkCommitRecord
 from airflow_arroyo.supervision import restart_due, strategy_text
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
@@ -280,6 +291,7 @@ def create_app(source: StoreSource | None = None, *,
     _add_pages(app, ui)
     _add_api(app, ui)
     _add_verdicts(app, ui)
+    _add_provenance(app, ui)
     return app
 
 
@@ -510,3 +522,78 @@ def _add_verdicts(app: FastAPI, ui: _Ui) -> None:
                  gate.state, sink, epoch, pipeline_id)
         # back to the page (a GET: reloading it does not post again)
         return RedirectResponse(f"{_base(request)}/pipelines/{quote(pid, safe='')}#gates", status_code=303)
+
+
+#: file names a provenance page lists per sink (the JSON API gives them all)
+FILES_SHOWN = 200
+
+
+def _provenance(ui: _Ui, pipeline_id: str, epoch: int) -> EpochProvenance:
+    try:
+        return epoch_provenance(ui.queries().records, pipeline_id, epoch)
+    except ConfigurationError as exc:  # not completed, pruned, no storage registered: the message says what to ask
+        raise StarletteHTTPException(409, str(exc)) from exc
+    except OSError as exc:
+        raise StoreUnavailable(f"the snapshot objects of pipeline {pipeline_id!r} could not be read from its "
+                               f"storage: {exc}; the api-server needs read access to it") from exc
+
+
+def _which_epoch(ui: _Ui, pipeline_id: str, file: str | None, sink: str | None,
+                 table_version: int | None) -> SinkCommitRecord | None:
+    """The commit that made ``file`` (or ``table_version`` of ``sink``) visible; None when nothing was asked.
+    Raises ConfigurationError for a question that cannot be answered as asked, NotFoundError when no epoch did."""
+    if file:
+        if sink or table_version is not None:
+            raise ConfigurationError("ask about a file (file=...) or a table version (sink=...&table_version=...), "
+                                     "not both")
+        return epoch_of_file(ui.queries().records, pipeline_id, file)
+    if sink and table_version is not None:
+        return epoch_of_table_version(ui.queries().records, pipeline_id, sink, table_version)
+    if sink or table_version is not None:
+        raise ConfigurationError("a table version needs its sink: give both sink=... and table_version=...")
+    return None
+
+
+def _add_provenance(app: FastAPI, ui: _Ui) -> None:
+    @app.get("/pipelines/{pipeline_id}/epochs/{epoch}/provenance", response_class=HTMLResponse,
+             name="provenance_page")
+    def provenance_page(request: Request, pipeline_id: str, epoch: int) -> HTMLResponse:
+        pid = _pipeline_id_ok(pipeline_id)
+        prov = _provenance(ui, pid, epoch)
+        return ui.render(request, "provenance.html", title=f"{pid} · epoch {epoch} · provenance", prov=prov,
+                         pid=pid, files_shown=FILES_SHOWN, offsets=format.offsets)
+
+    @app.get("/pipelines/{pipeline_id}/provenance", response_class=HTMLResponse, name="lookup_page")
+    def lookup_page(request: Request, pipeline_id: str, file: str | None = Query(None, max_length=4096),
+                    sink: str | None = Query(None, max_length=200),
+                    table_version: int | None = Query(None, ge=0)) -> HTMLResponse:
+        pid = _pipeline_id_ok(pipeline_id)
+        ui.queries().overview(pid)  # an unknown pipeline is a 404, not an empty answer
+        commit, message, code = None, None, 200
+        try:
+            commit = _which_epoch(ui, pid, file, sink, table_version)
+        except NotFoundError as exc:
+            message, code = str(exc), 404
+        except ConfigurationError as exc:
+            message, code = str(exc), 422
+        return ui.render(request, "provenance_lookup.html", http_status=code, title=f"{pid} · which epoch wrote this",
+                         pid=pid, commit=commit, message=message, file=file or "", sink=sink or "",
+                         table_version="" if table_version is None else table_version)
+
+    @app.get("/api/pipelines/{pipeline_id}/epochs/{epoch}/provenance")
+    def api_provenance(pipeline_id: str, epoch: int) -> dict[str, Any]:
+        return _provenance(ui, _pipeline_id_ok(pipeline_id), epoch).as_dict()
+
+    @app.get("/api/pipelines/{pipeline_id}/provenance")
+    def api_lookup(pipeline_id: str, file: str | None = Query(None, max_length=4096),
+                   sink: str | None = Query(None, max_length=200),
+                   table_version: int | None = Query(None, ge=0)) -> dict[str, Any]:
+        pid = _pipeline_id_ok(pipeline_id)
+        try:
+            commit = _which_epoch(ui, pid, file, sink, table_version)
+        except ConfigurationError as exc:  # a NotFoundError is the 404 handler's
+            raise StarletteHTTPException(422, str(exc)) from exc
+        if commit is None:
+            raise StarletteHTTPException(422, "ask about a file (file=...) or a table version "
+                                              "(sink=...&table_version=...)")
+        return {"epoch": commit.epoch, "commit": _json(commit)}

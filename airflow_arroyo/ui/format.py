@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from airflow_arroyo.units import bytes_human, duration_human
 
-__all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "policy_text", "timestamp"]
+__all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "offsets", "policy_text", "timestamp"]
 
 def age(then: datetime | None, now: datetime) -> str:
     """How long ago ``then`` was, relative to ``now`` (the database's clock): ``"3m 5s ago"``."""
@@ -66,3 +67,8 @@ def policy_text(policy: Mapping[str, Any] | None) -> str:
             other.append(f"{key.replace('_', ' ')}: {value}")
     text = f"keep {' or '.join(rules)}" if rules else ""
     return "; ".join(([text] if text else []) + other) or "–"
+
+
+def offsets(value: Mapping[str, Any] | None) -> str:
+    """A source's offsets as its own compact JSON (``{"orders":{"0":12,"1":9}}``); ``–`` for none."""
+    return "–" if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from airflow_arroyo.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, NotFoundError
+from airflow_arroyo.exceptions import ConfigurationError, NotFoundError, StoreError
 from airflow_arroyo.provenance import epoch_of_file, epoch_of_table_version, epoch_provenance
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
@@ -174,3 +175,119 @@ def test_cli(ran: Ran, module_store: EpochStore) -> None:
     assert code == EXIT_BAD_INPUT and "--sink" in err
     code, _, err = cli("--dsn", module_store.dsn, "provenance", ran.pipeline_id, "--file", "nope.parquet")
     assert code == EXIT_BAD_INPUT and "file sink" in err
+
+
+# --------------------------------------------------------------------------- the UI, in Airflow's api-server app
+
+@pytest.fixture(scope="module")
+def ui(airflow_db: str, module_store: EpochStore) -> Iterator[Any]:
+    """Airflow's own api-server app with our plugin mounted at /arroyo, reading this module's store, and a client
+    signed in as a viewer."""
+    from airflow.api_fastapi.app import create_app, purge_cached_app
+    from fastapi.testclient import TestClient
+
+    from tests.ui.conftest import make_token, mounted_arroyo_app
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIRFLOW_CONN_ARROYO_DEFAULT", module_store.dsn)
+        app = create_app()
+        source = mounted_arroyo_app(app).state.arroyo_source
+        source.reset()
+        try:
+            with TestClient(app) as c:
+                c.headers["Authorization"] = f"Bearer {make_token('viewer_vera', 'viewer')}"
+                yield c
+        finally:
+            source.reset()
+            purge_cached_app()
+
+
+def test_the_ui_shows_each_epochs_provenance_as_the_use_case_computes_it(ran: Ran, module_store: EpochStore,
+                                                                        ui: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from tests.ui.html import parse
+
+    base = f"/arroyo/pipelines/{ran.pipeline_id}"
+    anonymous = TestClient(ui.app)
+    assert anonymous.get(f"{base}/epochs/{ran.epochs[-1]}/provenance").status_code == 401
+    assert anonymous.get(f"/arroyo/api/pipelines/{ran.pipeline_id}/provenance?file=x").status_code == 401
+    shown_files: list[str] = []
+    for n in ran.epochs:
+        expected = epoch_provenance(module_store, ran.pipeline_id, n)
+        api = ui.get(f"/arroyo/api/pipelines/{ran.pipeline_id}/epochs/{n}/provenance")
+        assert api.status_code == 200, api.text
+        assert api.json() == json.loads(json.dumps(expected.as_dict())), n
+        epoch_page = parse(ui.get(f"{base}/epochs/{n}").text)
+        assert epoch_page.find("a", id="provenance-link").attrs["href"] == f"{base}/epochs/{n}/provenance"
+        page = ui.get(f"{base}/epochs/{n}/provenance")
+        assert page.status_code == 200, page.text
+        doc = parse(page.text)
+        inputs = [li.text() for li in doc.find("table", id="inputs").find_all("li", **{"class": "source-file"})]
+        assert inputs == [f for s in expected.stages for r in s.sources for f in (r.files or [])], n
+        sinks = [s for s in expected.sinks if s.sink == "out"]
+        if sinks:
+            names = [li.text() for li in doc.find("table", id="commits").find_all("li", **{"class": "sink-file"})]
+            assert names == (sinks[0].file_names or []), n
+            shown_files += names
+        else:
+            doc.find("p", id="no-commits")
+    # every committed file was shown on exactly one epoch's page
+    assert sorted(shown_files) == sorted(committed_files(str(ran.out)))
+
+    # which epoch wrote this file: by its path and by its name in the sink's folder, as the use case answers
+    for name in committed_files(str(ran.out)):
+        want = epoch_of_file(module_store, ran.pipeline_id, name).epoch
+        for asked in (name, str(ran.out / name)):
+            doc = parse(ui.get(f"{base}/provenance", params={"file": asked}).text)
+            assert doc.find("a", id="answer-epoch").attrs["data-epoch"] == str(want), asked
+        assert ui.get(f"/arroyo/api/pipelines/{ran.pipeline_id}/provenance", params={"file": name}).json()[
+            "epoch"] == want
+
+
+def test_the_ui_refuses_what_provenance_cannot_answer_and_says_why(ran: Ran, module_store: EpochStore,
+                                                                  ui: Any) -> None:
+    from tests.controlplane.test_store import start
+    from tests.support import running, sql
+    from tests.ui.html import parse
+
+    base = f"/arroyo/pipelines/{ran.pipeline_id}"
+    missing = ui.get(f"{base}/provenance", params={"file": str(ran.out / "000000009999-part-0.parquet")})
+    assert missing.status_code == 404 and "no commit" in parse(missing.text).find(id="answer").text()
+    not_sink = ui.get(f"{base}/provenance", params={"file": str(ran.inbox / "000.json")})
+    assert not_sink.status_code == 422 and "not a committed file" in not_sink.text
+    half = ui.get(f"/arroyo/api/pipelines/{ran.pipeline_id}/provenance", params={"table_version": 1})
+    assert half.status_code == 422 and "sink" in half.json()["detail"]
+    no_version = ui.get(f"/arroyo/api/pipelines/{ran.pipeline_id}/provenance",
+                        params={"sink": "out", "table_version": 0})
+    assert no_version.status_code == 404 and "none (not a table sink)" in no_version.json()["detail"]
+    assert ui.get(f"{base}/provenance").status_code == 200  # the form alone
+    assert ui.get("/arroyo/pipelines/no-such-pipeline/provenance").status_code == 404
+    assert ui.get(f"{base}/epochs/99999/provenance").status_code == 404
+    # an epoch in flight has no cut of every stage yet: refused, naming what to ask instead
+    other = f"{ran.pipeline_id}-in-flight"
+    running(module_store, other, stages=["src", "out"])
+    try:
+        epoch = start(module_store, other)
+        refused = ui.get(f"/arroyo/api/pipelines/{other}/epochs/{epoch}/provenance")
+        assert refused.status_code == 409 and "not completed" in refused.json()["detail"]
+        assert "airflow-arroyo epochs" in refused.json()["detail"]
+    finally:
+        sql(module_store, "DELETE FROM arroyo_pipelines WHERE pipeline_id = %s", (other,))
+
+
+def test_record_reads_are_read_only(module_store: EpochStore) -> None:
+    from airflow_arroyo.store._db import Database
+    from airflow_arroyo.store.reads import RecordReads, StoreReader
+
+    with pytest.raises(ConfigurationError, match="read-only"):
+        RecordReads(Database(module_store.dsn, max_connections=1, retry_seconds=1.0, application_name="t"))
+    reader = StoreReader(module_store.dsn)
+    try:
+        def write(cur: Any) -> None:
+            cur.execute("UPDATE arroyo_pipelines SET state = state")
+
+        with pytest.raises(StoreError, match="read-only transaction"):  # the connections refuse any write
+            reader.records._pipelines._db.tx(write)
+    finally:
+        reader.close()

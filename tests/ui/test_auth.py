@@ -31,6 +31,15 @@ URLS = {
     "/api/pipelines/{pipeline_id}/epochs/{epoch}": "/arroyo/api/pipelines/orders/epochs/241",
     "/api/pipelines/{pipeline_id}/retention": "/arroyo/api/pipelines/orders/retention",
 }
+# Routes whose answer on this dataset is not a 200 once signed in, and what it is: provenance needs the snapshot
+# objects of a pipeline run with storage (tests/runtime/test_provenance.py has those), and a question.
+ANSWERED = {
+    "/pipelines/{pipeline_id}/provenance": ("/arroyo/pipelines/orders/provenance?sink=out&table_version=1", 404),
+    "/pipelines/{pipeline_id}/epochs/{epoch}/provenance": ("/arroyo/pipelines/orders/epochs/241/provenance", 409),
+    "/api/pipelines/{pipeline_id}/provenance": ("/arroyo/api/pipelines/orders/provenance?file=x", 422),
+    "/api/pipelines/{pipeline_id}/epochs/{epoch}/provenance": (
+        "/arroyo/api/pipelines/orders/epochs/241/provenance", 409),
+}
 # The writes (a verdict on a commit gate: tests/ui/test_gates_ui.py has the permission beyond reading).
 POSTS = {
     "/pipelines/{pipeline_id}/gates/{sink}/{epoch}/verdict": "/arroyo/pipelines/orders/gates/out/1/verdict",
@@ -40,7 +49,7 @@ POSTS = {
 
 def test_every_route_of_the_mounted_app_is_listed_here(airflow_api: Any) -> None:
     routes = {(r.path, m) for r in mounted_arroyo_app(airflow_api).routes if isinstance(r, APIRoute) for m in r.methods}
-    assert routes == {(p, "GET") for p in URLS} | {(p, "POST") for p in POSTS}
+    assert routes == {(p, "GET") for p in URLS | ANSWERED} | {(p, "POST") for p in POSTS}
 
 
 @pytest.mark.parametrize("url", sorted(POSTS.values()))
@@ -49,7 +58,7 @@ def test_anonymous_writes_are_refused(anon: TestClient, url: str) -> None:
     assert r.status_code == 401, (url, r.status_code, r.text[:200])
 
 
-@pytest.mark.parametrize("url", sorted(URLS.values()))
+@pytest.mark.parametrize("url", sorted([*URLS.values(), *(u for u, _ in ANSWERED.values())]))
 def test_anonymous_requests_are_refused(anon: TestClient, url: str) -> None:
     r = anon.get(url)
     assert r.status_code == 401, (url, r.status_code, r.text[:200])
@@ -60,6 +69,12 @@ def test_anonymous_requests_are_refused(anon: TestClient, url: str) -> None:
 def test_a_bearer_token_is_served(anon: TestClient, url: str) -> None:
     r = anon.get(url, headers={"Authorization": f"Bearer {make_token('vera', 'viewer')}"})
     assert r.status_code == 200, (url, r.status_code, r.text[:300])
+
+
+@pytest.mark.parametrize(("url", "status"), sorted(ANSWERED.values()))
+def test_a_bearer_token_gets_the_answer_not_a_refusal(anon: TestClient, url: str, status: int) -> None:
+    r = anon.get(url, headers={"Authorization": f"Bearer {make_token('vera', 'viewer')}"})
+    assert r.status_code == status, (url, r.status_code, r.text[:300])
 
 
 @pytest.mark.parametrize("url", ["/arroyo/", "/arroyo/pipelines/orders", "/arroyo/api/pipelines"])
