@@ -44,6 +44,7 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow_arroyo import config
 from airflow_arroyo.epochs import EpochState, validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.triggers.asset_cursor import AssetCursor
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -66,7 +67,6 @@ __all__ = [
 KIND_SINK = "sink"
 KIND_EPOCHS = "epochs"
 SETTLE_AFTER = 10.0  # seconds without a new commit after which the last one is announced once more
-CURSOR_KEY = "arroyo_cursor"  # in the Asset's state store (Airflow >= 3.3): where the watcher resumes
 
 
 def asset_uri(location: str) -> str:
@@ -137,7 +137,7 @@ def epoch_payload(rec: EpochRecord) -> dict[str, Any]:
     }
 
 
-class CommittedDataTrigger(BaseEventTrigger):
+class CommittedDataTrigger(AssetCursor, BaseEventTrigger):
     """An event trigger for an ``AssetWatcher``: one event per file-sink commit (``kind="sink"``) or per
     completed epoch (``kind="epochs"``) of ``pipeline_id``, as the epoch store records them.
 
@@ -184,18 +184,6 @@ class CommittedDataTrigger(BaseEventTrigger):
         from airflow_arroyo.hooks.arroyo import ArroyoHook
 
         return await ArroyoHook(self.conn_id).aget_store()
-
-    async def _load_cursor(self) -> int | None:
-        state = getattr(self, "asset_state_store", None)
-        if state is None:
-            return None
-        value = await state.aget(CURSOR_KEY)
-        return int(value) if isinstance(value, int | str) and str(value).lstrip("-").isdigit() else None
-
-    async def _save_cursor(self, value: int) -> None:
-        state = getattr(self, "asset_state_store", None)
-        if state is not None:
-            await state.aset(CURSOR_KEY, value)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Airflow: yield one event per new sink commit or completed epoch, from the stored cursor on."""

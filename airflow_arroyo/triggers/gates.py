@@ -23,12 +23,12 @@ from airflow_arroyo.epochs import validate_pipeline_id
 from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.gates import GateRecord, GateState
 from airflow_arroyo.store import AsyncEpochStore
+from airflow_arroyo.triggers.asset_cursor import AssetCursor
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = ["KIND_GATE", "GateOpenedTrigger", "PendingGateTrigger", "first_pending", "gate_payload"]
 
 KIND_GATE = "gate"
-CURSOR_KEY = "arroyo_cursor"  # in the Asset's state store (Airflow >= 3.3), as airflow_arroyo.assets keeps its own
 SETTLE_AFTER = 10.0  # seconds without a new gate after which a still pending last one is announced once more
 _PAGE = 1000
 
@@ -63,7 +63,7 @@ async def _open_store(conn_id: str) -> AsyncEpochStore:
     return await ArroyoHook(conn_id).aget_store()
 
 
-class GateOpenedTrigger(BaseEventTrigger):
+class GateOpenedTrigger(AssetCursor, BaseEventTrigger):
     """An event trigger for an ``AssetWatcher``: one event per gate of ``sink`` the driver opens, while it is
     still pending when seen (a gate already decided, e.g. by a person, needs no check).
 
@@ -93,18 +93,6 @@ class GateOpenedTrigger(BaseEventTrigger):
     async def _open_store(self) -> AsyncEpochStore:
         """The store client, built here (never serialized). A seam for tests."""
         return await _open_store(self.conn_id)
-
-    async def _load_cursor(self) -> int | None:
-        state = getattr(self, "asset_state_store", None)
-        if state is None:
-            return None
-        value = await state.aget(CURSOR_KEY)
-        return int(value) if isinstance(value, int | str) and str(value).lstrip("-").isdigit() else None
-
-    async def _save_cursor(self, value: int) -> None:
-        state = getattr(self, "asset_state_store", None)
-        if state is not None:
-            await state.aset(CURSOR_KEY, value)
 
     async def _present(self, store: AsyncEpochStore) -> int:
         """Where to start: before the oldest gate still pending, else after the newest gate of the sink."""

@@ -18,7 +18,6 @@ import pytest
 from airflow_arroyo import assets as assets_module
 from airflow_arroyo import config
 from airflow_arroyo.assets import (
-    CURSOR_KEY,
     CommittedDataTrigger,
     asset_uri,
     committed_files,
@@ -29,6 +28,7 @@ from airflow_arroyo.assets import (
 from airflow_arroyo.epochs import PipelineState
 from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
+from airflow_arroyo.triggers.asset_cursor import CURSOR_KEY
 
 PID = "orders"
 REAL_SLEEP = asyncio.sleep

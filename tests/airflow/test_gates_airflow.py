@@ -28,7 +28,8 @@ from airflow_arroyo.sensors.gates import PendingGateSensor
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers import gates as gate_triggers
-from airflow_arroyo.triggers.gates import CURSOR_KEY, GateOpenedTrigger, PendingGateTrigger
+from airflow_arroyo.triggers.asset_cursor import CURSOR_KEY
+from airflow_arroyo.triggers.gates import GateOpenedTrigger, PendingGateTrigger
 from tests.controlplane.test_store import complete
 from tests.support import running
 
