@@ -26,7 +26,7 @@ from airflow_arroyo.exceptions import ConfigurationError, StoreError
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
 
-__all__ = ["Concern", "Database", "PgCursor", "dict_rows", "one", "positive_seconds", "redact_dsn"]
+__all__ = ["Concern", "Database", "OnDatabase", "PgCursor", "dict_rows", "one", "positive_seconds", "redact_dsn"]
 
 T = TypeVar("T")
 
@@ -106,6 +106,28 @@ class Database:
         if not self.closed:
             self.closed = True
             self.pool.close()
+
+
+class OnDatabase:
+    """A client of one :class:`Database` (the store, a reader): the settings it was made with, for callers that
+    open another client like it."""
+
+    _db: Database
+
+    @property
+    def dsn(self) -> str:
+        """The epoch store's DSN."""
+        return self._db.dsn
+
+    @property
+    def retry_seconds(self) -> float:
+        """How long a unit of work retries transient errors."""
+        return self._db.retry_seconds
+
+    @property
+    def application_name(self) -> str:
+        """The connections' application name."""
+        return self._db.application_name
 
 
 class Concern:

@@ -37,7 +37,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from psycopg2.extensions import connection as PgConnection
 
 from airflow_arroyo.epochs import TriggerDecision
-from airflow_arroyo.store._db import Database, PgCursor, redact_dsn
+from airflow_arroyo.store._db import Database, OnDatabase, PgCursor, redact_dsn
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store.cleanup import Cleanup
 from airflow_arroyo.store.epochs import Epochs
@@ -71,7 +71,7 @@ def _via(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concat
     return delegate
 
 
-class EpochStore:
+class EpochStore(OnDatabase):
     """Synchronous epoch store API. Thread-safe; holds a small connection pool that its parts share."""
 
     def __init__(self, dsn: str, *, max_connections: int = 8, retry_seconds: float = 60.0,
@@ -94,18 +94,6 @@ class EpochStore:
 
     def __repr__(self) -> str:
         return f"EpochStore({redact_dsn(self.dsn)!r})"
-
-    @property
-    def dsn(self) -> str:
-        return self._db.dsn
-
-    @property
-    def retry_seconds(self) -> float:
-        return self._db.retry_seconds
-
-    @property
-    def application_name(self) -> str:
-        return self._db.application_name
 
     @property
     def _closed(self) -> bool:

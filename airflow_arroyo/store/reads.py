@@ -38,7 +38,7 @@ from psycopg2.extras import RealDictCursor as PgCursor
 from airflow_arroyo.epochs import EpochState, consecutive_failures, validate_pipeline_id
 from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.gates import OPEN_GATE_STATES, GateRecord
-from airflow_arroyo.store._db import Database, redact_dsn
+from airflow_arroyo.store._db import Database, OnDatabase, redact_dsn
 from airflow_arroyo.store.epochs import Epochs
 from airflow_arroyo.store.objects import Objects
 from airflow_arroyo.store.pipelines import Pipelines
@@ -344,7 +344,7 @@ class RecordReads:
         return self._sinks.sink_commits(pipeline_id, after_seq=after_seq, sink=sink, limit=limit)
 
 
-class StoreReader:
+class StoreReader(OnDatabase):
     """Read-only access to the epoch store. Thread-safe; a small pool of read-only connections.
 
     Each public method reads everything one page needs in one ``REPEATABLE READ READ ONLY``
@@ -357,21 +357,6 @@ class StoreReader:
         self._db = Database(dsn, max_connections=max_connections, retry_seconds=retry_seconds,
                             application_name=application_name, read_only=True,
                             statement_timeout_ms=statement_timeout_ms)
-
-    @property
-    def dsn(self) -> str:
-        """The epoch store's DSN."""
-        return self._db.dsn
-
-    @property
-    def retry_seconds(self) -> float:
-        """How long a read retries transient errors."""
-        return self._db.retry_seconds
-
-    @property
-    def application_name(self) -> str:
-        """The connections' application name."""
-        return self._db.application_name
 
     @property
     def statement_timeout_ms(self) -> int:
