@@ -246,10 +246,14 @@ class PipelineDriver:
                 if (sink := transactional_sink(self.pipeline_id, s, self.layout.fs.child(
                     f"{self.layout.stage_dir(s.name)}/staging"))) is not None}
 
+    def _declared(self, physical: str) -> str:
+        """The name the user gave a sink, a fused query's last stage: what its gates, its commit records (so its
+        Asset events) and its provenance go by, whether or not the sink is fused."""
+        return next((g.stages[-1] for g in self.plan.groups if g.name == physical), physical)
+
     def _gatekeeper(self) -> GateKeeper:
-        """The gated sinks of the physical graph, by the name the user gave the sink (a fused query's last stage)."""
-        declared = {g.name: g.stages[-1] for g in self.plan.groups}
-        gated = {s.name: (declared.get(s.name, s.name), s.gate.checked(s.name, sink_kind(s) or ""))
+        """The gated sinks of the physical graph, by the name the user gave the sink."""
+        gated = {s.name: (self._declared(s.name), s.gate.checked(s.name, sink_kind(s) or ""))
                  for s in self.graph.stages if s.gate is not None and s.name in self.sinks}
         return GateKeeper(self.pipeline_id, self.run_id, self.store, self.sinks, gated)
 
@@ -1042,9 +1046,9 @@ class PipelineDriver:
                 raise self._superseded(exc) from None
             if result.files or result.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
                 self.store.record_sink_commit(
-                    self.pipeline_id, epoch, commit.sink, uri=sink.uri, batch_id=commit.batch, files=result.files,
-                    rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token,
-                    table_version=result.version)
+                    self.pipeline_id, epoch, self._declared(commit.sink), uri=sink.uri, batch_id=commit.batch,
+                    files=result.files, rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id,
+                    token=self.token, table_version=result.version)
         self._sinks_committed = epoch
         self._epochs_to_commit = [e for e in self._epochs_to_commit if e > epoch]
         for trim in plan.trims:

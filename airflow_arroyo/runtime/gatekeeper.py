@@ -135,7 +135,7 @@ class GateKeeper:
                 result = sink.commit_through(g.batch_to)
                 if result.files or result.rows:  # what Airflow turns into an Asset event (airflow_arroyo.assets)
                     self.store.record_sink_commit(
-                        self.pipeline_id, g.epoch, physical, uri=sink.uri, batch_id=g.batch_to, files=result.files,
+                        self.pipeline_id, g.epoch, name, uri=sink.uri, batch_id=g.batch_to, files=result.files,
                         rows=result.rows, bytes_committed=result.bytes, run_id=self.run_id, token=self.token,
                         table_version=result.version)
                 self.store.close_gate(self.pipeline_id, name, g.epoch, GateState.COMMITTED, token=self.token)

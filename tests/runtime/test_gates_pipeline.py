@@ -189,6 +189,8 @@ def test_hold_commits_passed_epochs_in_order_and_a_persons_approval_releases_a_f
     assert (approval.decided_by, approval.reason) == ("ana", "looked: fine")
     commits = module_store.sink_commits(pid)
     assert [c.epoch for c in commits] == sorted(c.epoch for c in commits)  # in epoch order, the failed one included
+    # by the sink's own name, though it ran fused with its source: what sink_asset(pid, "out") and provenance ask
+    assert driver.plan.groups[0].name == "src~out" and {c.sink for c in commits} == {"out"}
     assert failed[0].epoch in {c.epoch for c in commits}
 
 
