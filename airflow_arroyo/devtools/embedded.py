@@ -10,7 +10,12 @@
 3. triggers ``example_streaming_pipeline`` through the REST API (a JWT from ``/auth/token``),
    prints where to look, follows the epochs as they complete; with ``--kafka``, starts a Kafka broker on
    loopback first (``devtools/kafka.py``), fills its ``orders`` topic and triggers ``example_kafka_pipeline``
-   instead, then reads the output topic as a ``read_committed`` consumer would;
+   instead, then reads the output topic as a ``read_committed`` consumer would; with ``--gated``, triggers
+   ``example_gated_pipeline`` instead (a PostgreSQL sink behind a commit gate) with ``example_gate_check``
+   unpaused, which checks each epoch's pending orders as its gate opens; the demo prints each gate's verdict
+   and, at the end, what reached the table;
+   At the end it prints the UI pages of the newest completed epoch: its page, its provenance (what it read, per
+   source, and committed, per sink), and the "which epoch wrote this" lookup.
 4. when the DAG run ends (after ``--epochs`` epochs or ``--minutes``), on Ctrl-C or at the
    deadline: stops the pipeline (gracefully, then immediately), stops Airflow (SIGINT to standalone,
    which stops its components; signals to its whole process group only if it does not exit), ends
@@ -42,7 +47,8 @@ from typing import Any
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 
-__all__ = ["EXAMPLE_DAG", "RETENTION_DAG", "EmbeddedAirflow", "EmbeddedSettings", "main"]
+__all__ = ["EXAMPLE_DAG", "GATED_DAG", "GATE_CHECK_DAG", "RETENTION_DAG", "EmbeddedAirflow", "EmbeddedSettings",
+           "GatedResult", "gated_result", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_DAG = "example_streaming_pipeline"
@@ -398,6 +404,8 @@ class _EpochFollower:
         self.seen: set[int] = set()
         self.spark_ui: str | None = None
         self.completed = 0
+        self.last_completed: int | None = None
+        self.gate_states: dict[tuple[str, int], str] = {}
 
     def __call__(self) -> None:
         from airflow_arroyo.exceptions import UnknownPipelineError
@@ -416,11 +424,30 @@ class _EpochFollower:
             self.seen.add(epoch.epoch)
             if epoch.state.value == "completed":
                 self.completed += 1
+                self.last_completed = max(epoch.epoch, self.last_completed or 0)
             took = duration_human(epoch.duration_s) if epoch.duration_s is not None else "-"
             size = (f", {bytes_human(epoch.bytes_new)} new, {bytes_human(epoch.bytes_total)} in all"
                     if epoch.bytes_new is not None else "")
             final = " (final)" if epoch.is_final else ""
             _say(f"epoch {epoch.epoch} {epoch.state.value} in {took}{size}{final}")
+        self._gates()
+
+    def _gates(self) -> None:
+        """Each gate's state as it changes: opened (pending), the verdict and who gave it, committed."""
+        after = 0
+        while True:
+            page = self.store.list_gates(self.pipeline_id, after_seq=after, limit=200)
+            for g in page:
+                key = (g.sink, g.epoch)
+                if self.gate_states.get(key) == g.state.value:
+                    continue
+                self.gate_states[key] = g.state.value
+                by = f" by {g.decided_by}" if g.decided_by and g.state.value not in ("pending", "committed") else ""
+                why = f" ({g.reason})" if g.reason else ""
+                _say(f"gate of epoch {g.epoch} for sink {g.sink}: {g.state.value}{by}{why}")
+            if len(page) < 200:
+                return
+            after = page[-1].seq
 
     def close(self) -> None:
         self.store.close()
@@ -442,10 +469,72 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stay", action="store_true",
                         help="after the DAG run, keep Airflow up for exploring until Ctrl-C")
     parser.add_argument("--no-trigger", action="store_true", help="start Airflow only; trigger nothing")
-    parser.add_argument("--kafka", action="store_true",
-                        help="run the Kafka example instead: a Kafka broker on loopback, orders in, deduplicated "
-                             "orders out exactly once (example_kafka_pipeline; --rows orders are produced)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--kafka", action="store_true",
+                      help="run the Kafka example instead: a Kafka broker on loopback, orders in, deduplicated "
+                           "orders out exactly once (example_kafka_pipeline; --rows orders are produced)")
+    mode.add_argument("--gated", action="store_true",
+                      help="run the gated example instead: orders into PostgreSQL, each epoch committed only once "
+                           "example_gate_check's SQL check passed it (example_gated_pipeline; --rows orders)")
     return parser.parse_args(argv)
+
+
+GATED_DAG = "example_gated_pipeline"
+GATE_CHECK_DAG = "example_gate_check"
+
+
+@dataclass(frozen=True)
+class GatedResult:
+    """What the gated example left: the orders in its table, and its gates by state."""
+
+    orders: int
+    distinct: int
+    #: the table holds orders 0 .. orders-1: the generator's first batches, each once
+    prefix: bool
+    gates: dict[str, list[int]]
+    deciders: frozenset[str]
+
+    @property
+    def exact(self) -> bool:
+        return self.orders == self.distinct and self.prefix
+
+
+def gated_result(dsn: str) -> GatedResult:
+    """Read the gated example's table and gates (``dsn``: the epoch store, where the example writes)."""
+    import psycopg2
+
+    from airflow_arroyo.examples.names import GATED_PIPELINE_ID, GATED_TABLE
+    from airflow_arroyo.store import EpochStore
+
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(f"SELECT order_id FROM {GATED_TABLE}")  # noqa: S608 (a constant name)
+            ids = [int(r[0]) for r in cur.fetchall()]
+    finally:
+        conn.close()
+    store = EpochStore(dsn, max_connections=1, retry_seconds=5.0)
+    try:
+        gates = store.list_gates(GATED_PIPELINE_ID, limit=10_000)
+    finally:
+        store.close()
+    by_state: dict[str, list[int]] = {}
+    for g in gates:
+        by_state.setdefault(g.state.value, []).append(g.epoch)
+    return GatedResult(len(ids), len(set(ids)), sorted(set(ids)) == list(range(len(set(ids)))), by_state,
+                       frozenset(g.decided_by for g in gates if g.decided_by))
+
+
+def _say_gated(result: GatedResult) -> None:
+    from airflow_arroyo.examples.names import GATED_TABLE
+
+    gates = "; ".join(f"{state}: epochs {', '.join(map(str, epochs))}" for state, epochs in result.gates.items())
+    _say(f"table {GATED_TABLE}: {result.orders} orders ({result.distinct} distinct"
+         f"{', the first ones in order' if result.prefix else ', NOT the first ones in order'}); gates: "
+         f"{gates or 'none'}; verdicts by {', '.join(sorted(result.deciders)) or 'nobody'}")
+    if result.gates.get("passed"):
+        _say("passed gates the pipeline stopped before committing are committed by its next restore (restore_from="
+             "'latest')")
 
 
 KAFKA_DAG = "example_kafka_pipeline"
@@ -506,6 +595,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             conf: dict[str, Any] = {"interval": args.interval, "epochs": args.epochs, "minutes": args.minutes}
             dag_id, pipeline = (KAFKA_DAG, KAFKA_PIPELINE_ID) if args.kafka else (EXAMPLE_DAG, PIPELINE_ID)
+            if args.gated:
+                from airflow_arroyo.examples.names import GATED_PIPELINE_ID
+
+                dag_id, pipeline = GATED_DAG, GATED_PIPELINE_ID
+                airflow.wait_dag(GATE_CHECK_DAG)  # unpaused: it runs on every gate the pipeline opens
             with contextlib.ExitStack() as stack:
                 if args.kafka:
                     broker, kafka_conf, distinct = stack.enter_context(_kafka_demo(airflow.home, args.rows))
@@ -518,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
                 # inside Airflow's UI (as links.pipeline.pipeline_page_url builds it; that module imports Airflow)
                 _say(f"  checkpoints:    {airflow.base_url}/plugin/arroyo/arroyo/pipelines/{pipeline}")
                 _say(f"  retention DAG:  {airflow.base_url}/dags/{RETENTION_DAG} (every 2 minutes)")
+                if args.gated:
+                    _say(f"  gate checks:    {airflow.base_url}/dags/{GATE_CHECK_DAG} (a run per gate opened); the "
+                         "gates, with Approve/Reject: the checkpoints page above")
                 _say("Ctrl-C stops everything")
                 follower = _EpochFollower(airflow.store_dsn, pipeline)
                 state = airflow.wait_run(dag_id, run_id, timeout=args.minutes * 60 + 300, on_poll=follower)
@@ -526,6 +623,13 @@ def main(argv: list[str] | None = None) -> int:
                 _say(f"{follower.completed} epochs completed")
                 if args.kafka and not _kafka_result(broker, distinct):
                     state = "duplicates in the output"
+                if args.gated:
+                    result = gated_result(airflow.store_dsn)
+                    _say_gated(result)
+                    if not result.exact:
+                        state = "the gated table is not exact"
+                if follower.last_completed is not None:
+                    _say_epoch_pages(airflow.base_url, pipeline, follower.last_completed)
                 airflow.failed = state != "success"
             if args.stay:
                 _say(f"Airflow stays up at {airflow.base_url}; press Ctrl-C to stop")
@@ -540,6 +644,17 @@ def main(argv: list[str] | None = None) -> int:
     if interrupted:
         return 130
     return 0 if state == "success" else 1
+
+
+def _say_epoch_pages(base_url: str, pipeline: str, epoch: int) -> None:
+    from urllib.parse import quote
+
+    page = f"{base_url}/plugin/arroyo/arroyo/pipelines/{quote(pipeline, safe='')}"
+    _say(f"epoch {epoch}, the newest completed:")
+    _say(f"  its page:       {page}/epochs/{epoch}")
+    _say(f"  provenance:     {page}/epochs/{epoch}/provenance  (the input it read per source, what each sink "
+         "committed)")
+    _say(f"  which epoch wrote a file or table version: {page}/provenance")
 
 
 def _wait_forever(airflow: EmbeddedAirflow) -> None:

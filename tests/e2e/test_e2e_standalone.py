@@ -22,7 +22,13 @@ that both stay true. The story:
    event per commit (the Asset watcher in the triggerer, and the ``stop`` task's outlet); the
    ``example_committed_report`` DAG, scheduled on that Asset, runs while the pipeline runs and after
    it stopped, and reads exactly the committed rows: the rows the store recorded for the commits up to
-   the one it was triggered by, and after the final commit the whole report computed in plain Python.
+   the one it was triggered by, and after the final commit the whole report computed in plain Python;
+   the final epoch's provenance page, served by the api-server from the snapshot objects, shows what
+   ``airflow_arroyo.provenance`` computes for it;
+8. a gate: the demo's ``--gated`` run (``example_gated_pipeline``, ``example_gate_check`` unpaused): each epoch's
+   orders wait behind the PostgreSQL sink's gate until the check DAG, scheduled by the gate's Asset event, passes
+   them; once two gates committed the run is ended; the table holds exactly the committed gates' orders, the
+   generator's first ones, each once, and the pipeline page lists the gates.
 """
 
 from __future__ import annotations
@@ -41,15 +47,26 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
-from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, RETENTION_DAG, EmbeddedAirflow, EmbeddedSettings
+from airflow_arroyo.devtools.embedded import (
+    EXAMPLE_DAG,
+    GATE_CHECK_DAG,
+    GATED_DAG,
+    RETENTION_DAG,
+    EmbeddedAirflow,
+    EmbeddedSettings,
+    gated_result,
+)
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import SINK_STAGE, expected_report
+from airflow_arroyo.examples.names import GATED_PIPELINE_ID, GATED_SINK
 from airflow_arroyo.exceptions import UnknownPipelineError
+from airflow_arroyo.gates import GateState
 from airflow_arroyo.processes import LocalProcess
+from airflow_arroyo.provenance import epoch_provenance
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import log_tail
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(1200)]
 
 PIPELINE = "arroyo-demo"
 REPORT_DAG = "example_committed_report"
@@ -100,14 +117,17 @@ def test_example_dag_on_airflow_standalone() -> None:
         try:
             _run(airflow, store, home)
             restarted = sum(1 for r in store.restarts(PIPELINE) if r.new_run_id)
+            _gated(airflow, store)
         finally:
             store.close()
-        pid_files = sorted((home / "logs" / "arroyo").glob("*/*.pid"))
+        pid_files = sorted((home / "logs" / "arroyo").glob(f"{PIPELINE}/*.pid"))
         # the first DAG run's first run and each restart the supervisor recorded (one for the kill; more if a
         # restart itself failed, e.g. a slow start at load), and the second DAG run: no other spark-submit
         assert restarted >= 1 and len(pid_files) == 2 + restarted, (restarted, pid_files)
+        every = sorted((home / "logs" / "arroyo").glob("*/*.pid"))  # the gated pipeline's too
+        assert len(every) > len(pid_files), every
         groups = [LocalProcess(int(pid), host, int(ticks))
-                  for pid, ticks, host in (f.read_text().split() for f in pid_files)]
+                  for pid, ticks, host in (f.read_text().split() for f in every)]
     # leaving the launcher stopped everything it started, the spark-submit process groups included
     assert not any(group.group_alive() for group in groups)
     assert airflow.process is None and airflow.pg is None and not home.exists()
@@ -257,6 +277,15 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     assert (report["rows"], report["distinct_ids"], report["total"]) == (
         len(expected), len(expected), sum(r[4] for r in expected)), report
 
+    # -- 6c: the final epoch's provenance, as the api-server reads it from the snapshot objects
+    prov = epoch_provenance(store, PIPELINE, final.epoch)
+    page = _ui_page(airflow, f"/arroyo/pipelines/{PIPELINE}/epochs/{final.epoch}/provenance")
+    report_sink = next(s for s in prov.sinks if s.sink == SINK_STAGE)
+    assert report_sink.batch_id == last_commit.batch_id, (report_sink, last_commit)
+    assert all(name in page for name in report_sink.file_names or []), page[:3000]
+    ends = [json.dumps(r.end, sort_keys=True, separators=(",", ":")) for s in prov.stages for r in s.sources if r.end]
+    assert ends and all(end.replace('"', "&#34;") in page for end in ends), (ends, page[:3000])
+
     # -- 7b: a strategy that gives up: a second DAG run, restored from the latest epoch, killed once
     first_runs = {pipeline.run_id, *(r.new_run_id for r in store.restarts(PIPELINE))}
     second = airflow.trigger(EXAMPLE_DAG, {
@@ -276,6 +305,34 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
     log = json.dumps(airflow.api("GET", f"/dags/{EXAMPLE_DAG}/dagRuns/{second}/taskInstances/submit/logs/1"))
     assert "PipelineFailedError" in log and "exited while the run was running" in log, log[-3000:]
     assert store.get_pipeline(PIPELINE).supervision == "gave_up"
+
+
+def _gated(airflow: EmbeddedAirflow, store: EpochStore) -> None:
+    """-- 8: the demo's gate (``--gated``): checks scheduled by the gates' Asset events pass each epoch."""
+    airflow.wait_dag(GATE_CHECK_DAG)  # unpaused, as the demo does
+    run_id = airflow.trigger(GATED_DAG, {"interval": 2.0, "epochs": 100_000, "minutes": 10, "rows": 3000,
+                                         "rows_per_batch": 100})
+
+    def committed() -> list[int]:
+        state = str(airflow.dag_run(GATED_DAG, run_id)["state"])
+        assert state != "failed", airflow.task_instances(GATED_DAG, run_id)
+        return [g.epoch for g in store.list_gates(GATED_PIPELINE_ID, states=[GateState.COMMITTED])]
+
+    wait_for("two gates passed by the check DAG and committed", lambda: len(committed()) >= 2, 420,
+             lambda: f"gates: {store.list_gates(GATED_PIPELINE_ID)}\n{airflow.task_instances(GATED_DAG, run_id)}")
+    airflow.api("PATCH", f"/dags/{GATED_DAG}/dagRuns/{run_id}/taskInstances/run_for", json={"new_state": "success"})
+    assert airflow.wait_run(GATED_DAG, run_id, timeout=300) == "success", airflow.task_instances(GATED_DAG, run_id)
+    result = gated_result(airflow.store_dsn)
+    gates = store.list_gates(GATED_PIPELINE_ID, limit=10_000)
+    assert result.exact and result.orders > 0, result
+    assert result.deciders == {"example_gate_check.check_orders"}, result
+    assert all(g.state in (GateState.COMMITTED, GateState.PASSED, GateState.PENDING) for g in gates), gates
+    # the table holds exactly what the committed gates let through, nothing of a gate still waiting
+    commits = store.sink_commits(GATED_PIPELINE_ID, sink=GATED_SINK, limit=10_000)
+    assert sorted(c.epoch for c in commits) == sorted(result.gates["committed"]), (commits, result)
+    assert sum(c.rows_committed or 0 for c in commits) == result.orders, (commits, result)
+    page = _ui_page(airflow, f"/arroyo/pipelines/{GATED_PIPELINE_ID}")
+    assert 'id="gate-table"' in page and "example_gate_check.check_orders" in page, page[:3000]
 
 
 def _driver_pids(run_id: str) -> list[int]:
