@@ -656,6 +656,7 @@ def main() -> None:
 
     modes = [Mode(PATHS[name.strip()], int(n)) for n in args.triggerers.split(",") for name in args.paths.split(",")]
     totals: dict[str, dict[str, Any]] = {m.name: {} for m in modes}
+    windows: dict[str, list[tuple[float, float, float, int]]] = {}  # per mode: (p99 ms, fired, load, violations)
     with ThrowawayPostgres() as pg:
         args.pg_data_dir = pg.data_dir
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
@@ -675,8 +676,16 @@ def main() -> None:
                     pids = setup_pipelines(prefix, args.pipelines, pg.dsn)
                     run = run_path(mode, pids, args, pg.dsn)
                     window_s = (run["window"][1] - run["window"][0]).total_seconds()
-                    merge(totals[mode.name], run, figures(pg.dsn, prefix, args.interval, run["window"]),
-                          args.pipelines * window_s / args.interval)
+                    f = figures(pg.dsn, prefix, args.interval, run["window"])
+                    merge(totals[mode.name], run, f, args.pipelines * window_s / args.interval)
+                    # each window on its own, with the machine's load over it: a busy machine's figure is a claim
+                    # about every window, not about their pooled tail
+                    fired = f["fired"] / (args.pipelines * window_s / args.interval)
+                    windows.setdefault(mode.name, []).append(
+                        (pct([v * 1000 for v in f["schedule"]], 99), fired, os.getloadavg()[0], len(f["violations"])))
+                    print(f"  window {rnd + 1} [{mode.name}]: fired {100 * fired:.1f} %, lateness p99 "
+                          f"{windows[mode.name][-1][0]:.1f} ms, load average (1 min) {os.getloadavg()[0]:.2f}",
+                          flush=True)
         finally:
             stop.set()
             acker.join(30)
@@ -691,6 +700,14 @@ def main() -> None:
     for mode, m in summaries:
         print(f"  {mode.name:<14} {100 * m['ratio']:6.1f}% {m['schedule_p50']:8.1f}ms {m['schedule_p99']:8.1f}ms "
               f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}% {m['db_cpu_ms']:11.2f}ms")
+    if args.rounds > 1:
+        print("per window (lateness p99, fired, 1-minute load average at its end, violations):")
+        for mode in modes:
+            rows = windows.get(mode.name, [])
+            worst = max((w[0] for w in rows), default=float("nan"))
+            print(f"  {mode.name:<14} " + "  ".join(f"{p99:.1f} ms / {100 * fired:.1f} % / load {load:.1f} / {v}"
+                                                  for p99, fired, load, v in rows)
+                  + f"   worst p99 {worst:.1f} ms")
     by_name = dict((mode.name, m) for mode, m in summaries)
     for mode, m in summaries:
         base = by_name.get(Mode(OLD, mode.triggerers).name)
