@@ -4,6 +4,7 @@ it fails (issue 30, finding 5 l): its temporary AIRFLOW_HOME, with the log it po
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import pytest
 
@@ -40,3 +41,25 @@ def test_a_dag_run_that_did_not_succeed_keeps_the_home_too(capsys: pytest.Captur
         assert f"kept {demo.home}" in out and str(demo.log_path) in out
     finally:
         shutil.rmtree(demo.home, ignore_errors=True)
+
+
+def test_the_demo_shows_the_newest_epoch_that_committed_output(migrated_db: Callable[[str], str]) -> None:
+    from airflow_arroyo.devtools.embedded import _EpochFollower
+    from airflow_arroyo.store import EpochStore
+    from tests.controlplane.test_store import complete
+    from tests.support import running
+
+    dsn = migrated_db("demo")
+    store = EpochStore(dsn, max_connections=1)
+    follower = _EpochFollower(dsn, "demo")
+    try:
+        running(store, "demo", stages=["src", "out"])
+        epochs = [complete(store, "demo") for _ in range(3)]
+        follower()
+        assert follower.worth_showing() == epochs[-1]  # nothing committed: the newest completed
+        store.record_sink_commit("demo", epochs[1], "out", uri="file:///tmp/out", batch_id=4, files=1, rows=3,
+                                 bytes_committed=10)
+        assert follower.worth_showing() == epochs[1]
+    finally:
+        follower.close()
+        store.close()

@@ -14,8 +14,8 @@
    ``example_gated_pipeline`` instead (a PostgreSQL sink behind a commit gate) with ``example_gate_check``
    unpaused, which checks each epoch's pending orders as its gate opens; the demo prints each gate's verdict
    and, at the end, what reached the table;
-   At the end it prints the UI pages of the newest completed epoch: its page, its provenance (what it read, per
-   source, and committed, per sink), and the "which epoch wrote this" lookup.
+   At the end it prints the UI pages of the newest completed epoch that committed output: its page, its
+   provenance (what it read, per source, and committed, per sink), and the "which epoch wrote this" lookup.
 4. when the DAG run ends (after ``--epochs`` epochs or ``--minutes``), on Ctrl-C or at the
    deadline: stops the pipeline (gracefully, then immediately), stops Airflow (SIGINT to standalone,
    which stops its components; signals to its whole process group only if it does not exit), ends
@@ -432,6 +432,16 @@ class _EpochFollower:
             _say(f"epoch {epoch.epoch} {epoch.state.value} in {took}{size}{final}")
         self._gates()
 
+    def worth_showing(self) -> int | None:
+        """The newest completed epoch that committed something (its provenance page has the most to show), else
+        the newest completed one."""
+        from airflow_arroyo.epochs import EpochState
+
+        completed = {e.epoch for e in self.store.list_epochs(self.pipeline_id, limit=200,
+                                                             states=[EpochState.COMPLETED])}
+        committed = [c.epoch for c in self.store.sink_commits(self.pipeline_id, limit=10_000) if c.epoch in completed]
+        return max(committed, default=self.last_completed)
+
     def _gates(self) -> None:
         """Each gate's state as it changes: opened (pending), the verdict and who gave it, committed."""
         after = 0
@@ -628,8 +638,9 @@ def main(argv: list[str] | None = None) -> int:
                     _say_gated(result)
                     if not result.exact:
                         state = "the gated table is not exact"
-                if follower.last_completed is not None:
-                    _say_epoch_pages(airflow.base_url, pipeline, follower.last_completed)
+                shown = follower.worth_showing()
+                if shown is not None:
+                    _say_epoch_pages(airflow.base_url, pipeline, shown)
                 airflow.failed = state != "success"
             if args.stay:
                 _say(f"Airflow stays up at {airflow.base_url}; press Ctrl-C to stop")
@@ -650,7 +661,7 @@ def _say_epoch_pages(base_url: str, pipeline: str, epoch: int) -> None:
     from urllib.parse import quote
 
     page = f"{base_url}/plugin/arroyo/arroyo/pipelines/{quote(pipeline, safe='')}"
-    _say(f"epoch {epoch}, the newest completed:")
+    _say(f"epoch {epoch} (the newest completed one that committed output, if any did):")
     _say(f"  its page:       {page}/epochs/{epoch}")
     _say(f"  provenance:     {page}/epochs/{epoch}/provenance  (the input it read per source, what each sink "
          "committed)")
