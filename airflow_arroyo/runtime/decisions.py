@@ -286,9 +286,14 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
         source_of[name] = old
     groups_then = _groups(epoch_fusion)
     groups_now = _groups(graph_fusion)
+    across, across_taken = _across_fusion(epoch, held, graph, source_of, dropped)
     rows: list[StageUpgrade] = []
     for name, ident in graph.items():
         snap = source_of.get(name)
+        if snap is None and name in across:
+            held_by, why = across[name]
+            rows.append(StageUpgrade(name, StageAction.INCOMPATIBLE, why, snapshot=held_by, refused=True))
+            continue
         if snap is None:
             rows.append(StageUpgrade(name, StageAction.NEW, f"no snapshot in epoch {epoch}: starts with empty "
                                      "state, its channels read from the epoch's cut"))
@@ -304,7 +309,7 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
             continue
         how = f"renamed from {snap!r}" if snap != ident else "same identity"
         rows.append(StageUpgrade(name, StageAction.RESTORED, f"{how}, snapshot in epoch {epoch}", snapshot=snap))
-    taken = set(source_of.values())
+    taken = set(source_of.values()) | across_taken
     for ident in held:
         if ident in taken:
             continue
@@ -341,6 +346,66 @@ def _check_upgrade_input(epoch: int, held: list[str], graph: Mapping[str, str], 
         raise ConfigurationError(f"allow_dropped_state names {', '.join(unknown)}, which epoch {epoch} has no "
                                  f"snapshot of (its stages: {', '.join(held) or 'none'}); name only stages to drop")
     return by_identity
+
+
+# plan.SEPARATOR: a fused query's stage name is its members' names joined by it (importing plan here would pull
+# the graph's modules into this pure core; tests/runtime/test_upgrade_plan.py checks they agree)
+FUSED_SEPARATOR = "~"
+
+
+def _members(name: str) -> tuple[str, ...]:
+    return tuple(name.split(FUSED_SEPARATOR))
+
+
+def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source_of: Mapping[str, str],
+                   dropped: set[str]) -> tuple[dict[str, tuple[str, str]], set[str]]:
+    """New stages whose state the epoch holds in a query of another fusion (docs/upgrading.md, "Across a change
+    of fusion"): new stage -> (the epoch's stage holding its state, why the restore refuses it and the way
+    through), and the epoch's stages these rows account for. An epoch's stage named in ``allow_dropped_state``
+    is not looked at: its state is dropped and its members start new, as asked."""
+    taken = set(source_of.values())
+    loose = {name: ident for name, ident in graph.items() if name not in source_of}  # would start empty
+    free = [h for h in held if h not in taken and h not in dropped]
+    out: dict[str, tuple[str, str]] = {}
+    accounted: set[str] = set()
+    way = ("restore with the epoch's fusion (the same chaining and chain=False boundaries as the code that took "
+           "it), or drop that state by name with allow_dropped_state=[{drop}] (its stages start empty)")
+    for h in free:  # split: the epoch ran these stages as one query
+        parts = _members(h)
+        if len(parts) < 2:
+            continue
+        for name, ident in loose.items():
+            if name in out or not ({name, ident} | set(_members(name))) & set(parts):
+                continue
+            alone = len(_members(name)) == 1
+            out[name] = (h, (
+                f"fusion changed: epoch {epoch} ran {', '.join(parts)} as one Spark query {h!r}, the new code runs "
+                f"{name!r} {'as its own query' if alone else 'as another query'}. Spark's checkpoint of {h!r} "
+                "allows the split (its one stateful stage keeps its state/<operator id>, the source's offsets go "
+                "with the stage that reads the source, the new channels start empty at the cut: a fused query "
+                "cuts at one micro-batch boundary) but this version's restore does not rebuild it into other "
+                f"queries' checkpoints; {way.format(drop=repr(h))}"))
+            accounted.add(h)
+    for name in loose:  # merge: the new code fuses stages the epoch ran as their own queries
+        parts = _members(name)
+        were = [h for h in free if h in parts and h not in accounted]
+        if len(parts) < 2 or not were:
+            continue
+        if name in out:  # regrouped: it also takes stages the epoch ran as their own queries
+            held_by, why = out[name]
+            out[name] = (held_by, f"{why}; it also fuses {', '.join(were)}, which epoch {epoch} ran as their own "
+                                  "queries")
+            accounted.update(were)
+            continue
+        out[name] = (were[0], (
+            f"fusion changed: epoch {epoch} ran {', '.join(were)} as separate Spark queries joined by channels, "
+            f"the new code fuses {', '.join(parts)} into one query {name!r}. Spark's checkpoints allow the merge "
+            "only by renumbering: nothing is in flight in an aligned channel at a completed epoch's cut and the "
+            "query holds one stateful stage, but each query numbered its own micro-batches and its state "
+            "versions follow them, and a file source's log is keyed by them; this version's restore does not "
+            f"renumber them; {way.format(drop=', '.join(repr(w) for w in were))}"))
+        accounted.update(were)
+    return out, accounted
 
 
 def _groups(fusion: Iterable[Iterable[str]] | None) -> dict[str, frozenset[str]]:
