@@ -99,6 +99,8 @@ class RestoreFacts:
     # epoch's stages' as their pipeline's last run registered them
     identities: tuple[tuple[str, str], ...] = ()
     epoch_identities: tuple[tuple[str, str], ...] = ()
+    # the new code's source stages (logical names): a fused query of the epoch splits only where its source is known
+    sources: tuple[str, ...] | None = None
 
 
 class RestoreAction(enum.StrEnum):
@@ -189,7 +191,8 @@ def plan_stages(facts: RestoreFacts, epoch: EpochFacts) -> UpgradePlan:
     ids, held_ids = dict(facts.identities), dict(facts.epoch_identities)
     upgrade = plan_upgrade(epoch.epoch, [held_ids.get(s, s) for s in epoch.stages],
                            {s: ids.get(s, s) for s in facts.stages or ()},
-                           allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed))
+                           allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed),
+                           sources=facts.sources)
     name_of = {held_ids.get(s, s): s for s in epoch.stages}  # the plan speaks identities; snapshots are by name
     return dataclasses.replace(upgrade, stages=tuple(
         dataclasses.replace(r, snapshot=name_of.get(r.snapshot, r.snapshot)) if r.snapshot else r
@@ -220,6 +223,7 @@ class StageAction(enum.StrEnum):
     NEW = "new"  # no snapshot in the epoch: starts with empty state
     REMOVED = "removed"  # in the epoch, not in the graph: its state is dropped (allowed by name only)
     INCOMPATIBLE = "incompatible"  # cannot take its snapshot: refused
+    ACROSS_FUSION = "restored-across-fusion"  # its state from a query of another fusion (a split): restored
 
 
 @dataclass(frozen=True)
@@ -253,13 +257,19 @@ class UpgradePlan:
     def snapshot_of(self) -> dict[str, str]:
         """New stage -> the epoch's stage whose snapshot it restores (restored stages only)."""
         return {s.stage: s.snapshot for s in self.stages
-                if s.action is StageAction.RESTORED and s.snapshot is not None}
+                if s.action in (StageAction.RESTORED, StageAction.ACROSS_FUSION) and s.snapshot is not None}
+
+    def across_fusion(self) -> dict[str, str]:
+        """New stage -> the epoch's fused query it is split from (``restored-across-fusion`` rows)."""
+        return {s.stage: s.snapshot for s in self.stages
+                if s.action is StageAction.ACROSS_FUSION and s.snapshot is not None}
 
 
 def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, str], *,
                  allow_dropped_state: Iterable[str] = (), renamed: Mapping[str, str] | None = None,
                  epoch_fusion: Iterable[Iterable[str]] | None = None,
-                 graph_fusion: Iterable[Iterable[str]] | None = None) -> UpgradePlan:
+                 graph_fusion: Iterable[Iterable[str]] | None = None,
+                 sources: Iterable[str] | None = None) -> UpgradePlan:
     """Each stage of the new code's graph against epoch ``epoch``: restored, new, removed or incompatible.
 
     ``graph`` maps each new stage's name to its identity (its ``uid``, else its name); ``epoch_stages`` are the
@@ -269,6 +279,10 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
     ``allowNonRestoredState``, but per stage). ``epoch_fusion`` / ``graph_fusion`` are the fused groups (the epoch's
     stage identities, the new graph's stage names, run as one Spark query) when known: a restored stage whose
     group changed is incompatible, since its Spark checkpoint belongs to another query's plan.
+
+    A fused query of the epoch (named ``a~b~c``) whose members the new code runs as other queries is split
+    (``restored-across-fusion``) when ``sources`` (the new code's source stages) names exactly one of its members and
+    the new code runs every member; any other change of fusion is refused by name (docs/upgrading.md's matrix).
     """
     renamed = dict(renamed or {})
     held = list(dict.fromkeys(epoch_stages))
@@ -286,13 +300,14 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
         source_of[name] = old
     groups_then = _groups(epoch_fusion)
     groups_now = _groups(graph_fusion)
-    across, across_taken = _across_fusion(epoch, held, graph, source_of, dropped)
+    across, across_taken = _across_fusion(epoch, held, graph, source_of, dropped, sources)
     rows: list[StageUpgrade] = []
     for name, ident in graph.items():
         snap = source_of.get(name)
         if snap is None and name in across:
-            held_by, why = across[name]
-            rows.append(StageUpgrade(name, StageAction.INCOMPATIBLE, why, snapshot=held_by, refused=True))
+            held_by, why, split = across[name]
+            rows.append(StageUpgrade(name, StageAction.ACROSS_FUSION if split else StageAction.INCOMPATIBLE, why,
+                                     snapshot=held_by, refused=not split))
             continue
         if snap is None:
             rows.append(StageUpgrade(name, StageAction.NEW, f"no snapshot in epoch {epoch}: starts with empty "
@@ -358,15 +373,16 @@ def _members(name: str) -> tuple[str, ...]:
 
 
 def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source_of: Mapping[str, str],
-                   dropped: set[str]) -> tuple[dict[str, tuple[str, str]], set[str]]:
+                   dropped: set[str], sources: Iterable[str] | None,
+                   ) -> tuple[dict[str, tuple[str, str, bool]], set[str]]:
     """New stages whose state the epoch holds in a query of another fusion (docs/upgrading.md, "Across a change
-    of fusion"): new stage -> (the epoch's stage holding its state, why the restore refuses it and the way
-    through), and the epoch's stages these rows account for. An epoch's stage named in ``allow_dropped_state``
-    is not looked at: its state is dropped and its members start new, as asked."""
+    of fusion"): new stage -> (the epoch's stage holding its state, why, whether the restore splits it (else
+    refused, the reason naming the way through)), and the epoch's stages these rows account for. An epoch's stage
+    named in ``allow_dropped_state`` is not looked at: its state is dropped and its members start new, as asked."""
     taken = set(source_of.values())
     loose = {name: ident for name, ident in graph.items() if name not in source_of}  # would start empty
     free = [h for h in held if h not in taken and h not in dropped]
-    out: dict[str, tuple[str, str]] = {}
+    out: dict[str, tuple[str, str, bool]] = {}
     accounted: set[str] = set()
     way = ("restore with the epoch's fusion (the same chaining and chain=False boundaries as the code that took "
            "it), or drop that state by name with allow_dropped_state=[{drop}] (its stages start empty)")
@@ -374,9 +390,17 @@ def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source
         parts = _members(h)
         if len(parts) < 2:
             continue
-        for name, ident in loose.items():
-            if name in out or not ({name, ident} | set(_members(name))) & set(parts):
-                continue
+        takers = [name for name, ident in loose.items()
+                  if name not in out and ({name, ident} | set(_members(name))) & set(parts)]
+        why_not = _split_refusal(parts, takers, sources)
+        if why_not is None:
+            for name in takers:
+                out[name] = (h, f"split from epoch {epoch}'s query {h!r} (fusion changed): its checkpoint is "
+                                "rebuilt for this query (state with the stateful stage, offsets with the source's "
+                                "stage, new channels from the cut)", True)
+            accounted.add(h)
+            continue
+        for name in takers:
             alone = len(_members(name)) == 1
             out[name] = (h, (
                 f"fusion changed: epoch {epoch} ran {', '.join(parts)} as one Spark query {h!r}, the new code runs "
@@ -384,7 +408,7 @@ def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source
                 "allows the split (its one stateful stage keeps its state/<operator id>, the source's offsets go "
                 "with the stage that reads the source, the new channels start empty at the cut: a fused query "
                 "cuts at one micro-batch boundary) but this version's restore does not rebuild it into other "
-                f"queries' checkpoints; {way.format(drop=repr(h))}"))
+                f"queries' checkpoints here: {why_not}; {way.format(drop=repr(h))}"), False)
             accounted.add(h)
     for name in loose:  # merge: the new code fuses stages the epoch ran as their own queries
         parts = _members(name)
@@ -392,9 +416,9 @@ def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source
         if len(parts) < 2 or not were:
             continue
         if name in out:  # regrouped: it also takes stages the epoch ran as their own queries
-            held_by, why = out[name]
+            held_by, why, _ = out[name]
             out[name] = (held_by, f"{why}; it also fuses {', '.join(were)}, which epoch {epoch} ran as their own "
-                                  "queries")
+                                  "queries", False)
             accounted.update(were)
             continue
         out[name] = (were[0], (
@@ -403,9 +427,25 @@ def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source
             "only by renumbering: nothing is in flight in an aligned channel at a completed epoch's cut and the "
             "query holds one stateful stage, but each query numbered its own micro-batches and its state "
             "versions follow them, and a file source's log is keyed by them; this version's restore does not "
-            f"renumber them; {way.format(drop=', '.join(repr(w) for w in were))}"))
+            f"renumber them; {way.format(drop=', '.join(repr(w) for w in were))}"), False)
         accounted.update(were)
     return out, accounted
+
+
+def _split_refusal(parts: tuple[str, ...], takers: list[str], sources: Iterable[str] | None) -> str | None:
+    """Why the epoch's query of ``parts`` cannot be split into the new stages ``takers`` (None: it can)."""
+    if sources is None:
+        return "the new code's source stages are not known to this plan"
+    covered = {m for name in takers for m in _members(name)}
+    if not covered <= set(parts):
+        return f"{', '.join(sorted(covered - set(parts)))} would join it from outside that query"
+    if covered != set(parts):
+        return f"{', '.join(p for p in parts if p not in covered)} of that query is not in the new code"
+    read = [p for p in parts if p in set(sources)]
+    if len(read) != 1:
+        return (f"that query read {len(read)} sources ({', '.join(read) or 'none known'}), and its offset log holds "
+                "one line per source in the fused plan's order")
+    return None
 
 
 def _groups(fusion: Iterable[Iterable[str]] | None) -> dict[str, frozenset[str]]:

@@ -63,3 +63,26 @@ def test_same_fusion_restores_and_unrelated_new_stages_stay_new() -> None:
     plan = plan_upgrade(5, ["src~out"], _ids("src~out", "audit"))
     assert plan.restores
     assert _rows(plan) == {"src~out": (StageAction.RESTORED, False, "src~out"), "audit": (StageAction.NEW, False, None)}
+
+
+def test_a_fused_query_with_one_source_splits_into_the_unfused_stages() -> None:
+    plan = plan_upgrade(7, ["src~dedup~out"], _ids("src", "dedup", "out"), sources=["src"])
+    assert plan.restores
+    assert _rows(plan) == {s: (StageAction.ACROSS_FUSION, False, "src~dedup~out") for s in ("src", "dedup", "out")}
+    assert plan.across_fusion() == plan.snapshot_of() == {s: "src~dedup~out" for s in ("src", "dedup", "out")}
+
+
+def test_a_split_into_other_groups_of_the_same_members_splits_too() -> None:
+    plan = plan_upgrade(7, ["src~dedup~out"], _ids("src", "dedup~out"), sources=["src"])
+    assert plan.across_fusion() == {"src": "src~dedup~out", "dedup~out": "src~dedup~out"}
+
+
+def test_splits_that_spark_cannot_map_are_refused_naming_why() -> None:
+    merged = plan_upgrade(1, ["a~b~j"], _ids("a", "b", "j"), sources=["a", "b"])
+    assert not merged.restores
+    assert "read 2 sources (a, b)" in merged.refused[0].reason
+    lost = plan_upgrade(1, ["src~dedup~out"], _ids("src", "dedup"), sources=["src"])
+    assert "out of that query is not in the new code" in lost.refused[0].reason
+    joined = plan_upgrade(2, ["src~agg", "out"], _ids("src", "agg~out"), sources=["src"])
+    assert "out would join it from outside that query" in joined.refused[0].reason
+    assert not joined.restores
