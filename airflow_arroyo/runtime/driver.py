@@ -89,8 +89,10 @@ from airflow_arroyo.runtime.plan import (
     stateful_stages,
     watermarks_not_crossing,
 )
+from airflow_arroyo.runtime.refusion import split_checkpoint
 from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
+from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
@@ -214,6 +216,9 @@ class PipelineDriver:
         self.rescale = dict(rescale or {})  # stage -> the state partitions its restored checkpoint is rewritten into
         self._upgrade: UpgradePlan | None = None  # what each stage becomes in this run's restore
         self._fresh_channels: set[str] = set()  # written by stages that start afresh in an upgrade: empty, at 0
+        self._stateful: Mapping[str, bool | None] = {}  # logical stage -> whether it holds state (Spark's analyzer)
+        # stage split from a fused query of the epoch -> (it keeps the state, the channel it now reads or None)
+        self._splits: dict[str, tuple[bool, str | None]] = {}
         self._channel_starts: dict[str, dict[str, int]] = {}  # new stage -> input channel -> where it starts
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
@@ -266,6 +271,7 @@ class PipelineDriver:
         self._kafka_sources = [k for s in self.logical.stages if s.kind is StageKind.SOURCE
                                if (df := frames.get(s.name)) is not None for k in kafka_sources(df)]
         stateful = stateful_stages(self.logical, spark, frames)
+        self._stateful = stateful
         if self.pipeline.chains:
             self._fuse(stateful)
         for warning in watermarks_not_crossing(self.logical, self.plan, frames, stateful):
@@ -366,10 +372,12 @@ class PipelineDriver:
         """What to restore (:func:`~airflow_arroyo.runtime.decisions.plan_restore`); reads only, so that bad
         input is refused before anything is written."""
         self.store.check_schema()
-        for sink in self.sinks.values():
-            sink.check_writable()  # read-only: before any restore touches the folder
         plan = plan_restore(self._restore_facts())
         self._check_rescale(plan)
+        if plan.upgrade is not None and plan.epoch is not None:
+            self._splits = self._plan_splits(plan.upgrade, plan.epoch)
+        for sink in self.sinks.values():
+            sink.check_writable()  # read-only: before any restore touches the folder
         if plan.action is RestoreAction.START_OVER:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
@@ -390,6 +398,44 @@ class PipelineDriver:
                 f"(restored stages: {', '.join(restored)}); a stage that starts empty takes its spark_conf's "
                 "spark.sql.shuffle.partitions")
 
+    def _plan_splits(self, upgrade: UpgradePlan, epoch: int) -> dict[str, tuple[bool, str | None]]:
+        """Reads only: for each stage split from a fused query of ``epoch`` (docs/upgrading.md, "Across a change
+        of fusion"), whether its checkpoint keeps the query's state and which channel it now reads. Refuses a
+        split whose state would not go to exactly one query, or a stage that would read several channels."""
+        splits: dict[str, tuple[bool, str | None]] = {}
+        members = {g.name: g.stages for g in self.plan.groups}
+        by_query: dict[str, list[str]] = {}
+        for stage, fused in upgrade.across_fusion().items():
+            by_query.setdefault(fused, []).append(stage)
+        for fused, stages in by_query.items():
+            has_state = any(e.rel_path.startswith("state/")
+                            for e in self.store.snapshot_entries(self.pipeline_id, epoch, fused))
+            holders = [s for s in stages if any(self._stateful.get(m) is not False for m in members.get(s, (s,)))]
+            if has_state and len(holders) != 1:
+                raise ConfigurationError(
+                    f"epoch {epoch}'s query {fused!r} holds state, and the new code would run "
+                    f"{len(holders)} stateful or unanalyzed queries of its stages ({', '.join(holders) or 'none'}): "
+                    "its state/<operator id> maps to one query only. Restore with the epoch's fusion, or drop its "
+                    f"state with allow_dropped_state=[{fused!r}]")
+            for s in stages:
+                inputs = self.graph.stage(s).all_inputs
+                if len(inputs) > 1:
+                    raise ConfigurationError(
+                        f"stage {s!r}, split from epoch {epoch}'s query {fused!r}, would read {len(inputs)} channels; "
+                        "a split carries one input per query. Restore with the epoch's fusion, or drop its state "
+                        f"with allow_dropped_state=[{fused!r}]")
+                splits[s] = (has_state and s in holders, inputs[0] if inputs else None)
+                sink = self.sinks.get(s)
+                if isinstance(sink, TransactionalFileSink):
+                    sink.previous_stage = fused  # it takes over the folder the fused query wrote
+                elif sink is not None:
+                    raise ConfigurationError(
+                        f"sink {s!r}, split from epoch {epoch}'s query {fused!r}: its exactly-once bookkeeping "
+                        f"({type(sink).__name__}) is kept under the query's name, and only a file sink's is carried "
+                        "across a split yet. Restore with the epoch's fusion, or drop its state with "
+                        f"allow_dropped_state=[{fused!r}]")
+        return splits
+
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from`` (read as the CLI reads them)."""
         situation = read_restore_facts(self.store, self.pipeline_id, self.restore_from, self.graph.stage_names,
@@ -397,7 +443,8 @@ class PipelineDriver:
         self._fork_source = situation.fork_source
         return replace(situation.facts, allow_dropped_state=self.allow_dropped_state,
                        renamed=tuple(self.renamed.items()),
-                       identities=stage_identities(self.graph.stages))
+                       identities=stage_identities(self.graph.stages),
+                       sources=tuple(s.name for s in self.logical.stages if s.kind is StageKind.SOURCE))
 
     def _register(self) -> None:
         takeover = check_registrable(self.store, self.pipeline_id, takeover=self.takeover,
@@ -539,6 +586,11 @@ class PipelineDriver:
                     prepared.append(self.snapshots.prepare_restore(s.name, epoch, source=source,
                                                                    snapshot_stage=snapshot_of[s.name]))
                     self._step(f"prepared:{s.name}")
+                    if s.name in self._splits:  # this run's own new folder, before the commit point
+                        keep_state, channel_input = self._splits[s.name]
+                        split_checkpoint(self.layout.checkpoint_fs, prepared[-1].folder, stage=s.name,
+                                         keep_state=keep_state, channel_input=channel_input)
+                        self._step(f"split:{s.name}")
                     if s.name in self.rescale:  # this run's own new folder, before the commit point
                         rescale_checkpoint(self._session(), self.layout.checkpoint_fs, prepared[-1].folder,
                                            self.rescale[s.name], stage=s.name)
@@ -584,9 +636,13 @@ class PipelineDriver:
         reading a channel whose writer starts afresh is refused: its checkpoint's positions are into what the old
         writer wrote."""
         restored = self._snapshot_of()
-        carried = [c for c in self.graph.channels if self.graph.writers.get(c) in restored]
+        split = self._upgrade.across_fusion() if self._upgrade is not None else {}
+        # a channel between stages split from one fused query is new: it starts empty at the cut
+        inside = {c for c in self.graph.channels if (w := self.graph.writers.get(c)) in split
+                  and all(split.get(r) == split[w] for r in self.graph.readers(c))}
+        carried = [c for c in self.graph.channels if self.graph.writers.get(c) in restored and c not in inside]
         for s in self.graph.stages:
-            fresh = [c for c in s.all_inputs if c not in carried]
+            fresh = [c for c in s.all_inputs if c not in carried and c not in inside]
             if s.name in restored and fresh:
                 raise ConfigurationError(
                     f"stage {s.name!r} is restored but reads channel(s) {', '.join(fresh)}, whose writer starts "

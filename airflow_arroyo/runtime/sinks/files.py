@@ -122,6 +122,9 @@ class TransactionalFileSink:
         self.fs = FileSystem.from_uri(path)
         self.uri = self.fs.uri
         self.token: FencingToken | None = None  # the run's fencing token (set by the driver before any write)
+        # the stage that wrote the folder before a restore across a change of fusion (the fused query's name):
+        # this sink takes the folder over, its batch ids continuing the fused query's
+        self.previous_stage: str | None = None
 
     @property
     def generation(self) -> int:
@@ -148,18 +151,20 @@ class TransactionalFileSink:
                     "an empty or new folder (its content is replaced epoch by epoch on restore)"
                 )
             return
-        if (current.get("pipeline"), current.get("stage")) != (self.pipeline_id, self.stage):
-            raise ConfigurationError(
-                f"sink {self.stage!r} of pipeline {self.pipeline_id!r}: {self.uri} is written by stage "
-                f"{current.get('stage')!r} of pipeline {current.get('pipeline')!r}; one folder has one writer: "
-                "choose another path"
-            )
+        if current.get("pipeline") == self.pipeline_id and current.get("stage") in (self.stage, self.previous_stage):
+            return
+        raise ConfigurationError(
+            f"sink {self.stage!r} of pipeline {self.pipeline_id!r}: {self.uri} is written by stage "
+            f"{current.get('stage')!r} of pipeline {current.get('pipeline')!r}; one folder has one writer: "
+            "choose another path"
+        )
 
     def claim(self) -> None:
         """Record this pipeline and stage as the folder's writer (after :meth:`check_writable`); with a
         fencing token, also fence older generations out (this generation's commit point)."""
         self.check_writable()
-        if self.owner() is None:
+        owner = self.owner()
+        if owner is None or owner.get("stage") != self.stage:  # new, or taken over from the fused query
             self.fs.write_json_atomic(f"{_META}/owner.json",
                                       {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format})
         if self.generation and _commit_point(self.fs)[1] != self.generation:
