@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from airflow_arroyo.epochs import EpochState
 from airflow_arroyo.exceptions import ConfigurationError, StateConflictError, UnknownEpochError, UnrestorableEpochError
+from airflow_arroyo.runtime.state_schema import OperatorState, stage_refusal
 
 __all__ = [
     "FINAL_EPOCH_ATTEMPTS",
@@ -269,8 +270,15 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
                  allow_dropped_state: Iterable[str] = (), renamed: Mapping[str, str] | None = None,
                  epoch_fusion: Iterable[Iterable[str]] | None = None,
                  graph_fusion: Iterable[Iterable[str]] | None = None,
-                 sources: Iterable[str] | None = None) -> UpgradePlan:
+                 sources: Iterable[str] | None = None,
+                 state_schemas: Mapping[str, tuple[Sequence[OperatorState], Sequence[OperatorState]]] | None = None,
+                 ) -> UpgradePlan:
     """Each stage of the new code's graph against epoch ``epoch``: restored, new, removed or incompatible.
+
+    ``state_schemas`` is the evidence of state compatibility where it was read: new stage name -> (the stateful
+    operators Spark recorded in the snapshot it restores, those the new code's query writes); a stage whose state
+    Spark would refuse to load (``runtime/state_schema.py`` ``stage_refusal``) is incompatible, before anything
+    is written.
 
     ``graph`` maps each new stage's name to its identity (its ``uid``, else its name); ``epoch_stages`` are the
     identities the epoch holds snapshots of. ``renamed`` maps an epoch's identity to the new stage (by name or
@@ -320,6 +328,15 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
                 name, StageAction.INCOMPATIBLE,
                 f"fusion changed: epoch {epoch} ran it in the query of {', '.join(sorted(then))}, the new code in "
                 f"that of {', '.join(sorted(now))}; restore with the same fusion (across fusion: not yet supported)",
+                snapshot=snap, refused=True))
+            continue
+        shapes = (state_schemas or {}).get(name)
+        why_not = stage_refusal(*shapes) if shapes is not None else None
+        if why_not is not None:
+            rows.append(StageUpgrade(
+                name, StageAction.INCOMPATIBLE,
+                f"state changed shape since epoch {epoch}: {why_not}; drop its state by name "
+                f"(allow_dropped_state=[{snap!r}] with the stage under a new uid) or keep the old state's shape",
                 snapshot=snap, refused=True))
             continue
         how = f"renamed from {snap!r}" if snap != ident else "same identity"
