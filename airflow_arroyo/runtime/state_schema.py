@@ -16,10 +16,16 @@ otherwise the key schema, then the value schema, must satisfy ``DataType.equalsI
 may not become nullable where the stored one was not. The planner (``runtime/decisions.py`` ``plan_upgrade``)
 gets the stored and the new schemas as plain data and refuses the stage by name.
 
-Where the new schemas come from: the same folders of a scratch checkpoint the new stage's query wrote (a dry run);
-Spark only plans a streaming DataFrame's stateful operators (and assigns their ids) when the query starts, so the
-analyzed plan alone does not give the operator ids the files are keyed by. Wiring the dry run into the driver and
-the CLI is not done yet (docs/upgrading.md).
+Where the new schemas come from (:func:`new_operator_states`): the new stage's DataFrame, planned but not run.
+Its analyzed plan, put through the session's optimizer as a started query would be, gives each stateful node in the
+order Spark numbers their operator ids, the grouping keys, and the aggregation buffers Spark keeps as the value
+(the optimizer matters: it prunes aggregates nothing reads and reorders them after the projection, and Spark's
+state follows). This is cheap (no job, no files) and exact for aggregations and dropDuplicates, which is what
+tests/runtime/test_state_schema_spark.py checks against Spark's own verdict on a real checkpoint. A dry run into a
+scratch checkpoint would cover every operator but costs a query start and an input batch per stage, and needs
+input to make Spark write its files; stages with other stateful operators (joins, arbitrary state) answer None and
+are not checked. Wiring this evidence into the driver's restore, ``check_upgrade`` and ``airflow-arroyo
+upgrade-plan`` is not done yet (docs/upgrading.md).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 from airflow_arroyo.fs import FileSystem
 
-__all__ = ["OperatorState", "read_operator_states", "schema_refusal", "stage_refusal"]
+__all__ = ["OperatorState", "new_operator_states", "read_operator_states", "schema_refusal", "stage_refusal"]
 
 
 @dataclass(frozen=True)
@@ -153,3 +159,65 @@ def read_operator_states(checkpoint: str | FileSystem) -> tuple[OperatorState, .
             key, value = _read_v2_schema(fs.read_bytes(f"{op}/0/_metadata/schema"))
         out.append(OperatorState(int(entry.name), name, key, value))
     return tuple(sorted(out, key=lambda o: o.op_id))
+
+
+# Spark's operator names (OperatorStateMetadata) for the logical nodes this module derives schemas for
+_OPERATORS = {"Aggregate": "stateStoreSave", "Deduplicate": "dedupe",
+              "DeduplicateWithinWatermark": "dedupeWithinWatermark"}
+# stateful nodes whose state schemas are not derived here: a query with one is not checked (None)
+_UNDERIVED = {"Join", "FlatMapGroupsWithState", "TransformWithState", "FlatMapGroupsInPandasWithState",
+              "TransformWithStateInPySpark", "SessionWindowing", "EventTimeWatermark"}
+_DUMMY = {"type": "struct", "fields": [{"name": "__dummy__", "type": "void", "nullable": True, "metadata": {}}]}
+
+
+def _java_list(seq: Any) -> list[Any]:
+    it = seq.iterator()
+    out = []
+    while it.hasNext():
+        out.append(it.next())
+    return out
+
+
+def _struct(exprs: list[Any], names: list[str]) -> dict[str, Any]:
+    return {"type": "struct", "fields": [
+        {"name": n, "type": json.loads(e.dataType().json()), "nullable": bool(e.nullable()), "metadata": {}}
+        for e, n in zip(exprs, names, strict=True)]}
+
+
+def _aggregates(expr: Any, into: list[Any]) -> None:
+    if expr.nodeName() == "AggregateExpression":
+        if all(not expr.semanticEquals(seen) for seen in into):  # Spark plans each distinct aggregate once
+            into.append(expr)
+        return
+    for child in _java_list(expr.children()):
+        _aggregates(child, into)
+
+
+def new_operator_states(df: Any) -> tuple[OperatorState, ...] | None:
+    """The stateful operators a streaming DataFrame's query would write, from its optimized plan, numbered as Spark
+    numbers them (the plan's stateful nodes in pre-order); None where the plan has a stateful node this module does
+    not derive (a join, arbitrary state, a session window): such a stage is not checked."""
+    out: list[OperatorState] = []
+    # optimized, not analyzed: the optimizer prunes aggregates nothing reads, and Spark keys state by what is left
+    # (QueryExecution.optimizedPlan refuses a streaming plan outside a started query: the session's optimizer does not)
+    analyzed = df._jdf.queryExecution().analyzed()
+    stack = [df.sparkSession._jsparkSession.sessionState().optimizer().execute(analyzed)]
+    while stack:
+        node = stack.pop()
+        name = node.nodeName()
+        if node.isStreaming() and name in _UNDERIVED - {"EventTimeWatermark"}:
+            return None
+        if node.isStreaming() and name == "Aggregate":
+            keys = _java_list(node.groupingExpressions())
+            aggs: list[Any] = []
+            for e in _java_list(node.aggregateExpressions()):
+                _aggregates(e, aggs)
+            buffer = [b for a in aggs for b in _java_list(a.aggregateFunction().aggBufferAttributes())]
+            out.append(OperatorState(len(out), _OPERATORS[name], _struct(keys, [str(k.prettyName()) for k in keys]),
+                                     _struct(buffer, [str(b.name()) for b in buffer])))
+        elif node.isStreaming() and name in _OPERATORS:
+            keys = _java_list(node.keys())
+            out.append(OperatorState(len(out), _OPERATORS[name], _struct(keys, [str(k.name()) for k in keys]),
+                                     _DUMMY))
+        stack.extend(reversed(_java_list(node.children())))
+    return tuple(out)
