@@ -102,6 +102,8 @@ class RestoreFacts:
     epoch_identities: tuple[tuple[str, str], ...] = ()
     # the new code's source stages (logical names): a fused query of the epoch splits only where its source is known
     sources: tuple[str, ...] | None = None
+    # the evidence of state compatibility, where read: new stage -> (the snapshot's stateful operators, the new code's)
+    state_schemas: tuple[tuple[str, tuple[tuple[OperatorState, ...], tuple[OperatorState, ...]]], ...] = ()
 
 
 class RestoreAction(enum.StrEnum):
@@ -193,7 +195,7 @@ def plan_stages(facts: RestoreFacts, epoch: EpochFacts) -> UpgradePlan:
     upgrade = plan_upgrade(epoch.epoch, [held_ids.get(s, s) for s in epoch.stages],
                            {s: ids.get(s, s) for s in facts.stages or ()},
                            allow_dropped_state=facts.allow_dropped_state, renamed=dict(facts.renamed),
-                           sources=facts.sources)
+                           sources=facts.sources, state_schemas=dict(facts.state_schemas))
     name_of = {held_ids.get(s, s): s for s in epoch.stages}  # the plan speaks identities; snapshots are by name
     return dataclasses.replace(upgrade, stages=tuple(
         dataclasses.replace(r, snapshot=name_of.get(r.snapshot, r.snapshot)) if r.snapshot else r

@@ -95,6 +95,7 @@ from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
+from airflow_arroyo.runtime.state_schema import OperatorState, own_operator_states, parse_operator_states
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
@@ -217,6 +218,7 @@ class PipelineDriver:
         self._upgrade: UpgradePlan | None = None  # what each stage becomes in this run's restore
         self._fresh_channels: set[str] = set()  # written by stages that start afresh in an upgrade: empty, at 0
         self._stateful: Mapping[str, bool | None] = {}  # logical stage -> whether it holds state (Spark's analyzer)
+        self._frames: Mapping[str, Any] = {}  # logical stage -> its composed DataFrame (no query started)
         # stage split from a fused query of the epoch -> (it keeps the state, the channel it now reads or None)
         self._splits: dict[str, tuple[bool, str | None]] = {}
         self._channel_starts: dict[str, dict[str, int]] = {}  # new stage -> input channel -> where it starts
@@ -272,6 +274,7 @@ class PipelineDriver:
                                if (df := frames.get(s.name)) is not None for k in kafka_sources(df)]
         stateful = stateful_stages(self.logical, spark, frames)
         self._stateful = stateful
+        self._frames = frames
         if self.pipeline.chains:
             self._fuse(stateful)
         for warning in watermarks_not_crossing(self.logical, self.plan, frames, stateful):
@@ -372,7 +375,11 @@ class PipelineDriver:
         """What to restore (:func:`~airflow_arroyo.runtime.decisions.plan_restore`); reads only, so that bad
         input is refused before anything is written."""
         self.store.check_schema()
-        plan = plan_restore(self._restore_facts())
+        facts = self._restore_facts()
+        plan = plan_restore(facts)
+        evidence = self._state_evidence(plan)
+        if evidence:  # the same decision again, with what Spark would check when it loads the state
+            plan = plan_restore(replace(facts, state_schemas=evidence))
         self._check_rescale(plan)
         if plan.upgrade is not None and plan.epoch is not None:
             self._splits = self._plan_splits(plan.upgrade, plan.epoch)
@@ -381,6 +388,34 @@ class PipelineDriver:
         if plan.action is RestoreAction.START_OVER:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
+
+    def _state_evidence(self, plan: RestorePlan) -> tuple[tuple[str, tuple[tuple[OperatorState, ...],
+                                                                             tuple[OperatorState, ...]]], ...]:
+        """Reads only: for each restored stage that runs as its own query, the stateful operators its snapshot
+        holds (the schema files Spark wrote) and those this code's query would write (docs/upgrading.md, "State
+        schema compatibility"). Stages split or merged across fusion, fused groups, and queries whose operators are
+        not derived are not checked."""
+        if plan.upgrade is None or plan.epoch is None or self._fork_source is not None:
+            return ()
+        epoch = plan.epoch
+        logical = {s.name: s for s in self.logical.stages}
+        out = []
+        for stage, snap in plan.upgrade.snapshot_of().items():
+            spec = logical.get(stage)
+            if spec is None or stage in plan.upgrade.across_fusion() or self._stateful.get(stage) is False:
+                continue
+            frame = self._frames.get(stage)
+            inputs = [self._frames.get(i) for i in spec.inputs]
+            if frame is None or len(inputs) > 1 or any(f is None for f in inputs):
+                continue
+            new = own_operator_states(frame, inputs)
+            if new is None:
+                continue
+            files = {e.rel_path: (lambda key=e.object_key: self.snapshots.fs.read_bytes(
+                object_path(self.pipeline_id, key)))
+                for e in self.store.snapshot_entries(self.pipeline_id, epoch, snap) if e.rel_path.startswith("state/")}
+            out.append((stage, (parse_operator_states(files), new)))
+        return tuple(out)
 
     def _check_rescale(self, plan: RestorePlan) -> None:
         """Refuse a rescale that names no stage this restore rebuilds, before anything is written."""

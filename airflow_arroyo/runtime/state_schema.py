@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from airflow_arroyo.fs import FileSystem
 
-__all__ = ["OperatorState", "new_operator_states", "read_operator_states", "schema_refusal", "stage_refusal"]
+__all__ = ["OperatorState", "new_operator_states", "own_operator_states", "parse_operator_states",
+           "read_operator_states", "schema_refusal", "stage_refusal"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,39 @@ def _read_v2_schema(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
             text += part
         schemas.append(json.loads(text))
     return schemas[0], schemas[1]
+
+
+def parse_operator_states(files: Mapping[str, Callable[[], bytes]]) -> tuple[OperatorState, ...]:
+    """The stateful operators of a checkpoint given as its files (path inside the checkpoint -> a reader), as a
+    snapshot holds them: only ``state/<opId>/_metadata/metadata`` and ``state/<opId>/0/_metadata/schema`` are read."""
+    ops: dict[int, OperatorState] = {}
+    for path in files:
+        parts = path.split("/")
+        if len(parts) < 2 or parts[0] != "state" or not parts[1].isdigit():
+            continue
+        op_id = int(parts[1])
+        op = ops.setdefault(op_id, OperatorState(op_id, "unknown"))
+        if parts[2:] == ["_metadata", "metadata"]:
+            lines = files[path]().decode("utf-8").splitlines()
+            info = json.loads(lines[1]) if len(lines) > 1 else {}
+            ops[op_id] = OperatorState(op_id, str(info.get("operatorInfo", {}).get("operatorName", "unknown")),
+                                       op.key, op.value)
+        elif parts[2:] == ["0", "_metadata", "schema"]:
+            key, value = _read_v2_schema(files[path]())
+            ops[op_id] = OperatorState(op_id, ops[op_id].operator, key, value)
+    return tuple(ops[i] for i in sorted(ops))
+
+
+def own_operator_states(frame: Any, inputs: Sequence[Any]) -> tuple[OperatorState, ...] | None:
+    """The stateful operators of a stage that runs as its own query, from its composed DataFrame (everything from
+    the sources up to it) and its inputs' composed DataFrames: its own operators come first in Spark's numbering
+    (its nodes are above its inputs' in the plan), the rest belong to the stages upstream. None: not derived."""
+    mine = new_operator_states(frame)
+    upstream = [new_operator_states(f) for f in inputs]
+    if mine is None or any(u is None for u in upstream):
+        return None
+    count = len(mine) - sum(len(u) for u in upstream if u is not None)
+    return mine[:count] if count >= 0 else None
 
 
 def read_operator_states(checkpoint: str | FileSystem) -> tuple[OperatorState, ...]:
