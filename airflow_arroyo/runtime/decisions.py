@@ -440,15 +440,33 @@ def _across_fusion(epoch: int, held: list[str], graph: Mapping[str, str], source
                                   "queries", False)
             accounted.update(were)
             continue
+        merge_not = _merge_refusal(parts, were, sources)
+        if merge_not is None:
+            out[name] = (parts[-1], f"merged from epoch {epoch}'s queries {', '.join(were)} (fusion changed): one "
+                                    "checkpoint from theirs, renumbered to one batch numbering", True)
+            accounted.update(were)
+            continue
         out[name] = (were[0], (
             f"fusion changed: epoch {epoch} ran {', '.join(were)} as separate Spark queries joined by channels, "
             f"the new code fuses {', '.join(parts)} into one query {name!r}. Spark's checkpoints allow the merge "
             "only by renumbering: nothing is in flight in an aligned channel at a completed epoch's cut and the "
             "query holds one stateful stage, but each query numbered its own micro-batches and its state "
-            "versions follow them, and a file source's log is keyed by them; this version's restore does not "
-            f"renumber them; {way.format(drop=', '.join(repr(w) for w in were))}"), False)
+            "versions follow them; the restore renumbers them only for stages that each ran as their own query, "
+            f"with one source among them: {merge_not}; {way.format(drop=', '.join(repr(w) for w in were))}"), False)
         accounted.update(were)
     return out, accounted
+
+
+def _merge_refusal(parts: tuple[str, ...], were: list[str], sources: Iterable[str] | None) -> str | None:
+    """Why the epoch's queries ``were`` cannot merge into the new query of ``parts`` (None: they can)."""
+    if sources is None:
+        return "the new code's source stages are not known to this plan"
+    if set(were) != set(parts):
+        return f"{', '.join(p for p in parts if p not in were)} did not run as its own query in that epoch"
+    read = [p for p in parts if p in set(sources)]
+    if len(read) != 1:
+        return f"the new query would read {len(read)} sources ({', '.join(read) or 'none known'})"
+    return None
 
 
 def _split_refusal(parts: tuple[str, ...], takers: list[str], sources: Iterable[str] | None) -> str | None:

@@ -89,7 +89,7 @@ from airflow_arroyo.runtime.plan import (
     stateful_stages,
     watermarks_not_crossing,
 )
-from airflow_arroyo.runtime.refusion import split_checkpoint
+from airflow_arroyo.runtime.refusion import empty_delta_file, merge_checkpoint, split_checkpoint
 from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
@@ -221,6 +221,8 @@ class PipelineDriver:
         self._frames: Mapping[str, Any] = {}  # logical stage -> its composed DataFrame (no query started)
         # stage split from a fused query of the epoch -> (it keeps the state, the channel it now reads or None)
         self._splits: dict[str, tuple[bool, str | None]] = {}
+        # fused stage merged from stages the epoch ran as their own queries -> (its source stage, its stateful one)
+        self._merges: dict[str, tuple[str, str | None]] = {}
         self._channel_starts: dict[str, dict[str, int]] = {}  # new stage -> input channel -> where it starts
         self._spark = spark
         self._own_spark = spark is None if own_spark is None else own_spark
@@ -441,6 +443,9 @@ class PipelineDriver:
         members = {g.name: g.stages for g in self.plan.groups}
         by_query: dict[str, list[str]] = {}
         for stage, fused in upgrade.across_fusion().items():
+            if fused in members.get(stage, ()):  # a merge: its snapshot is its last member's
+                self._merges[stage] = self._plan_merge(stage, members[stage], epoch)
+                continue
             by_query.setdefault(fused, []).append(stage)
         for fused, stages in by_query.items():
             has_state = any(e.rel_path.startswith("state/")
@@ -470,6 +475,34 @@ class PipelineDriver:
                         "across a split yet. Restore with the epoch's fusion, or drop its state with "
                         f"allow_dropped_state=[{fused!r}]")
         return splits
+
+    def _plan_merge(self, stage: str, members: Sequence[str], epoch: int) -> tuple[str, str | None]:
+        """Reads only: the source stage and the stateful stage (None: none) of stages the epoch ran as their own
+        queries that ``stage`` now runs fused, refusing by name what the renumbering does not carry."""
+        way = (f"restore with the epoch's fusion (chain=False between them), or drop their state with "
+               f"allow_dropped_state=[{', '.join(repr(m) for m in members)}]")
+        source = next(m for m in members if self.logical.stage(m).kind is StageKind.SOURCE)
+        holders = [m for m in members if self._stateful.get(m) is not False]
+        if len(holders) > 1:
+            raise ConfigurationError(f"stage {stage!r} would merge stateful or unanalyzed stages "
+                                     f"{', '.join(holders)} of epoch {epoch}; {way}")
+        if any(e.rel_path.startswith("sources/") for e in self.store.snapshot_entries(self.pipeline_id, epoch, source)):
+            raise ConfigurationError(f"stage {stage!r}: the source of {source!r} keeps a log by batch id (sources/) "
+                                     f"that a merge would have to renumber; {way}")
+        held = holders[0] if holders else None
+        if held is not None and any(
+                e.rel_path.startswith("state/") and re.search(r"\.(zip|changelog)$", e.rel_path)
+                for e in self.store.snapshot_entries(self.pipeline_id, epoch, held)):
+            raise ConfigurationError(f"stage {stage!r}: the state of {held!r} is RocksDB's, whose files a merge "
+                                     f"does not renumber; {way}")
+        sink = self.sinks.get(stage)
+        if isinstance(sink, TransactionalFileSink):
+            sink.previous_stage = members[-1]  # it takes over the folder the last member wrote
+        elif sink is not None:
+            raise ConfigurationError(f"sink {stage!r}: its exactly-once bookkeeping ({type(sink).__name__}) is kept "
+                                     f"under {members[-1]!r}'s name, and only a file sink's is carried across a "
+                                     f"merge yet; {way}")
+        return source, held
 
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from`` (read as the CLI reads them)."""
@@ -626,6 +659,9 @@ class PipelineDriver:
                         split_checkpoint(self.layout.checkpoint_fs, prepared[-1].folder, stage=s.name,
                                          keep_state=keep_state, channel_input=channel_input)
                         self._step(f"split:{s.name}")
+                    if s.name in self._merges:  # the members' snapshots beside it, in this run's own folder
+                        self._merge_into(prepared[-1].folder, s.name, epoch, source)
+                        self._step(f"merged:{s.name}")
                     if s.name in self.rescale:  # this run's own new folder, before the commit point
                         rescale_checkpoint(self._session(), self.layout.checkpoint_fs, prepared[-1].folder,
                                            self.rescale[s.name], stage=s.name)
@@ -656,6 +692,34 @@ class PipelineDriver:
         self.restored_from_epoch = epoch
         self._step("restored")
         return prepared
+
+    def _state_codec(self, checkpoint: str | None) -> str:
+        """The state store codec a checkpoint's query runs with (Spark records it in its offset log's conf)."""
+        key = "spark.sql.streaming.stateStore.compression.codec"
+        if checkpoint is not None:
+            logged = sorted((int(e.name) for e in self.layout.checkpoint_fs.list_dir(f"{checkpoint}/offsets")
+                             if e.name.isdigit()), reverse=True)
+            if logged:
+                text = self.layout.checkpoint_fs.read_bytes(f"{checkpoint}/offsets/{logged[0]}").decode()
+                conf = json.loads(text.split("\n")[1]).get("conf", {})
+                if key in conf:
+                    return str(conf[key])
+        return str(self._session().conf.get(key, "lz4"))
+
+    def _merge_into(self, folder: str, stage: str, epoch: int, source: tuple[FileSystem, str] | None) -> None:
+        """Rebuild the source and stateful members' snapshots beside ``folder`` and merge them into it."""
+        head, held = self._merges[stage]
+        scratch = f"{folder}/_merge"
+        try:
+            parts = {m: self.snapshots.rebuild(m, epoch, f"{scratch}/{m}", source=source, snapshot_stage=m).folder
+                     for m in dict.fromkeys(m for m in (head, held) if m is not None)}
+            state = parts[held] if held is not None else None
+            resume = merge_checkpoint(self.layout.checkpoint_fs, folder, stage=stage, source=parts[head], state=state,
+                                      empty_delta=lambda: empty_delta_file(self._session(), self._state_codec(state)))
+        finally:
+            self.layout.checkpoint_fs.delete_tree(scratch)
+        log.info("pipeline=%s: stage %r merged from epoch %d's queries (source %r, state %r): resumes after batch %d",
+                 self.pipeline_id, stage, epoch, head, held, resume)
 
     # ------------------------------------------------------------------ upgrades: stages the epoch has no state of
 

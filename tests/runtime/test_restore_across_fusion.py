@@ -1,9 +1,12 @@
-"""A restore across a change of fusion on real Spark (issue 32, deliverable 2): an epoch taken with the source, a
-stateful dedup and a sink fused as one query restores into the same code unfused (three queries, two new
-channels), a restore killed after the split and before its commit point changing nothing; the dedup keeps its
-state (no key emitted twice, though the unfused run reads ids of keys the fused run saw) and the source resumes at
-the fused query's offset (the new channel holds exactly the ids after it). Back to fused is refused by name
-before anything is written (docs/upgrading.md's matrix: each query numbered its own micro-batches)."""
+"""A restore across a change of fusion on real Spark (issue 32, deliverable 2), there and back: an epoch taken
+with the source, a stateful dedup and a sink fused as one query restores into the same code unfused (three
+queries, two new channels), and an epoch of the unfused run restores into the fused code again (one query merged
+from three, renumbered to one batch numbering); each restore is first killed after its split or merge, before its
+commit point, changing nothing. The dedup keeps its state throughout (no key emitted twice, though each run reads
+ids of keys an earlier one saw), and each run's source resumes at the previous run's cut (the unfused run's new
+channel holds exactly the ids between the two cuts; the merged query resumes at the unfused source's offset). A
+merge the renumbering does not carry (a member that was not its own query) is refused by name before anything is
+written."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 
 from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -27,7 +31,7 @@ from tests.runtime.pipeline_support import interrupted_restore
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 400
+ROWS = 600
 KEYS = 40
 FUSED = "src~dedup~out"
 
@@ -42,10 +46,10 @@ def dedup(df: Any) -> Any:
     return df.select("id", (F.col("id") % KEYS).alias("k")).dropDuplicates(["k"])  # state: every key seen
 
 
-def pipeline(pid: str, root: Path, *, chaining: bool) -> Pipeline:
+def pipeline(pid: str, root: Path, *, chaining: bool, dedup_name: str = "dedup") -> Pipeline:
     p = Pipeline(pid, chaining=chaining)
     src = p.source("src", source)
-    seen = p.stage("dedup", dedup, [src])
+    seen = p.stage(dedup_name, dedup, [src])
     p.sink("out", [seen], format="json", options={"path": str(root / "out")})
     return p
 
@@ -105,31 +109,78 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
 
     driver = PipelineDriver(pipeline(pid, tmp_path, chaining=False), module_store, storage_uri=storage, spark=spark,
                             restore_from="latest")
+    done = completed()
     second = DriverThread(driver).start()
     src_channel = layout.channel_uri("src")
     with CheckpointTicker(module_store, pid, interval=1.0):
         wait_for(lambda: second.error or (driver.started.is_set()
-                                          and len(channel_rows(src_channel)) >= ROWS - cut["id"]),
-                 timeout=240, what="the unfused run to read the rest of the input")
+                                          and len(channel_rows(src_channel)) >= KEYS and completed() > done),
+                 timeout=240, what="the unfused run to read some input and complete an epoch")
     assert driver._upgrade is not None
     assert {r.stage: r.action.value for r in driver._upgrade.stages} == unfused
-    module_store.request_stop(pid, "graceful")
+    # at once, without a final epoch (one would come after the source read everything): the next restore takes
+    # the run's latest completed epoch, well before the end of the input
+    module_store.request_stop(pid, "immediate")
     result = second.join(240)
     assert result.state is PipelineState.STOPPED and result.restored_from_epoch == final.epoch
     assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
-    # the source resumed at the fused query's offset: the new channel holds exactly the ids after the cut
-    assert sorted(r[0] for r in channel_rows(src_channel)) == list(range(cut["id"], ROWS))
+    unfused_final = module_store.latest_completed_epoch(pid)
+    assert unfused_final is not None
+    channel = Channel.open(src_channel)
+    barrier = channel.find_barrier(unfused_final.epoch)
+    assert barrier is not None
+    ids = sorted(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
+    # the source resumed at the fused query's offset: the new channel holds exactly the ids after that cut
+    assert ids and ids == list(range(cut["id"], ids[-1] + 1))
+    second_cut = ids[-1] + 1
+    assert second_cut < ROWS
     # the dedup kept its state: every key exactly once over both runs (the unfused run read ids of keys seen before)
-    rows = emitted(tmp_path / "out")
-    assert sorted(r["k"] for r in rows) == list(range(KEYS))
+    assert sorted(r["k"] for r in emitted(tmp_path / "out")) == list(range(KEYS))
 
-    # back to fused: refused by name before anything is written
+    # a merge the renumbering does not carry is refused by name before anything is written
     tree = sorted(e.path for e in layout.checkpoint_fs.list_files(""))
-    latest = module_store.latest_completed_epoch(pid)
-    with pytest.raises(ConfigurationError, match=r"fusion changed: epoch \d+ ran src, dedup, out as separate Spark "
-                                                 r"queries.*allow_dropped_state=\['src', 'dedup', 'out'\]"):
-        PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage, spark=spark,
-                       restore_from="latest").run()
+    with pytest.raises(ConfigurationError, match=r"fusion changed: .*dedup2 did not run as its own query"):
+        PipelineDriver(pipeline(pid, tmp_path, chaining=True, dedup_name="dedup2"), module_store,
+                       storage_uri=storage, spark=spark, restore_from="latest").run()
     assert sorted(e.path for e in layout.checkpoint_fs.list_files("")) == tree
-    assert module_store.latest_completed_epoch(pid) == latest
+    assert module_store.latest_completed_epoch(pid) == unfused_final
     assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
+
+    # back to fused, killed after the merge first
+    def look_merged() -> None:
+        assert module_store.latest_completed_epoch(pid) == unfused_final
+        assert layout.checkpoint_fs.list_dir(layout.checkpoint("dedup"))
+
+    def make_fused(run_id: str, hook: Any) -> PipelineDriver:
+        driver = PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage,
+                                spark=spark, restore_from="latest", run_id=run_id)
+        driver.on_step = hook
+        return driver
+
+    interrupted_restore(make_fused, f"merged:{FUSED}", "kill", look_merged)
+
+    driver = PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage, spark=spark,
+                            restore_from="latest")
+    third = DriverThread(driver).start()
+
+    def read_to() -> int:
+        folder = layout.checkpoint(FUSED)
+        if not driver.started.is_set() or not layout.checkpoint_fs.list_dir(f"{folder}/commits"):
+            return 0
+        end = checkpoint_offsets(layout.checkpoint_uri(FUSED), latest_commit(layout.checkpoint_fs, folder))[0]
+        return int(end["id"]) if end else 0
+
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        wait_for(lambda: third.error or read_to() >= ROWS, timeout=240, what="the merged query to read the input")
+    assert driver._upgrade is not None
+    assert {r.stage: r.action.value for r in driver._upgrade.stages} == {FUSED: "restored-across-fusion"}
+    module_store.request_stop(pid, "graceful")
+    result = third.join(240)
+    assert result.state is PipelineState.STOPPED and result.restored_from_epoch == unfused_final.epoch
+    assert module_store.get_pipeline(pid).stages == [FUSED]
+    # the merged query resumed at the unfused source's cut: the first batch of its renumbered log ends there
+    folder = layout.checkpoint(FUSED)
+    logged = sorted(int(e.name) for e in layout.checkpoint_fs.list_dir(f"{folder}/offsets") if e.name.isdigit())
+    assert checkpoint_offsets(layout.checkpoint_uri(FUSED), logged[1])[0] == {"id": second_cut}
+    # the merged query kept the dedup's state: still every key exactly once
+    assert sorted(r["k"] for r in emitted(tmp_path / "out")) == list(range(KEYS))

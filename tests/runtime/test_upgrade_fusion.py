@@ -86,3 +86,17 @@ def test_splits_that_spark_cannot_map_are_refused_naming_why() -> None:
     joined = plan_upgrade(2, ["src~agg", "out"], _ids("src", "agg~out"), sources=["src"])
     assert "out would join it from outside that query" in joined.refused[0].reason
     assert not joined.restores
+
+
+def test_stages_that_each_ran_as_their_own_query_merge_into_a_fused_one() -> None:
+    plan = plan_upgrade(3, ["src", "dedup", "out"], _ids("src~dedup~out"), sources=["src"])
+    assert plan.restores
+    assert _rows(plan) == {"src~dedup~out": (StageAction.ACROSS_FUSION, False, "out")}  # the tail's batch ids go on
+    assert plan.across_fusion() == {"src~dedup~out": "out"}
+
+
+def test_merges_that_cannot_be_renumbered_are_refused_naming_why() -> None:
+    partly = plan_upgrade(3, ["src~dedup", "out"], _ids("src~dedup~out"), sources=["src"])
+    assert not partly.restores
+    two = plan_upgrade(3, ["a", "b", "j"], _ids("a~b~j"), sources=["a", "b"])
+    assert "the new query would read 2 sources (a, b)" in two.refused[0].reason
