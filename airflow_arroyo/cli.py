@@ -542,6 +542,75 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
     return EXIT_OK if not args.start or result["state"] == "running" else EXIT_ERROR
 
 
+def _cmd_shadow(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
+    """Shadow runs (:mod:`airflow_arroyo.shadow`): start, list, compare, promote, discard."""
+    from airflow_arroyo import shadow as shadows
+
+    _require_schema(store)
+    verb = args.shadow_command
+    result: Any
+    if verb == "start":
+        record = shadows.start_shadow(store, args.live, args.epoch, args.to, args.pipeline_module)
+        live = store.get_pipeline(args.live)
+        command = [sys.executable, "-m", "airflow_arroyo.runtime.driver", "--pipeline",
+                   "airflow_arroyo.shadow:shadow_code", "--arg", f"code={record.code}", "--arg",
+                   f"shadow_id={record.shadow_id}", "--run-id", f"shadow-{datetime.now():%Y%m%dT%H%M%S}",
+                   *(["--storage-uri", live.storage_uri] if live.storage_uri else [])]
+        result = {**_jsonable(record), "command": command}
+        if not args.json:
+            _table(["SHADOW", "OF", "FORK EPOCH", "CODE"], [[record.shadow_id, record.live_id, record.fork_epoch,
+                                                            record.code]], out)
+            _table(["SINK", "KIND", "LIVE", "SHADOW"],
+                   [[k, v["kind"], v["live"], v["shadow"]] for k, v in sorted(record.sinks.items())], out)
+            out.write("start the shadow with (ARROYO_DSN set, as for any driver):\n  "
+                      + " ".join(shlex.quote(c) for c in command) + "\n")
+    elif verb == "list":
+        result = [_jsonable(r) for r in store.shadows_of(args.live)]
+        if not args.json:
+            _table(["SHADOW", "FORK EPOCH", "STATE", "CODE", "CREATED"],
+                   [[r["shadow_id"], r["fork_epoch"], r["state"], r["code"], r["created_at"]] for r in result], out)
+    elif verb == "compare":
+        keys: dict[str, list[str]] = {}
+        for item in args.key or ():
+            sink, sep, cols = item.partition("=")
+            if not sep or not sink or not cols:
+                raise ConfigurationError(f"--key must look like SINK=COL[,COL...], got {item!r}")
+            keys[sink] = cols.split(",")
+        result = shadows.compare_shadow(store, args.shadow, key=keys)
+        if not args.json:
+            out.write(f"shadow {result['shadow_id']} of {result['live_id']} (fork point epoch "
+                      f"{result['fork_epoch']}, {result['state']}), code {result['code']}\n")
+            _table(["SINK", "LIVE EPOCHS", "SHADOW EPOCHS", "LIVE ROWS", "SHADOW ROWS", "ADDED", "REMOVED",
+                    "CHANGED", "NOTE"],
+                   [[d["sink"], d["live_epochs"], d["shadow_epochs"], d.get("live_rows", "-"),
+                     d.get("shadow_rows", "-"), d.get("added", "-"), d.get("removed", "-"), d.get("changed", "-"),
+                     d["note"]] for d in result["diffs"]], out)
+    elif verb == "promote":
+        from airflow_arroyo.retention import parse_duration
+
+        wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
+        ready, record = shadows.promote_shadow(store, args.shadow, label=args.label, stop_timeout=wait)
+        command = [sys.executable, "-m", "airflow_arroyo.runtime.driver", "--pipeline", record.code, "--run-id",
+                   f"upgrade-{datetime.now():%Y%m%dT%H%M%S}", *ready.driver_args(),
+                   *(["--storage-uri", ready.storage_uri] if ready.storage_uri else [])]
+        result = {**_jsonable(record), "pinned_epoch": ready.epoch, "pin_label": ready.label,
+                  "stages": [_jsonable(r) for r in ready.plan.stages], "command": command}
+        if not args.json:
+            out.write(f"pipeline {record.live_id}: stopped with its final epoch {ready.epoch} pinned "
+                      f"({ready.label!r}); shadow {record.shadow_id} promoted. Start the shadow's code on it with:\n  "
+                      + " ".join(shlex.quote(c) for c in command) + "\n")
+    else:  # discard
+        record = shadows.discard_shadow(store, args.shadow, force=args.force)
+        result = _jsonable(record)
+        if not args.json:
+            out.write(f"shadow {record.shadow_id} of {record.live_id}: {record.state}; its epochs and shadow sink "
+                      "data are left (remove the shadow folders/tables by hand)\n")
+    if args.json:
+        json.dump(result, out, default=str)
+        out.write("\n")
+    return EXIT_OK
+
+
 def _start_driver(store: EpochStore, pipeline_id: str, command: list[str], log: str | None,
                   wait: float) -> dict[str, Any]:
     """Start ``command`` (a driver) detached, its output in ``log``, the store's DSN in its environment (never on
@@ -1179,6 +1248,34 @@ def _build_parser() -> _Parser:
         if verb != "show":
             one.add_argument("--reason", metavar="TEXT", help="why (shown in the UI and the listing)")
             one.add_argument("--by", metavar="NAME", help="who gives the verdict (default: the OS user name)")
+    shadow = sub.add_parser("shadow", parents=[common],
+                            help="shadow runs: fork a pinned epoch into new code with shadow sinks, compare, "
+                                 "promote or discard")
+    shadow_verbs = shadow.add_subparsers(dest="shadow_command", metavar="VERB", parser_class=_Parser)
+    shadow_verbs.required = True
+    sh_start = shadow_verbs.add_parser("start", parents=[common],
+                                       help="fork an epoch of LIVE into a shadow running new code")
+    sh_start.add_argument("live")
+    sh_start.add_argument("--epoch", type=int, required=True, help="the completed epoch of LIVE to fork")
+    sh_start.add_argument("--to", required=True, metavar="SHADOW", help="the shadow pipeline's id")
+    sh_start.add_argument("--pipeline-module", required=True, metavar="MODULE:ATTR", help="the new code's Pipeline")
+    sh_list = shadow_verbs.add_parser("list", parents=[common], help="the shadows of LIVE")
+    sh_list.add_argument("live")
+    sh_cmp = shadow_verbs.add_parser("compare", parents=[common],
+                                     help="rows added, removed, changed per sink per epoch, shadow vs live")
+    sh_cmp.add_argument("shadow")
+    sh_cmp.add_argument("--key", action="append", metavar="SINK=COL[,COL]",
+                        help="a sink's key columns: rows with the same key and other values count as changed")
+    sh_prom = shadow_verbs.add_parser("promote", parents=[common],
+                                      help="upgrade LIVE to the shadow's code from its latest epoch; end the shadow")
+    sh_prom.add_argument("shadow")
+    sh_prom.add_argument("--label", help="the pin label of the live pipeline's final epoch")
+    sh_prom.add_argument("--wait", default="10m", metavar="DURATION", help="how long the live run may take to stop")
+    sh_disc = shadow_verbs.add_parser("discard", parents=[common],
+                                      help="end a stopped shadow: unpin its fork point; its data is left")
+    sh_disc.add_argument("shadow")
+    sh_disc.add_argument("--force", action="store_true",
+                         help="unpin the fork point even though the shadow never completed an epoch of its own")
     return parser
 
 
@@ -1223,6 +1320,7 @@ _COMMANDS: dict[str, Callable[[EpochStore, argparse.Namespace, IO[str]], int]] =
     "state": _cmd_state,
     "provenance": _cmd_provenance,
     "gate": _cmd_gate,
+    "shadow": _cmd_shadow,
 }
 
 

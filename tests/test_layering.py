@@ -31,7 +31,8 @@ _AIRFLOW_FREE_TOP = ["airflow_arroyo.epochs", "airflow_arroyo.supervision", "air
                      "airflow_arroyo.retention", "airflow_arroyo.scrub", "airflow_arroyo.cli", "airflow_arroyo.summary",
                      "airflow_arroyo.restores", "airflow_arroyo.units", "airflow_arroyo.stopping",
                      "airflow_arroyo.processes", "airflow_arroyo.state", "airflow_arroyo.provenance",
-                     "airflow_arroyo.gates", "airflow_arroyo.upgrades", "airflow_arroyo.testing"]
+                     "airflow_arroyo.gates", "airflow_arroyo.upgrades", "airflow_arroyo.testing",
+                     "airflow_arroyo.shadow"]
 # The Airflow side (docs/architecture.md): one subpackage per extension point, and the modules that talk to Airflow.
 _AIRFLOW_SIDE_TOP = ["airflow_arroyo.hooks", "airflow_arroyo.submit", "airflow_arroyo.operators",
                      "airflow_arroyo.sensors", "airflow_arroyo.triggers", "airflow_arroyo.links", "airflow_arroyo.ui",

@@ -16,6 +16,7 @@ share (connection pool, retry policy, transactions):
 ``store.cleanup``             :class:`~airflow_arroyo.store.cleanup.Cleanup`: cleanup lease, pruning, compaction
 ``store.sinks``               :class:`~airflow_arroyo.store.sink_commits.SinkCommits`: sink commit records
 ``store.gates``               :class:`~airflow_arroyo.store.gates.Gates`: commit gates and their verdicts
+``store.shadows``             :class:`~airflow_arroyo.store.shadows.Shadows`: shadow runs
 ============================  ===================================================================
 
 Every operation of a part is also a method of :class:`EpochStore` of the same name, signature and
@@ -46,6 +47,7 @@ from airflow_arroyo.store.objects import Objects
 from airflow_arroyo.store.pins import Pins
 from airflow_arroyo.store.pipelines import Pipelines
 from airflow_arroyo.store.schema import Schema
+from airflow_arroyo.store.shadows import Shadows
 from airflow_arroyo.store.sink_commits import SinkCommits
 from airflow_arroyo.store.supervision import Supervision
 from airflow_arroyo.store.ticks import Ticks
@@ -88,6 +90,7 @@ class EpochStore(OnDatabase):
         self.cleanup = Cleanup(db)
         self.sinks = SinkCommits(db)
         self.gates = Gates(db)
+        self.shadows = Shadows(db)
         # helpers built on this store for one event loop each (the async tick coalescer, the listener)
         self._loop_helpers: dict[tuple[object, str], Any] = {}
         self._loop_helpers_lock = threading.Lock()
@@ -241,3 +244,10 @@ class EpochStore(OnDatabase):
     gate_blocker = _via("gates", Gates.gate_blocker)
     retention_floor = _via("gates", Gates.retention_floor)
     latest_completed_before = _via("gates", Gates.latest_completed_before)
+
+    # ------------------------------------------------------------------ shadow runs: store.shadows
+
+    record_shadow = _via("shadows", Shadows.record_shadow)
+    get_shadow = _via("shadows", Shadows.get_shadow)
+    shadows_of = _via("shadows", Shadows.shadows_of)
+    end_shadow = _via("shadows", Shadows.end_shadow)

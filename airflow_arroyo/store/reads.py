@@ -54,6 +54,7 @@ from airflow_arroyo.store.records import (
     epoch_columns,
     from_row,
 )
+from airflow_arroyo.store.shadows import ShadowRecord, Shadows
 from airflow_arroyo.store.sink_commits import SinkCommits
 from airflow_arroyo.summary import CheckpointSummary
 
@@ -316,6 +317,7 @@ class RecordReads:
             raise ConfigurationError("RecordReads needs a read-only database (Database(..., read_only=True))")
         self._pipelines, self._epochs, self._objects, self._sinks = Pipelines(db), Epochs(db), Objects(db), \
             SinkCommits(db)
+        self._shadows = Shadows(db)
 
     def get_pipeline(self, pipeline_id: str) -> PipelineRecord:
         """:meth:`~airflow_arroyo.store.pipelines.Pipelines.get_pipeline`."""
@@ -342,6 +344,14 @@ class RecordReads:
                      limit: int = 100) -> list[SinkCommitRecord]:
         """:meth:`~airflow_arroyo.store.sink_commits.SinkCommits.sink_commits`."""
         return self._sinks.sink_commits(pipeline_id, after_seq=after_seq, sink=sink, limit=limit)
+
+    def get_shadow(self, shadow_id: str) -> ShadowRecord:
+        """:meth:`~airflow_arroyo.store.shadows.Shadows.get_shadow`."""
+        return self._shadows.get_shadow(shadow_id)
+
+    def shadows_of(self, live_id: str) -> list[ShadowRecord]:
+        """:meth:`~airflow_arroyo.store.shadows.Shadows.shadows_of`."""
+        return self._shadows.shadows_of(live_id)
 
 
 class StoreReader(OnDatabase):

@@ -59,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_arroyo.epochs import EpochState, validate_pipeline_id
 from airflow_arroyo.exceptions import (
+    ArroyoError,
     ConfigurationError,
     NotFoundError,
     StateConflictError,
@@ -292,6 +293,7 @@ def create_app(source: StoreSource | None = None, *,
     _add_api(app, ui)
     _add_verdicts(app, ui)
     _add_provenance(app, ui)
+    _add_shadows(app, ui)
     return app
 
 
@@ -552,6 +554,37 @@ def _which_epoch(ui: _Ui, pipeline_id: str, file: str | None, sink: str | None,
     if sink or table_version is not None:
         raise ConfigurationError("a table version needs its sink: give both sink=... and table_version=...")
     return None
+
+
+def _shadows(ui: _Ui, pid: str) -> list[dict[str, Any]]:
+    """The shadow runs of ``pid``, each with its comparison (or why there is none), read-only."""
+    from airflow_arroyo.shadow import compare_shadow
+
+    records = ui.queries().records
+    out: list[dict[str, Any]] = []
+    for shadow in records.shadows_of(pid):
+        entry: dict[str, Any] = {"shadow": _json(shadow), "compare": None, "error": None}
+        if shadow.state == "active":
+            try:
+                entry["compare"] = compare_shadow(records, shadow.shadow_id)  # type: ignore[arg-type]
+            except (ArroyoError, OSError) as exc:
+                entry["error"] = str(exc)
+        out.append(entry)
+    return out
+
+
+def _add_shadows(app: FastAPI, ui: _Ui) -> None:
+    @app.get("/pipelines/{pipeline_id}/shadows", response_class=HTMLResponse, name="shadows_page")
+    def shadows_page(request: Request, pipeline_id: str) -> HTMLResponse:
+        pid = _pipeline_id_ok(pipeline_id)
+        ui.queries().overview(pid)  # an unknown pipeline is a 404
+        return ui.render(request, "shadows.html", title=f"{pid} · shadow runs", pid=pid, shadows=_shadows(ui, pid))
+
+    @app.get("/api/pipelines/{pipeline_id}/shadows")
+    def api_shadows(pipeline_id: str) -> list[dict[str, Any]]:
+        pid = _pipeline_id_ok(pipeline_id)
+        ui.queries().overview(pid)
+        return _shadows(ui, pid)
 
 
 def _add_provenance(app: FastAPI, ui: _Ui) -> None:

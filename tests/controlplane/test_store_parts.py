@@ -36,7 +36,7 @@ def _public_functions(cls: type) -> dict[str, object]:
 
 
 def test_the_store_has_one_part_per_concern() -> None:
-    assert sorted(PARTS) == ["cleanup", "epochs", "gates", "objects", "pins", "pipelines", "schema", "sinks",
+    assert sorted(PARTS) == ["cleanup", "epochs", "gates", "objects", "pins", "pipelines", "schema", "shadows", "sinks",
                              "supervision", "ticks"]
 
 

@@ -30,6 +30,8 @@ URLS = {
     "/api/pipelines/{pipeline_id}/epochs": "/arroyo/api/pipelines/orders/epochs",
     "/api/pipelines/{pipeline_id}/epochs/{epoch}": "/arroyo/api/pipelines/orders/epochs/241",
     "/api/pipelines/{pipeline_id}/retention": "/arroyo/api/pipelines/orders/retention",
+    "/pipelines/{pipeline_id}/shadows": "/arroyo/pipelines/orders/shadows",
+    "/api/pipelines/{pipeline_id}/shadows": "/arroyo/api/pipelines/orders/shadows",
 }
 # Routes whose answer on this dataset is not a 200 once signed in, and what it is: provenance needs the snapshot
 # objects of a pipeline run with storage (tests/runtime/test_provenance.py has those), and a question.
