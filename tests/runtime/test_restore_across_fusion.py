@@ -31,13 +31,13 @@ from tests.runtime.pipeline_support import interrupted_restore
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 600
+ROWS = 500
 KEYS = 40
 FUSED = "src~dedup~out"
 
 
 def source(spark: Any) -> Any:
-    return generator_source(spark, total_rows=ROWS, rows_per_second=40, partitions=1).select("id")
+    return generator_source(spark, total_rows=ROWS, rows_per_second=20, partitions=1).select("id")
 
 
 def dedup(df: Any) -> Any:
