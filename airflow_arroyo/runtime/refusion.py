@@ -1,4 +1,6 @@
-"""Restore across a change of fusion: a fused query's checkpoint rebuilt for one of the queries it splits into.
+"""Restore across a change of fusion: a fused query's checkpoint split into its stages' queries
+(:func:`split_checkpoint`), or stages' checkpoints merged into the query that fuses them (:func:`merge_checkpoint`,
+renumbered: see there).
 
 An epoch taken with stages fused holds one Spark checkpoint for the fused query (docs/upgrading.md, "Across a
 change of fusion"). When the new code runs those stages as several queries, each new query starts from a copy of
@@ -13,8 +15,8 @@ point; the objects are only read), made into its own:
   at one micro-batch boundary, so nothing was between its members), and loses the source's ``sources/`` log;
 * each query gets a query id of its own (``metadata``): Spark refuses to run two queries with the same id.
 
-Batch ids are kept, so each new query resumes at the fused query's next batch, and a sink's batch ids continue
-where the fused query's stopped. The format is Spark's (:mod:`~airflow_arroyo.runtime.spark_checkpoint`).
+In a split, batch ids are kept, so each new query resumes at the fused query's next batch, and a sink's batch ids
+continue where the fused query's stopped. The format is Spark's (:mod:`~airflow_arroyo.runtime.spark_checkpoint`).
 """
 
 from __future__ import annotations
