@@ -10,7 +10,7 @@ Two kinds of Assets describe what a pipeline makes durable:
   the commit made (time travel reads exactly it, whatever the table holds by then).
 * :func:`epochs_asset`: the pipeline's checkpoints. One event per completed epoch (``epoch``,
   ``bytes_new``, ``bytes_total``, ``duration_s``): a restorable, consistent cut.
-* :func:`gate_asset`: a gated sink's epochs waiting for a verdict (:mod:`airflow_arroyo.gates`). One event per
+* :func:`gate_asset`: a gated sink's epochs waiting for a verdict (:mod:`airflow_arroyo.core.gates`). One event per
   gate the driver opens, for a DAG that checks that epoch's pending output (:func:`pending_gates` reads them).
 
 Two ways to emit them, because a deferred task cannot write Asset events (Airflow registers a task's
@@ -42,8 +42,8 @@ from airflow.sdk import Asset, AssetWatcher
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from airflow_arroyo import config
-from airflow_arroyo.epochs import EpochState, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
 from airflow_arroyo.triggers.asset_cursor import AssetCursor
 
 if TYPE_CHECKING:

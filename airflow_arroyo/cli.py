@@ -62,13 +62,13 @@ from urllib.parse import urlsplit
 
 import psycopg2
 
-from airflow_arroyo.connections import dsn_from_env_value
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, NotFoundError
-from airflow_arroyo.units import bytes_human
+from airflow_arroyo.core.connections import dsn_from_env_value
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, NotFoundError
+from airflow_arroyo.core.units import bytes_human
 
 if TYPE_CHECKING:
-    from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.gates import GateRecord
+    from airflow_arroyo.core.epochs import RetentionPolicy
+    from airflow_arroyo.core.gates import GateRecord
     from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
@@ -298,7 +298,7 @@ def _headline(text: str | None, width: int, *, run_id: str | None = None) -> str
 
 def _cmd_restarts(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """A supervised pipeline's failures and what its supervisor did about each, newest first."""
-    from airflow_arroyo.supervision import restart_due, strategy_text
+    from airflow_arroyo.core.supervision import restart_due, strategy_text
 
     _require_schema(store)
     pipe = store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2
@@ -370,9 +370,9 @@ def _cmd_unpin(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
 
 def _cmd_stop(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Ask a live pipeline to stop (graceful: its driver takes a final epoch first); with ``--wait``,
-    wait for its run to end and report how (the steps of :mod:`airflow_arroyo.stopping`)."""
-    from airflow_arroyo.retention import parse_duration
-    from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop, wait_until_ended
+    wait for its run to end and report how (the steps of :mod:`airflow_arroyo.core.stopping`)."""
+    from airflow_arroyo.core.retention import parse_duration
+    from airflow_arroyo.core.stopping import StopAsked, check_stop, finish_stop, request_stop, wait_until_ended
 
     _require_schema(store)
     wait = parse_duration(args.wait, name="--wait") or timedelta(0)
@@ -470,9 +470,9 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     """Dry run: the new code's stages (``--pipeline-module``) against an epoch of ``PIPELINE``, each restored, new,
     removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). Touches nothing; exit 0 when
     the plan restores, 2 when it is refused."""
-    from airflow_arroyo.restores import parse_restore_from
+    from airflow_arroyo.core.restores import parse_restore_from
+    from airflow_arroyo.core.upgrades import check_upgrade
     from airflow_arroyo.runtime.driver import load_pipeline
-    from airflow_arroyo.upgrades import check_upgrade
 
     _require_schema(store)
     renamed = _renames(args.rename)
@@ -502,12 +502,12 @@ def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
 
 
 def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    """Upgrade a running pipeline to new code in one step (:func:`airflow_arroyo.upgrades.prepare_upgrade`: plan,
+    """Upgrade a running pipeline to new code in one step (:func:`airflow_arroyo.core.upgrades.prepare_upgrade`: plan,
     graceful stop, pin the final epoch, plan again), then print how to start the new code, or with ``--start``
     start it as a local driver process and wait until it runs."""
-    from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.core.retention import parse_duration
+    from airflow_arroyo.core.upgrades import prepare_upgrade
     from airflow_arroyo.runtime.driver import load_pipeline
-    from airflow_arroyo.upgrades import prepare_upgrade
 
     _require_schema(store)
     wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
@@ -543,8 +543,8 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
 
 
 def _cmd_shadow(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    """Shadow runs (:mod:`airflow_arroyo.shadow`): start, list, compare, promote, discard."""
-    from airflow_arroyo import shadow as shadows
+    """Shadow runs (:mod:`airflow_arroyo.core.shadow`): start, list, compare, promote, discard."""
+    from airflow_arroyo.core import shadow as shadows
 
     _require_schema(store)
     verb = args.shadow_command
@@ -553,7 +553,7 @@ def _cmd_shadow(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
         record = shadows.start_shadow(store, args.live, args.epoch, args.to, args.pipeline_module)
         live = store.get_pipeline(args.live)
         command = [sys.executable, "-m", "airflow_arroyo.runtime.driver", "--pipeline",
-                   "airflow_arroyo.shadow:shadow_code", "--arg", f"code={record.code}", "--arg",
+                   "airflow_arroyo.core.shadow:shadow_code", "--arg", f"code={record.code}", "--arg",
                    f"shadow_id={record.shadow_id}", "--run-id", f"shadow-{datetime.now():%Y%m%dT%H%M%S}",
                    *(["--storage-uri", live.storage_uri] if live.storage_uri else [])]
         result = {**_jsonable(record), "command": command}
@@ -586,7 +586,7 @@ def _cmd_shadow(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
                      d.get("shadow_rows", "-"), d.get("added", "-"), d.get("removed", "-"), d.get("changed", "-"),
                      d["note"]] for d in result["diffs"]], out)
     elif verb == "promote":
-        from airflow_arroyo.retention import parse_duration
+        from airflow_arroyo.core.retention import parse_duration
 
         wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
         ready, record = shadows.promote_shadow(store, args.shadow, label=args.label, stop_timeout=wait)
@@ -617,7 +617,7 @@ def _start_driver(store: EpochStore, pipeline_id: str, command: list[str], log: 
     its command line); wait until the run it registers is running, or the process ended, or ``wait`` passed."""
     import subprocess
 
-    from airflow_arroyo.epochs import PipelineState
+    from airflow_arroyo.core.epochs import PipelineState
 
     before = store.get_pipeline(pipeline_id).run_id
     path = log or f"{pipeline_id}-upgrade-{int(time.time())}.log"
@@ -640,7 +640,7 @@ def _start_driver(store: EpochStore, pipeline_id: str, command: list[str], log: 
 
 
 def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    from airflow_arroyo.retention import parse_duration, prune_pipeline
+    from airflow_arroyo.core.retention import parse_duration, prune_pipeline
 
     if args.all and args.pipeline:
         raise ConfigurationError(f"give either a PIPELINE ({args.pipeline}) or --all, not both")
@@ -694,8 +694,8 @@ def _cmd_prune(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
 
 def _cli_policy(keep_last: str | None, keep_newer_than: str | None) -> RetentionPolicy:
     """The retention policy from the command line, every message in the options' own words."""
-    from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.core.epochs import RetentionPolicy
+    from airflow_arroyo.core.retention import parse_duration
 
     last: int | None = None
     if keep_last is not None:
@@ -746,8 +746,8 @@ def _cmd_lock(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_verify(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    from airflow_arroyo.retention import parse_duration
-    from airflow_arroyo.scrub import verify_pipeline
+    from airflow_arroyo.core.retention import parse_duration
+    from airflow_arroyo.core.scrub import verify_pipeline
 
     budget = parse_duration(args.budget, name="--budget") if args.budget is not None else None
     if budget is not None and budget.total_seconds() <= 0:
@@ -775,8 +775,8 @@ def _cmd_verify(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> in
 
 def _cmd_checkpoint(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Fire one epoch now (after an in-flight one ends, or a cleanup releases its lock), wait for its end."""
-    from airflow_arroyo.epochs import CheckpointPolicy, EpochState, TriggerAction
-    from airflow_arroyo.retention import parse_duration
+    from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, TriggerAction
+    from airflow_arroyo.core.retention import parse_duration
 
     timeout = parse_duration(args.timeout, name="--timeout")
     if timeout is None or timeout.total_seconds() <= 0:
@@ -844,12 +844,12 @@ class RestorePlan:
 
 def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePlan:
     """Check that ``pipeline_id`` can restore ``wanted`` ('latest' or an epoch number) now: the pipeline is not
-    running, and the driver's own decision (:func:`~airflow_arroyo.restores.read_restore_facts`, then
+    running, and the driver's own decision (:func:`~airflow_arroyo.core.restores.read_restore_facts`, then
     :func:`~airflow_arroyo.runtime.decisions.plan_restore`) restores an epoch. Raises :class:`ConfigurationError`
     saying why not and what to do."""
-    from airflow_arroyo.epochs import EpochState
-    from airflow_arroyo.exceptions import UnrestorableEpochError
-    from airflow_arroyo.restores import parse_restore_from, read_restore_facts
+    from airflow_arroyo.core.epochs import EpochState
+    from airflow_arroyo.core.exceptions import UnrestorableEpochError
+    from airflow_arroyo.core.restores import parse_restore_from, read_restore_facts
     from airflow_arroyo.runtime.decisions import RestoreAction, plan_restore
 
     requested = parse_restore_from(wanted)
@@ -889,9 +889,9 @@ def _restore_plan(store: EpochStore, pipeline_id: str, wanted: str) -> RestorePl
 
 
 def _cmd_provenance(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    """Print what an epoch read, snapshotted and committed (:mod:`airflow_arroyo.provenance`), or the epoch whose
+    """Print what an epoch read, snapshotted and committed (:mod:`airflow_arroyo.core.provenance`), or the epoch whose
     commit made a file sink's file or a table sink's version."""
-    from airflow_arroyo import provenance
+    from airflow_arroyo.core import provenance
 
     _require_schema(store)
     if args.epoch is None:
@@ -936,8 +936,8 @@ def _state_cell(value: Any) -> str:
 
 def _cmd_state(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Print a stage's state as of a completed epoch (Spark's state data source over the epoch's snapshot,
-    rebuilt in a scratch folder: :mod:`airflow_arroyo.state`), or its diff against epoch ``--diff``."""
-    from airflow_arroyo import state
+    rebuilt in a scratch folder: :mod:`airflow_arroyo.core.state`), or its diff against epoch ``--diff``."""
+    from airflow_arroyo.core import state
 
     if args.limit is not None and args.limit < 1:
         raise ConfigurationError(f"--limit must be at least 1, got {args.limit}")
@@ -989,7 +989,7 @@ _GATE_HEADERS = ["EPOCH", "SINK", "STATE", "BATCHES", "OPENED", "DEADLINE", "DEC
 
 
 def _cmd_gate(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    """Commit gates (:mod:`airflow_arroyo.gates`): list them, show one's pending output, record a verdict."""
+    """Commit gates (:mod:`airflow_arroyo.core.gates`): list them, show one's pending output, record a verdict."""
     _require_schema(store)
     store.get_pipeline(args.pipeline)  # unknown pipeline: exit 2 (a list of its gates would just be empty)
     if args.gate_command == "list":
@@ -1024,7 +1024,7 @@ def _gate_list(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
 
 
 def _gate_show(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    from airflow_arroyo.gates import OPEN_GATE_STATES, pending_output
+    from airflow_arroyo.core.gates import OPEN_GATE_STATES, pending_output
 
     gate = store.get_gate(args.pipeline, args.sink, args.epoch)
     pending = pending_output(store, args.pipeline, args.sink, args.epoch) if gate.state in OPEN_GATE_STATES \
@@ -1061,7 +1061,7 @@ def _gate_show(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int
 
 
 def _gate_verdict(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
-    from airflow_arroyo.gates import record_verdict
+    from airflow_arroyo.core.gates import record_verdict
 
     by = args.by
     if by is None:

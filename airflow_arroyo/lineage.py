@@ -1,4 +1,4 @@
-"""OpenLineage run events per completed epoch, built from its provenance (:mod:`airflow_arroyo.provenance`).
+"""OpenLineage run events per completed epoch, built from its provenance (:mod:`airflow_arroyo.core.provenance`).
 
 One run per epoch: a ``COMPLETE`` :class:`~openlineage.client.event_v2.RunEvent` of the job
 ``<pipeline_id>.epochs`` whose run id is derived from the pipeline and the epoch (:func:`epoch_run_id`), so
@@ -46,9 +46,9 @@ from openlineage.client.facet_v2 import (
     parent_run,
 )
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ArroyoError
-from airflow_arroyo.provenance import EpochProvenance, SinkProvenance, SourceRange, epoch_provenance
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ArroyoError
+from airflow_arroyo.core.provenance import EpochProvenance, SinkProvenance, SourceRange, epoch_provenance
 
 if TYPE_CHECKING:
     from airflow_arroyo.store import AsyncEpochStore, EpochRecord, EpochStore

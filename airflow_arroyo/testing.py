@@ -67,9 +67,9 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from airflow_arroyo.epochs import CheckpointPolicy
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.epochs import CheckpointPolicy
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.sources import register_data_source
 

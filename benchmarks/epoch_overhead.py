@@ -42,8 +42,8 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 from _spark import conf_pair, local_session_builder
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, demo
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver

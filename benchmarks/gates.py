@@ -41,8 +41,8 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 from _spark import conf_pair, local_session_builder
 
+from airflow_arroyo.core.gates import Gate, GateState, record_verdict
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.gates import Gate, GateState, record_verdict
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.files import committed_through

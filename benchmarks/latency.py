@@ -68,8 +68,8 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 from _spark import conf_pair, local_session_builder, product_confs
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore

@@ -47,11 +47,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import UnknownPipelineError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.devtools.embedded import EXAMPLE_DAG, PIPELINE_ID, EmbeddedAirflow, EmbeddedSettings
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.operators.pipeline import driver_log_path
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochRecord, EpochStore, PipelineRecord, RestartRecord
 
 FIGURES = ("noticed", "resubmitted", "running", "first_epoch", "restart_to_first_epoch", "later_epoch")

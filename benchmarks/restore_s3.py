@@ -40,9 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
-from airflow_arroyo.fs import FileSystem
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.store import EpochStore
 

@@ -50,9 +50,9 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 from _spark import conf_pair, jvm_pid, local_session_builder, product_confs
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, RetentionPolicy
+from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, RetentionPolicy
-from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.runtime import Pipeline
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.store import EpochStore

@@ -8,7 +8,7 @@ its own), and one pipeline per mode driven through the real :class:`~airflow_arr
 API as drivers and triggers drive it (no Spark): per epoch a forced ``trigger_tick``, per stage a
 ``record_snapshot`` (``--entries`` files, ``--new`` of them new objects, the rest shared with the
 previous epoch, as incremental snapshots are) and an ``ack_epoch`` with a cursor and details. Every
-``--retention-every`` epochs :func:`~airflow_arroyo.retention.prune_pipeline` runs (keep_last 5) with
+``--retention-every`` epochs :func:`~airflow_arroyo.core.retention.prune_pipeline` runs (keep_last 5) with
 ``compact_after=0`` (mode ``on``: compact everything behind the previous cleanup run) or ``None``
 (mode ``off``); snapshot files are not on disk (the ``fs_for`` seam says each delete succeeded).
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import psycopg2
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
+from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
-from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 
 TABLES = ("arroyo_epochs", "arroyo_acks", "arroyo_objects", "arroyo_epoch_objects", "arroyo_history",
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-every", type=int, default=1000)
     parser.add_argument("--modes", default="on,off")
     args = parser.parse_args(argv)
-    logging.getLogger("airflow_arroyo.retention").setLevel(logging.ERROR)  # no channels: one warning per run
+    logging.getLogger("airflow_arroyo.core.retention").setLevel(logging.ERROR)  # no channels: one warning per run
     results = []
     with ThrowawayPostgres() as pg:
         for mode in args.modes.split(","):

@@ -42,7 +42,7 @@ The measurement window is the parent's, common to a mode's processes: ``--warmup
 every trigger has ticked once. What it prints per mode, for the epochs started inside the window:
 
 * **schedule lateness**: ``triggered_at(n) - due(n)``, where ``due(n)`` is the point of the pipeline's
-  fixed-rate schedule after ``triggered_at(n-1)`` (``airflow_arroyo.epochs.schedule_point_after``);
+  fixed-rate schedule after ``triggered_at(n-1)`` (``airflow_arroyo.core.epochs.schedule_point_after``);
 * **controller lateness**: counted from when epoch n could start at all
   (``max(due(n), ended_at(n-1))``): the trigger's part, not the acker's;
 * epochs fired against the schedule's ``N * window / interval`` (a ratio);
@@ -131,7 +131,7 @@ def acker_store_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     """Acknowledge every stage of every in-flight epoch through ``EpochStore.ack_epoch``."""
     import psycopg2
 
-    from airflow_arroyo.exceptions import ArroyoError
+    from airflow_arroyo.core.exceptions import ArroyoError
     from airflow_arroyo.store import EpochStore
 
     store = EpochStore(dsn, max_connections=threads + 1, application_name="acker")
@@ -204,7 +204,7 @@ class Mode:
 
 
 def setup_pipelines(prefix: str, n: int, dsn: str) -> list[str]:
-    from airflow_arroyo.epochs import PipelineState
+    from airflow_arroyo.core.epochs import PipelineState
     from airflow_arroyo.store import EpochStore
 
     admin = EpochStore(dsn)
@@ -531,8 +531,8 @@ def pct(values: list[float], q: float) -> float:
 def figures(dsn: str, prefix: str, interval: float, window: tuple[datetime, datetime]) -> dict[str, Any]:
     import psycopg2
 
+    from airflow_arroyo.core.epochs import schedule_phase, schedule_point_after
     from airflow_arroyo.devtools.history import check_history
-    from airflow_arroyo.epochs import schedule_phase, schedule_point_after
 
     params = {"a": window[0], "b": window[1], "p": f"{prefix}-%"}
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:

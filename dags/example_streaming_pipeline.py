@@ -77,7 +77,7 @@ with DAG(
         "trigger_interval": Param(1.0, type="number", minimum=0, description="seconds between micro-batches"),
         "restart_strategy": Param('{"type": "fixed-delay", "attempts": 3, "delay": 2}', type="string",
                                   description="restart strategy (JSON; '' runs unsupervised), see "
-                                              "airflow_arroyo.supervision"),
+                                              "airflow_arroyo.core.supervision"),
     },
 ) as dag:
     submit = SubmitPipelineOperator(

@@ -27,7 +27,7 @@ def sql(target: Any, query: str, params: Sequence[Any] | dict[str, Any] = ()) ->
 def running(store: Any, *pipeline_ids: str, stages: Sequence[str] = ("src", "sink"), run_id: str = "r1") -> None:
     """Register each pipeline (``stages``, run ``run_id``) and move it to RUNNING, as a driver does once its
     queries started."""
-    from airflow_arroyo.epochs import PipelineState
+    from airflow_arroyo.core.epochs import PipelineState
 
     for pipeline_id in pipeline_ids:
         store.register_pipeline(pipeline_id, stages=list(stages), run_id=run_id)
@@ -37,9 +37,9 @@ def running(store: Any, *pipeline_ids: str, stages: Sequence[str] = ("src", "sin
 def assert_on_schedule(starts: Sequence[datetime], interval: float, pipeline_id: str,
                        slack: float | None = None, phase: float | None = None) -> None:
     """Each epoch start after the first is at the point of the pipeline's fixed-rate schedule that follows the
-    start before it (``airflow_arroyo.epochs.next_start_at``): never before it, and (``slack``) late by less.
+    start before it (``airflow_arroyo.core.epochs.next_start_at``): never before it, and (``slack``) late by less.
     ``phase``: the schedule's phase when the times were moved (a virtual clock), else the pipeline's."""
-    from airflow_arroyo.epochs import schedule_phase, schedule_point_after
+    from airflow_arroyo.core.epochs import schedule_phase, schedule_point_after
 
     phase = schedule_phase(pipeline_id, interval) if phase is None else phase
     for before, start in zip(starts, starts[1:], strict=False):

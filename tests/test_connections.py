@@ -9,8 +9,8 @@ import json
 import pytest
 from psycopg2.extensions import parse_dsn
 
-from airflow_arroyo.connections import dsn_from_env_value, postgres_dsn
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.connections import dsn_from_env_value, postgres_dsn
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 
 @pytest.mark.parametrize(("uri", "expected"), [

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     EPOCH_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     EpochFacts,
@@ -23,7 +23,7 @@ from airflow_arroyo.epochs import (
     select_prunable,
     validate_pipeline_id,
 )
-from airflow_arroyo.exceptions import ConfigurationError, IllegalTransitionError
+from airflow_arroyo.core.exceptions import ConfigurationError, IllegalTransitionError
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     CheckpointPolicy,
     CleanupLease,
     EpochState,
@@ -26,7 +26,7 @@ from airflow_arroyo.epochs import (
     schedule_phase,
     schedule_point_after,
 )
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 WAITS = {TriggerAction.WAIT_IN_FLIGHT, TriggerAction.WAIT_CLEANUP, TriggerAction.WAIT_SCHEDULE,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.provenance import _Snapshot, parse_offset_log
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.provenance import _Snapshot, parse_offset_log
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import SnapshotEntry
 

@@ -1,12 +1,12 @@
-"""airflow_arroyo.stopping's wait, against a store that answers a scripted sequence of records (the store is
+"""airflow_arroyo.core.stopping's wait, against a store that answers a scripted sequence of records (the store is
 ours; the real one is exercised through the CLI and the operator in tests/controlplane and tests/airflow)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.stopping import wait_until_ended
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.stopping import wait_until_ended
 from airflow_arroyo.store.records import PipelineRecord
 
 

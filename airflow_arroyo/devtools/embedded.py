@@ -215,7 +215,7 @@ class EmbeddedAirflow:
         """Ask every live pipeline to stop (graceful, then immediate) and wait for it."""
         if self.pg is None or not self.store_dsn:
             return
-        from airflow_arroyo.exceptions import ArroyoError
+        from airflow_arroyo.core.exceptions import ArroyoError
         from airflow_arroyo.store import EpochStore
 
         store = EpochStore(self.store_dsn, max_connections=1, retry_seconds=5.0)
@@ -266,7 +266,7 @@ class EmbeddedAirflow:
     def _kill_left_over_spark_submits(self) -> None:
         """spark-submit runs in a session of its own (it must outlive its task): end what is left,
         identified by the pid files the submit operator wrote (pid + start time, never a recycled pid)."""
-        from airflow_arroyo.processes import LocalProcess
+        from airflow_arroyo.core.processes import LocalProcess
 
         for pid_file in sorted((self.home / "logs" / "arroyo").glob("*/*.pid")):
             fields = pid_file.read_text().split()
@@ -408,8 +408,8 @@ class _EpochFollower:
         self.gate_states: dict[tuple[str, int], str] = {}
 
     def __call__(self) -> None:
-        from airflow_arroyo.exceptions import UnknownPipelineError
-        from airflow_arroyo.units import bytes_human, duration_human
+        from airflow_arroyo.core.exceptions import UnknownPipelineError
+        from airflow_arroyo.core.units import bytes_human, duration_human
 
         try:
             pipeline = self.store.get_pipeline(self.pipeline_id)
@@ -435,7 +435,7 @@ class _EpochFollower:
     def worth_showing(self) -> int | None:
         """The newest completed epoch that committed something (its provenance page has the most to show), else
         the newest completed one."""
-        from airflow_arroyo.epochs import EpochState
+        from airflow_arroyo.core.epochs import EpochState
 
         completed = {e.epoch for e in self.store.list_epochs(self.pipeline_id, limit=200,
                                                              states=[EpochState.COMPLETED])}

@@ -10,7 +10,7 @@ each pipeline's events and reports every breach of the protocol:
 * ``two_in_flight``: an epoch triggered while another was still in flight;
 * ``triggered_under_cleanup_lock``: an epoch triggered while a cleanup lease was live;
 * ``epoch_not_increasing``: an epoch number not above every earlier one of the pipeline;
-* ``illegal_transition``: a state change :data:`~airflow_arroyo.epochs.EPOCH_TRANSITIONS` forbids;
+* ``illegal_transition``: a state change :data:`~airflow_arroyo.core.epochs.EPOCH_TRANSITIONS` forbids;
 * ``pruned_in_flight`` / ``pruned_latest_completed`` / ``pruned_retained``: an epoch marked
   ``pruning`` although in flight, the latest completed one, or kept by the retention policy that the
   cleanup run holding the lease recorded (``arroyo_cleanup_runs.policy``);
@@ -54,8 +54,8 @@ import psycopg2
 import psycopg2.extras
 from psycopg2.extensions import connection as PgConnection
 
-from airflow_arroyo.epochs import EPOCH_TRANSITIONS, EpochFacts, EpochState, RetentionPolicy, select_prunable
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.epochs import EPOCH_TRANSITIONS, EpochFacts, EpochState, RetentionPolicy, select_prunable
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 __all__ = [
     "HistoryBase",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from airflow_arroyo.core.gates import Gate
 from airflow_arroyo.examples.names import GATED_PIPELINE_ID, GATED_SINK, GATED_TABLE
-from airflow_arroyo.gates import Gate
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
 from airflow_arroyo.testing import generator_source

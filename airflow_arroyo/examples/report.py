@@ -46,7 +46,7 @@ def read_committed(uri: str, batch_id: int) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from airflow_arroyo.assets import committed_files
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
 
     fs = FileSystem.from_uri(uri)
     files = committed_files(uri, batch_id)

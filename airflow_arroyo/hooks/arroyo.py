@@ -12,7 +12,7 @@ connection is read with ``aget_connection`` and every store call runs in a worke
 shared per DSN and process, so that hundreds of triggers in one triggerer share one small
 connection pool, and the schema is migrated (idempotently) the first time a process uses a DSN.
 Retries are the store's: transient failures retried with bounded backoff, permanent ones raised
-at once as :class:`~airflow_arroyo.exceptions.StoreError`. The password never reaches a log line.
+at once as :class:`~airflow_arroyo.core.exceptions.StoreError`. The password never reaches a log line.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from airflow.sdk import BaseHook
 
 from airflow_arroyo import config
-from airflow_arroyo.connections import extra_of, postgres_dsn
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.core.connections import extra_of, postgres_dsn
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, redact_dsn
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class ArroyoHook(BaseHook):
         itself ``arroyo_default`` by default).
     :param max_connections: size of the process-wide connection pool for this DSN.
     :param retry_seconds: how long transient store failures are retried before a
-        :class:`~airflow_arroyo.exceptions.TransientStoreError`.
+        :class:`~airflow_arroyo.core.exceptions.TransientStoreError`.
     :param migrate: apply missing schema migrations on first use (idempotent, safe concurrently).
     """
 

@@ -28,13 +28,13 @@ from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowException
 
 from airflow_arroyo import config
-from airflow_arroyo.epochs import CheckpointPolicy, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.core.epochs import CheckpointPolicy, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.core.summary import summarize
+from airflow_arroyo.core.units import bytes_human, duration_human
 from airflow_arroyo.links.pipeline import pipeline_page_url
-from airflow_arroyo.summary import summarize
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.settle import settle_deadline
-from airflow_arroyo.units import bytes_human, duration_human
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

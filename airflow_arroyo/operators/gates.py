@@ -1,4 +1,4 @@
-"""Verdicts on commit gates from Airflow (:mod:`airflow_arroyo.gates`): check an epoch's pending output, or record
+"""Verdicts on commit gates from Airflow (:mod:`airflow_arroyo.core.gates`): check an epoch's pending output, or record
 a verdict reached elsewhere.
 
 * :class:`EpochGateCheckOperator` runs a check on exactly one epoch's pending output of a gated sink, read-only, and
@@ -6,7 +6,7 @@ a verdict reached elsewhere.
   runs in the sink's target database against a temporary view ``pending`` of the epoch's pending rows, in a READ
   ONLY transaction, with :class:`~airflow.providers.common.sql.operators.sql.SQLCheckOperator`'s rule: it passes
   when its first row exists and every value in it is truthy. A Python check gets the
-  :class:`~airflow_arroyo.gates.PendingOutput` (the pending files of a file sink, or the rows' query) and returns
+  :class:`~airflow_arroyo.core.gates.PendingOutput` (the pending files of a file sink, or the rows' query) and returns
   ``bool`` or ``(bool, reason)``::
 
       EpochGateCheckOperator(task_id="check_orders", pipeline_id="orders", sink="orders_pg", conn_id="orders_db",
@@ -37,10 +37,10 @@ from airflow.sdk import BaseHook, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from airflow_arroyo import config
-from airflow_arroyo.connections import extra_of, postgres_dsn
-from airflow_arroyo.epochs import validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
-from airflow_arroyo.gates import GateRecord, GateState, PendingOutput, pending_output, record_verdict
+from airflow_arroyo.core.connections import extra_of, postgres_dsn
+from airflow_arroyo.core.epochs import validate_pipeline_id
+from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.gates import GateRecord, GateState, PendingOutput, pending_output, record_verdict
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, ArroyoPipelineLink
 from airflow_arroyo.triggers.gates import first_pending
 

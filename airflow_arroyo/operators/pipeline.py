@@ -31,7 +31,7 @@ process to the task. Then the operator defers to
   ``on_kill`` (while deferred) request an immediate stop and, for a local ``spark-submit``, end its
   process group. A run that never reaches ``running`` (timeout, failure) is stopped the same way.
 
-**Supervision** (``restart_strategy``, Flink's restart strategies: :mod:`airflow_arroyo.supervision`).
+**Supervision** (``restart_strategy``, Flink's restart strategies: :mod:`airflow_arroyo.core.supervision`).
 Once the run is ``running`` the task does not end: it defers to
 :class:`~airflow_arroyo.triggers.supervise.PipelineSupervisorTrigger` for the pipeline's whole life
 (no worker slot held). When the driver fails (it reports ``failed``, its heartbeat stops, its
@@ -68,27 +68,27 @@ from airflow.sdk import BaseOperator
 
 from airflow_arroyo import config
 from airflow_arroyo.assets import publish_outlet_events
-from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
     ConfigurationError,
     PipelineFailedError,
     UnknownPipelineError,
 )
-from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
-from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
-from airflow_arroyo.processes import LocalProcess
-from airflow_arroyo.stopping import StopAsked, check_stop, finish_stop, request_stop
-from airflow_arroyo.submit import provider
-from airflow_arroyo.submit.deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
-from airflow_arroyo.supervision import (
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.stopping import StopAsked, check_stop, finish_stop, request_stop
+from airflow_arroyo.core.supervision import (
     RestartStrategy,
     SupervisionState,
     lineage_of,
     parse_strategy,
     restart_run_id,
 )
+from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, XCOM_SPARK_UI_URL, ArroyoPipelineLink, SparkUILink
+from airflow_arroyo.operators.driver_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from airflow_arroyo.submit import provider
+from airflow_arroyo.submit.deploy import ClusterApplication, ClusterManager, DeployTarget, plan_submit
 from airflow_arroyo.triggers.inline import run_inline
 from airflow_arroyo.triggers.pipeline import (
     PipelineStateTrigger,
@@ -319,7 +319,7 @@ class SubmitPipelineOperator(BaseOperator):
     :param restart_strategy: supervise the pipeline and restart it when it fails, e.g.
         ``{"type": "fixed-delay", "attempts": 3, "delay": 10}``, ``{"type": "exponential-delay",
         "initial": 1, "max": 300}``, ``{"type": "failure-rate", "max_failures": 3, "interval": 300}``
-        (:func:`~airflow_arroyo.supervision.parse_strategy`); None (default): succeed once running.
+        (:func:`~airflow_arroyo.core.supervision.parse_strategy`); None (default): succeed once running.
     :param heartbeat_timeout: supervised: a run whose driver has not heartbeated for this many seconds
         has failed (the driver heartbeats every 2 s).
     :param supervise_interval: supervised: seconds between two looks at the run (two store reads each;

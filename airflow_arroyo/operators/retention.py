@@ -32,9 +32,9 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_arroyo import config
-from airflow_arroyo.epochs import validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
-from airflow_arroyo.retention import DEFAULT_COMPACT_AFTER, parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.core.epochs import validate_pipeline_id
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.retention import DEFAULT_COMPACT_AFTER, parse_duration, policy_from, prune_pipeline
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

@@ -1,6 +1,6 @@
 """Upgrade a running pipeline to new code in one Airflow task: ``UpgradePipelineOperator``.
 
-The task loads the new code's graph in the worker and goes through :func:`airflow_arroyo.upgrades.prepare_upgrade`
+The task loads the new code's graph in the worker and goes through :func:`airflow_arroyo.core.upgrades.prepare_upgrade`
 (plan, graceful stop with a final epoch, pin it, plan again), then submits the new code restoring the pinned epoch
 as :class:`~airflow_arroyo.operators.pipeline.SubmitPipelineOperator` does (deferred until running; supervised if
 configured). A failure along the way fails the task without retries, with the step it stopped at and the state the
@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.supervision import lineage_of
 from airflow_arroyo.operators.pipeline import (
     SubmitCommand,
     SubmitPipelineOperator,
@@ -25,7 +26,6 @@ from airflow_arroyo.operators.pipeline import (
     _store,
     _templated,
 )
-from airflow_arroyo.supervision import lineage_of
 from airflow_arroyo.triggers.resubmit import Resubmission
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
     def execute(self, context: Context) -> Any:
         """Airflow: prepare the upgrade (plan, stop, pin, plan), then submit the new code restoring the pinned epoch.
         A retry that finds the run an earlier try started goes straight to the submit operator, which adopts it."""
+        from airflow_arroyo.core.upgrades import UpgradeError, prepare_upgrade
         from airflow_arroyo.runtime.driver import load_pipeline
-        from airflow_arroyo.upgrades import UpgradeError, prepare_upgrade
 
         self._validate()
         _check_options(self.renamed, self.allow_dropped_state, self.rescale)
@@ -213,7 +213,7 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
 
     def _epoch_holds(self, store: EpochStore, names: Sequence[str]) -> bool:
         """Whether the epoch ``latest`` restores has a stage of each name (its name or its registered identity)."""
-        from airflow_arroyo.restores import read_restore_facts
+        from airflow_arroyo.core.restores import read_restore_facts
 
         facts = read_restore_facts(store, self.pipeline_id, "latest", stages=None).facts
         if facts.epoch is None:

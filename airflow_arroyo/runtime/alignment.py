@@ -25,7 +25,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from airflow_arroyo.exceptions import ArroyoError
+from airflow_arroyo.core.exceptions import ArroyoError
 
 __all__ = [
     "AlignmentAction",

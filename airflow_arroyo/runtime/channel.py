@@ -1,6 +1,6 @@
 """Channels: durable, FIFO, rewindable logs of Parquet batches and barriers on a filesystem URI.
 
-A channel is a directory (any :class:`~airflow_arroyo.fs.FileSystem` URI)::
+A channel is a directory (any :class:`~airflow_arroyo.core.fs.FileSystem` URI)::
 
     _channel.json                     header: {"format_version": 2, "schema": <Spark schema JSON> | null}
     _truncated.json                   optional: {"before": P, "writers": {...}} (retention watermark)
@@ -19,7 +19,7 @@ pipeline over records a fence, "generation G starts at position P" (:meth:`Chann
 an entry at or after P written by an older generation is a :attr:`EntryKind.FENCED` entry: it keeps its
 position but carries no rows and is no barrier, so a superseded run that is still alive cannot add
 anything readers see. A writer that knows its token refuses to append once it is fenced
-(:class:`~airflow_arroyo.exceptions.FencedError`).
+(:class:`~airflow_arroyo.core.exceptions.FencedError`).
 
 Concurrency contract: one writer per channel (the graph validator enforces it); any number of readers.
 :meth:`Channel.truncate_from` (restore) needs every reader and writer of the channel stopped;
@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_arroyo.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError, FencedError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ArroyoError, ConcurrencyConflict, ConfigurationError, FencedError
+from airflow_arroyo.core.fs import FileSystem
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

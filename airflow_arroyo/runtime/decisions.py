@@ -1,9 +1,9 @@
 """The driver's decisions, as pure functions over facts it has already read (no Spark, no store, no I/O).
 
-Like :func:`airflow_arroyo.epochs.decide_trigger`, each rule lives here once and is tested by enumerating
+Like :func:`airflow_arroyo.core.epochs.decide_trigger`, each rule lives here once and is tested by enumerating
 facts -> decision (``tests/runtime/test_driver_decisions.py``); :class:`~airflow_arroyo.runtime.driver.
 PipelineDriver` reads the facts, asks, and applies the answer (the restore facts come from
-:mod:`airflow_arroyo.restores`, where ``airflow-arroyo restore`` reads them too):
+:mod:`airflow_arroyo.core.restores`, where ``airflow-arroyo restore`` reads them too):
 
 * :func:`plan_restore` — before anything is written: a fresh start, a start over (``'latest'`` with no
   completed epoch) or the restore of one epoch; or :class:`ConfigurationError` naming the problem and the fix;
@@ -22,8 +22,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError, UnknownEpochError, UnrestorableEpochError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import (
+    ConfigurationError,
+    StateConflictError,
+    UnknownEpochError,
+    UnrestorableEpochError,
+)
 from airflow_arroyo.runtime.state_schema import OperatorState, stage_refusal
 
 __all__ = [
@@ -75,7 +80,7 @@ class EpochFacts:
 
 @dataclass(frozen=True)
 class RestoreFacts:
-    """What a run's restore is decided on (:func:`airflow_arroyo.restores.read_restore_facts`; the driver writes
+    """What a run's restore is decided on (:func:`airflow_arroyo.core.restores.read_restore_facts`; the driver writes
     nothing before the decision).
 
     ``epoch`` is the candidate: for ``'latest'`` the latest completed epoch, for ``N`` epoch ``N``; None when
@@ -91,7 +96,7 @@ class RestoreFacts:
     has_state: bool = False
     location: str = ""
     fork_of: str | None = None  # a fork's first run: the pipeline whose epoch (the fork point) it restores
-    # the oldest commit gate without a pass (airflow_arroyo.gates): (epoch, sink, state); no restore at or after it
+    # the oldest commit gate without a pass (airflow_arroyo.core.gates): (epoch, sink, state); no restore at or after it
     held_by: tuple[int, str, str] | None = None
     # an upgrade (plan_upgrade): the epoch's stages whose state the new code may drop, and old -> new stage names
     allow_dropped_state: tuple[str, ...] = ()

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
     ConfigurationError,
@@ -57,8 +57,8 @@ from airflow_arroyo.exceptions import (
     UnknownPipelineError,
     UnrestorableEpochError,
 )
+from airflow_arroyo.core.restores import read_restore_facts
 from airflow_arroyo.jvm import SocketPathPruner, master_conf
-from airflow_arroyo.restores import read_restore_facts
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     RestoreAction,
@@ -101,7 +101,7 @@ from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingTok
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
 
 __all__ = ["DriverResult", "PipelineDriver", "RestoreFrom", "check_registrable", "dsn_from_environment",
            "load_pipeline", "main"]
@@ -243,7 +243,7 @@ class PipelineDriver:
         self.started = threading.Event()  # set once every query runs (tests wait on it)
         # exactly-once sinks (files, PostgreSQL): pre-committed by their stage, committed here when an epoch completes
         self.sinks: dict[str, TransactionalSink] = self._transactional_sinks()
-        self.gates = self._gatekeeper()  # gated sinks: their output waits for verdicts (airflow_arroyo.gates)
+        self.gates = self._gatekeeper()  # gated sinks: their output waits for verdicts (airflow_arroyo.core.gates)
         self._sinks_committed = 0  # the last epoch whose sink batches are committed
         self.token: FencingToken | None = None  # this run's fencing token, taken right after registering
         # Test seam: called with the name of each step of a start (see _restore) before the next begins; a

@@ -1,9 +1,9 @@
-"""The driver's side of commit gates (:mod:`airflow_arroyo.gates`): hold a gated sink's output when an epoch
+"""The driver's side of commit gates (:mod:`airflow_arroyo.core.gates`): hold a gated sink's output when an epoch
 completes, and act on the verdicts in epoch order.
 
 The driver hands every completed epoch's sink cuts to :meth:`GateKeeper.hold` instead of committing a gated sink,
 and calls :meth:`GateKeeper.advance` every turn; at most every :attr:`GateKeeper.poll_interval` seconds it reads
-the pipeline's open gates and carries out :func:`~airflow_arroyo.gates.plan_gates`. Gates are named by the sink
+the pipeline's open gates and carries out :func:`~airflow_arroyo.core.gates.plan_gates`. Gates are named by the sink
 as the user declared it (the last stage of a fused query), whatever query runs it.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from airflow_arroyo.gates import Gate, GateAction, GatePolicy, GateRecord, GateState, plan_gates
+from airflow_arroyo.core.gates import Gate, GateAction, GatePolicy, GateRecord, GateState, plan_gates
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 
 if TYPE_CHECKING:

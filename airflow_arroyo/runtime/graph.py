@@ -1,6 +1,6 @@
 """A pipeline's graph as the driver runs it: stage specs, the channels joining them, and the checks
 :meth:`~airflow_arroyo.runtime.pipeline.Pipeline.validate` runs before Spark starts (raising
-:class:`~airflow_arroyo.exceptions.PipelineGraphError` naming the stage and the fix).
+:class:`~airflow_arroyo.core.exceptions.PipelineGraphError` naming the stage and the fix).
 
 Built by :class:`~airflow_arroyo.runtime.pipeline.Pipeline`; read by the physical plan
 (:mod:`~airflow_arroyo.runtime.plan`), the driver and the stages. Imports neither of the first two.
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
-from airflow_arroyo.gates import Gate
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.core.gates import Gate
 from airflow_arroyo.runtime.sinks.delta import DeltaTarget
 from airflow_arroyo.runtime.sinks.files import FILE_SINK_FORMATS
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
@@ -80,7 +80,7 @@ class StageSpec:
     table: DeltaTarget | None = None  # sinks: an exactly-once Delta Lake table
     spark_conf: Mapping[str, str] = field(default_factory=dict)  # SQL confs set for this stage's query only
     chain: bool = True  # False: keep a channel before this stage even where it could fuse (runtime/plan.py)
-    gate: Gate | None = None  # sinks: each epoch's output waits for a verdict before it commits (airflow_arroyo.gates)
+    gate: Gate | None = None  # sinks: each epoch's output waits for a verdict before it commits (core/gates.py)
     uid: str | None = None  # the stage's identity across code versions (None: its name); see plan_upgrade
 
     @property

@@ -4,7 +4,7 @@
 Two roots, which may be the same URI (the default) or differ:
 
 * the **storage URI** (channels, caps, snapshots): read and written with pyarrow / fsspec only, from
-  the driver and the executors, so it may be any :class:`~airflow_arroyo.fs.FileSystem` URI
+  the driver and the executors, so it may be any :class:`~airflow_arroyo.core.fs.FileSystem` URI
   (local, ``s3://``, ``gs://``, ``hdfs://``...);
 * the **checkpoint URI** (Spark's own streaming checkpoints): written by Spark through a Hadoop
   filesystem and read by this package with pyarrow (snapshots copy from it, restores write into it),
@@ -40,8 +40,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.fs import FileSystem
 
 __all__ = [
     "CHECKPOINT_DIR",

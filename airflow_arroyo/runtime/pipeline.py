@@ -28,7 +28,7 @@ A loop needs an **iteration head**: the stage that closes it lists the loop's la
 ``feedback=[...]`` instead of ``inputs`` (FLIP-16); the head does not align on its feedback inputs.
 
 :meth:`Pipeline.validate` (called by the driver before Spark starts) raises
-:class:`~airflow_arroyo.exceptions.PipelineGraphError` naming the stage and the fix for: an unknown
+:class:`~airflow_arroyo.core.exceptions.PipelineGraphError` naming the stage and the fix for: an unknown
 channel, a stage without input, a loop without an iteration head, two writers on one channel, a
 duplicate or unusable stage name, a feedback edge that closes no loop.
 """
@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from airflow_arroyo.epochs import validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
-from airflow_arroyo.gates import Gate
+from airflow_arroyo.core.epochs import validate_pipeline_id
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.core.gates import Gate
 from airflow_arroyo.runtime.graph import (
     OUTPUT_MODES,
     STATE_STORES,
@@ -190,7 +190,7 @@ class Pipeline:
         ``foreach_batch`` and other formats are
         at-least-once across a restore: a re-run batch id may carry other rows (see docs/runtime.md).
         ``chain=False`` keeps a channel before the sink when the pipeline chains. ``gate=Gate(...)`` (a file or
-        PostgreSQL sink) holds each epoch's output until a verdict passes it (:mod:`airflow_arroyo.gates`).
+        PostgreSQL sink) holds each epoch's output until a verdict passes it (:mod:`airflow_arroyo.core.gates`).
         """
         spec = StageSpec(
             name=name, kind=StageKind.SINK, fn=transform, inputs=_names(inputs, stage=name, what="inputs"),

@@ -28,8 +28,8 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.fs import FileSystem
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -26,13 +26,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.spark_checkpoint import latest_commit, offsets_path
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
 
 __all__ = ["ROCKSDB_PROVIDER", "CheckpointPartitions", "checkpoint_partitions", "rescale_checkpoint"]
 

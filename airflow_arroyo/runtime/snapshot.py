@@ -26,9 +26,9 @@ Before a snapshot is recorded, and again before a restore copies anything, its f
 Spark's rules for a checkpoint it restarts from
 (:func:`~airflow_arroyo.runtime.spark_checkpoint.check_restorable`): an epoch whose checkpoint Spark would
 refuse never completes, and one recorded before the check is refused by
-:class:`~airflow_arroyo.exceptions.UnrestorableEpochError` before anything changed.
+:class:`~airflow_arroyo.core.exceptions.UnrestorableEpochError` before anything changed.
 Restore rebuilds a checkpoint folder from an epoch's entries into a fresh folder, verifying every
-object's size and hash (:class:`~airflow_arroyo.exceptions.SnapshotError` names the epoch and the
+object's size and hash (:class:`~airflow_arroyo.core.exceptions.SnapshotError` names the epoch and the
 file; nothing is deleted), and only then points the stage at it by rewriting its checkpoint pointer
 (:meth:`~airflow_arroyo.runtime.layout.StorageLayout.switch_checkpoint`): no folder is renamed, so
 restore works the same on local disks, HDFS and object stores.
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from airflow_arroyo.exceptions import ConfigurationError, SnapshotError, UnrestorableEpochError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError, SnapshotError, UnrestorableEpochError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.layout import StorageLayout, epoch_object_key, object_digest, object_key, object_path
 from airflow_arroyo.runtime.spark_checkpoint import (
     check_restorable,
@@ -325,7 +325,7 @@ class SnapshotStore:
                 snapshot_stage: str | None = None) -> PreparedRestore:
         """Rebuild ``stage``'s checkpoint of ``epoch`` into ``folder`` (a new folder, relative to the checkpoint
         root), verifying every object; the objects are only read. :meth:`prepare_restore` rebuilds beside the live
-        checkpoint; a state read (:mod:`airflow_arroyo.state`) into a scratch folder of its own."""
+        checkpoint; a state read (:mod:`airflow_arroyo.core.state`) into a scratch folder of its own."""
         storage, owner = source if source is not None else (self.fs, self.pipeline_id)
         entries = self.store.snapshot_entries(owner, epoch, snapshot_stage or stage)
         problems = check_restorable(e.rel_path for e in entries)

@@ -38,8 +38,8 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel, ChannelError, Entry, iter_data_file
 
 if TYPE_CHECKING:

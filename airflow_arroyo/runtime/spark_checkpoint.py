@@ -26,8 +26,8 @@ import zipfile
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import SnapshotError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import SnapshotError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.jvm import find_class
 from airflow_arroyo.runtime.channel import ChannelError
 

@@ -35,7 +35,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError, SnapshotError, UnknownEpochError
+from airflow_arroyo.core.exceptions import (
+    ArroyoError,
+    ConfigurationError,
+    FencedError,
+    SnapshotError,
+    UnknownEpochError,
+)
 from airflow_arroyo.runtime.alignment import (
     AlignmentAction,
     AlignmentDecision,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.fs import FileSystem
 
 __all__ = ["OperatorState", "new_operator_states", "own_operator_states", "parse_operator_states",
            "read_operator_states", "schema_refusal", "stage_refusal"]

@@ -22,9 +22,9 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from airflow_arroyo import config
 from airflow_arroyo.config import default_deferrable
-from airflow_arroyo.epochs import validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
-from airflow_arroyo.gates import GateState
+from airflow_arroyo.core.epochs import validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.gates import GateState
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, ArroyoPipelineLink
 from airflow_arroyo.triggers.gates import PendingGateTrigger, first_pending, gate_payload
 from airflow_arroyo.triggers.settle import settle_deadline

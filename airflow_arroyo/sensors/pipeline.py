@@ -6,7 +6,7 @@ then :class:`~airflow_arroyo.triggers.pipeline.PipelineStateTrigger` waits in th
 holding a worker slot. With ``deferrable=False`` it pokes like any sensor (``poke_interval``).
 
 * A pipeline that **fails** fails the sensor at once with the driver's cause
-  (:class:`~airflow_arroyo.exceptions.PipelineFailedError`; ``soft_fail`` does not hide it).
+  (:class:`~airflow_arroyo.core.exceptions.PipelineFailedError`; ``soft_fail`` does not hide it).
 * A pipeline that ends without reaching the target (stopped before epoch N), or whose driver stopped
   heartbeating, fails it too, saying so.
 * Running out of time is an ordinary sensor timeout (``AirflowSensorTimeout``; skipped with
@@ -32,8 +32,8 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from airflow_arroyo import config
 from airflow_arroyo.config import default_deferrable
-from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError, UnknownPipelineError
+from airflow_arroyo.core.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, PipelineFailedError, UnknownPipelineError
 from airflow_arroyo.links.pipeline import XCOM_PIPELINE_ID, ArroyoPipelineLink
 from airflow_arroyo.triggers.pipeline import (
     PipelineStateTrigger,

@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from airflow_arroyo.epochs import CheckpointPolicy
+from airflow_arroyo.core.epochs import CheckpointPolicy
 from airflow_arroyo.store._coalesce import TickCoalescer
 from airflow_arroyo.store._listen import EpochListener, Subscription
 from airflow_arroyo.store._sync import EpochStore

@@ -25,8 +25,8 @@ from typing import Any
 
 import psycopg2
 
-from airflow_arroyo.epochs import EpochState, TriggerAction
-from airflow_arroyo.exceptions import ArroyoError
+from airflow_arroyo.core.epochs import EpochState, TriggerAction
+from airflow_arroyo.core.exceptions import ArroyoError
 from airflow_arroyo.store._db import dict_rows
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import EpochRecord, TickReport, TickRequest, TickResult, epoch_columns, from_row

@@ -39,7 +39,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from airflow_arroyo.exceptions import ArroyoError, StoreError, TransientStoreError
+from airflow_arroyo.core.exceptions import ArroyoError, StoreError, TransientStoreError
 from airflow_arroyo.store._batch import tick_batch
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import TickRequest, TickResult

@@ -22,7 +22,7 @@ from psycopg2.extensions import connection as PgConnection
 from psycopg2.extensions import cursor as PgRawCursor
 from psycopg2.extras import RealDictCursor as PgCursor
 
-from airflow_arroyo.exceptions import ConfigurationError, StoreError
+from airflow_arroyo.core.exceptions import ConfigurationError, StoreError
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store._retry import call_with_retry
 

@@ -4,7 +4,7 @@ Each applied migration is recorded with the SHA-256 of its text. Before applying
 :func:`check_schema`, which every process that only uses the store may call at start), the recorded
 migrations are compared with the shipped ones: a database with a migration this code does not ship
 (written by a newer airflow-arroyo) or with a migration whose text differs from the shipped one (an
-edited migration, a fork) is refused with :class:`~airflow_arroyo.exceptions.SchemaError`, before
+edited migration, a fork) is refused with :class:`~airflow_arroyo.core.exceptions.SchemaError`, before
 anything is written. Rows recorded before checksums existed get theirs on the next migrate.
 """
 
@@ -18,7 +18,7 @@ from importlib import resources
 from psycopg2.extensions import connection as PgConnection
 from psycopg2.extensions import cursor as PgRawCursor
 
-from airflow_arroyo.exceptions import SchemaError, SchemaMissingError
+from airflow_arroyo.core.exceptions import SchemaError, SchemaMissingError
 
 log = logging.getLogger(__name__)
 

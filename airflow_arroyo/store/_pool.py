@@ -17,7 +17,7 @@ import psycopg2
 from psycopg2.extensions import TRANSACTION_STATUS_IDLE
 from psycopg2.extensions import connection as PgConnection
 
-from airflow_arroyo.exceptions import StoreError
+from airflow_arroyo.core.exceptions import StoreError
 
 __all__ = ["ConnectionPool"]
 

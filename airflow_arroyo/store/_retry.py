@@ -20,7 +20,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from airflow_arroyo.exceptions import StoreError, TransientStoreError
+from airflow_arroyo.core.exceptions import StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
 

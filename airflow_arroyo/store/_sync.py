@@ -37,7 +37,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from psycopg2.extensions import connection as PgConnection
 
-from airflow_arroyo.epochs import TriggerDecision
+from airflow_arroyo.core.epochs import TriggerDecision
 from airflow_arroyo.store._db import Database, OnDatabase, PgCursor, redact_dsn
 from airflow_arroyo.store._pool import ConnectionPool
 from airflow_arroyo.store.cleanup import Cleanup

@@ -1,8 +1,8 @@
 """Every state write of the epoch store, built from the transition tables: life cycles in one place.
 
 A state change is one guarded UPDATE: ``SET state = <target>`` on the rows the caller names, and only
-on those whose state is one that :data:`~airflow_arroyo.epochs.EPOCH_TRANSITIONS` or
-:data:`~airflow_arroyo.epochs.PIPELINE_TRANSITIONS` allows to reach the target. The guard is in the
+on those whose state is one that :data:`~airflow_arroyo.core.epochs.EPOCH_TRANSITIONS` or
+:data:`~airflow_arroyo.core.epochs.PIPELINE_TRANSITIONS` allows to reach the target. The guard is in the
 statement, so the database applies it to the row as it is when the write runs, whatever the caller
 read before; a row in any other state is left alone and is simply not returned. The caller decides
 what a refusal means (an error, or "it already ended": a no-op).
@@ -19,7 +19,7 @@ from typing import Any
 
 from psycopg2.extras import RealDictCursor as PgCursor
 
-from airflow_arroyo.epochs import EpochState, PipelineState, epoch_states_from, pipeline_states_from
+from airflow_arroyo.core.epochs import EpochState, PipelineState, epoch_states_from, pipeline_states_from
 
 __all__ = ["transition"]
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import CleanupLockHeld, ConfigurationError, LockLostError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import CleanupLockHeld, ConfigurationError, LockLostError
 from airflow_arroyo.store._db import Concern, PgCursor, one, positive_seconds
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.pipelines import lock_pipeline

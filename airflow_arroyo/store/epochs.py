@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from airflow_arroyo.epochs import EPOCH_TRANSITIONS, EpochState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError
+from airflow_arroyo.core.epochs import EPOCH_TRANSITIONS, EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownEpochError
 from airflow_arroyo.store._db import Concern, PgCursor, one
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.pipelines import check_token, lock_pipeline, read_pipeline

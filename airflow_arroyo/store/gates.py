@@ -1,5 +1,5 @@
 """Commit gates (``arroyo_gates``, migration 0014): an epoch's gated sink output and its verdict
-(:mod:`airflow_arroyo.gates` for the rules)."""
+(:mod:`airflow_arroyo.core.gates` for the rules)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 from psycopg2.extras import Json
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import NotFoundError, StateConflictError
-from airflow_arroyo.gates import (
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import NotFoundError, StateConflictError
+from airflow_arroyo.core.gates import (
     BLOCKING_GATE_STATES,
     GATE_TRANSITIONS,
     OPEN_GATE_STATES,

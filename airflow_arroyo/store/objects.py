@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import psycopg2.extras
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, UnknownEpochError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, ConfigurationError, UnknownEpochError
 from airflow_arroyo.store._db import Concern, PgCursor
 from airflow_arroyo.store.pipelines import check_token, read_pipeline
 from airflow_arroyo.store.records import FencingToken, ObjectRecord, SnapshotEntry

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
-from airflow_arroyo.epochs import EpochState, PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, StateConflictError, UnknownEpochError
+from airflow_arroyo.core.epochs import EpochState, PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    StateConflictError,
+    UnknownEpochError,
+)
 from airflow_arroyo.store._db import Concern, Database, PgCursor, one
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store.epochs import Epochs

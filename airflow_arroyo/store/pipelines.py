@@ -12,8 +12,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow_arroyo.epochs import EpochState, PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import EpochState, PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import (
     ConcurrencyConflict,
     ConfigurationError,
     FencedError,
@@ -21,10 +21,10 @@ from airflow_arroyo.exceptions import (
     StateConflictError,
     UnknownPipelineError,
 )
+from airflow_arroyo.core.supervision import is_run_of
 from airflow_arroyo.store._db import Concern, PgCursor, one, positive_seconds
 from airflow_arroyo.store._transitions import transition
 from airflow_arroyo.store.records import FencingToken, PipelineRecord, from_row
-from airflow_arroyo.supervision import is_run_of
 
 __all__ = ["Pipelines", "check_token", "fail_in_flight", "lock_pipeline", "read_pipeline"]
 
@@ -354,7 +354,7 @@ class Pipelines(Concern):
         return self._db.tx(tx)
 
 
-_OPEN_GATES = ["failed", "passed", "pending", "timed_out"]  # airflow_arroyo.gates.OPEN_GATE_STATES
+_OPEN_GATES = ["failed", "passed", "pending", "timed_out"]  # airflow_arroyo.core.gates.OPEN_GATE_STATES
 
 
 def _settle_gates_on_restore(cur: PgCursor, pipeline_id: str, epoch: int) -> None:

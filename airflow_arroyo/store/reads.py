@@ -35,9 +35,10 @@ from typing import Any, TypeVar
 
 from psycopg2.extras import RealDictCursor as PgCursor
 
-from airflow_arroyo.epochs import EpochState, consecutive_failures, validate_pipeline_id
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
-from airflow_arroyo.gates import OPEN_GATE_STATES, GateRecord
+from airflow_arroyo.core.epochs import EpochState, consecutive_failures, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.gates import OPEN_GATE_STATES, GateRecord
+from airflow_arroyo.core.summary import CheckpointSummary
 from airflow_arroyo.store._db import Database, OnDatabase, redact_dsn
 from airflow_arroyo.store.epochs import Epochs
 from airflow_arroyo.store.objects import Objects
@@ -56,7 +57,6 @@ from airflow_arroyo.store.records import (
 )
 from airflow_arroyo.store.shadows import ShadowRecord, Shadows
 from airflow_arroyo.store.sink_commits import SinkCommits
-from airflow_arroyo.summary import CheckpointSummary
 
 __all__ = [
     "MAX_PAGE_SIZE",
@@ -143,7 +143,7 @@ SQL_EPOCH = (
     f"SELECT {_EPOCH_COLS} FROM arroyo_epochs e"  # noqa: S608 - constant columns
     " WHERE e.pipeline_id = %(p)s AND e.epoch = %(epoch)s"
 )
-#: Flink's checkpoint summary: counts, and p50/p99 (nearest rank, as airflow_arroyo.summary.percentile)
+#: Flink's checkpoint summary: counts, and p50/p99 (nearest rank, as airflow_arroyo.core.summary.percentile)
 #: of the duration and size of every successful checkpoint. Counted by outcome, which pruning keeps: a
 #: pruned epoch still completed, failed or expired.
 SQL_SUMMARY = (
@@ -309,7 +309,7 @@ def _page_size(limit: int) -> int:
 class RecordReads:
     """The store's own record reads (the same queries as :class:`~airflow_arroyo.store.EpochStore`'s) over a
     reader's read-only database: what the Airflow-free use cases that take a store read through, for the UI
-    (:mod:`airflow_arroyo.provenance`). Each read is its own transaction; a write cannot happen (the connections
+    (:mod:`airflow_arroyo.core.provenance`). Each read is its own transaction; a write cannot happen (the connections
     refuse it), and none is offered."""
 
     def __init__(self, db: Database) -> None:
@@ -459,7 +459,7 @@ class StoreReader(OnDatabase):
         return self._read(read)
 
     def overview(self, pipeline_id: str) -> PipelineOverview:
-        """One pipeline's overview (:class:`~airflow_arroyo.exceptions.UnknownPipelineError` if none)."""
+        """One pipeline's overview (:class:`~airflow_arroyo.core.exceptions.UnknownPipelineError` if none)."""
         validate_pipeline_id(pipeline_id)
 
         def read(cur: PgCursor) -> PipelineOverview:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerDecision
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerDecision
 
 __all__ = [
     "EPOCH_COLUMNS",
@@ -85,7 +85,7 @@ class PipelineRecord:
     forked_from_epoch: int | None = None
     forked_at: datetime | None = None
     # supervision (migration 0011): what the supervisor of the lineage does, the lineage (first run id),
-    # and the restart strategy as configured; see airflow_arroyo.supervision
+    # and the restart strategy as configured; see airflow_arroyo.core.supervision
     supervision: str | None = None
     supervised_run: str | None = None
     supervised_since: datetime | None = None

@@ -1,6 +1,6 @@
 """Shadow runs (``arroyo_shadows``, migration 0015): which pipeline is a shadow of which live one, the new code it
 runs, where its sinks write instead of the live ones, and whether it is active, promoted or discarded. The use
-cases are in :mod:`airflow_arroyo.shadow`."""
+cases are in :mod:`airflow_arroyo.core.shadow`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from airflow_arroyo.exceptions import NotFoundError, StateConflictError, UnknownPipelineError
+from airflow_arroyo.core.exceptions import NotFoundError, StateConflictError, UnknownPipelineError
 from airflow_arroyo.store._db import Concern, PgCursor, one
 from airflow_arroyo.store.records import from_row
 

@@ -1,5 +1,5 @@
 """Supervision: the failures and restarts of a supervised lineage (``arroyo_restarts``) and the pipeline's
-supervision state, decided by :mod:`airflow_arroyo.supervision` inside the transaction that records a failure."""
+supervision state, decided by :mod:`airflow_arroyo.core.supervision` inside the transaction that records a failure."""
 
 from __future__ import annotations
 
@@ -8,11 +8,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError, StateConflictError
-from airflow_arroyo.store._db import Concern, PgCursor, one
-from airflow_arroyo.store.pipelines import lock_pipeline
-from airflow_arroyo.store.records import PipelineRecord, RestartRecord, from_row
-from airflow_arroyo.supervision import (
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, ConfigurationError, StateConflictError
+from airflow_arroyo.core.supervision import (
     PastFailure,
     RestartDecision,
     SupervisionState,
@@ -22,6 +19,9 @@ from airflow_arroyo.supervision import (
     restart_run_id,
     unrestorable_latest,
 )
+from airflow_arroyo.store._db import Concern, PgCursor, one
+from airflow_arroyo.store.pipelines import lock_pipeline
+from airflow_arroyo.store.records import PipelineRecord, RestartRecord, from_row
 
 __all__ = ["Supervision"]
 

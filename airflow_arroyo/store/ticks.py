@@ -1,4 +1,4 @@
-"""The checkpoint controller's ticks: each pipeline's decision (:func:`~airflow_arroyo.epochs.decide_trigger`)
+"""The checkpoint controller's ticks: each pipeline's decision (:func:`~airflow_arroyo.core.epochs.decide_trigger`)
 read and applied under its row lock, many pipelines in one transaction (a triggerer's due ticks, coalesced).
 
 The batch runs the same few statements every tick, prepared once per connection
@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg2.extensions import cursor as PgRawCursor
 
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     CheckpointPolicy,
     CleanupLease,
     EpochState,
@@ -24,7 +24,7 @@ from airflow_arroyo.epochs import (
     consecutive_failures,
     decide_trigger,
 )
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConfigurationError,
     StoreError,

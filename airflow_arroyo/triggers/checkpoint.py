@@ -2,7 +2,7 @@
 
 While the pipeline runs, :class:`CheckpointTrigger` ticks: each tick is one call of
 :meth:`~airflow_arroyo.store.EpochStore.trigger_tick`, which reads the facts and applies the pure
-decision of :func:`~airflow_arroyo.epochs.decide_trigger` in one transaction under the pipeline's
+decision of :func:`~airflow_arroyo.core.epochs.decide_trigger` in one transaction under the pipeline's
 row lock (start epoch n+1, expire a timed-out epoch, or wait). So every rule lives in the model and
 the database, not here: one epoch in flight at most (a partial unique index makes a second one
 impossible even for a second copy of this trigger in another triggerer), none while the cleanup
@@ -41,7 +41,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_arroyo import config
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     CheckpointPolicy,
     EpochState,
     PipelineState,
@@ -49,17 +49,17 @@ from airflow_arroyo.epochs import (
     due_after_start,
     validate_pipeline_id,
 )
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConfigurationError,
     TransientStoreError,
     UnknownPipelineError,
 )
+from airflow_arroyo.core.supervision import in_lineage, restart_pending
+from airflow_arroyo.core.units import bytes_human
 from airflow_arroyo.metrics import EpochMetrics, slowest_alignment
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, PipelineRecord, Subscription, TickResult
-from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
-from airflow_arroyo.units import bytes_human
 
 if TYPE_CHECKING:
     from airflow_arroyo.lineage import EpochLineage
@@ -177,7 +177,7 @@ class CheckpointTrigger(BaseTrigger):
     :param pipeline_id: the pipeline whose epochs to fire.
     :param conn_id: an ``arroyo`` or ``postgres`` connection to the epoch store.
     :param interval: the checkpoint interval in seconds: one epoch per interval, on a fixed-rate schedule
-        (``airflow_arroyo.epochs.next_start_at``).
+        (``airflow_arroyo.core.epochs.next_start_at``).
     :param timeout: seconds after which an epoch still in flight expires (default: ten intervals,
         at least 60 s); at least ``interval``.
     :param min_pause: seconds between the end of an epoch and the start of the next.

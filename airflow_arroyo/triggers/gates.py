@@ -1,4 +1,4 @@
-"""Triggers of commit gates (:mod:`airflow_arroyo.gates`): a gate of a sink waits for a verdict.
+"""Triggers of commit gates (:mod:`airflow_arroyo.core.gates`): a gate of a sink waits for a verdict.
 
 * :class:`GateOpenedTrigger`: the event trigger of :func:`airflow_arroyo.assets.gate_asset`'s ``AssetWatcher``;
   one event per gate the driver opens ("epoch N pending for sink S"), so a DAG scheduled on the Asset runs its
@@ -19,9 +19,9 @@ from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
-from airflow_arroyo.epochs import validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
-from airflow_arroyo.gates import GateRecord, GateState
+from airflow_arroyo.core.epochs import validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.gates import GateRecord, GateState
 from airflow_arroyo.store import AsyncEpochStore
 from airflow_arroyo.triggers.asset_cursor import AssetCursor
 from airflow_arroyo.triggers.settle import hold_until

@@ -45,12 +45,12 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
-from airflow_arroyo.processes import LocalProcess
+from airflow_arroyo.core.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.supervision import in_lineage, restart_pending
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, PipelineRecord
 from airflow_arroyo.submit.deploy import ClusterApplication
-from airflow_arroyo.supervision import in_lineage, restart_pending
 from airflow_arroyo.triggers.settle import hold_until
 
 __all__ = [
@@ -136,7 +136,7 @@ def evaluate_wait(
     * ``pipeline``: the pipeline's record, or None if it is not registered (yet).
     * ``run_id``: only this run (or a supervisor's restart of it) counts; until it registers (another
       run's record) we wait. A supervised run that failed or went silent is waited for while its
-      supervisor restarts it (:func:`~airflow_arroyo.supervision.restart_pending`).
+      supervisor restarts it (:func:`~airflow_arroyo.core.supervision.restart_pending`).
     * ``epoch``: wait until an epoch numbered ``epoch`` **or later** has completed (a checkpoint at
       least that recent exists; an expired epoch N followed by a completed N+1 satisfies it).
     * ``heartbeat_age``/``heartbeat_timeout``: a live (registered/running/stopping) pipeline whose

@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ArroyoError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ArroyoError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.operators.driver_log import start_writer
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.submit.deploy import ClusterApplication
 from airflow_arroyo.triggers.pipeline import stop_run

@@ -27,7 +27,7 @@ each restart it submits). No worker slot is held meanwhile. It looks at the epoc
 * ``error``: the epoch store failed beyond its retries, or was unreachable for longer than
   ``heartbeat_timeout``.
 
-The decision itself is :func:`airflow_arroyo.supervision.decide_restart`'s, taken inside the store's
+The decision itself is :func:`airflow_arroyo.core.supervision.decide_restart`'s, taken inside the store's
 transaction that records the failure (:meth:`~airflow_arroyo.store.EpochStore.record_failure`), so two
 triggerers running this trigger, or one restarted during a backoff, record one failure once and wait
 out the same delay.
@@ -44,17 +44,16 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_arroyo.epochs import PipelineState, validate_pipeline_id
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import PipelineState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
     ConfigurationError,
     TransientStoreError,
     UnknownPipelineError,
 )
-from airflow_arroyo.processes import LocalProcess
-from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
-from airflow_arroyo.supervision import (
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.supervision import (
     PastFailure,
     RestartDecision,
     SupervisionState,
@@ -63,6 +62,7 @@ from airflow_arroyo.supervision import (
     parse_strategy,
     restart_run_id,
 )
+from airflow_arroyo.store import AsyncEpochStore, PipelineRecord, RestartRecord
 from airflow_arroyo.triggers.pipeline import WatchesSubmission, log_tail, open_async_store
 from airflow_arroyo.triggers.resubmit import Resubmission, end_failed_run, launch, log_path_of, restart_attempt
 from airflow_arroyo.triggers.settle import hold_until
@@ -79,7 +79,7 @@ class PipelineSupervisorTrigger(WatchesSubmission, BaseTrigger):
     :param pipeline_id: the pipeline.
     :param lineage: the first run id of the supervised chain of runs.
     :param run_id: the run watched now (the lineage itself, or its latest restart).
-    :param strategy: the restart strategy's dict (:func:`~airflow_arroyo.supervision.parse_strategy`).
+    :param strategy: the restart strategy's dict (:func:`~airflow_arroyo.core.supervision.parse_strategy`).
     :param conn_id: Airflow connection of the epoch store.
     :param poll_interval: seconds between two looks at the store.
     :param heartbeat_timeout: a live run silent for this many seconds has failed.

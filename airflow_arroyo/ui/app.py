@@ -18,11 +18,11 @@ JSON API (same data): ``/api/pipelines``, ``/api/pipelines/{id}``, ``/api/pipeli
 ``/api/pipelines/{id}/epochs/{n}``, ``/api/pipelines/{id}/retention``, ``/api/pipelines/{id}/epochs/{n}/provenance``,
 ``/api/pipelines/{id}/provenance``.
 
-Provenance is read by :mod:`airflow_arroyo.provenance` (the CLI's code) through the reader's read-only connections
+Provenance is read by :mod:`airflow_arroyo.core.provenance` (the CLI's code) through the reader's read-only connections
 (:attr:`StoreReader.records`), and from the pipeline's snapshot objects in its storage: the api-server needs read
 access to that storage (the same credentials as the driver's, e.g. S3's in its environment).
 
-The one write: a person's verdict on a commit gate (:func:`airflow_arroyo.gates.record_verdict`), as JSON
+The one write: a person's verdict on a commit gate (:func:`airflow_arroyo.core.gates.record_verdict`), as JSON
 (``POST /api/pipelines/{id}/gates/{sink}/{epoch}/verdict``) or from the pipeline page's Approve and Reject
 buttons (an HTML form posting to the same path without ``/api``). It needs more than reading: Airflow's own
 permission to answer a human-in-the-loop task (``requires_access_dag("PUT", DagAccessEntity.HITL_DETAIL)``), and
@@ -57,8 +57,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from airflow_arroyo.epochs import EpochState, validate_pipeline_id
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import EpochState, validate_pipeline_id
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConfigurationError,
     NotFoundError,
@@ -67,11 +67,11 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
-from airflow_arroyo.gates import GATE_TRANSITIONS, GateRecord, GateState, record_verdict
-from airflow_arroyo.provenance import EpochProvenance, epoch_of_file, epoch_of_table_version, epoch_provenance
+from airflow_arroyo.core.gates import GATE_TRANSITIONS, GateRecord, GateState, record_verdict
+from airflow_arroyo.core.provenance import EpochProvenance, epoch_of_file, epoch_of_table_version, epoch_provenance
+from airflow_arroyo.core.supervision import restart_due, strategy_text
 from airflow_arroyo.store.reads import EpochDetail, PipelineOverview, StoreReader
 from airflow_arroyo.store.records import EpochRecord, SinkCommitRecord
-from airflow_arroyo.supervision import restart_due, strategy_text
 from airflow_arroyo.ui import charts, format
 from airflow_arroyo.ui.health import Finding, HealthThresholds, assess, worst
 from airflow_arroyo.ui.plan_view import plan_view
@@ -558,7 +558,7 @@ def _which_epoch(ui: _Ui, pipeline_id: str, file: str | None, sink: str | None,
 
 def _shadows(ui: _Ui, pid: str) -> list[dict[str, Any]]:
     """The shadow runs of ``pid``, each with its comparison (or why there is none), read-only."""
-    from airflow_arroyo.shadow import compare_shadow
+    from airflow_arroyo.core.shadow import compare_shadow
 
     records = ui.queries().records
     out: list[dict[str, Any]] = []

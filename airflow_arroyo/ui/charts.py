@@ -18,7 +18,7 @@ from datetime import datetime
 
 from markupsafe import Markup, escape
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.store.records import EpochRecord
 from airflow_arroyo.ui.format import bytes_human, duration_human
 from airflow_arroyo.ui.timeline import StageStatus, StageTiming

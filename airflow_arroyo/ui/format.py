@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from airflow_arroyo.units import bytes_human, duration_human
+from airflow_arroyo.core.units import bytes_human, duration_human
 
 __all__ = ["age", "bytes_human", "duration_human", "epoch_ranges", "offsets", "policy_text", "timestamp"]
 

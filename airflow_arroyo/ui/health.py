@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
 from airflow_arroyo.store.reads import PipelineOverview
 from airflow_arroyo.ui.format import duration_human, timestamp
 

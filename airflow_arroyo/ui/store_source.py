@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.store import EpochStore, redact_dsn
 from airflow_arroyo.store.reads import StoreReader
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.store.reads import EpochDetail
 
 __all__ = ["StageStatus", "StageTiming", "stage_timings"]

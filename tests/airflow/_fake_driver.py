@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.store import EpochStore
 
 STAGES = ["source", "sink"]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from airflow_arroyo.processes import LocalProcess
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 
 CONN = "arroyo_test"

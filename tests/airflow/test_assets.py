@@ -25,8 +25,8 @@ from airflow_arroyo.assets import (
     epochs_asset,
     sink_asset,
 )
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
 from airflow_arroyo.triggers.asset_cursor import CURSOR_KEY
 
@@ -48,7 +48,7 @@ def commit(store: EpochStore, epoch: int, sink: str = "out", rows: int | None = 
 
 
 def complete_epoch(store: EpochStore) -> int:
-    from airflow_arroyo.epochs import CheckpointPolicy
+    from airflow_arroyo.core.epochs import CheckpointPolicy
 
     tick = store.trigger_tick(PID, CheckpointPolicy(interval=1.0), force=True)
     assert tick.started is not None

@@ -14,8 +14,8 @@ import pytest
 import structlog
 from airflow.sdk.exceptions import AirflowException, TaskDeferred
 
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.operators.checkpoint import ArroyoCheckpointsLink, CheckpointOperator
 from airflow_arroyo.store import EpochStore

@@ -21,9 +21,9 @@ import psycopg2
 import pytest
 import structlog
 
-from airflow_arroyo import epochs as epochs_module
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction, schedule_point_after
-from airflow_arroyo.exceptions import ConfigurationError, TransientStoreError
+from airflow_arroyo.core import epochs as epochs_module
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, TriggerAction, schedule_point_after
+from airflow_arroyo.core.exceptions import ConfigurationError, TransientStoreError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, TickResult
 from airflow_arroyo.triggers import checkpoint as trigger_module
@@ -465,7 +465,7 @@ async def test_a_restart_whose_run_never_registers_ends_the_wait_once_the_strate
     """Issue 30, finding 6: the worker that was to restart the failed run died before the restart registered.
     The supervision said `restarting` for good and this trigger waited for the restart for ever; past the
     registration bound the restart is declared failed, and its strategy, out of attempts, gives up."""
-    from airflow_arroyo.supervision import FixedDelay, RestartDecision, restart_pending
+    from airflow_arroyo.core.supervision import FixedDelay, RestartDecision, restart_pending
 
     running.supervise(PID, "run-1", FixedDelay(attempts=1, delay=0.0).to_dict())
     running.set_pipeline_state(PID, PipelineState.FAILED, run_id="run-1", failure_cause="executor lost")

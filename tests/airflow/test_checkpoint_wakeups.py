@@ -21,9 +21,9 @@ from typing import Any
 import psycopg2
 import pytest
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState, TriggerAction
+from airflow_arroyo.core.exceptions import StoreError
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction
-from airflow_arroyo.exceptions import StoreError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, EpochWatch, TickResult
 from airflow_arroyo.store._coalesce import TickCoalescer
 from airflow_arroyo.triggers import checkpoint as trigger_module

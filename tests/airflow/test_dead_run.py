@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
-from airflow_arroyo.processes import LocalProcess
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.supervision import restart_pending
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.supervision import restart_pending
 from airflow_arroyo.testing import wait_for
 from tests.airflow.test_pipeline_operators import _TI, PID, run_trigger, submit_op
 from tests.airflow.test_supervised_submit import _supervised_until_running

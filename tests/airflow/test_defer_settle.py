@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.core.epochs import PipelineState
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.operators.pipeline import StopPipelineOperator
 from airflow_arroyo.sensors.pipeline import PipelineSensor
@@ -85,8 +85,8 @@ def test_a_stop_that_completes_while_the_task_waits_never_defers(running: EpochS
 
 
 def test_stop_and_pin_pins_the_final_epoch_of_the_run(running: EpochStore) -> None:
-    from airflow_arroyo.epochs import CheckpointPolicy
-    from airflow_arroyo.exceptions import ConfigurationError
+    from airflow_arroyo.core.epochs import CheckpointPolicy
+    from airflow_arroyo.core.exceptions import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="pins the final epoch of a graceful stop"):
         StopPipelineOperator(task_id="stop", pipeline_id=PID, mode="immediate", pin_label="x")

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ArroyoError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ArroyoError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.hooks import arroyo as hook_module
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
@@ -123,7 +123,7 @@ def test_a_pipeline_module_in_the_dags_folder_reaches_the_driver_on_a_local_mast
     dags = tmp_path / "dags"
     dags.mkdir()
     (dags / "arroyo_dags_folder_pipeline.py").write_text(
-        "from airflow_arroyo.exceptions import ConfigurationError\n\n"
+        "from airflow_arroyo.core.exceptions import ConfigurationError\n\n"
         "def build(**kwargs):\n"
         "    raise ConfigurationError('imported from the DAGs folder by the driver')\n")
     monkeypatch.setenv("AIRFLOW__CORE__DAGS_FOLDER", str(dags))
@@ -140,7 +140,7 @@ def test_a_pipeline_module_in_the_dags_folder_reaches_the_driver_on_a_local_mast
 
 def test_the_driver_names_the_module_where_it_looked_and_how_to_ship_it(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from airflow_arroyo.exceptions import ConfigurationError
+    from airflow_arroyo.core.exceptions import ConfigurationError
     from airflow_arroyo.runtime.driver import load_pipeline
 
     with pytest.raises(ConfigurationError) as missing:

@@ -20,8 +20,8 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
 
 from airflow_arroyo.assets import gate_asset, pending_gates
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.gates import GatePolicy, GateState, PendingOutput, record_verdict
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.gates import GatePolicy, GateState, PendingOutput, record_verdict
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.operators.gates import EpochGateCheckOperator, RecordGateVerdictOperator, sql_check_verdict
 from airflow_arroyo.sensors.gates import PendingGateSensor
@@ -140,7 +140,7 @@ def test_a_failing_sql_check_records_failed_with_the_row_and_fails_the_task(conn
 
 
 def test_the_checks_connection_is_read_write_again_after_a_check(conns: EpochStore, target: str) -> None:
-    from airflow_arroyo.gates import pending_output
+    from airflow_arroyo.core.gates import pending_output
 
     (e1,) = pipeline(conns, 1)
     open_gate(conns, e1)

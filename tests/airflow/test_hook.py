@@ -12,7 +12,7 @@ import psycopg2.extensions
 import pytest
 from airflow.sdk import Connection
 
-from airflow_arroyo.exceptions import ConfigurationError, StoreError, TransientStoreError
+from airflow_arroyo.core.exceptions import ConfigurationError, StoreError, TransientStoreError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.hooks.arroyo import ArroyoHook, dsn_from_connection
 from airflow_arroyo.store import AsyncEpochStore, EpochStore, available_migrations

@@ -21,8 +21,15 @@ import pytest
 from openlineage.client.serde import Serde
 
 from airflow_arroyo import lineage
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.provenance import (
+    EpochProvenance,
+    SinkProvenance,
+    SourceRange,
+    StageProvenance,
+    epoch_provenance,
+)
 from airflow_arroyo.lineage import (
     PRODUCER,
     EpochLineage,
@@ -31,13 +38,6 @@ from airflow_arroyo.lineage import (
     epoch_run_id,
     pipeline_run_id,
     sink_dataset_name,
-)
-from airflow_arroyo.provenance import (
-    EpochProvenance,
-    SinkProvenance,
-    SourceRange,
-    StageProvenance,
-    epoch_provenance,
 )
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import AsyncEpochStore, EpochRecord, EpochStore, SnapshotEntry

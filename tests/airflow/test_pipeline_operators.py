@@ -21,14 +21,16 @@ import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_arroyo.assets import asset_uri
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     ConcurrencyConflict,
     ConfigurationError,
     PipelineFailedError,
     UnknownPipelineError,
 )
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.supervision import parse_strategy
 from airflow_arroyo.links.pipeline import pipeline_page_url
 from airflow_arroyo.operators.pipeline import (
     DRIVER_APPLICATION,
@@ -36,9 +38,7 @@ from airflow_arroyo.operators.pipeline import (
     SubmitPipelineOperator,
     parse_restore_from,
 )
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.supervision import parse_strategy
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
 

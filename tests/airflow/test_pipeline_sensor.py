@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
-from airflow_arroyo.processes import LocalProcess
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, PipelineFailedError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.sensors.pipeline import PipelineSensor
 from airflow_arroyo.store import EpochStore, PipelineRecord
 from airflow_arroyo.testing import wait_for

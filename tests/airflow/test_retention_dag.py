@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.hooks import arroyo as hook_module
 from airflow_arroyo.operators.retention import PruneEpochsOperator
 from airflow_arroyo.store import EpochStore

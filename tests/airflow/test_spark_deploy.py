@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.operators.pipeline import DRIVER_APPLICATION, SubmitPipelineOperator, _write_private
 from airflow_arroyo.runtime.driver import dsn_from_environment
 from airflow_arroyo.store import EpochStore

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import PipelineFailedError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import PipelineFailedError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.operators.pipeline import StopPipelineOperator, driver_log_path
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.resubmit import RUN_ID_SLOT, Resubmission

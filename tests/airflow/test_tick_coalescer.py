@@ -25,8 +25,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg2
 import pytest
 
-from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     CheckpointPolicy,
     EpochState,
     PipelineState,
@@ -35,6 +34,7 @@ from airflow_arroyo.epochs import (
     schedule_phase,
     schedule_point_after,
 )
+from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.metrics import slowest_alignment
 from airflow_arroyo.store import EpochRecord, EpochStore, TickReport, TickRequest, TickResult, _coalesce
 from airflow_arroyo.store._coalesce import TickCoalescer

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.operators.upgrade import UpgradePipelineOperator
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger

@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.processes import LocalProcess
 from airflow_arroyo.devtools.spark_cluster import StandaloneCluster
-from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
 from airflow_arroyo.operators.pipeline import SubmitPipelineOperator
-from airflow_arroyo.processes import LocalProcess
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.stage import StorageLayout
 from airflow_arroyo.store import EpochStore

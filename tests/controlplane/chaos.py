@@ -8,7 +8,7 @@ store, until a shared stop event is set:
   :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger` in an asyncio loop, one trigger per
   pipeline (``trigger_mode="airflow"``), or its core, a loop of
   :meth:`~airflow_arroyo.store.EpochStore.trigger_tick` (``trigger_mode="store"``);
-* :func:`cleanup_worker` runs :func:`~airflow_arroyo.retention.prune_pipeline` on random pipelines,
+* :func:`cleanup_worker` runs :func:`~airflow_arroyo.core.retention.prune_pipeline` on random pipelines,
   and now and then a cleanup that crashes (leaves its lease and ``pruning`` epochs behind) or one
   that stalls past its lease and then tries to go on (the store must refuse it);
 * :func:`acker_worker` is the fake pipeline: it sees each epoch in flight and acknowledges it for
@@ -20,7 +20,7 @@ seconds (running ``actions`` such as a PostgreSQL restart at given offsets), sto
 what each says it did and kills stragglers. The proof is not what the workers say: check the
 database's own history with :func:`airflow_arroyo.devtools.history.check_history`.
 
-Workers survive :class:`~airflow_arroyo.exceptions.TransientStoreError` (log, back off, go on);
+Workers survive :class:`~airflow_arroyo.core.exceptions.TransientStoreError` (log, back off, go on);
 anything unexpected is recorded in their result and the run goes on.
 """
 
@@ -43,8 +43,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy, select_prunable
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy, select_prunable
+from airflow_arroyo.core.exceptions import (
     ArroyoError,
     CleanupLockHeld,
     ConcurrencyConflict,
@@ -339,7 +339,7 @@ def cleanup_worker(config: ChaosConfig, name: str, index: int, stop: Any, out: A
 
 
 def _cleanup_loop(w: _Worker) -> None:
-    from airflow_arroyo.retention import prune_pipeline
+    from airflow_arroyo.core.retention import prune_pipeline
 
     cfg = w.config
     store = w.store()
@@ -431,7 +431,7 @@ def _stalling_cleanup(w: _Worker, store: Any, pid: str, holder: str) -> None:
 
 
 def _facts(rec: Any) -> Any:
-    from airflow_arroyo.epochs import EpochFacts
+    from airflow_arroyo.core.epochs import EpochFacts
 
     return EpochFacts(rec.epoch, rec.state, rec.triggered_at, rec.ended_at)
 
@@ -650,7 +650,7 @@ def run_chaos(
     ``(offset seconds, name, function)`` run in this process meanwhile (e.g. a PostgreSQL restart)."""
     ctx: Any = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        preload = ["tests.controlplane.chaos", "airflow_arroyo.retention", "airflow_arroyo.store"]
+        preload = ["tests.controlplane.chaos", "airflow_arroyo.core.retention", "airflow_arroyo.store"]
         if config.trigger_mode == "airflow":
             preload.append("airflow_arroyo.triggers.checkpoint")
         ctx.set_forkserver_preload(preload)

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from airflow_arroyo.cli import main
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.supervision import PastFailure, RestartDecision
 from airflow_arroyo.store import EpochStore
-from airflow_arroyo.supervision import PastFailure, RestartDecision
 from tests.controlplane.test_retention import Pipeline, sql
 
 VENV_BIN = Path(sys.executable).parent
@@ -113,8 +113,8 @@ def supervised_with_restarts(store: EpochStore, while_restarting: Callable[[], N
     """``stream``: lineage ``stream-1`` under fixed-delay (1 restart); it failed, was restarted as
     ``stream-1.restart1`` restoring its completed epoch 1, failed again, and the strategy gave up.
     ``while_restarting`` is called between the first failure and its restart."""
-    from airflow_arroyo.epochs import CheckpointPolicy
-    from airflow_arroyo.supervision import FixedDelay, decide_restart, restart_run_id
+    from airflow_arroyo.core.epochs import CheckpointPolicy
+    from airflow_arroyo.core.supervision import FixedDelay, decide_restart, restart_run_id
 
     strategy = FixedDelay(attempts=1, delay=5)
 
@@ -544,7 +544,7 @@ def test_restore_checks_the_epoch_and_prints_how_to_launch_it(
 
 def test_stop_with_pin_pins_the_final_epoch_once_the_run_stopped(
         store: EpochStore, two_pipelines: tuple[Pipeline, Pipeline], capsys: pytest.CaptureFixture[str]) -> None:
-    from airflow_arroyo.epochs import CheckpointPolicy
+    from airflow_arroyo.core.epochs import CheckpointPolicy
 
     orders, clicks = two_pipelines
     code, _, err = run(capsys, "--dsn", store.dsn, "stop", "orders", "--immediate", "--pin", "x")
@@ -664,7 +664,7 @@ def test_pin_refuses_to_replace_a_label_unless_asked(store: EpochStore, two_pipe
 
 def test_restarts_table_keeps_run_ids_whole_and_shortens_the_cause(store: EpochStore,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from airflow_arroyo.supervision import FixedDelay, decide_restart
+    from airflow_arroyo.core.supervision import FixedDelay, decide_restart
 
     lineage = "orders-20261128T124040-9140a7c1"
     strategy = FixedDelay(attempts=3, delay=5)

@@ -24,10 +24,10 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
+from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.devtools.history import HistoryReport, ViolationKind, check_history
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
-from airflow_arroyo.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from tests.controlplane.chaos import ChaosConfig, ChaosResult, missing_objects, prepare_pipelines, run_chaos

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
-from airflow_arroyo.exceptions import FencedError
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.exceptions import FencedError
 from airflow_arroyo.store import EpochStore
 from tests.support import running
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState, PipelineState, RetentionPolicy
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore
 from tests.controlplane.test_retention import Pipeline, prune
 from tests.support import sql

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from airflow_arroyo.gates import GatePolicy, GateState
+from airflow_arroyo.core.gates import GatePolicy, GateState
 from airflow_arroyo.store import EpochStore
 from tests.controlplane.test_cli import lines, run
 from tests.gates.test_gates_store import _open, _pipeline

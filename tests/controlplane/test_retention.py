@@ -16,9 +16,9 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import ConfigurationError, LockLostError, UnknownEpochError, UnknownPipelineError
-from airflow_arroyo.retention import PruneReport, parse_duration, policy_from, prune_pipeline
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
+from airflow_arroyo.core.exceptions import ConfigurationError, LockLostError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.retention import PruneReport, parse_duration, policy_from, prune_pipeline
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 from tests.support import sql
@@ -105,7 +105,7 @@ class RecordingFs:
     """The real filesystem, with a hook before each delete (the seam ``fs_for``)."""
 
     def __init__(self, uri: str, before_delete: Callable[[int, str], None]) -> None:
-        from airflow_arroyo.fs import FileSystem
+        from airflow_arroyo.core.fs import FileSystem
 
         self.fs = FileSystem.from_uri(uri)
         self.before_delete = before_delete
@@ -629,8 +629,8 @@ def test_pruning_deletes_pruned_epochs_object_references_and_keeps_what_retained
     import hashlib
     import random
 
+    from airflow_arroyo.core.scrub import verify_pipeline
     from airflow_arroyo.runtime.layout import object_key
-    from airflow_arroyo.scrub import verify_pipeline
 
     rng = random.Random(30)
     content: dict[str, bytes] = {}  # key -> bytes, content-addressed as capture writes them
@@ -746,7 +746,7 @@ def test_compaction_deletes_the_sink_commits_of_the_epochs_it_deletes_and_keeps_
 
 def test_while_a_commit_gate_waits_retention_keeps_the_epoch_a_restore_goes_back_to_and_every_later_one(
         store: EpochStore, pipe: Pipeline) -> None:
-    from airflow_arroyo.gates import GatePolicy, GateState, record_verdict
+    from airflow_arroyo.core.gates import GatePolicy, GateState, record_verdict
 
     epochs = [pipe.epoch({"agg": {f"state-{i}": 10}}) for i in range(6)]
     e1, e2, e3, e4, e5, e6 = epochs

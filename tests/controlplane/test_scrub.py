@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from airflow_arroyo.cli import main
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import SnapshotError
-from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.retention import prune_pipeline
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState, RetentionPolicy
+from airflow_arroyo.core.exceptions import SnapshotError
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.retention import prune_pipeline
+from airflow_arroyo.core.scrub import verify_pipeline
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.snapshot import CaptureResult, SnapshotStore
-from airflow_arroyo.scrub import verify_pipeline
 from airflow_arroyo.store import EpochStore
 from tests.support import sql
 

@@ -22,7 +22,7 @@ import psycopg2.extras
 import pytest
 
 import airflow_arroyo
-from airflow_arroyo.epochs import EPOCH_TRANSITIONS, PIPELINE_TRANSITIONS, EpochState, PipelineState
+from airflow_arroyo.core.epochs import EPOCH_TRANSITIONS, PIPELINE_TRANSITIONS, EpochState, PipelineState
 from airflow_arroyo.store._transitions import transition
 
 PACKAGE = Path(airflow_arroyo.__file__).resolve().parent

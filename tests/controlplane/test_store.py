@@ -24,9 +24,7 @@ import psycopg2
 import psycopg2.errors
 import pytest
 
-from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.devtools.postgres import ThrowawayPostgres
-from airflow_arroyo.epochs import (
+from airflow_arroyo.core.epochs import (
     EPOCH_TRANSITIONS,
     PIPELINE_TRANSITIONS,
     CheckpointPolicy,
@@ -36,7 +34,7 @@ from airflow_arroyo.epochs import (
     schedule_phase,
     schedule_point_after,
 )
-from airflow_arroyo.exceptions import (
+from airflow_arroyo.core.exceptions import (
     CleanupLockHeld,
     ConcurrencyConflict,
     ConfigurationError,
@@ -49,6 +47,8 @@ from airflow_arroyo.exceptions import (
     UnknownEpochError,
     UnknownPipelineError,
 )
+from airflow_arroyo.devtools.history import check_history
+from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.store import AckOutcome, AckResult, EpochStore, SnapshotEntry, available_migrations, is_transient
 from airflow_arroyo.store._migrate import _LOCK_KEY, checksum
 from airflow_arroyo.testing import wait_for

@@ -2,8 +2,8 @@
 
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
-from airflow_arroyo.exceptions import ConcurrencyConflict
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.exceptions import ConcurrencyConflict
 from airflow_arroyo.store import SnapshotEntry
 
 

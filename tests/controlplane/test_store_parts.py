@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import airflow_arroyo
-from airflow_arroyo.epochs import CheckpointPolicy
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.epochs import CheckpointPolicy
+from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
 from airflow_arroyo.store import AsyncEpochStore, EpochStore
 from airflow_arroyo.store._db import Concern
 from tests.support import running

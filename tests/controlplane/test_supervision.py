@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError
-from airflow_arroyo.store import EpochStore
-from airflow_arroyo.supervision import (
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, ConfigurationError
+from airflow_arroyo.core.supervision import (
     ExponentialDelay,
     FailureRate,
     FixedDelay,
@@ -25,6 +24,7 @@ from airflow_arroyo.supervision import (
     restart_pending,
     restart_run_id,
 )
+from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import Verdict, evaluate_wait
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

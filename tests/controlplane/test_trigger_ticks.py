@@ -15,9 +15,15 @@ from typing import Any
 import psycopg2
 import pytest
 
+from airflow_arroyo.core.epochs import (
+    CheckpointPolicy,
+    PipelineState,
+    TriggerAction,
+    schedule_phase,
+    schedule_point_after,
+)
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, TriggerAction, schedule_phase, schedule_point_after
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore, TickRequest, TickResult
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from tests.support import running

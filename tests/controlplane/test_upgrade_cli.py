@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from tests.controlplane.test_cli import run

@@ -24,7 +24,7 @@ that both stay true. The story:
    it stopped, and reads exactly the committed rows: the rows the store recorded for the commits up to
    the one it was triggered by, and after the final commit the whole report computed in plain Python;
    the final epoch's provenance page, served by the api-server from the snapshot objects, shows what
-   ``airflow_arroyo.provenance`` computes for it;
+   ``airflow_arroyo.core.provenance`` computes for it;
 8. a gate: the demo's ``--gated`` run (``example_gated_pipeline``, ``example_gate_check`` unpaused): each epoch's
    orders wait behind the PostgreSQL sink's gate until the check DAG, scheduled by the gate's Asset event, passes
    them; once two gates committed the run is ended; the table holds exactly the committed gates' orders, the
@@ -47,6 +47,11 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import UnknownPipelineError
+from airflow_arroyo.core.gates import GateState
+from airflow_arroyo.core.processes import LocalProcess
+from airflow_arroyo.core.provenance import epoch_provenance
 from airflow_arroyo.devtools.embedded import (
     EXAMPLE_DAG,
     GATE_CHECK_DAG,
@@ -56,13 +61,8 @@ from airflow_arroyo.devtools.embedded import (
     EmbeddedSettings,
     gated_result,
 )
-from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import SINK_STAGE, expected_report
 from airflow_arroyo.examples.names import GATED_PIPELINE_ID, GATED_SINK
-from airflow_arroyo.exceptions import UnknownPipelineError
-from airflow_arroyo.gates import GateState
-from airflow_arroyo.processes import LocalProcess
-from airflow_arroyo.provenance import epoch_provenance
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.triggers.pipeline import log_tail
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import psycopg2.errors
 import pytest
 
-from airflow_arroyo.exceptions import NotFoundError, StateConflictError, UnknownPipelineError
-from airflow_arroyo.gates import GatePolicy, GateState, pending_output, record_verdict
-from airflow_arroyo.restores import read_restore_facts
+from airflow_arroyo.core.exceptions import NotFoundError, StateConflictError, UnknownPipelineError
+from airflow_arroyo.core.gates import GatePolicy, GateState, pending_output, record_verdict
+from airflow_arroyo.core.restores import read_restore_facts
 from airflow_arroyo.runtime.decisions import RestoreAction, plan_restore
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for

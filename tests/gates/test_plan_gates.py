@@ -1,4 +1,4 @@
-"""The driver's decision for a gated sink (:func:`airflow_arroyo.gates.plan_gates`) and the gate's declaration."""
+"""The driver's decision for a gated sink (:func:`airflow_arroyo.core.gates.plan_gates`) and the gate's declaration."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
-from airflow_arroyo.gates import Gate, GateAction, GatePolicy, GateRecord, GateState, plan_gates
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.core.gates import Gate, GateAction, GatePolicy, GateRecord, GateState, plan_gates
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget

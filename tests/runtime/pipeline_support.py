@@ -23,7 +23,7 @@ def check_barriers_follow_cuts(store: Any, pipeline_id: str, channel_uris: dict[
     """For every completed epoch and every stage writing a channel: barrier n follows the output of the
     stage's cut batch (its ack's ``details["batch_id"]``) and precedes any later batch's output.
     Returns how many (epoch, stage) pairs were checked."""
-    from airflow_arroyo.epochs import EpochState
+    from airflow_arroyo.core.epochs import EpochState
 
     completed = [e.epoch for e in store.list_epochs(pipeline_id, limit=10_000) if e.state is EpochState.COMPLETED]
     checked = 0
@@ -107,7 +107,7 @@ def interrupted_restore(make_driver: Callable[[str, Callable[[str], None]], Any]
     """One restore that fails (``mode='fail'``) or is killed (``'kill'``) at ``step``: ``make_driver(run_id,
     hook)`` builds its driver; ``look()`` checks what it left, after the failure or while the driver is frozen
     at the step."""
-    from airflow_arroyo.exceptions import PipelineFailedError
+    from airflow_arroyo.core.exceptions import PipelineFailedError
 
     run_id = f"{mode}-{step.replace(':', '-')}-{time.monotonic_ns() % 100_000}"
     if mode == "fail":

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_arroyo.exceptions import ConcurrencyConflict, ConfigurationError
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, ConfigurationError
 from airflow_arroyo.runtime.channel import (
     Channel,
     ChannelError,

@@ -14,7 +14,7 @@ pytest.importorskip("deltalake")
 
 from deltalake import DeltaTable
 
-from airflow_arroyo.epochs import PipelineState
+from airflow_arroyo.core.epochs import PipelineState
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, generate_rows, wait_for
 from tests.runtime import delta_pipeline

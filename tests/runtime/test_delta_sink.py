@@ -12,7 +12,7 @@ pytest.importorskip("deltalake")
 
 from deltalake import DeltaTable
 
-from airflow_arroyo.exceptions import ConfigurationError, FencedError, PipelineGraphError
+from airflow_arroyo.core.exceptions import ConfigurationError, FencedError, PipelineGraphError
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.delta import DeltaTarget, TransactionalDeltaSink, table_files
 from airflow_arroyo.store.records import FencingToken

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, UnrestorableEpochError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, UnrestorableEpochError
 from airflow_arroyo.runtime.decisions import (
     FINAL_EPOCH_ATTEMPTS,
     EpochFacts,
@@ -383,7 +383,7 @@ def test_a_uid_carries_a_stages_state_across_a_rename_without_a_mapping() -> Non
 
 
 def test_two_stages_cannot_share_an_identity() -> None:
-    from airflow_arroyo.exceptions import PipelineGraphError
+    from airflow_arroyo.core.exceptions import PipelineGraphError
     from airflow_arroyo.runtime.pipeline import Pipeline
 
     p = Pipeline("ids")

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConcurrencyConflict, PipelineFailedError, SchemaMissingError, StageBuildError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, PipelineFailedError, SchemaMissingError, StageBuildError
 from airflow_arroyo.runtime.driver import CAUSE_LIMIT, PipelineDriver, _user_error_first, check_registrable
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.examples import SINK_STAGE, demo
 from airflow_arroyo.runtime.driver import EPOCHS_SEEN_KEPT, PipelineDriver, _LoopState
 from airflow_arroyo.runtime.sinks.base import SinkCommit

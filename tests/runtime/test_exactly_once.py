@@ -35,7 +35,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import UnknownPipelineError
 from airflow_arroyo.examples import (
     OUTPUT_CHANNEL,
     PG_REPORT_DDL,
@@ -44,7 +45,6 @@ from airflow_arroyo.examples import (
     expected_totals,
     totals_of,
 )
-from airflow_arroyo.exceptions import UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore

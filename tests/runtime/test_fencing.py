@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
-from airflow_arroyo.exceptions import ConcurrencyConflict, FencedError
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConcurrencyConflict, FencedError
 from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind, fence_applies, log_path
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink, committed_files
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink, _PartitionWriter

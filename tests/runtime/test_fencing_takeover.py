@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
 from airflow_arroyo.runtime.channel import Channel, EntryKind
 from airflow_arroyo.runtime.layout import StorageLayout

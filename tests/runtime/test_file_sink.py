@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 

@@ -11,8 +11,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.fs import FileSystem, arrow_uri
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.fs import FileSystem, arrow_uri
 
 
 @pytest.fixture(params=["local", "file-uri", "memory"])

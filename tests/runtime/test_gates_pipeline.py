@@ -17,9 +17,9 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.gates import Gate, GateRecord, GateState, pending_output, record_verdict
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.gates import Gate, GateRecord, GateState, pending_output, record_verdict
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget

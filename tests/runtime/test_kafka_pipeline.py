@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.provenance import epoch_provenance
 from airflow_arroyo.examples.pipelines import kafka_order
-from airflow_arroyo.provenance import epoch_provenance
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, wait_for
 from tests.runtime.test_exactly_once import Driver, current
@@ -138,8 +138,8 @@ def test_an_epoch_whose_kafka_offsets_retention_deleted_is_refused_by_name(
     changes, naming the epoch, topic, partition and offsets, never skipped; a later epoch still restores."""
     from confluent_kafka import TopicPartition
 
+    from airflow_arroyo.core.exceptions import ConfigurationError, UnrestorableEpochError
     from airflow_arroyo.examples.pipelines import kafka_orders
-    from airflow_arroyo.exceptions import ConfigurationError, UnrestorableEpochError
     from airflow_arroyo.runtime.driver import PipelineDriver
     from airflow_arroyo.testing import run_until
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError, FencedError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget, TransactionalKafkaSink
 from airflow_arroyo.store import FencingToken
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
 
 

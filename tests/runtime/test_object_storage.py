@@ -21,10 +21,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import SnapshotError
-from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.retention import prune_pipeline
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
+from airflow_arroyo.core.exceptions import SnapshotError
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink, committed_files

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.examples import (
     OUTPUT_CHANNEL,
     PG_REPORT_DDL,
@@ -22,7 +23,6 @@ from airflow_arroyo.examples import (
     expected_totals,
     totals_of,
 )
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -110,7 +110,7 @@ def test_a_superseded_run_cannot_trim_the_journal_of_the_run_that_took_over(spar
     stalled between its commit and its trim (which it computed from the epochs it knew) woke up after a newer run
     had restored an older epoch and re-used those batch ids: its trim deleted the new run's journal (append) or
     pre-images (upsert), so a later restore of that epoch could not take the new batches back out."""
-    from airflow_arroyo.exceptions import FencedError
+    from airflow_arroyo.core.exceptions import FencedError
     from airflow_arroyo.store import FencingToken
 
     table, key = ("events", ()) if mode == "append" else ("totals", ("key",))

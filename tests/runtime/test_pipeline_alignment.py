@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState, PipelineState
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState, PipelineState
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import StageKind, StageSpec

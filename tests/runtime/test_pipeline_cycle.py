@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout

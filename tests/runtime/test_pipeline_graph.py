@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError, PipelineGraphError
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.pipeline import Pipeline, StageKind
 
 

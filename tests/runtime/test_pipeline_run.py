@@ -22,10 +22,15 @@ from typing import Any
 
 import pytest
 
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import (
+    ConfigurationError,
+    PipelineFailedError,
+    SnapshotError,
+    UnrestorableEpochError,
+)
 from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.epochs import EpochState, PipelineState
 from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo, expected_report
-from airflow_arroyo.exceptions import ConfigurationError, PipelineFailedError, SnapshotError, UnrestorableEpochError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout, object_path
@@ -154,7 +159,7 @@ def test_the_sink_commits_recorded_in_the_store_are_what_the_folder_holds(ran: R
 def test_self_contained_epochs_share_no_object_and_every_epoch_verifies(ran: Ran, module_store: EpochStore) -> None:
     """Every second epoch of the run was asked for self-contained: each stage's snapshot of it copied every file
     under keys private to it; the others are incremental; a scrub of the whole run finds every object sound."""
-    from airflow_arroyo.scrub import verify_pipeline
+    from airflow_arroyo.core.scrub import verify_pipeline
 
     epochs = [e for e in module_store.list_epochs(ran.pipeline_id) if e.state is EpochState.COMPLETED]
     whole = [e.epoch for e in epochs if e.self_contained]
@@ -533,8 +538,8 @@ def test_a_pinned_epoch_survives_keep_last_1_and_a_fork_of_it_gives_the_same_out
     plain-Python rows in its Parquet sink; the fork, started from P in storage of its own (reading P's
     snapshot objects where they are), produces the same: the report channel as the original's, and in its
     sink exactly the rows the original committed after P's cut."""
-    from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.retention import prune_pipeline
+    from airflow_arroyo.core.epochs import RetentionPolicy
+    from airflow_arroyo.core.retention import prune_pipeline
 
     pid = f"pruned-{uuid.uuid4().hex[:8]}"
     fork_id, fork_storage = f"{pid}-fork", tmp_path / "fork"

@@ -1,5 +1,5 @@
-"""Provenance per epoch (airflow_arroyo.provenance) on real Spark: a JSON file source -> an exactly-once Parquet file
-sink, run through several epochs with one input file written after each completed epoch. Each epoch's file range
+"""Provenance per epoch (airflow_arroyo.core.provenance) on real Spark: a JSON file source -> an exactly-once Parquet
+file sink, run through several epochs with one input file written after each completed epoch. Each epoch's file range
 must equal the files whose rows the source stage wrote to its channel between the previous completed epoch's
 barrier and its own (the channel, not Spark's offset log), consecutive ranges must tile, and every committed sink
 file must map back to the epoch whose commit covered it, its rows all from that epoch's part of the channel."""
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, NotFoundError, StoreError
-from airflow_arroyo.provenance import epoch_of_file, epoch_of_table_version, epoch_provenance
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, NotFoundError, StoreError
+from airflow_arroyo.core.provenance import epoch_of_file, epoch_of_table_version, epoch_provenance
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout

@@ -12,8 +12,8 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
 from airflow_arroyo.runtime import Pipeline
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.store import EpochStore

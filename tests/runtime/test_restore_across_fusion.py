@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout

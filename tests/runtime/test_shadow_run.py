@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.shadow import compare_shadow, discard_shadow, read_file_rows, shadow_pipeline, start_shadow
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.files import committed_files
-from airflow_arroyo.shadow import compare_shadow, discard_shadow, read_file_rows, shadow_pipeline, start_shadow
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import generator_source, run_until
 

@@ -17,10 +17,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
-from airflow_arroyo.exceptions import SnapshotError
-from airflow_arroyo.fs import FileSystem
-from airflow_arroyo.retention import prune_pipeline
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState, RetentionPolicy
+from airflow_arroyo.core.exceptions import SnapshotError
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.core.retention import prune_pipeline
+from airflow_arroyo.core.scrub import verify_pipeline
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
@@ -32,7 +33,6 @@ from airflow_arroyo.runtime.spark_checkpoint import (
     select_checkpoint_files,
     snapshot_files,
 )
-from airflow_arroyo.scrub import verify_pipeline
 from airflow_arroyo.testing import generate_rows, generator_source
 
 # ----------------------------------------------------------------------------- which files (pure)
@@ -326,7 +326,7 @@ def test_epoch_recorded_with_an_unrestorable_snapshot_is_refused_before_anything
         store: Any, pipeline: str, tmp_path: Path) -> None:
     """An epoch that completed before the check (its snapshot holds batch 0's state metadata and no batch) is
     refused by name before a file is copied, and the live checkpoint stays as it was."""
-    from airflow_arroyo.exceptions import UnrestorableEpochError
+    from airflow_arroyo.core.exceptions import UnrestorableEpochError
     from airflow_arroyo.store import SnapshotEntry
 
     snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pipeline, store)

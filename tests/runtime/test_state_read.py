@@ -1,4 +1,4 @@
-"""Reading a pipeline's state as of an epoch (airflow_arroyo.state) on real Spark: a keyed count run through
+"""Reading a pipeline's state as of an epoch (airflow_arroyo.core.state) on real Spark: a keyed count run through
 a few epochs; each epoch's state read through the API equals the counts computed in plain Python from the
 generator rows before the epoch's barrier, and so does the diff of two epochs; the refusals; the CLI verb."""
 
@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from airflow_arroyo.epochs import CheckpointPolicy, EpochState
-from airflow_arroyo.exceptions import ConfigurationError, NotFoundError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, NotFoundError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.state import diff_counts, read_state, read_state_diff, resolve_state, state_metadata
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
-from airflow_arroyo.state import diff_counts, read_state, read_state_diff, resolve_state, state_metadata
 from airflow_arroyo.store import EpochStore, SnapshotEntry
 from airflow_arroyo.testing import channel_row_count, generate_row, generator_source, run_until
 from tests.support import running

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore

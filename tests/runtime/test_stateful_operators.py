@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.examples import STATEFUL_OUTPUTS, expected_stateful, stateful_ops
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout

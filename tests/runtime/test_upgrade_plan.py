@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.decisions import StageAction, UpgradePlan, plan_upgrade
 
 EPOCH = ("orders", "enrich", "files")

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.upgrades import UpgradeError, prepare_upgrade
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
-from airflow_arroyo.upgrades import UpgradeError, prepare_upgrade
 
 pytestmark = [pytest.mark.spark]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.shadow import EpochInput, Window, align_windows, diff_rows, plan_shadow_sinks, shadow_pipeline
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
-from airflow_arroyo.shadow import EpochInput, Window, align_windows, diff_rows, plan_shadow_sinks, shadow_pipeline
 
 
 def _code(kafka: bool = False) -> Pipeline:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from airflow_arroyo.cli import main
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.shadow import discard_shadow, promote_shadow, start_shadow
 from airflow_arroyo.runtime.pipeline import Pipeline as Code
-from airflow_arroyo.shadow import discard_shadow, promote_shadow, start_shadow
 from airflow_arroyo.store import EpochStore
 from tests.controlplane.test_retention import Pipeline
 
@@ -89,7 +89,7 @@ def test_the_cli_starts_a_shadow_and_prints_its_driver_command(store: EpochStore
     started = json.loads(out.getvalue())
     assert (started["shadow_id"], started["live_id"], started["fork_epoch"]) == ("orders-v3", "orders", e1)
     command = started["command"]
-    assert command[command.index("--pipeline") + 1] == "airflow_arroyo.shadow:shadow_code"
+    assert command[command.index("--pipeline") + 1] == "airflow_arroyo.core.shadow:shadow_code"
     assert "code=tests.shadow.test_shadow_store:_new_code" in command and "shadow_id=orders-v3" in command
     assert store.get_shadow("orders-v3").sinks["agg"]["shadow"] == "/data/agg.shadow-orders-v3"
     out = io.StringIO()

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 import psycopg2
 import psycopg2.extras
 
-from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
+from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
 from airflow_arroyo.store import EpochStore
 
 

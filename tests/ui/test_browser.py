@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from tests.ui.conftest import PASSWORD, USER, ApiServer
 from tests.ui.data import Dataset
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.store.reads import EpochDetail
 from airflow_arroyo.store.records import AckRecord, EpochRecord, PipelineRecord
 from airflow_arroyo.ui.charts import STATE_COLOURS, duration_ticks, history_chart, nice_ticks, timeline_chart

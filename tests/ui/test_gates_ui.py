@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from airflow_arroyo.gates import GatePolicy, GateState
+from airflow_arroyo.core.gates import GatePolicy, GateState
 from airflow_arroyo.store import EpochStore
 from tests.controlplane.test_store import complete
 from tests.support import running, sql

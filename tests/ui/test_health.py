@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_arroyo.epochs import EpochState, PipelineState
+from airflow_arroyo.core.epochs import EpochState, PipelineState
 from airflow_arroyo.store.reads import RECENT_WINDOW, PipelineOverview
 from airflow_arroyo.store.records import CleanupLockRecord, EpochRecord, PipelineRecord
 from airflow_arroyo.ui.health import HealthThresholds, Severity, assess, worst

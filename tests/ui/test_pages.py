@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from airflow_arroyo.epochs import EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.ui.format import bytes_human, duration_human, epoch_ranges, timestamp
 from tests.ui.conftest import mounted_arroyo_app
@@ -215,7 +215,7 @@ def test_completed_epoch_page_shows_per_stage_timings(client: TestClient, store:
 
 
 def test_epoch_page_shows_each_stages_state_size_and_rows(client: TestClient, store: EpochStore) -> None:
-    from airflow_arroyo.epochs import CheckpointPolicy
+    from airflow_arroyo.core.epochs import CheckpointPolicy
     from tests.support import running, sql
 
     running(store, "stateful-ui", stages=["src", "counts", "legacy"])
@@ -404,7 +404,7 @@ def test_links_follow_a_deployment_path_prefix(dataset: Dataset) -> None:
 def test_summary_matches_an_independent_computation_over_the_whole_history(client: TestClient,
                                                                             store: EpochStore) -> None:
     """Flink-like summary: the SQL percentiles equal the pure nearest-rank ones over the store's epochs."""
-    from airflow_arroyo.summary import summarize
+    from airflow_arroyo.core.summary import summarize
 
     epochs = store.list_epochs("orders", limit=10_000)
     ok = [e for e in epochs if e.ended_at is not None and e.failure_reason is None]
@@ -499,8 +499,8 @@ def test_forks_and_the_fork_point_restored_from_show_on_both_pipelines(client: T
 
 def test_a_supervised_pipeline_shows_its_supervision_and_every_restart(client: TestClient,
                                                                        store: EpochStore) -> None:
-    from airflow_arroyo.epochs import CheckpointPolicy, PipelineState
-    from airflow_arroyo.supervision import FixedDelay, PastFailure, RestartDecision, decide_restart, restart_run_id
+    from airflow_arroyo.core.epochs import CheckpointPolicy, PipelineState
+    from airflow_arroyo.core.supervision import FixedDelay, PastFailure, RestartDecision, decide_restart, restart_run_id
     from tests.support import sql
 
     strategy = FixedDelay(attempts=2, delay=10)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_arroyo.epochs import EpochState, RetentionPolicy
-from airflow_arroyo.retention import prune_pipeline
+from airflow_arroyo.core.epochs import EpochState, RetentionPolicy
+from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.store.reads import StoreReader
 from airflow_arroyo.ui import charts

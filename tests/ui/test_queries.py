@@ -13,8 +13,8 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import StoreError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import StoreError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.store import reads as q
 from airflow_arroyo.store.reads import RECENT_WINDOW, StoreReader

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.ui.store_source import StoreSource, resolve_dsn
 
 

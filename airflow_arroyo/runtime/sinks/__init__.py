@@ -18,7 +18,7 @@ from airflow_arroyo.runtime.sinks.kafka import KafkaTarget, TransactionalKafkaSi
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink
 
 if TYPE_CHECKING:
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
     from airflow_arroyo.runtime.graph import StageSpec
 
 __all__ = ["FILE_SINK_FORMATS", "DeltaTarget", "KafkaTarget", "PostgresTarget", "SinkCommit", "TransactionalSink",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
     from airflow_arroyo.store.records import FencingToken
 
 __all__ = ["SINK_META", "SinkCommit", "TransactionalSink", "folder_owner", "newest_generations"]
@@ -45,7 +45,7 @@ class TransactionalSink(Protocol):
 
     Fencing: the driver sets ``token`` (its run's fencing token) before the sink's first write; from the
     moment a newer run claimed or rolled back the sink, every pre-commit, commit and rollback of the older
-    run is refused with :class:`~airflow_arroyo.exceptions.FencedError` (the PostgreSQL sink in SQL, on
+    run is refused with :class:`~airflow_arroyo.core.exceptions.FencedError` (the PostgreSQL sink in SQL, on
     its progress row; the file sink by per-generation names and commit points).
     """
 

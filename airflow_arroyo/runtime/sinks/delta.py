@@ -14,7 +14,7 @@ make a streaming write idempotent), ``restore(version)`` with its own transactio
 put-if-absent commits of the log (optimistic concurrency: a commit based on an old version fails). The files
 are written by Spark's own Parquet writer on the executors and never copied; the driver only writes the log.
 
-Layout in the table's folder (any URI both :class:`~airflow_arroyo.fs.FileSystem` and delta-rs understand)::
+Layout in the table's folder (any URI both :class:`~airflow_arroyo.core.fs.FileSystem` and delta-rs understand)::
 
     <table>/_delta_log/                          the Delta log (the table, for every Delta reader)
     <table>/<batch:012d>-g<G>/part-*.parquet     a micro-batch's files, written at pre-commit (then data files)
@@ -44,7 +44,7 @@ Layout in the table's folder (any URI both :class:`~airflow_arroyo.fs.FileSystem
   commit whose version another writer took in between (``max_commit_retries=0``: no silent rebase). A run's
   claim writes ``claim-g<G>`` (older pre-commits are refused) and, when the table exists, a commit without
   data carrying *G* and ``M``: from then on an older run's commit fails (it would be based on an older version,
-  or it reads *G*), and is refused with :class:`~airflow_arroyo.exceptions.FencedError`.
+  or it reads *G*), and is refused with :class:`~airflow_arroyo.core.exceptions.FencedError`.
 * **Trim**: the row-count files of batches at or before the oldest completed epoch's cut are deleted (the data
   files are the table's).
 
@@ -65,8 +65,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError, FencedError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, FencedError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.sinks.base import SINK_META, SinkCommit, folder_owner, newest_generations
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ sink instead follows Flink's two-phase commit sink: a micro-batch is *pre-commit
 folder, and *committed* (made visible) only when an epoch whose cut covers it completes. A restore
 rolls it back to the restored epoch's cut.
 
-Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.fs.FileSystem` understands)::
+Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.core.fs.FileSystem` understands)::
 
     <path>/<batch:012d>-<part file>                committed data files (what readers read)
     <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
@@ -40,7 +40,7 @@ run's generation ``G`` (the fencing token; 0 = none, the layout above): its pend
 readers trust is the one of the highest generation; a manifest counts if its generation is not above it
 (per batch the highest such one). A new generation writes its commit point when it claims the folder or
 rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
-refused (:class:`~airflow_arroyo.exceptions.FencedError`), and whatever it still moves in a race is named
+refused (:class:`~airflow_arroyo.core.exceptions.FencedError`), and whatever it still moves in a race is named
 by no manifest readers trust; the newer generation's next commit deletes such files (batches after
 ``base`` with an older generation's name that no trusted manifest names). A commit the older generation
 left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
@@ -64,8 +64,8 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from airflow_arroyo.exceptions import ConfigurationError, FencedError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.sinks.base import SINK_META, SinkCommit, folder_owner
 
 if TYPE_CHECKING:

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_arroyo.exceptions import ConfigurationError, FencedError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.sinks.base import SinkCommit, newest_generations
 
 if TYPE_CHECKING:

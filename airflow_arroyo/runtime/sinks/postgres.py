@@ -38,7 +38,7 @@ rollback transaction.
 Fencing: the progress row also holds ``generation``, the fencing token of the newest run that claimed
 or rolled back the sink (taken in that transaction). Every pre-commit (the driver's clearing and each
 partition's transaction, which share-locks the row), every commit, rollback and trim (which lock it) first
-compares it with its own and refuses with :class:`~airflow_arroyo.exceptions.FencedError` when a newer
+compares it with its own and refuses with :class:`~airflow_arroyo.core.exceptions.FencedError` when a newer
 run took over: a superseded run that is still alive can neither stage, commit nor trim anything once the
 newer run claimed or rolled back the sink (its first write to the sink, before its queries start). A trim
 needs it too: a run stalled between its commit and its trim would trim through a batch id of its own,
@@ -59,8 +59,8 @@ import psycopg2
 import psycopg2.extras
 from psycopg2 import sql
 
-from airflow_arroyo.connections import dsn_from_env_value
-from airflow_arroyo.exceptions import ConfigurationError, FencedError
+from airflow_arroyo.core.connections import dsn_from_env_value
+from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
 from airflow_arroyo.runtime.sinks.base import SinkCommit
 from airflow_arroyo.store import FencingToken, redact_dsn, retrying
 
@@ -525,7 +525,7 @@ class TransactionalPostgresSink:
                     (batch_id, self.pipeline_id, self.stage))
 
     def pending_output(self, batch_from: int, batch_to: int) -> dict[str, Any]:  # noqa: ARG002 - the gate's range
-        """Where pre-committed batches wait, for a commit gate (:func:`airflow_arroyo.gates.pending_output` selects
+        """Where pre-committed batches wait, for a commit gate (:func:`airflow_arroyo.core.gates.pending_output` selects
         the gate's range): the pending table, in the target table's schema, and the target's columns. No rows are
         read here."""
         if self._columns is None:

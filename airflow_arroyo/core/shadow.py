@@ -5,13 +5,13 @@ Airflow-free; ``airflow-arroyo shadow ...`` calls it.
   pipeline, record it as a shadow (``arroyo_shadows``) with its new code and its sinks redirected
   (:func:`plan_shadow_sinks`: a file sink's folder -> the sibling folder ``<path>.shadow-<shadow id>``; a PostgreSQL
   table -> ``<table>_shadow_<shadow id>``; Kafka, Delta and ``foreach_batch`` sinks are refused). The shadow's driver
-  runs the new code through :func:`shadow_code` (``--pipeline airflow_arroyo.shadow:shadow_code --arg code=...
+  runs the new code through :func:`shadow_code` (``--pipeline airflow_arroyo.core.shadow:shadow_code --arg code=...
   --arg shadow_id=...``), which renames the pipeline and redirects its sinks: the shadow never writes a live target.
 * **compare**: the live pipeline's epochs after the fork point and the shadow's own epochs, aligned by the input
   they covered (:func:`align_windows`, from each epoch's provenance), per sink the rows each side committed for a
   window, diffed by :func:`diff_rows` (added, removed, changed).
 * **promote**: the live pipeline is upgraded to the shadow's code from its own latest epoch
-  (:func:`airflow_arroyo.upgrades.prepare_upgrade`), then the shadow is discarded.
+  (:func:`airflow_arroyo.core.upgrades.prepare_upgrade`), then the shadow is discarded.
 * **discard**: the shadow must be stopped; its fork point is unpinned (``--force`` when the shadow never completed
   an epoch of its own), the record marked ``discarded``. Its epochs and shadow sink data are left where they are.
 
@@ -30,16 +30,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import EpochState, PipelineState
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
 
 if TYPE_CHECKING:
-    from airflow_arroyo.provenance import EpochProvenance
+    from airflow_arroyo.core.provenance import EpochProvenance
+    from airflow_arroyo.core.upgrades import UpgradeReady
     from airflow_arroyo.runtime.graph import StageSpec
     from airflow_arroyo.runtime.pipeline import Pipeline
     from airflow_arroyo.store import EpochStore
     from airflow_arroyo.store.shadows import ShadowRecord
-    from airflow_arroyo.upgrades import UpgradeReady
 
 __all__ = ["EpochInput", "RowDiff", "SinkDiff", "Window", "align_windows", "compare_shadow", "diff_rows",
            "discard_shadow", "plan_shadow_sinks", "promote_shadow", "shadow_code", "shadow_pipeline", "start_shadow"]
@@ -96,7 +96,7 @@ def shadow_pipeline(pipeline: Pipeline, shadow_id: str) -> Pipeline:
 
 
 def shadow_code(code: str, shadow_id: str, **kwargs: Any) -> Pipeline:
-    """The driver's entry for a shadow: ``--pipeline airflow_arroyo.shadow:shadow_code --arg code=MODULE:ATTR
+    """The driver's entry for a shadow: ``--pipeline airflow_arroyo.core.shadow:shadow_code --arg code=MODULE:ATTR
     --arg shadow_id=ID`` (other ``--arg`` go to the code's own function)."""
     from airflow_arroyo.runtime.driver import load_pipeline
 
@@ -289,7 +289,7 @@ def read_file_rows(uri: str, names: Sequence[str], fmt: str) -> list[dict[str, A
     import pyarrow.orc as porc
     import pyarrow.parquet as pq
 
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
 
     fs = FileSystem.of(uri)
     rows: list[dict[str, Any]] = []
@@ -333,7 +333,7 @@ def compare_shadow(store: EpochStore, shadow_id: str, *, key: Mapping[str, Seque
     """The comparison of a shadow with its live pipeline: windows of equal input and, per sink in both, per
     window, the :class:`RowDiff` of the rows each side committed. ``key``: per sink, its key columns (a
     PostgreSQL sink's key by default)."""
-    from airflow_arroyo.provenance import epoch_provenance
+    from airflow_arroyo.core.provenance import epoch_provenance
 
     shadow = store.get_shadow(shadow_id)
     live_epochs = _completed_after(store, shadow.live_id, shadow.fork_epoch)
@@ -399,12 +399,12 @@ def discard_shadow(store: EpochStore, shadow_id: str, *, force: bool = False,
 
 def promote_shadow(store: EpochStore, shadow_id: str, **upgrade: Any) -> tuple[UpgradeReady, ShadowRecord]:
     """Promote: the live pipeline is upgraded to the shadow's code from its own latest epoch
-    (:func:`~airflow_arroyo.upgrades.prepare_upgrade`: plan, graceful stop, pin, plan again; ``upgrade`` are its
+    (:func:`~airflow_arroyo.core.upgrades.prepare_upgrade`: plan, graceful stop, pin, plan again; ``upgrade`` are its
     keyword arguments), then the shadow, which must be stopped, is discarded and marked ``promoted``. Returns the
-    :class:`~airflow_arroyo.upgrades.UpgradeReady` (how to start the code) and the record. A refused plan changes
+    :class:`~airflow_arroyo.core.upgrades.UpgradeReady` (how to start the code) and the record. A refused plan changes
     nothing (the shadow stays active); the caller starts the new code as ``airflow-arroyo upgrade`` does."""
+    from airflow_arroyo.core.upgrades import prepare_upgrade
     from airflow_arroyo.runtime.driver import load_pipeline
-    from airflow_arroyo.upgrades import prepare_upgrade
 
     shadow = store.get_shadow(shadow_id)
     if shadow.state != "active":

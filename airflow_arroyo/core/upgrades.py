@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from airflow_arroyo.exceptions import ArroyoError, ConfigurationError
-from airflow_arroyo.restores import read_restore_facts
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
+from airflow_arroyo.core.restores import read_restore_facts
+from airflow_arroyo.core.stopping import StopAsked, check_stop, request_stop, wait_until_ended
 from airflow_arroyo.runtime.decisions import RestoreFrom, UpgradePlan, plan_stages
 from airflow_arroyo.runtime.graph import stage_identities
-from airflow_arroyo.stopping import StopAsked, check_stop, request_stop, wait_until_ended
 
 if TYPE_CHECKING:
     from airflow_arroyo.runtime.graph import PipelineGraph

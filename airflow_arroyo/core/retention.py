@@ -1,6 +1,6 @@
 """Retention: prune old checkpoint epochs of one pipeline under its cleanup lock.
 
-The decision (which epochs go) is the pure :func:`~airflow_arroyo.epochs.select_prunable`; this module
+The decision (which epochs go) is the pure :func:`~airflow_arroyo.core.epochs.select_prunable`; this module
 is the I/O around it, in the order that keeps every retained epoch restorable::
 
     acquire the cleanup lease ──> wait for an in-flight epoch to end (renewing the lease)
@@ -12,7 +12,7 @@ is the I/O around it, in the order that keeps every retained epoch restorable::
           that horizon, the epochs pruned before it with their acks and sink commits, and the cleanup
           runs that ended by it, in batches of ``compact_batch`` rows, each a short transaction under the lease)
       ──> release the lease
-      ──> scrub for at most ``scrub_budget`` seconds (:mod:`airflow_arroyo.scrub`; no lease needed: it reads)
+      ──> scrub for at most ``scrub_budget`` seconds (:mod:`airflow_arroyo.core.scrub`; no lease needed: it reads)
 
 * While we hold the lease the trigger starts no epoch. An epoch already in flight may reference
   (incrementally) an object we would delete before it records it, so nothing is deleted while one
@@ -20,14 +20,14 @@ is the I/O around it, in the order that keeps every retained epoch restorable::
 * A crash anywhere leaves the lease to expire (``lock_ttl``) and epochs ``pruning``; the next run
   takes the lease over, selects those epochs again and finishes them (deleting tolerates files a
   crashed run already deleted).
-* If the lease is lost mid-run (:class:`~airflow_arroyo.exceptions.LockLostError`), deleting stops
+* If the lease is lost mid-run (:class:`~airflow_arroyo.core.exceptions.LockLostError`), deleting stops
   at once and the run ends ``lock_lost``.
 
 Usage::
 
     from datetime import timedelta
-    from airflow_arroyo.epochs import RetentionPolicy
-    from airflow_arroyo.retention import prune_pipeline
+    from airflow_arroyo.core.epochs import RetentionPolicy
+    from airflow_arroyo.core.retention import prune_pipeline
     from airflow_arroyo.store import EpochStore
 
     report = prune_pipeline(EpochStore(dsn), "orders", RetentionPolicy(keep_last=5),
@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from airflow_arroyo.epochs import EpochFacts, RetentionPolicy, select_prunable, validate_pipeline_id
-from airflow_arroyo.exceptions import ArroyoError, CleanupLockHeld, ConfigurationError, LockLostError
+from airflow_arroyo.core.epochs import EpochFacts, RetentionPolicy, select_prunable, validate_pipeline_id
+from airflow_arroyo.core.exceptions import ArroyoError, CleanupLockHeld, ConfigurationError, LockLostError
 from airflow_arroyo.runtime.layout import object_path
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ _COMPACTED_TABLES = ("history", "sink_commits", "epochs", "cleanup_runs")  # sin
 
 
 class ObjectFileSystem(Protocol):
-    """What retention needs of a filesystem (:class:`airflow_arroyo.fs.FileSystem` fits)."""
+    """What retention needs of a filesystem (:class:`airflow_arroyo.core.fs.FileSystem` fits)."""
 
     def delete(self, path: str) -> bool: ...
 
@@ -85,7 +85,7 @@ class TruncatableChannel(Protocol):
 
 
 def _default_fs_for(uri: str) -> ObjectFileSystem:
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
 
     return FileSystem.from_uri(uri)
 
@@ -309,7 +309,7 @@ def prune_pipeline(
 
 def _scrub(store: EpochStore, report: PruneReport, budget: float) -> None:
     """Scrub after the prune; a scrub that cannot read the storage is reported, the prune stands."""
-    from airflow_arroyo.scrub import verify_pipeline
+    from airflow_arroyo.core.scrub import verify_pipeline
 
     try:
         scrub = verify_pipeline(store, report.pipeline_id, budget=budget)

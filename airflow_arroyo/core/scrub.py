@@ -16,7 +16,7 @@ elsewhere never reaches it.
 
 Usage::
 
-    from airflow_arroyo.scrub import verify_pipeline
+    from airflow_arroyo.core.scrub import verify_pipeline
     report = verify_pipeline(EpochStore(dsn), "orders", budget=60.0)
     print(report.damaged_epochs, report.restorable_epochs)
 """
@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.layout import object_digest, object_path
 
 if TYPE_CHECKING:
-    from airflow_arroyo.fs import FileSystem
+    from airflow_arroyo.core.fs import FileSystem
     from airflow_arroyo.store import EpochStore, ObjectRecord
 
 __all__ = ["DamagedObject", "ScrubReport", "check_object", "verify_pipeline"]
@@ -133,7 +133,7 @@ def verify_pipeline(store: EpochStore, pipeline_id: str, *, epoch: int | None = 
         if not pipe.storage_uri:
             raise ConfigurationError(f"pipeline {pipeline_id!r} has no storage URI recorded: it never ran, "
                                      "so it has no snapshot objects to verify")
-        from airflow_arroyo.fs import FileSystem
+        from airflow_arroyo.core.fs import FileSystem
 
         fs = FileSystem.from_uri(pipe.storage_uri)
     t0 = clock()

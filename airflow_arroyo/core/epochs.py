@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from airflow_arroyo.exceptions import ConfigurationError, IllegalTransitionError
+from airflow_arroyo.core.exceptions import ConfigurationError, IllegalTransitionError
 
 __all__ = [
     "EPOCH_TRANSITIONS",

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, quote, urlencode
 import psycopg2
 from psycopg2.extensions import parse_dsn
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 __all__ = ["LIBPQ_EXTRAS", "UNSUPPORTED_EXTRAS", "dsn_from_env_value", "extra_of", "postgres_dsn"]
 

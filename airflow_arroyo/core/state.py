@@ -29,9 +29,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, NotFoundError, SnapshotError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, NotFoundError, SnapshotError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.spark_checkpoint import state_bytes, state_operators
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def _opened(store_or_dsn: EpochStore | str) -> Iterator[EpochStore]:
 def resolve_state(store: EpochStore, pipeline_id: str, epoch: int, stage: str, *,
                   storage_uri: str | None = None) -> StateCut:
     """Check that ``stage``'s state as of ``epoch`` can be read and say where it is; raises
-    :class:`~airflow_arroyo.exceptions.NotFoundError` (unknown pipeline, epoch or stage) or
-    :class:`~airflow_arroyo.exceptions.ConfigurationError` (not completed, pruned, no state, no state yet), each
+    :class:`~airflow_arroyo.core.exceptions.NotFoundError` (unknown pipeline, epoch or stage) or
+    :class:`~airflow_arroyo.core.exceptions.ConfigurationError` (not completed, pruned, no state, no state yet), each
     naming the fix. ``storage_uri``: where the snapshot objects are when not the pipeline's registered storage."""
     pipe = store.get_pipeline(pipeline_id)
     record = store.get_epoch(pipeline_id, epoch)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from airflow_arroyo.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
+from airflow_arroyo.core.exceptions import ConfigurationError, UnknownEpochError, UnknownPipelineError
 from airflow_arroyo.runtime.decisions import EpochFacts, RestoreFacts, RestoreFrom
 
 if TYPE_CHECKING:

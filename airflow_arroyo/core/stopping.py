@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from airflow_arroyo.epochs import PipelineState
-from airflow_arroyo.exceptions import ConfigurationError
-from airflow_arroyo.supervision import restart_pending
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.core.supervision import restart_pending
 
 if TYPE_CHECKING:
     from airflow_arroyo.store import EpochRecord, EpochStore, PipelineRecord

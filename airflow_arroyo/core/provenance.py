@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from airflow_arroyo.epochs import EpochState
-from airflow_arroyo.exceptions import ConfigurationError, NotFoundError
-from airflow_arroyo.fs import FileSystem
+from airflow_arroyo.core.epochs import EpochState
+from airflow_arroyo.core.exceptions import ConfigurationError, NotFoundError
+from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.layout import object_path
 from airflow_arroyo.runtime.sinks.files import committed_files
 from airflow_arroyo.runtime.spark_checkpoint import offsets_path

@@ -1,6 +1,6 @@
 """Supervision: restart strategies and the pure decisions over a supervised pipeline's failures.
 
-Nothing in this module does I/O (like :mod:`airflow_arroyo.epochs`). The supervisor trigger
+Nothing in this module does I/O (like :mod:`airflow_arroyo.core.epochs`). The supervisor trigger
 (:class:`~airflow_arroyo.triggers.supervise.PipelineSupervisorTrigger`) notices a failure, the
 store records it (``arroyo_restarts``), and :func:`decide_restart` says, from the strategy and the
 failures recorded so far, whether to restart and after how long. Flink's strategies, same
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 __all__ = [
     "ExponentialDelay",

@@ -20,7 +20,7 @@ file sink, the pending rows of a PostgreSQL sink). Anything may then look at exa
     sink goes on.
 
 Restores never commit output a gate holds: ``restore_from='latest'`` restores the newest completed epoch before
-the oldest gate without a pass (:func:`airflow_arroyo.restores.read_restore_facts`), the epochs after it are
+the oldest gate without a pass (:func:`airflow_arroyo.core.restores.read_restore_facts`), the epochs after it are
 recomputed under gates of their own, and retention keeps that epoch and every later one while gates are open.
 Epochs that complete between two turns of the driver share one gate (the newest one's): a gate covers the
 sink's output since the previous gate.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from airflow_arroyo.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
 
 __all__ = [
     "GATE_TRANSITIONS",

@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from airflow_arroyo.exceptions import ConfigurationError
+from airflow_arroyo.core.exceptions import ConfigurationError
 
 __all__ = ["FileEntry", "FileSystem", "arrow_uri"]
 
@@ -100,7 +100,7 @@ class FileSystem:
     def from_uri(cls, uri: str) -> FileSystem:
         """A filesystem rooted at ``uri`` (local path, ``file://``, pyarrow or fsspec URI).
 
-        Raises :class:`~airflow_arroyo.exceptions.ConfigurationError` when no backend understands it.
+        Raises :class:`~airflow_arroyo.core.exceptions.ConfigurationError` when no backend understands it.
         """
         if not uri or not isinstance(uri, str):
             raise ConfigurationError(f"a filesystem URI must be a non-empty string, got {uri!r}")
