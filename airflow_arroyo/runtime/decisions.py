@@ -334,7 +334,8 @@ def plan_upgrade(epoch: int, epoch_stages: Iterable[str], graph: Mapping[str, st
             rows.append(StageUpgrade(
                 name, StageAction.INCOMPATIBLE,
                 f"fusion changed: epoch {epoch} ran it in the query of {', '.join(sorted(then))}, the new code in "
-                f"that of {', '.join(sorted(now))}; restore with the same fusion (across fusion: not yet supported)",
+                f"that of {', '.join(sorted(now))}; restore with the same fusion (what a change of fusion can "
+                "carry: docs/upgrading.md, 'Across a change of fusion')",
                 snapshot=snap, refused=True))
             continue
         shapes = (state_schemas or {}).get(name)
