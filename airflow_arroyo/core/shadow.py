@@ -1,4 +1,4 @@
-"""Shadow runs (issue 32, deliverable 5): run new code beside the live pipeline, compare, then promote or discard.
+"""Shadow runs: run new code beside the live pipeline, compare, then promote or discard.
 Airflow-free; ``airflow-arroyo shadow ...`` calls it.
 
 * **start**: fork a completed epoch of the live pipeline (pinned by the fork, ``fork:<shadow>``) into the shadow

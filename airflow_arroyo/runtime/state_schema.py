@@ -1,4 +1,4 @@
-"""State schema compatibility of an upgrade (issue 32): whether a stateful stage's new code can load the state Spark
+"""State schema compatibility of an upgrade: whether a stateful stage's new code can load the state Spark
 recorded in an epoch's snapshot, decided before the restore writes anything.
 
 The evidence is what Spark itself checks when the restored query first loads its state, read from the snapshot's

@@ -23,6 +23,7 @@ from airflow_arroyo.operators.upgrade import UpgradePipelineOperator
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import wait_for
 from airflow_arroyo.triggers.pipeline import PipelineStateTrigger
+from tests.airflow.test_pipeline_operators import _TI
 
 FAKE_DRIVER = str(Path(__file__).with_name("_fake_driver.py"))
 NEW_CODE = "tests.airflow._upgrade_code:up_op"
@@ -32,20 +33,6 @@ SPARK = "spark_test"
 TS = "2026-01-01T00:00:00+00:00"
 
 pytestmark = pytest.mark.usefixtures("no_defer_settle")
-
-
-class _TI:
-    """The task-instance calls the operators make (as in test_pipeline_operators.py)."""
-
-    dag_id = "d"
-    run_id = "manual__2026-01-01T00:00:00+00:00"
-    try_number = 1
-
-    def __init__(self) -> None:
-        self.xcom: dict[str, Any] = {}
-
-    def xcom_push(self, key: str, value: Any) -> None:
-        self.xcom[key] = value
 
 
 def upgrade_op(tmp_path: Path, **kwargs: Any) -> UpgradePipelineOperator:

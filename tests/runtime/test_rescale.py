@@ -60,15 +60,20 @@ def table_counts(dsn: str, table: str) -> dict[int, int]:
         conn.close()
 
 
+def create_counts_table(dsn: str, table: str) -> None:
+    """The upserted (k, n) table of a counting pipeline (sinks never create tables)."""
+    conn = psycopg2.connect(dsn)
+    with conn, conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (k bigint PRIMARY KEY, n bigint NOT NULL)")
+    conn.close()
+
+
 def test_a_restore_rescales_an_aggregations_state_4_to_8_to_2_with_exact_counts(
         spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
     pid = f"rescale-{uuid.uuid4().hex[:6]}"
     table = f"counts_{uuid.uuid4().hex[:8]}"
     dsn = module_store.dsn
-    conn = psycopg2.connect(dsn)
-    with conn, conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (k bigint PRIMARY KEY, n bigint NOT NULL)")
-    conn.close()
+    create_counts_table(dsn, table)
     storage = str(tmp_path / "storage")
     layout = StorageLayout.at(storage, pid)
     src = layout.channel_uri("src")

@@ -74,6 +74,14 @@ def folder_values(path: Path, column: str) -> list[int]:
     return out
 
 
+def completed_epochs(store: EpochStore, pid: str) -> int:
+    """How many epochs of ``pid`` completed (0 before it registered)."""
+    try:
+        return len(store.list_epochs(pid, states=[EpochState.COMPLETED]))
+    except UnknownPipelineError:  # not registered yet
+        return 0
+
+
 def test_an_upgrade_in_one_step_renames_a_stateful_stage_and_adds_one_that_starts_at_the_final_epochs_cut(
         spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
     pid = f"upgrade-{uuid.uuid4().hex[:6]}"
@@ -82,10 +90,7 @@ def test_an_upgrade_in_one_step_renames_a_stateful_stage_and_adds_one_that_start
     src_channel = layout.channel_uri("src")
 
     def completed() -> int:
-        try:
-            return len(module_store.list_epochs(pid, states=[EpochState.COMPLETED]))
-        except UnknownPipelineError:  # not registered yet
-            return 0
+        return completed_epochs(module_store, pid)
 
     first = DriverThread(PipelineDriver(v1(pid, tmp_path), module_store, storage_uri=storage, spark=spark)).start()
     with CheckpointTicker(module_store, pid, interval=1.0):

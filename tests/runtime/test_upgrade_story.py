@@ -16,11 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
-from airflow_arroyo.core.epochs import EpochState, PipelineState
-from airflow_arroyo.core.exceptions import UnknownPipelineError
+from airflow_arroyo.core.epochs import PipelineState
 from airflow_arroyo.core.upgrades import prepare_upgrade
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
@@ -31,8 +29,8 @@ from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
 from tests.runtime.pipeline_support import interrupted_restore
-from tests.runtime.test_rescale import table_counts
-from tests.runtime.test_upgrade_restore import evens, folder_values
+from tests.runtime.test_rescale import create_counts_table, table_counts
+from tests.runtime.test_upgrade_restore import completed_epochs, evens, folder_values
 
 pytestmark = [pytest.mark.spark]
 
@@ -71,19 +69,13 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
     pid = f"story-{uuid.uuid4().hex[:6]}"
     table = f"story_{uuid.uuid4().hex[:8]}"
     dsn = module_store.dsn
-    conn = psycopg2.connect(dsn)
-    with conn, conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (k bigint PRIMARY KEY, n bigint NOT NULL)")
-    conn.close()
+    create_counts_table(dsn, table)
     storage = str(tmp_path / "storage")
     layout = StorageLayout.at(storage, pid)
     src = layout.channel_uri("src")
 
     def completed() -> int:
-        try:
-            return len(module_store.list_epochs(pid, states=[EpochState.COMPLETED]))
-        except UnknownPipelineError:
-            return 0
+        return completed_epochs(module_store, pid)
 
     def driver(n: int, **kwargs: Any) -> PipelineDriver:
         return PipelineDriver(version(n, pid, dsn, table, tmp_path), module_store, storage_uri=storage, spark=spark,
