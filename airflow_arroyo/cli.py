@@ -468,8 +468,10 @@ def _cmd_restore(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
 
 def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Dry run: the new code's stages (``--pipeline-module``) against an epoch of ``PIPELINE``, each restored, new,
-    removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). Touches nothing; exit 0 when
-    the plan restores, 2 when it is refused."""
+    removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). ``--check-state-schema``
+    also plans the new code's DataFrames in a local Spark session and compares their state schemas with the
+    epoch's snapshots (:mod:`airflow_arroyo.runtime.upgrade_evidence`). Touches nothing; exit 0 when the plan
+    restores, 2 when it is refused."""
     from airflow_arroyo.core.restores import parse_restore_from
     from airflow_arroyo.core.upgrades import check_upgrade
     from airflow_arroyo.runtime.driver import load_pipeline
@@ -477,15 +479,27 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     _require_schema(store)
     renamed = _renames(args.rename)
     graph = load_pipeline(args.pipeline_module).validate()
-    plan = check_upgrade(store, args.pipeline, graph, parse_restore_from(args.epoch),
-                         allow_dropped_state=args.allow_dropped_state or (), renamed=renamed)
+    epoch = parse_restore_from(args.epoch)
+    options: dict[str, Any] = {"allow_dropped_state": args.allow_dropped_state or (), "renamed": renamed}
+    plan = check_upgrade(store, args.pipeline, graph, epoch, **options)  # every refusal of bad input before Spark
+    checked: list[str] | None = None
+    if args.check_state_schema:
+        from airflow_arroyo.runtime.upgrade_evidence import planning_session, upgrade_state_schemas
+
+        with planning_session() as spark:
+            evidence = upgrade_state_schemas(store, args.pipeline, graph, plan, spark)
+        plan = check_upgrade(store, args.pipeline, graph, plan.epoch, **options, state_schemas=evidence)
+        checked = [stage for stage, _ in evidence]
     if args.json:
         json.dump({"pipeline": args.pipeline, "epoch": plan.epoch, "restores": plan.restores,
-                   "stages": [_jsonable(row) for row in plan.stages]}, out)
+                   "state_schema_checked": checked, "stages": [_jsonable(row) for row in plan.stages]}, out)
         out.write("\n")
     else:
         _table(["STAGE", "ACTION", "REASON"],
                [[r.stage, r.action.value + (" (refused)" if r.refused else ""), r.reason] for r in plan.stages], out)
+        if checked is not None:
+            out.write(f"state schemas checked: {', '.join(checked) or 'none'} (docs/upgrading.md, 'State schema "
+                      "compatibility', says which stages are not)\n")
         if not plan.restores:
             out.write(f"refused: {', '.join(r.stage for r in plan.refused)} (see each reason for the fix)\n")
     return EXIT_OK if plan.restores else EXIT_BAD_INPUT
@@ -1165,6 +1179,10 @@ def _build_parser() -> _Parser:
                          help="a stage of the epoch the new code drops, with its state (repeatable)")
     upgrade.add_argument("--rename", action="append", metavar="OLD=NEW",
                          help="the epoch's stage OLD restores into the new stage NEW (repeatable)")
+    upgrade.add_argument("--check-state-schema", action="store_true",
+                         help="also check that each restored stage's state keeps its shape, as the driver does: "
+                              "starts a local Spark session to plan the new code's DataFrames (nothing runs, "
+                              "nothing is written)")
     up = sub.add_parser("upgrade", parents=[common],
                         help="upgrade a running pipeline to new code: plan, stop with a final epoch, pin it, plan "
                              "again, then start the new code (--start) or print how")

@@ -30,6 +30,7 @@ from airflow_arroyo.runtime.graph import stage_identities
 
 if TYPE_CHECKING:
     from airflow_arroyo.runtime.graph import PipelineGraph
+    from airflow_arroyo.runtime.upgrade_evidence import StateSchemas
     from airflow_arroyo.store import EpochStore
 
 __all__ = ["UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "prepare_upgrade"]
@@ -73,15 +74,20 @@ class UpgradeReady:
 
 
 def check_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, epoch: RestoreFrom = "latest", *,
-                  allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None) -> UpgradePlan:
-    """The plan of a restore of ``epoch`` into the code of ``graph`` (its logical stages); reads only."""
+                  allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None,
+                  state_schemas: StateSchemas = ()) -> UpgradePlan:
+    """The plan of a restore of ``epoch`` into the code of ``graph`` (its logical stages); reads only.
+    ``state_schemas``: the evidence of state compatibility where it was gathered (with Spark:
+    :func:`airflow_arroyo.runtime.upgrade_evidence.upgrade_state_schemas`); without it no stage's state shape is
+    checked."""
     facts = read_restore_facts(store, pipeline_id, epoch, stages=None).facts
     if facts.epoch is None:
         raise ConfigurationError(f"pipeline {pipeline_id} has no epoch {epoch} to plan an upgrade from "
                                  f"(airflow-arroyo epochs {pipeline_id} lists them)")
     new_code = dataclasses.replace(
         facts, stages=tuple(graph.stage_names), identities=stage_identities(graph.stages),
-        allow_dropped_state=tuple(allow_dropped_state), renamed=tuple((renamed or {}).items()))
+        allow_dropped_state=tuple(allow_dropped_state), renamed=tuple((renamed or {}).items()),
+        state_schemas=tuple(state_schemas))
     return plan_stages(new_code, facts.epoch)
 
 

@@ -95,7 +95,7 @@ from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
-from airflow_arroyo.runtime.state_schema import OperatorState, own_operator_states, parse_operator_states
+from airflow_arroyo.runtime.upgrade_evidence import StateSchemas, gather_state_schemas, snapshot_state_files
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
 if TYPE_CHECKING:
@@ -391,33 +391,15 @@ class PipelineDriver:
             log.info("pipeline=%s: no completed epoch to restore from; starting from the beginning", self.pipeline_id)
         return plan
 
-    def _state_evidence(self, plan: RestorePlan) -> tuple[tuple[str, tuple[tuple[OperatorState, ...],
-                                                                             tuple[OperatorState, ...]]], ...]:
+    def _state_evidence(self, plan: RestorePlan) -> StateSchemas:
         """Reads only: for each restored stage that runs as its own query, the stateful operators its snapshot
-        holds (the schema files Spark wrote) and those this code's query would write (docs/upgrading.md, "State
-        schema compatibility"). Stages split or merged across fusion, fused groups, and queries whose operators are
-        not derived are not checked."""
+        holds and those this code's query would write (:func:`~airflow_arroyo.runtime.upgrade_evidence.
+        gather_state_schemas`, as ``airflow-arroyo upgrade-plan --check-state-schema`` gathers them)."""
         if plan.upgrade is None or plan.epoch is None or self._fork_source is not None:
             return ()
         epoch = plan.epoch
-        logical = {s.name: s for s in self.logical.stages}
-        out = []
-        for stage, snap in plan.upgrade.snapshot_of().items():
-            spec = logical.get(stage)
-            if spec is None or stage in plan.upgrade.across_fusion() or self._stateful.get(stage) is False:
-                continue
-            frame = self._frames.get(stage)
-            inputs = [self._frames.get(i) for i in spec.inputs]
-            if frame is None or len(inputs) > 1 or any(f is None for f in inputs):
-                continue
-            new = own_operator_states(frame, inputs)
-            if new is None:
-                continue
-            files = {e.rel_path: (lambda key=e.object_key: self.snapshots.fs.read_bytes(
-                object_path(self.pipeline_id, key)))
-                for e in self.store.snapshot_entries(self.pipeline_id, epoch, snap) if e.rel_path.startswith("state/")}
-            out.append((stage, (parse_operator_states(files), new)))
-        return tuple(out)
+        return gather_state_schemas(plan.upgrade, self.logical, self._frames, self._stateful, lambda snap: (
+            snapshot_state_files(self.store, self.snapshots.fs, self.pipeline_id, epoch, snap)))
 
     def _check_rescale(self, plan: RestorePlan) -> None:
         """Refuse a rescale that names no stage this restore rebuilds, before anything is written."""

@@ -24,8 +24,9 @@ state follows). This is cheap (no job, no files) and exact for aggregations and 
 tests/runtime/test_state_schema_spark.py checks against Spark's own verdict on a real checkpoint. A dry run into a
 scratch checkpoint would cover every operator but costs a query start and an input batch per stage, and needs
 input to make Spark write its files; stages with other stateful operators (joins, arbitrary state) answer None and
-are not checked. The driver gathers this evidence before its restore writes anything (``_state_evidence``);
-``check_upgrade`` and ``airflow-arroyo upgrade-plan`` run no Spark and do not (docs/upgrading.md).
+are not checked. The driver (before its restore writes anything) and ``airflow-arroyo upgrade-plan
+--check-state-schema`` gather this evidence the same way (``runtime/upgrade_evidence.py``); ``check_upgrade``
+without it runs no Spark and does not check (docs/upgrading.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,119 @@
+"""The state schema evidence of an upgrade plan, gathered one way for every caller that has Spark: the driver, before
+its restore writes anything, and ``airflow-arroyo upgrade-plan --check-state-schema``, a dry run
+(docs/upgrading.md, "State schema compatibility").
+
+For each stage the plan restores that runs as its own query with at most one input: the stateful operators Spark
+recorded in the epoch's snapshot of it (its ``state/`` objects, read where the snapshot store keeps them; nothing is
+rebuilt) and those the new code's query would write (its DataFrame composed for Spark's analyzer, planned, not run:
+:mod:`airflow_arroyo.runtime.state_schema`). The pure planner (``runtime/decisions.py`` ``plan_upgrade``) decides
+with them. Reads only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from airflow_arroyo.core.fs import FileSystem
+from airflow_arroyo.runtime.layout import object_path
+from airflow_arroyo.runtime.state_schema import OperatorState, own_operator_states, parse_operator_states
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from airflow_arroyo.runtime.decisions import UpgradePlan
+    from airflow_arroyo.runtime.pipeline import PipelineGraph
+    from airflow_arroyo.store import EpochStore
+
+__all__ = ["StateSchemas", "gather_state_schemas", "planning_session", "snapshot_state_files",
+           "upgrade_state_schemas"]
+
+#: new stage -> (the stateful operators its snapshot holds, those the new code's query would write)
+StateSchemas = tuple[tuple[str, tuple[tuple[OperatorState, ...], tuple[OperatorState, ...]]], ...]
+
+
+def snapshot_state_files(store: EpochStore, storage: FileSystem, pipeline_id: str, epoch: int,
+                         stage: str) -> dict[str, Callable[[], bytes]]:
+    """The ``state/`` files of ``stage``'s snapshot in ``epoch``: path inside the checkpoint -> a reader of its
+    object below ``storage`` (the pipeline's storage root), read only when called."""
+    return {e.rel_path: functools.partial(storage.read_bytes, object_path(pipeline_id, e.object_key))
+            for e in store.snapshot_entries(pipeline_id, epoch, stage) if e.rel_path.startswith("state/")}
+
+
+def gather_state_schemas(upgrade: UpgradePlan, graph: PipelineGraph, frames: Mapping[str, Any],
+                         stateful: Mapping[str, bool | None],
+                         state_files: Callable[[str], Mapping[str, Callable[[], bytes]]]) -> StateSchemas:
+    """The evidence for each stage of ``upgrade`` restored from a snapshot that runs as its own query.
+
+    ``graph`` is the new code's logical graph, ``frames`` its stages composed
+    (:func:`~airflow_arroyo.runtime.plan.compose_stages`), ``stateful`` what
+    :func:`~airflow_arroyo.runtime.plan.stateful_stages` found, ``state_files`` the epoch's stage -> its snapshot's
+    ``state/`` files (:func:`snapshot_state_files`). Not checked (left out): a fused query (not a logical stage),
+    a stage split or merged across fusion, a stage known stateless, one with several inputs or one whose operators
+    are not derived (joins, arbitrary state)."""
+    logical = {s.name: s for s in graph.stages}
+    across = upgrade.across_fusion()
+    out = []
+    for stage, snap in upgrade.snapshot_of().items():
+        spec = logical.get(stage)
+        if spec is None or stage in across or stateful.get(stage) is False:
+            continue
+        frame = frames.get(stage)
+        inputs = [frames.get(graph.writers.get(c, c)) for c in spec.all_inputs]
+        if frame is None or len(inputs) > 1 or any(f is None for f in inputs):
+            continue
+        new = own_operator_states(frame, inputs)
+        if new is None:
+            continue
+        out.append((stage, (parse_operator_states(state_files(snap)), new)))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def planning_session() -> Iterator[SparkSession]:
+    """A Spark session to plan DataFrames in, for a command line: the active one, else a local one (one core, no
+    UI, warnings and errors only) stopped on exit. Nothing runs in it."""
+    import os
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        yield active
+        return
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # a user's own setting stands
+    builder = SparkSession.builder.master("local[1]").appName("airflow-arroyo-upgrade-plan")
+    for key, value in {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "1",
+                       "spark.ui.showConsoleProgress": "false"}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def upgrade_state_schemas(store: EpochStore, pipeline_id: str, graph: PipelineGraph, upgrade: UpgradePlan,
+                          spark: SparkSession) -> StateSchemas:
+    """:func:`gather_state_schemas` for a dry run of ``graph`` (the new code) restoring ``upgrade.epoch`` of
+    ``pipeline_id``: its stages composed in ``spark``, the snapshots read below the pipeline's registered storage.
+    A fork that has not restored its fork point yet is not checked (its snapshots are its source's), as in the
+    driver."""
+    from airflow_arroyo.runtime.plan import compose_stages, stateful_stages
+
+    record = store.get_pipeline(pipeline_id)
+    source, point = record.forked_from_pipeline, record.forked_from_epoch
+    if not record.storage_uri or (source is not None and point is not None
+                                  and pipeline_id in store.waiting_forks(source, point)):
+        return ()
+    if not any(upgrade.snapshot_of().values()):
+        return ()
+    storage = FileSystem.from_uri(record.storage_uri)
+    frames = compose_stages(graph, spark)
+    stateful = stateful_stages(graph, spark, frames)
+    return gather_state_schemas(upgrade, graph, frames, stateful, lambda snap: snapshot_state_files(
+        store, storage, pipeline_id, upgrade.epoch, snap))
