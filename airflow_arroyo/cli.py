@@ -69,6 +69,9 @@ from airflow_arroyo.core.units import bytes_human
 if TYPE_CHECKING:
     from airflow_arroyo.core.epochs import RetentionPolicy
     from airflow_arroyo.core.gates import GateRecord
+    from airflow_arroyo.runtime.decisions import UpgradePlan
+    from airflow_arroyo.runtime.graph import PipelineGraph
+    from airflow_arroyo.runtime.upgrade_evidence import StateSchemas
     from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
@@ -484,10 +487,7 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     plan = check_upgrade(store, args.pipeline, graph, epoch, **options)  # every refusal of bad input before Spark
     checked: list[str] | None = None
     if args.check_state_schema:
-        from airflow_arroyo.runtime.upgrade_evidence import planning_session, upgrade_state_schemas
-
-        with planning_session() as spark:
-            evidence = upgrade_state_schemas(store, args.pipeline, graph, plan, spark)
+        evidence = _state_schemas(store, args.pipeline, graph)(plan)
         plan = check_upgrade(store, args.pipeline, graph, plan.epoch, **options, state_schemas=evidence)
         checked = [stage for stage, _ in evidence]
     if args.json:
@@ -503,6 +503,19 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
         if not plan.restores:
             out.write(f"refused: {', '.join(r.stage for r in plan.refused)} (see each reason for the fix)\n")
     return EXIT_OK if plan.restores else EXIT_BAD_INPUT
+
+
+def _state_schemas(store: EpochStore, pipeline_id: str,
+                   graph: PipelineGraph) -> Callable[[UpgradePlan], StateSchemas]:
+    """The state schema evidence of a plan of ``graph``, gathered in a local Spark session (``--check-state-schema``;
+    :mod:`airflow_arroyo.runtime.upgrade_evidence`)."""
+    from airflow_arroyo.runtime.upgrade_evidence import planning_session, upgrade_state_schemas
+
+    def gather(plan: UpgradePlan) -> StateSchemas:
+        with planning_session() as spark:
+            return upgrade_state_schemas(store, pipeline_id, graph, plan, spark)
+
+    return gather
 
 
 def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
@@ -527,7 +540,9 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
     wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
     graph = load_pipeline(args.pipeline_module).validate()
     ready = prepare_upgrade(store, args.pipeline, graph, allow_dropped_state=args.allow_dropped_state or (),
-                            renamed=_renames(args.rename), label=args.label, stop_timeout=wait)
+                            renamed=_renames(args.rename), label=args.label, stop_timeout=wait,
+                            state_schemas=_state_schemas(store, args.pipeline, graph) if args.check_state_schema
+                            else None)
     command = [sys.executable, *(["-m", "airflow_arroyo.runtime.driver"] if args.driver is None else [args.driver]),
                "--pipeline", args.pipeline_module, "--run-id", f"upgrade-{datetime.now():%Y%m%dT%H%M%S}",
                *ready.driver_args()]
@@ -1200,6 +1215,9 @@ def _build_parser() -> _Parser:
     up.add_argument("--master", help="the Spark master of the started driver, e.g. 'local[2]'")
     up.add_argument("--log", help="the started driver's log file (default: ./<pipeline>-upgrade-<time>.log)")
     up.add_argument("--driver", help="the driver script to start (default: the runtime driver module)")
+    up.add_argument("--check-state-schema", action="store_true",
+                    help="both plan steps also check each restored stage's state shape in a local Spark session, "
+                         "as upgrade-plan --check-state-schema does: a refusal comes while the old code still runs")
     lock = sub.add_parser("lock", parents=[common], help="show who holds a pipeline's cleanup lock")
     lock.add_argument("pipeline")
     stop = sub.add_parser("stop", parents=[common],

@@ -17,7 +17,7 @@ and the old code restores the pinned epoch (or ``latest``) as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -97,11 +97,29 @@ def _refusal(plan: UpgradePlan) -> str:
 
 def prepare_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, *,
                     allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None,
-                    label: str | None = None, stop_timeout: float = 600.0, poll: float = 0.5) -> UpgradeReady:
-    """Steps 1-4 of the module docstring; returns what the new code restores."""
+                    label: str | None = None, stop_timeout: float = 600.0, poll: float = 0.5,
+                    state_schemas: Callable[[UpgradePlan], StateSchemas] | None = None) -> UpgradeReady:
+    """Steps 1-4 of the module docstring; returns what the new code restores. ``state_schemas``: where the caller
+    has Spark, the evidence of state compatibility for a plan (``upgrade-plan --check-state-schema``'s, from
+    :mod:`airflow_arroyo.runtime.upgrade_evidence`); both plan steps then refuse a stage whose state changed shape,
+    the first one while the old code still runs."""
     label = label or f"upgrade {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
     check_stop("graceful", label)
-    before = check_upgrade(store, pipeline_id, graph, allow_dropped_state=allow_dropped_state, renamed=renamed)
+
+    def plan(epoch: RestoreFrom, step: str, after: str) -> UpgradePlan:
+        first = check_upgrade(store, pipeline_id, graph, epoch, allow_dropped_state=allow_dropped_state,
+                              renamed=renamed)
+        if state_schemas is None:
+            return first
+        try:
+            evidence = state_schemas(first)
+        except Exception as exc:  # Spark could not plan the new code, or a snapshot object is unreadable
+            raise UpgradeError(pipeline_id, step, f"the state schema check could not run: {type(exc).__name__}: "
+                               f"{exc}", after=after) from exc
+        return check_upgrade(store, pipeline_id, graph, first.epoch, allow_dropped_state=allow_dropped_state,
+                             renamed=renamed, state_schemas=evidence)
+
+    before = plan("latest", "plan", "Nothing was changed: the old code still runs")
     if not before.restores:
         raise UpgradeRefused(pipeline_id, "plan", f"the new code cannot restore epoch {before.epoch}: "
                            f"{_refusal(before)}", after="Nothing was changed: the old code still runs")
@@ -121,8 +139,8 @@ def prepare_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, *
     except ConfigurationError as exc:
         raise UpgradeError(pipeline_id, "pin", str(exc), after="The pipeline is stopped; the old code restores "
                            "'latest' as before") from exc
-    after = check_upgrade(store, pipeline_id, graph, pinned.epoch, allow_dropped_state=allow_dropped_state,
-                          renamed=renamed)
+    after = plan(pinned.epoch, "final plan", f"The pipeline is stopped with epoch {pinned.epoch} pinned ({label!r}); "
+                 f"the old code restores it (restore_from={pinned.epoch})")
     if not after.restores:
         raise UpgradeError(pipeline_id, "final plan", f"the new code cannot restore the final epoch {pinned.epoch}: "
                            f"{_refusal(after)}", after=f"The pipeline is stopped with epoch {pinned.epoch} pinned "

@@ -86,6 +86,10 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
     XCom: ``pinned_epoch``, ``pin_label``, ``upgrade_plan`` (a row per stage: stage, action, reason, snapshot), then
     what the submit operator pushes. A retry that finds the run an earlier try started carries on with it.
 
+    The plan steps do not check state schemas: that starts Spark, which the worker need not have; the new code's
+    driver refuses a stage whose state changed shape before it writes anything (docs/upgrading.md, "As an Airflow
+    task", says how to check before the stop).
+
     Usage::
 
         upgrade = UpgradePipelineOperator(

@@ -2,7 +2,8 @@
 column against new code keying it by two is *incompatible*, naming the stage, the operator and both key schemas, in
 the table and the JSON (without the option the same plan says *restored*: only the driver would refuse it); a
 compatible change (a filter upstream) is *restored*. The dry run writes nothing: the storage tree and every store
-row of the pipeline are the same before and after."""
+row of the pipeline are the same before and after. ``airflow-arroyo upgrade --check-state-schema`` refuses the
+incompatible code at its first plan step, the old code still running and not asked to stop."""
 
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ def test_upgrade_plan_reports_a_changed_state_key_as_incompatible_and_writes_not
                                       spark=spark)).start()
     with CheckpointTicker(module_store, pid, interval=1.0):
         wait_for(lambda: old.error or len(completed()) >= 2, timeout=240, what="two epochs of the old code")
+        # the one-step upgrade with the check refuses at its first plan step: the old code is not asked to stop
+        code, out, err = run(capsys, "--dsn", module_store.dsn, "upgrade", pid, "--pipeline-module",
+                             f"{MODULE}:refused_code", "--check-state-schema", "--wait", "30s")
+        assert (code, out) == (2, ""), (out, err)
+        assert f"upgrade of pipeline {pid!r} stopped at step 'plan'" in err
+        assert "stage 'dedup' incompatible: state changed shape" in err and "the old code still runs" in err
+        record = module_store.get_pipeline(pid)
+        assert (record.state, record.stop_requested, old.error) == (PipelineState.RUNNING, None, None)
+        assert all(e.pin_label is None for e in module_store.list_epochs(pid))
     module_store.request_stop(pid, "graceful")
     assert old.join(240).state is PipelineState.STOPPED
     epoch = max(completed())
