@@ -18,14 +18,10 @@ Set ``ARROYO_TEST_SEED`` to replay a run's choice of moments, ``ARROYO_TEST_KILL
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -36,7 +32,6 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.core.epochs import EpochState, PipelineState
-from airflow_arroyo.core.exceptions import UnknownPipelineError
 from airflow_arroyo.examples import (
     OUTPUT_CHANNEL,
     PG_REPORT_DDL,
@@ -49,75 +44,16 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
-from tests.runtime.pipeline_support import check_barriers_follow_cuts
+from tests.runtime.pipeline_support import DEMO_ROWS, Driver, check_barriers_follow_cuts, current
 from tests.support import sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
-ROWS = 2000
+ROWS = DEMO_ROWS
 S3_ROWS = 600  # the S3 run: fewer rows, one kill (every request goes through moto's HTTP server)
-PER_BATCH = 100
 STAGES = ("left", "right", "joined", "report")
 FUSED = "~".join(STAGES)  # the fused form's one physical stage before the sinks (runtime/plan.py names it)
-SINK_DSN_ENV = "ARROYO_TEST_SINK_DSN"
 MOMENTS = ("between", "starting", "aligning", "snapshot", "random")
-
-
-class Driver:
-    """The driver as a subprocess in its own process group (so that SIGKILL takes the JVM too)."""
-
-    def __init__(self, *, dsn: str, storage: Path | str, pipeline_id: str, run_id: str, logs: Path, sink: Path | str,
-                 rows: int = ROWS, checkpoints: Path | None = None, env: dict[str, str] | None = None,
-                 sink_dsn: str | None = None, chaining: bool = False, args: dict[str, object] | None = None,
-                 pipeline: str | None = None) -> None:
-        """The demo pipeline with its arguments; ``pipeline`` (a module ref) another, given only ``args``."""
-        self.run_id = run_id
-        self.log_path = logs / f"{run_id}.log"
-        demo_args = [
-            "--arg", f"rows={rows}", "--arg", f"rows_per_batch={PER_BATCH}", "--arg", f"sink_path={sink}",
-            "--arg", f"chaining={'true' if chaining else 'false'}"]
-        cmd = [
-            sys.executable, "-m", "airflow_arroyo.runtime.driver",
-            "--pipeline", pipeline or "airflow_arroyo.examples.pipelines:demo", "--arg", f"pipeline_id={pipeline_id}",
-            *(demo_args if pipeline is None else []),
-            *(a for key, value in (args or {}).items() for a in ("--arg", f"{key}={json.dumps(value)}")),
-            *(["--arg", f"pg_dsn_env={SINK_DSN_ENV}", "--arg", "pg_report_table=report_rows",
-               "--arg", "pg_totals_table=key_totals"] if sink_dsn else []),
-            "--storage-uri", str(storage), "--run-id", run_id, "--restore-from", "latest", "--takeover",
-            "--master", "local[2]", "--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.ui.enabled=false",
-            "--conf", "spark.driver.memory=1g", "--poll-interval", "0.05",
-            *(["--checkpoint-uri", str(checkpoints)] if checkpoints is not None else []),
-        ]
-        env = {**os.environ, **(env or {}), **({SINK_DSN_ENV: sink_dsn} if sink_dsn else {}), "ARROYO_DSN": dsn,
-               "PYSPARK_PYTHON": sys.executable,
-               "PYSPARK_DRIVER_PYTHON": sys.executable}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process writes it until wait() closes it
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.wait(60)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-def current(store: EpochStore, pid: str) -> Any:
-    try:
-        return store.get_pipeline(pid)
-    except UnknownPipelineError:
-        return None
 
 
 def moment_condition(moment: str, store: EpochStore, pid: str, run_id: str, layout: StorageLayout,

@@ -1,16 +1,20 @@
 """Issue 32's proof on real Spark: one run of a pipeline shaped like the example (a generator source whose input
-keeps flowing, a RocksDB aggregation, exactly-once sinks) upgraded twice and rescaled once, with a restore killed
-on the way, exact at the end against plain Python.
+keeps flowing, a RocksDB aggregation, exactly-once sinks) upgraded twice and rescaled once, every run before an
+upgrade SIGKILLed and every upgrade's restore SIGKILLed once on the way, exact at the end against plain Python.
 
-v1 (src -> counts -> PostgreSQL upsert) is upgraded in one step while it runs to v2: the aggregation renamed under
-a stable uid (its state kept) and a new branch (even ids to files, starting at the final epoch's cut). v2 is
-restored into 8 state partitions (a first attempt killed after the rewrite, before the commit point), then
-upgraded to v3, a compatible change (a stateless filter before the aggregation, which the driver's state schema
-check lets through). The table ends with every key's count over all rows, the files with the even ids after the
-first upgrade's cut."""
+v1 (src -> counts -> PostgreSQL upsert) runs as a driver process of its own and is SIGKILLed (its JVM with it) at
+a random moment after it completed an epoch. v2 restores the latest epoch: the aggregation renamed under a stable
+uid (its state kept) and a new branch (even ids to files, starting at that epoch's cut); its first restore is
+SIGKILLed right after it switched the renamed stage's checkpoint (after the restore's commit point), the second
+finishes it and runs until it is SIGKILLed at random after an epoch of its own. v3, a compatible change (a
+stateless filter before the aggregation, which the driver's state schema check lets through), restores that
+epoch into 8 state partitions instead of 4: its first restore is SIGKILLed right after the rewrite (before the
+commit point: nothing changes), the second runs to the end of the input. The table ends with every key's count
+over all rows, the files with the even ids after v2's cut, and no restored epoch's objects were touched."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -19,7 +23,6 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.core.epochs import PipelineState
-from airflow_arroyo.core.upgrades import prepare_upgrade
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
@@ -28,9 +31,17 @@ from airflow_arroyo.runtime.rescale import checkpoint_partitions
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
-from tests.runtime.pipeline_support import interrupted_restore
+from tests.runtime.pipeline_support import (
+    SINK_DSN_ENV,
+    Driver,
+    current,
+    epoch_objects,
+    kill_at_random_after_an_epoch,
+    kill_seed,
+    restore_killed_at,
+)
 from tests.runtime.test_rescale import create_counts_table, table_counts
-from tests.runtime.test_upgrade_restore import completed_epochs, evens, folder_values
+from tests.runtime.test_upgrade_restore import evens, folder_values
 
 pytestmark = [pytest.mark.spark]
 
@@ -50,95 +61,98 @@ def filtered_counts(df: Any) -> Any:
     return counts(df.where(F.col("id") >= 0))
 
 
-def version(n: int, pid: str, dsn: str, table: str, root: Path) -> Pipeline:
-    p = Pipeline(pid, chaining=False)
+def version(n: int, pipeline_id: str, table: str, root: str) -> Pipeline:
+    """The code's version ``n`` (the driver's ``--pipeline tests.runtime.test_upgrade_story:version``); its
+    PostgreSQL sink reads the DSN from ``SINK_DSN_ENV``."""
+    p = Pipeline(pipeline_id, chaining=False)
     src = p.source("src", lambda spark: generator_source(spark, total_rows=ROWS, rows_per_second=40,
                                                           partitions=1).select("id"))
     name, code = {1: ("counts", counts), 2: ("counts_v2", counts), 3: ("counts_v2", filtered_counts)}[n]
     agg = p.stage(name, code, [src], output_mode="update", state_store="rocksdb", output="counts", uid="counts",
                   spark_conf={"spark.sql.shuffle.partitions": "4"})
-    p.sink("out", [agg], postgres=PostgresTarget(table=table, dsn=dsn, mode="upsert", key=("k",)))
+    p.sink("out", [agg], postgres=PostgresTarget(table=table, dsn_env=SINK_DSN_ENV, mode="upsert", key=("k",)))
     if n >= 2:
         even = p.stage("evens", evens, [src])
-        p.sink("evens_out", [even], format="json", options={"path": str(root / "evens")})
+        p.sink("evens_out", [even], format="json", options={"path": f"{root}/evens"})
     return p
 
 
 def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows_is_exact(
-        spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
+        spark: Any, module_store: EpochStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = kill_seed()
     pid = f"story-{uuid.uuid4().hex[:6]}"
     table = f"story_{uuid.uuid4().hex[:8]}"
     dsn = module_store.dsn
     create_counts_table(dsn, table)
-    storage = str(tmp_path / "storage")
-    layout = StorageLayout.at(storage, pid)
+    monkeypatch.setenv(SINK_DSN_ENV, dsn)  # the in-process run's sink; the processes get it in their environment
+    storage = tmp_path / "storage"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    layout = StorageLayout.at(str(storage), pid)
     src = layout.channel_uri("src")
 
-    def completed() -> int:
-        return completed_epochs(module_store, pid)
-
-    def driver(n: int, **kwargs: Any) -> PipelineDriver:
-        return PipelineDriver(version(n, pid, dsn, table, tmp_path), module_store, storage_uri=storage, spark=spark,
-                              **kwargs)
-
-    def run(n: int, rows: int, **kwargs: Any) -> Any:
-        d = driver(n, **kwargs)
-        thread = DriverThread(d).start()
-        with CheckpointTicker(module_store, pid, interval=1.0):
-            wait_for(lambda: thread.error or (d.started.is_set() and channel_row_count(src) >= rows),
-                     timeout=240, what=f"{rows} rows read by v{n}")
-        module_store.request_stop(pid, "graceful")  # a final epoch: the next run restores it
-        return thread.join(240)
-
-    # v1 runs; the upgrade to v2 stops it with a final epoch and pins it, while input flows
-    first = DriverThread(driver(1)).start()
-    with CheckpointTicker(module_store, pid, interval=1.0):
-        wait_for(lambda: first.error or (completed() >= 1 and channel_row_count(src) >= ROWS // 10),
-                 timeout=240, what="an epoch of v1")
-        ready = prepare_upgrade(module_store, pid, version(2, pid, dsn, table, tmp_path).validate(), label="v2",
-                                stop_timeout=120)
-    assert first.join(240).state is PipelineState.STOPPED
-    assert {r.stage: r.action.value for r in ready.plan.stages} == {
-        "src": "restored", "counts_v2": "restored", "out": "restored", "evens": "new", "evens_out": "new"}
-    channel = Channel.open(src)
-    barrier = channel.find_barrier(ready.epoch)
-    assert barrier is not None
-    before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
-    assert min(before_cut) == 0 and 0 < len(before_cut) < ROWS
-
-    v2 = run(2, 2 * ROWS // 5, restore_from=ready.epoch)
-    assert v2.state is PipelineState.STOPPED and v2.restored_from_epoch == ready.epoch
-
-    # rescale 4 -> 8 on a restore; the first attempt is killed after the rewrite, before the commit point
-    latest = module_store.latest_completed_epoch(pid)
+    def start(n: int, *options: str, run_id: str, kill_at_step: str | None = None) -> Driver:
+        return Driver(dsn=dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs,
+                      pipeline="tests.runtime.test_upgrade_story:version",
+                      args={"n": n, "table": table, "root": str(tmp_path)}, env={SINK_DSN_ENV: dsn},
+                      options=options, kill_at_step=kill_at_step)
 
     def partitions() -> int | None:
         return checkpoint_partitions(layout.checkpoint_fs, layout.checkpoint("counts_v2")).partitions
 
-    def look() -> None:
-        assert partitions() == 4
-        assert module_store.latest_completed_epoch(pid) == latest
+    def restored(run_id: str) -> int | None:
+        """The epoch ``run_id`` restored, once it runs (None before)."""
+        rec = current(module_store, pid)
+        if rec is None or rec.run_id != run_id or rec.state is not PipelineState.RUNNING:
+            return None
+        return rec.restored_from_epoch  # type: ignore[no-any-return]
 
-    def hooked(run_id: str, hook: Any) -> PipelineDriver:
-        d = driver(2, restore_from="latest", rescale={"counts_v2": 8}, run_id=run_id)
-        d.on_step = hook
-        return d
-
-    interrupted_restore(hooked, "rescaled:counts_v2", "kill", look)
-    up = run(2, 3 * ROWS // 5, restore_from="latest", rescale={"counts_v2": 8})
-    assert up.state is PipelineState.STOPPED and partitions() == 8
-
-    # v3: a compatible change of the aggregation's query, restored with its state, to the end of the input
-    expected = dict(Counter(i % KEYS for i in range(ROWS)))
-    expected_evens = sorted(i for i in range(ROWS) if i % 2 == 0 and i not in before_cut)
-    d3 = driver(3, restore_from="latest")
-    last = DriverThread(d3).start()
     with CheckpointTicker(module_store, pid, interval=1.0):
+        # v1 runs as a process of its own, SIGKILLed at a random moment after it completed an epoch
+        cut1 = kill_at_random_after_an_epoch(start(1, run_id="v1"), module_store, pid, rng,
+                                             also=lambda: channel_row_count(src) >= ROWS // 10).epoch
+        objects1 = epoch_objects(module_store, storage, pid, cut1)
+
+        # v2: the rename and the new branch; the first restore is SIGKILLed after the commit point, halfway
+        # through switching the checkpoints; the next finishes it from the same epoch
+        rename = ("--rename", "counts=counts_v2")
+        restore_killed_at("switched:counts_v2", functools.partial(start, 2, *rename), "v2-killed")
+        assert module_store.latest_completed_epoch(pid).epoch == cut1
+        v2 = start(2, *rename, run_id="v2")
+        assert wait_for(lambda: restored("v2") or not v2.alive(), timeout=300, what="v2 to restore") == cut1, \
+            v2.tail()
+        assert sorted(module_store.get_pipeline(pid).stages) == ["counts_v2", "evens", "evens_out", "out", "src"]
+        channel = Channel.open(src)
+        barrier = channel.find_barrier(cut1)
+        assert barrier is not None
+        before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
+        assert before_cut == set(range(len(before_cut))) and 0 < len(before_cut) < ROWS
+        cut2 = kill_at_random_after_an_epoch(v2, module_store, pid, rng,
+                                             also=lambda: channel_row_count(src) >= 2 * ROWS // 5).epoch
+        assert partitions() == 4
+        objects2 = epoch_objects(module_store, storage, pid, cut2)
+
+        # v3 with 8 state partitions: the first restore is SIGKILLed right after the rewrite, before the commit
+        # point; nothing it wrote is live, and the epoch is still the latest
+        restore_killed_at("rescaled:counts_v2", functools.partial(start, 3, "--rescale", "counts_v2=8"), "v3-killed")
+        assert partitions() == 4
+        assert module_store.latest_completed_epoch(pid).epoch == cut2
+
+        # the second runs to the end of the input (in this process: nothing kills it)
+        expected = dict(Counter(i % KEYS for i in range(ROWS)))
+        expected_evens = sorted(i for i in range(ROWS) if i % 2 == 0 and i not in before_cut)
+        d3 = PipelineDriver(version(3, pid, table, str(tmp_path)), module_store, storage_uri=str(storage),
+                            spark=spark, restore_from="latest", rescale={"counts_v2": 8}, takeover=True)
+        last = DriverThread(d3).start()
         wait_for(lambda: last.error or (table_counts(dsn, table) == expected
                                         and sorted(folder_values(tmp_path / "evens", "id")) == expected_evens),
                  timeout=300, what="v3's output of every row")
     module_store.request_stop(pid, "graceful")
-    assert last.join(240).state is PipelineState.STOPPED
+    result = last.join(240)
+    assert result.state is PipelineState.STOPPED and result.restored_from_epoch == cut2
     assert table_counts(dsn, table) == expected
     assert sorted(folder_values(tmp_path / "evens", "id")) == expected_evens
-    assert partitions() == 8  # v3 kept the rescaled state
+    assert partitions() == 8  # v3 runs on the rescaled state
+    # the restores only read the epochs' objects
+    assert epoch_objects(module_store, storage, pid, cut1) == objects1
+    assert epoch_objects(module_store, storage, pid, cut2) == objects2
