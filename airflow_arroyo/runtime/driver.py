@@ -392,14 +392,16 @@ class PipelineDriver:
         return plan
 
     def _state_evidence(self, plan: RestorePlan) -> StateSchemas:
-        """Reads only: for each restored stage that runs as its own query, the stateful operators its snapshot
-        holds and those this code's query would write (:func:`~airflow_arroyo.runtime.upgrade_evidence.
-        gather_state_schemas`, as ``airflow-arroyo upgrade-plan --check-state-schema`` gathers them)."""
+        """Reads only: for each restored query of the epoch's form (a stage alone, or a fused query of the same
+        members), the stateful operators its snapshot holds and those this code's query would write
+        (:func:`~airflow_arroyo.runtime.upgrade_evidence.gather_state_schemas`, as ``airflow-arroyo upgrade-plan
+        --check-state-schema`` gathers them)."""
         if plan.upgrade is None or plan.epoch is None or self._fork_source is not None:
             return ()
         epoch = plan.epoch
+        fused = {g.name: g.stages for g in self.plan.groups if len(g.stages) > 1}
         return gather_state_schemas(plan.upgrade, self.logical, self._frames, self._stateful, lambda snap: (
-            snapshot_state_files(self.store, self.snapshots.fs, self.pipeline_id, epoch, snap)))
+            snapshot_state_files(self.store, self.snapshots.fs, self.pipeline_id, epoch, snap)), fused=fused)
 
     def _check_rescale(self, plan: RestorePlan) -> None:
         """Refuse a rescale that names no stage this restore rebuilds, before anything is written."""

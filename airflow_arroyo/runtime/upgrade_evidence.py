@@ -2,9 +2,10 @@
 its restore writes anything, and ``airflow-arroyo upgrade-plan --check-state-schema``, a dry run
 (docs/upgrading.md, "State schema compatibility").
 
-For each stage the plan restores that runs as its own query with at most one input: the stateful operators Spark
-recorded in the epoch's snapshot of it (its ``state/`` objects, read where the snapshot store keeps them; nothing is
-rebuilt) and those the new code's query would write (its DataFrame composed for Spark's analyzer, planned, not run:
+For each query the plan restores in the epoch's form (a stage that runs as its own query, or a fused query of the
+same members as the epoch's) with at most one input channel: the stateful operators Spark recorded in the epoch's
+snapshot of it (its ``state/`` objects, read where the snapshot store keeps them; nothing is rebuilt) and those the
+new code's query would write (its DataFrame composed for Spark's analyzer, planned, not run:
 :mod:`airflow_arroyo.runtime.state_schema`). The pure planner (``runtime/decisions.py`` ``plan_upgrade``) decides
 with them. Reads only.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.core.fs import FileSystem
@@ -44,24 +45,31 @@ def snapshot_state_files(store: EpochStore, storage: FileSystem, pipeline_id: st
 
 def gather_state_schemas(upgrade: UpgradePlan, graph: PipelineGraph, frames: Mapping[str, Any],
                          stateful: Mapping[str, bool | None],
-                         state_files: Callable[[str], Mapping[str, Callable[[], bytes]]]) -> StateSchemas:
-    """The evidence for each stage of ``upgrade`` restored from a snapshot that runs as its own query.
+                         state_files: Callable[[str], Mapping[str, Callable[[], bytes]]], *,
+                         fused: Mapping[str, Sequence[str]] | None = None) -> StateSchemas:
+    """The evidence for each stage of ``upgrade`` restored from a snapshot of the same query form.
 
     ``graph`` is the new code's logical graph, ``frames`` its stages composed
     (:func:`~airflow_arroyo.runtime.plan.compose_stages`), ``stateful`` what
     :func:`~airflow_arroyo.runtime.plan.stateful_stages` found, ``state_files`` the epoch's stage -> its snapshot's
-    ``state/`` files (:func:`snapshot_state_files`). Not checked (left out): a fused query (not a logical stage),
-    a stage split or merged across fusion, a stage known stateless, one with several inputs or one whose operators
-    are not derived (joins, arbitrary state)."""
+    ``state/`` files (:func:`snapshot_state_files`), ``fused`` the new code's fused queries (their names -> their
+    members, head first) where it fuses. A fused query restored from the epoch's query of the same members is
+    checked as one query: Spark numbers its operators over the whole query, which is its last member's DataFrame
+    above the channels it reads. Not checked (left out): a stage split or merged across fusion, a query known
+    stateless, one with several input channels or one whose operators are not derived (joins, arbitrary state)."""
     logical = {s.name: s for s in graph.stages}
+    groups = {name: tuple(members) for name, members in (fused or {}).items()}
     across = upgrade.across_fusion()
     out = []
     for stage, snap in upgrade.snapshot_of().items():
-        spec = logical.get(stage)
-        if spec is None or stage in across or stateful.get(stage) is False:
+        # a fused query from the epoch's query of the same name only, so of the same members
+        alone = (stage,) if stage in logical else ()
+        members = alone if stage not in groups else groups[stage] if snap == stage else ()
+        if not members or stage in across or all(stateful.get(m) is False for m in members):
             continue
-        frame = frames.get(stage)
-        inputs = [frames.get(graph.writers.get(c, c)) for c in spec.all_inputs]
+        channels = [c for m in members for c in logical[m].all_inputs if graph.writers.get(c, c) not in members]
+        frame = frames.get(members[-1])
+        inputs = [frames.get(graph.writers.get(c, c)) for c in dict.fromkeys(channels)]
         if frame is None or len(inputs) > 1 or any(f is None for f in inputs):
             continue
         new = own_operator_states(frame, inputs)

@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 
 from airflow_arroyo.core.epochs import EpochState, PipelineState
-from airflow_arroyo.core.exceptions import UnknownPipelineError
+from airflow_arroyo.core.exceptions import ConfigurationError, PipelineFailedError, UnknownPipelineError
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
@@ -24,7 +24,7 @@ from airflow_arroyo.testing import CheckpointTicker, DriverThread, wait_for
 from tests.controlplane.test_cli import run
 
 from .test_state_schema_restore import dedup_after_a_filter, dedup_by_two_keys, tree, version
-from .test_upgrade_restore import dedup
+from .test_upgrade_restore import dedup, source
 
 pytestmark = [pytest.mark.spark]
 
@@ -117,3 +117,56 @@ def test_upgrade_plan_reports_a_changed_state_key_as_incompatible_and_writes_not
 
     assert tree(storage) == files  # no checkpoint folder, channel or snapshot object written
     assert store_rows(module_store.dsn, pid) == rows
+
+
+def fused(pid: str, root: Path, code: Any) -> Pipeline:
+    """``version``'s graph run as one query: src~dedup~out."""
+    p = Pipeline(pid, chaining=True)
+    src = p.source("src", source)
+    seen = p.stage("dedup", code, [src])
+    p.sink("out", [seen], format="json", options={"path": str(root / "out")})
+    return p
+
+
+class _Registered(Exception):
+    """Raised at the driver's first step after its restore plan: the plan admitted the code."""
+
+
+def test_the_driver_checks_a_fused_query_restored_with_the_same_fusion(
+        spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
+    pid = f"fused-schema-{uuid.uuid4().hex[:6]}"
+    storage = str(tmp_path / "storage")
+
+    def completed() -> list[int]:
+        try:
+            return [e.epoch for e in module_store.list_epochs(pid, states=[EpochState.COMPLETED])]
+        except UnknownPipelineError:
+            return []
+
+    old = DriverThread(PipelineDriver(fused(pid, tmp_path, dedup), module_store, storage_uri=storage,
+                                      spark=spark)).start()
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        wait_for(lambda: old.error or len(completed()) >= 2, timeout=240, what="two epochs of the fused old code")
+    module_store.request_stop(pid, "graceful")
+    assert old.join(240).state is PipelineState.STOPPED
+    epoch = max(completed())
+    assert module_store.get_epoch(pid, epoch).stages == ["src~dedup~out"]
+    files, rows = tree(tmp_path / "storage"), store_rows(module_store.dsn, pid)
+
+    with pytest.raises(ConfigurationError, match=(
+            r"stage 'src~dedup~out' incompatible: state changed shape since epoch \d+: state operator 0 \(dedupe\): "
+            r"key schema \(k: long\) in the epoch, \(k: long, j: long\) in the new code")):
+        PipelineDriver(fused(pid, tmp_path, dedup_by_two_keys), module_store, storage_uri=storage, spark=spark,
+                       restore_from=epoch).run()
+    assert tree(tmp_path / "storage") == files
+    assert store_rows(module_store.dsn, pid) == rows
+
+    def stop_at(step: str) -> None:
+        if step == "registered":
+            raise _Registered
+
+    compatible = PipelineDriver(fused(pid, tmp_path, dedup_after_a_filter), module_store, storage_uri=storage,
+                                spark=spark, restore_from=epoch)
+    compatible.on_step = stop_at
+    with pytest.raises(PipelineFailedError, match="_Registered"):  # schemas compared, admitted: it registered
+        compatible.run()
