@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -71,7 +70,7 @@ from airflow_arroyo.core.epochs import CheckpointPolicy
 from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.sources import register_data_source
+from airflow_arroyo.runtime.sources import freeze_worker_heap, register_data_source
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -287,6 +286,7 @@ class GeneratorStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, GeneratorPartition)
+        freeze_worker_heap()
         o = self.options
         table = generate_rows(o.seed, partition.start, partition.end, o.keys, o.ms_per_row)
         yield from table.to_batches(max_chunksize=65536)
@@ -457,6 +457,8 @@ def committed_rows(path: Any) -> list[tuple[Any, ...]]:
     wait while Spark writes them). Listed with :meth:`FileSystem.list_files`, which lists again when a
     folder vanishes during the listing (Spark's job commit deleting ``_temporary``), as pyarrow's own
     discovery does not."""
+    import pyarrow.dataset as ds  # here: it imports pandas, which a generator's planning process never needs
+
     fs = FileSystem.from_uri(str(path))  # a local folder or any URI the package reads (s3://...)
     if not fs.exists(""):
         return []

@@ -21,8 +21,11 @@ Options: ``uri`` (required; ``path``, as ``load(path)`` sets it, is read too), `
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -50,6 +53,7 @@ __all__ = [
     "ChannelDataSource",
     "ChannelPartition",
     "ChannelStreamReader",
+    "freeze_worker_heap",
     "plan_batch_end",
     "read_cap",
     "read_channel",
@@ -158,6 +162,32 @@ def write_caps(cap_path: str, caps: dict[str, int]) -> None:
     """Atomically replace the cap file with ``{"caps": caps}`` (keys: channel URIs or cap keys)."""
     fs, name = _split_file_uri(cap_path)
     fs.write_json_atomic(name, {"caps": {str(k): int(v) for k, v in caps.items()}})
+
+
+# ---------------------------------------------------------------------- Python workers
+#: set to ``false`` (in the environment Spark's Python workers start with) to leave their garbage collector as is
+FREEZE_WORKER_HEAP_ENV = "ARROYO_FREEZE_WORKER_HEAP"
+_frozen_modules = -1  # how many modules this process had imported when it last froze its heap
+
+
+def freeze_worker_heap() -> None:
+    """Called by a Python data source's ``read`` (in a Spark Python worker): take what the process has imported
+    out of the cyclic garbage collector's passes (``gc.freeze``), once, and again after new imports.
+
+    A reused PySpark worker runs a full ``gc.collect()`` after every task (``pyspark/daemon.py``), which walks
+    every object the process holds, PySpark's and pyarrow's modules included; for a source read by small
+    micro-batches that walk was most of a read task's CPU, paid per task, so per micro-batch. Frozen objects
+    are still freed by reference counting; only cycles among them would stay, and import-time objects (modules,
+    classes, functions) do not become garbage. A no-op outside the first call after an import."""
+    global _frozen_modules
+    loaded = len(sys.modules)
+    if loaded == _frozen_modules:
+        return
+    _frozen_modules = loaded
+    if os.environ.get(FREEZE_WORKER_HEAP_ENV, "true").strip().lower() in ("false", "0", "no"):
+        return
+    gc.collect()  # what is garbage now is not frozen
+    gc.freeze()
 
 
 # ---------------------------------------------------------------------- the data source
@@ -290,6 +320,7 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         from pyspark.sql.pandas.types import to_arrow_schema
 
         assert isinstance(partition, ChannelPartition)
+        freeze_worker_heap()
         target = to_arrow_schema(StructType.fromJson(self.schema_json), timezone="UTC")
         fs = FileSystem.shared(partition.channel_uri)
         try:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +28,7 @@ from airflow_arroyo.runtime.channel import (
     EntryKind,
 )
 from airflow_arroyo.runtime.sources import (
+    FREEZE_WORKER_HEAP_ENV,
     STREAM_RUNNER_ENV_KEYS,
     ChannelDataSource,
     ChannelStreamReader,
@@ -557,3 +561,41 @@ def test_generator_reader_offsets_without_spark() -> None:
     got = pa.Table.from_batches([b for p in parts for b in batched.read(p)])
     assert got.equals(generate_rows(5, 3, 10, 3))
     assert batched.partitions({"id": 10}, {"id": 10}) == []
+
+
+_WORKER_READS = """
+import gc, json, sys
+from airflow_arroyo.testing import GeneratorOptions, GeneratorPartition, GeneratorStreamReader
+
+reader = GeneratorStreamReader(GeneratorOptions.parse({"rows_per_batch": "10"}))
+
+
+def task(start):
+    rows = sum(b.num_rows for b in reader.read(GeneratorPartition(start, start + 10)))
+    assert rows == 10
+    return gc.get_freeze_count()
+
+
+counts = [task(0), task(10), task(20)]  # the first read imports more (pyarrow's pandas shim): the second freezes it
+import xml.dom.minidom  # a new import, as a later task's code may bring
+counts.append(task(30))
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("setting", [None, "false"])
+def test_a_source_read_freezes_the_worker_heap_once_per_import(setting: str | None) -> None:
+    """A reused Spark Python worker runs a full gc.collect() after every task; a source's read takes what the
+    process has imported out of those passes, once, and again after new imports (in a process of its own: the
+    freeze is process-wide). ARROYO_FREEZE_WORKER_HEAP=false leaves the collector alone."""
+    env = {k: v for k, v in os.environ.items() if k != FREEZE_WORKER_HEAP_ENV}
+    if setting is not None:
+        env[FREEZE_WORKER_HEAP_ENV] = setting
+    out = subprocess.run([sys.executable, "-c", _WORKER_READS], env=env, capture_output=True, text=True, check=True)
+    first, second, settled, after_import = json.loads(out.stdout.strip().splitlines()[-1])
+    if setting == "false":
+        assert (first, second, settled, after_import) == (0, 0, 0, 0)
+    else:
+        assert first > 0  # the import-time heap is frozen by the first read
+        assert settled == second >= first  # nothing imported since: nothing more frozen
+        assert after_import > settled  # the new module's objects too
