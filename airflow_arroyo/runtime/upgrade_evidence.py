@@ -82,7 +82,7 @@ def gather_state_schemas(upgrade: UpgradePlan, graph: PipelineGraph, frames: Map
 @contextlib.contextmanager
 def planning_session() -> Iterator[SparkSession]:
     """A Spark session to plan DataFrames in, for a command line: the active one, else a local one (one core, no
-    UI, warnings and errors only) stopped on exit. Nothing runs in it."""
+    UI, errors only, the provider's local settings) stopped on exit. Nothing runs in it."""
     import os
     import sys
 
@@ -92,9 +92,12 @@ def planning_session() -> Iterator[SparkSession]:
     if active is not None:
         yield active
         return
+    from airflow_arroyo.jvm import local_master_conf
+
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # a user's own setting stands
     builder = SparkSession.builder.master("local[1]").appName("airflow-arroyo-upgrade-plan")
-    for key, value in {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "1",
+    # the provider's settings for a local master (its jar: the formats and file system a driver has)
+    for key, value in {**local_master_conf(), "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "1",
                        "spark.ui.showConsoleProgress": "false"}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
