@@ -178,7 +178,9 @@ def freeze_worker_heap() -> None:
     every object the process holds, PySpark's and pyarrow's modules included; for a source read by small
     micro-batches that walk was most of a read task's CPU, paid per task, so per micro-batch. Frozen objects
     are still freed by reference counting; only cycles among them would stay, and import-time objects (modules,
-    classes, functions) do not become garbage. A no-op outside the first call after an import."""
+    classes, functions) do not become garbage. No collection before the freeze: a worker Spark does not reuse runs
+    one task, and a full walk there would cost what the freeze saves; what is garbage at a freeze stays, once per
+    import. A no-op outside the first call after an import."""
     global _frozen_modules
     loaded = len(sys.modules)
     if loaded == _frozen_modules:
@@ -186,7 +188,6 @@ def freeze_worker_heap() -> None:
     _frozen_modules = loaded
     if os.environ.get(FREEZE_WORKER_HEAP_ENV, "true").strip().lower() in ("false", "0", "no"):
         return
-    gc.collect()  # what is garbage now is not frozen
     gc.freeze()
 
 
