@@ -26,7 +26,12 @@ from airflow_arroyo.examples import (
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
-from airflow_arroyo.runtime.sinks.postgres import PostgresTarget, TransactionalPostgresSink
+from airflow_arroyo.runtime.sinks.postgres import (
+    BatchWindow,
+    PostgresTarget,
+    TransactionalPostgresSink,
+    shadow_window_rows,
+)
 from airflow_arroyo.testing import DriverThread, channel_row_count, run_until, wait_for
 from tests.support import sql
 
@@ -50,9 +55,9 @@ def batch(spark: Any, rows: list[tuple[int, str, int | None]], partitions: int =
 
 
 def make(dsn: str, table: str, mode: str = "append", key: tuple[str, ...] = (), stage: str = "out",
-         pipeline: str = "p1") -> TransactionalPostgresSink:
+         pipeline: str = "p1", keep_journal: bool = False) -> TransactionalPostgresSink:
     sink = TransactionalPostgresSink(pipeline, stage, PostgresTarget(table=table, dsn=dsn, mode=mode,  # type: ignore[arg-type]
-                                                                      key=key))
+                                                                      key=key, keep_journal=keep_journal))
     sink.check_writable()
     sink.claim()
     return sink
@@ -101,6 +106,36 @@ def test_append_commit_replay_rollback_and_trim(spark: Any, target_dsn: str) -> 
     with pytest.raises(ConfigurationError, match="already committed"):
         sink.write_batch(batch(spark, b[2]), 2)
 
+
+
+def test_the_journal_answers_a_shadow_compare_until_a_trim_reaches_it(spark: Any, target_dsn: str) -> None:
+    """What each side committed per window comes from the journals; the live trim is recorded and named when it
+    reached a window, a shadow's sink (keep_journal) trims nothing, an uncommitted window is None."""
+    sql(target_dsn, "CREATE TABLE events_shadow (LIKE events INCLUDING ALL)")
+    live, shadow = make(target_dsn, "events", pipeline="live"), make(target_dsn, "events_shadow", pipeline="shadow",
+                                                                      keep_journal=True)
+    b = {i: [(i * 10 + j, f"k{j}", j) for j in range(3)] for i in range(4)}
+    for i in range(4):
+        live.write_batch(batch(spark, b[i], partitions=1), i)
+    live.commit_through(2)
+    live.trim_through(0)  # batch 0 is the fork point's cut: nothing after it is forgotten
+    for i in (1, 2):  # the shadow's batches continue after the fork point's cut, one id changed
+        shadow.write_batch(batch(spark, [(r[0] + (i == 2 and r[0] == 20), *r[1:]) for r in b[i]], partitions=1), i)
+    shadow.commit_through(2)
+    shadow.trim_through(2)
+    progress = dict(sql(target_dsn, "SELECT pipeline_id, trimmed_batch FROM arroyo_sink_progress"))
+    assert progress == {"live": 0, "shadow": -1}
+
+    def read(rows: list[dict[str, Any]]) -> Counter[tuple[Any, ...]]:
+        return Counter((r["id"], r["key"], r["amount"]) for r in rows)
+
+    got = shadow_window_rows(live, shadow, 0, [BatchWindow(0, 1, 0, 1), BatchWindow(1, 2, 1, 2),
+                                               BatchWindow(2, 3, 2, 2)])
+    assert got[2] is None, "batch 3 of the live sink is staged, not committed"
+    assert [(read(w[0]), read(w[1])) for w in got[:2] if w is not None] == [
+        (Counter(b[1]), Counter(b[1])), (Counter(b[2]), Counter([(21, "k0", 0), *b[2][1:]]))]
+    with pytest.raises(ConfigurationError, match="trimmed through batch 0"):
+        shadow_window_rows(live, shadow, -1, [BatchWindow(-1, 0, -1, -1)])
 
 
 @pytest.mark.parametrize("mode", ["append", "upsert"])

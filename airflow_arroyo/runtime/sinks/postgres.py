@@ -30,7 +30,10 @@ Tables, all in the target table's schema (``<h>`` is a hash of pipeline and sink
   per key, the pre-image before the first undone batch (deleting keys that did not exist). Pending
   rows after *r* are dropped.
 * **Trim**: journal rows and pre-images of batches at or before the cut of the oldest completed epoch
-  are deleted after a commit: no restore can go behind that epoch.
+  are deleted after a commit: no restore can go behind that epoch. The progress row records how far
+  (``trimmed_batch``; NULL on a row older than the column: unknown). A shadow run's sink
+  (``keep_journal=True``) trims nothing: a shadow compare reads what each epoch committed from the journal
+  (:func:`shadow_window_rows`).
 
 Readers of the target table see only committed epochs: nothing reaches it outside a commit or a
 rollback transaction.
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
-__all__ = ["PostgresTarget", "TransactionalPostgresSink"]
+__all__ = ["BatchWindow", "PostgresTarget", "TransactionalPostgresSink", "shadow_window_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +123,9 @@ class PostgresTarget:
     conn_id: str | None = None
     mode: PostgresMode = "append"
     key: Sequence[str] = ()
+    #: keep the journal and the pre-images of every committed batch (a trim forgets nothing): set on a shadow
+    #: run's sinks (:func:`airflow_arroyo.core.shadow.shadow_pipeline`) so that each epoch's rows stay comparable
+    keep_journal: bool = False
 
     def problem(self) -> str | None:
         """What is wrong with this target (without connecting), or ``None``."""
@@ -319,9 +325,18 @@ class TransactionalPostgresSink:
                 "mode text NOT NULL, committed_batch bigint NOT NULL DEFAULT -1, "
                 "updated_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (pipeline_id, sink))"
             ).format(self._ident(_PROGRESS)))
-            cur.execute(sql.SQL("INSERT INTO {} (pipeline_id, sink, target, mode) VALUES (%s, %s, %s, %s) "
-                                "ON CONFLICT (pipeline_id, sink) DO NOTHING").format(self._ident(_PROGRESS)),
-                        (self.pipeline_id, self.stage, self._table, self.mode))
+            # how far a trim went (NULL on rows from before the column: unknown); a new row has trimmed nothing.
+            # Added only when missing: an ALTER locks the table every sink of the schema shares
+            cur.execute("SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                        "AND attname = 'trimmed_batch' AND NOT attisdropped) AS present",
+                        (f"{self._schema}.{_PROGRESS}",))
+            has_column = cur.fetchone()
+            if not (has_column and has_column["present"]):
+                cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS trimmed_batch bigint")
+                            .format(self._ident(_PROGRESS)))
+            cur.execute(sql.SQL("INSERT INTO {} (pipeline_id, sink, target, mode, trimmed_batch) "
+                                "VALUES (%s, %s, %s, %s, -1) ON CONFLICT (pipeline_id, sink) DO NOTHING")
+                        .format(self._ident(_PROGRESS)), (self.pipeline_id, self.stage, self._table, self.mode))
             self._fence(cur, take=True, what="claiming the sink")
             # Copies of the target's columns without its constraints (a pre-image of a missing key is NULLs).
             for name, extra in ((self._pending_name, _PENDING_COLUMNS), (self._undo_name, _UNDO_COLUMNS)):
@@ -613,7 +628,10 @@ class TransactionalPostgresSink:
         return None
 
     def trim_through(self, batch_id: int) -> None:
-        """Forget how to undo batches ``<= batch_id`` (no restore can go behind the epoch that cut there)."""
+        """Forget how to undo batches ``<= batch_id`` (no restore can go behind the epoch that cut there); a
+        ``keep_journal`` sink (a shadow run's) forgets nothing."""
+        if self.target.keep_journal:
+            return
 
         def tx(cur: PgCursor) -> None:
             self._describe(cur)
@@ -626,8 +644,163 @@ class TransactionalPostgresSink:
             for name in (self._pending_name, self._undo_name):
                 cur.execute(sql.SQL("DELETE FROM {} WHERE {} <= %s").format(self._ident(name), sql.Identifier(_BATCH)),
                             (upto,))
+            cur.execute(sql.SQL("UPDATE {} SET trimmed_batch = GREATEST(trimmed_batch, %s) "
+                                "WHERE pipeline_id = %s AND sink = %s").format(self._ident(_PROGRESS)),
+                        (upto, self.pipeline_id, self.stage))
 
         self._run(tx, what=f"trimming the journal through micro-batch {batch_id}")
+
+
+@dataclass(frozen=True)
+class BatchWindow:
+    """One window of a shadow compare in sink batches: the live sink's batches in (``live_after``,
+    ``live_through``] and the shadow sink's in (``shadow_after``, ``shadow_through``] (empty when equal)."""
+
+    live_after: int
+    live_through: int
+    shadow_after: int
+    shadow_through: int
+
+
+Row = dict[str, Any]
+
+
+def shadow_window_rows(live: TransactionalPostgresSink, shadow: TransactionalPostgresSink, live_base: int,
+                       windows: Sequence[BatchWindow]) -> list[tuple[list[Row], list[Row]] | None]:
+    """Per window, the rows the live sink and the shadow sink committed (None: a side has not committed the
+    window's batches yet), read from their journals in one READ ONLY REPEATABLE READ transaction (one snapshot,
+    while both keep committing). Both tables live in one database (a shadow table is the live one's sibling).
+    ``live_base``: the live sink's cut at the fork point, where the shadow's batches start.
+
+    * ``append``: the journal rows of each side's batches: exactly what each side inserted.
+    * ``upsert``: per key either side wrote in the window, the row each side's table held at its window's last
+      batch (a key's pre-image at the first later batch that touched it, else the table's row now). The shadow
+      table starts empty at the fork point while the shadow's state does not, so a key the shadow has not written
+      since the fork counts as the live table's row at ``live_base`` (the live sink's cut at the fork point): what
+      the shadow's table would hold had it started as a copy.
+
+    Raises :class:`ConfigurationError` when a side's journal no longer covers the windows (trimmed by retention, or
+    trimmed before the sink recorded how far), naming the sink."""
+    if shadow.mode != live.mode or list(shadow.key) != list(live.key):
+        raise ConfigurationError(f"sink {live.stage!r}: the live and the shadow sink differ in mode or key; a "
+                                 "shadow compares like with like")
+
+    def progress(cur: PgCursor, sink: TransactionalPostgresSink) -> dict[str, Any] | None:
+        sink._describe(cur)
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{sink._schema}.{_PROGRESS}",))
+        row = cur.fetchone()
+        if not row or not row["present"]:
+            return None
+        cur.execute(sql.SQL("SELECT * FROM {} WHERE pipeline_id = %s AND sink = %s").format(sink._ident(_PROGRESS)),
+                    (sink.pipeline_id, sink.stage))
+        found = cur.fetchone()
+        return None if found is None else dict(found)
+
+    def covered(sink: TransactionalPostgresSink, row: dict[str, Any] | None, after: int) -> bool:
+        if row is None:
+            return False
+        trimmed = row.get("trimmed_batch")
+        if trimmed is None or int(trimmed) > after:
+            how = f"through batch {trimmed}" if trimmed is not None else "before it recorded how far"
+            raise ConfigurationError(
+                f"sink {sink.stage!r} of pipeline {sink.pipeline_id!r}: its journal in {sink.target.table!r}'s schema "
+                f"was trimmed {how}, so the rows of batches after {after} are no longer all there; compare a shadow "
+                "forked after the sink's next trim (its fork point's pin keeps the live journal from then on)")
+        return True
+
+    def tx(cur: PgCursor) -> list[tuple[list[Row], list[Row]] | None]:
+        cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        live_row, shadow_row = progress(cur, live), progress(cur, shadow)
+        if not covered(live, live_row, live_base):
+            raise ConfigurationError(f"sink {live.stage!r} of pipeline {live.pipeline_id!r} never wrote "
+                                     f"{live.target.table!r}: there is nothing to compare the shadow with")
+        has_shadow = covered(shadow, shadow_row, live_base)
+        live_committed = int(live_row["committed_batch"]) if live_row else -1
+        shadow_committed = int(shadow_row["committed_batch"]) if shadow_row else -1
+        out: list[tuple[list[Row], list[Row]] | None] = []
+        for w in windows:
+            if w.live_through > live_committed or (w.shadow_through > max(shadow_committed, w.shadow_after)):
+                out.append(None)  # completed, not committed yet (a commit follows its epoch; a gate may hold it)
+                continue
+            if live.mode == "append":
+                lrows = _journal(cur, live, w.live_after, w.live_through)
+                srows = _journal(cur, shadow, w.shadow_after, w.shadow_through) if has_shadow else []
+            else:
+                lrows, srows = _upserted(cur, live, shadow if has_shadow else None, live_base, w)
+            out.append((lrows, srows))
+        return out
+
+    result: list[tuple[list[Row], list[Row]] | None] = live._run(tx, what="reading the live and shadow journals")
+    return result
+
+
+def _journal(cur: PgCursor, sink: TransactionalPostgresSink, after: int, through: int) -> list[Row]:
+    if through <= after:
+        return []
+    cur.execute(sql.SQL("SELECT {c} FROM {p} WHERE {b} > %s AND {b} <= %s").format(
+        c=sink._cols(), p=sink._ident(sink._pending_name), b=sql.Identifier(_BATCH)), (after, through))
+    return [dict(r) for r in cur.fetchall()]
+
+
+def _touched(sink: TransactionalPostgresSink, after: int, through: int) -> tuple[sql.Composable, tuple[int, ...]]:
+    return (sql.SQL("SELECT {k} FROM {u} WHERE {b} > %s AND {b} <= %s").format(
+        k=sql.SQL(", ").join(map(sql.Identifier, sink.key)), u=sink._ident(sink._undo_name), b=sql.Identifier(_BATCH)),
+        (after, through))
+
+
+def _state_at(cur: PgCursor, sink: TransactionalPostgresSink, cut: int, keys: sql.Composable,
+              params: tuple[int, ...]) -> dict[tuple[Any, ...], Row]:
+    """The rows ``sink``'s table held right after batch ``cut`` for the keys ``keys`` selects: a key's pre-image at
+    the first batch after ``cut`` that touched it (none when it did not exist), else the table's row now."""
+    key = [sql.Identifier(k) for k in sink.key]
+
+    def on(a: str, b: str) -> sql.Composable:
+        return sql.SQL(" AND ").join(sql.SQL("{a}.{k} = {b}.{k}").format(a=sql.Identifier(a), b=sql.Identifier(b), k=k)
+                                     for k in key)
+
+    undo, batch = sink._ident(sink._undo_name), sql.Identifier(_BATCH)
+    cur.execute(sql.SQL(
+        "SELECT DISTINCT ON ({uk}) {uc}, u.{e} AS {e} FROM {u} u JOIN ({keys}) k ON {on} WHERE u.{b} > %s "
+        "ORDER BY {uk}, u.{b}").format(
+        uk=sql.SQL(", ").join(sql.SQL("u.{}").format(k) for k in key), uc=sink._cols("u"), e=sql.Identifier(_EXISTED),
+        u=undo, keys=keys, on=on("u", "k"), b=batch), (*params, cut))
+    out: dict[tuple[Any, ...], Row] = {}
+    for r in cur.fetchall():
+        row = dict(r)
+        if row.pop(_EXISTED):
+            out[tuple(row[k] for k in sink.key)] = row
+    cur.execute(sql.SQL(
+        "SELECT {tc} FROM {t} t JOIN (SELECT DISTINCT * FROM ({keys}) x) k ON {on} "
+        "WHERE NOT EXISTS (SELECT 1 FROM {u} u WHERE {uon} AND u.{b} > %s)").format(
+        tc=sink._cols("t"), t=sink._target, keys=keys, on=on("t", "k"), u=undo, uon=on("u", "t"), b=batch),
+        (*params, cut))
+    for r in cur.fetchall():
+        row = dict(r)
+        out[tuple(row[k] for k in sink.key)] = row
+    return out
+
+
+def _upserted(cur: PgCursor, live: TransactionalPostgresSink, shadow: TransactionalPostgresSink | None,
+              live_base: int, w: BatchWindow) -> tuple[list[Row], list[Row]]:
+    """An upsert window: both sides' rows of the keys either side wrote in it (see :func:`shadow_window_rows`)."""
+    keys, params = _touched(live, w.live_after, w.live_through)
+    if shadow is not None:
+        other, more = _touched(shadow, w.shadow_after, w.shadow_through)
+        keys, params = sql.SQL("{} UNION {}").format(keys, other), (*params, *more)
+    live_now = _state_at(cur, live, w.live_through, keys, params)
+    at_fork = _state_at(cur, live, live_base, keys, params)
+    shadow_now = _state_at(cur, shadow, w.shadow_through, keys, params) if shadow is not None else {}
+    # keys the shadow never wrote since the fork: its table would hold the live row at the fork point
+    written: set[tuple[Any, ...]] = set()
+    if shadow is not None:
+        ever, ever_params = _touched(shadow, -1, w.shadow_through)
+        cur.execute(sql.SQL("SELECT DISTINCT k.* FROM ({keys}) k JOIN ({ever}) e ON {on}").format(
+            keys=keys, ever=ever, on=sql.SQL(" AND ").join(sql.SQL("k.{k} = e.{k}").format(k=sql.Identifier(k))
+                                                             for k in live.key)), (*params, *ever_params))
+        written = {tuple(r[k] for k in live.key) for r in cur.fetchall()}
+    shadow_rows = [row for k, row in ((k, shadow_now.get(k) if k in written else at_fork.get(k))
+                                      for k in live_now.keys() | at_fork.keys() | shadow_now.keys()) if row is not None]
+    return list(live_now.values()), shadow_rows
 
 
 class _PartitionWriter:
