@@ -9,7 +9,10 @@ Airflow-free; ``airflow-arroyo shadow ...`` calls it.
   --arg shadow_id=...``), which renames the pipeline and redirects its sinks: the shadow never writes a live target.
 * **compare**: the live pipeline's epochs after the fork point and the shadow's own epochs, aligned by the input
   they covered (:func:`align_windows`, from each epoch's provenance), per sink the rows each side committed for a
-  window, diffed by :func:`diff_rows` (added, removed, changed).
+  window, diffed by :func:`diff_rows` (added, removed, changed): a file sink's committed files of the window's
+  epochs; a PostgreSQL sink's batches between the window's cuts, read from the sink's journal
+  (:func:`~airflow_arroyo.runtime.sinks.postgres.shadow_window_rows`; the fork point's pin keeps the live journal,
+  a shadow's sinks keep theirs whole), for an upsert table per key its row at each side's cut.
 * **promote**: the live pipeline is upgraded to the shadow's code from its own latest epoch
   (:func:`airflow_arroyo.core.upgrades.prepare_upgrade`), then the shadow is discarded.
 * **discard**: the shadow must be stopped; its fork point is unpinned (``--force`` when the shadow never completed
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.core.epochs import EpochState, PipelineState
-from airflow_arroyo.core.exceptions import ConfigurationError, StateConflictError
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError, StateConflictError
 
 if TYPE_CHECKING:
     from airflow_arroyo.core.provenance import EpochProvenance
@@ -42,7 +45,8 @@ if TYPE_CHECKING:
     from airflow_arroyo.store.shadows import ShadowRecord
 
 __all__ = ["EpochInput", "RowDiff", "SinkDiff", "Window", "align_windows", "compare_shadow", "diff_rows",
-           "discard_shadow", "plan_shadow_sinks", "promote_shadow", "shadow_code", "shadow_pipeline", "start_shadow"]
+           "discard_shadow", "plan_shadow_sinks", "promote_shadow", "shadow_code", "shadow_pipeline", "sink_dsn",
+           "start_shadow"]
 
 _FILE_FORMATS = frozenset({"parquet", "orc", "json", "csv", "text"})
 
@@ -54,8 +58,10 @@ def _suffix(shadow_id: str) -> str:
 
 
 def plan_shadow_sinks(stages: Iterable[StageSpec], shadow_id: str) -> dict[str, dict[str, Any]]:
-    """Each sink of ``stages`` -> ``{"kind", "live", "shadow"[, "format"]}``: where the shadow writes instead.
-    Refuses (:class:`ConfigurationError`, naming the sink) a sink it cannot redirect."""
+    """Each sink of ``stages`` -> ``{"kind", "live", "shadow"[, "format"]}``: where the shadow writes instead; a
+    PostgreSQL sink adds its ``key``, ``mode`` and how its database is named (``dsn_env`` or ``conn_id``, for the
+    compare; a literal ``dsn=`` is not recorded: it may hold a password). Refuses (:class:`ConfigurationError`,
+    naming the sink) a sink it cannot redirect."""
     out: dict[str, dict[str, Any]] = {}
     for s in stages:
         if s.kind.value != "sink":
@@ -67,7 +73,8 @@ def plan_shadow_sinks(stages: Iterable[StageSpec], shadow_id: str) -> dict[str, 
         elif s.postgres is not None:
             out[s.name] = {"kind": "postgres", "live": s.postgres.table,
                            "shadow": f"{s.postgres.table}_shadow_{_suffix(shadow_id)}",
-                           "key": list(s.postgres.key)}
+                           "key": list(s.postgres.key), "mode": s.postgres.mode,
+                           **{n: getattr(s.postgres, n) for n in ("dsn_env", "conn_id") if getattr(s.postgres, n)}}
         else:
             what = ("a Kafka topic" if s.kafka is not None else "a Delta table" if s.table is not None
                     else "foreach_batch" if s.foreach_batch is not None else f"format {s.sink_format!r}")
@@ -81,7 +88,8 @@ def _redirect(s: StageSpec, target: Mapping[str, Any]) -> StageSpec:
     if target["kind"] == "files":
         return dataclasses.replace(s, sink_options={**s.sink_options, "path": target["shadow"]})
     assert s.postgres is not None
-    return dataclasses.replace(s, postgres=dataclasses.replace(s.postgres, table=target["shadow"]))
+    # the journal kept whole: the compare reads each epoch's rows from it
+    return dataclasses.replace(s, postgres=dataclasses.replace(s.postgres, table=target["shadow"], keep_journal=True))
 
 
 def shadow_pipeline(pipeline: Pipeline, shadow_id: str) -> Pipeline:
@@ -328,11 +336,83 @@ def _sink_files(prov: Mapping[int, EpochProvenance], epochs: Sequence[int], sink
     return uri, out
 
 
+def sink_dsn(target: Mapping[str, Any]) -> str:
+    """The DSN of a PostgreSQL shadow target's database (a :func:`plan_shadow_sinks` entry), from its ``dsn_env`` or
+    ``conn_id`` read in this process's environment, as the sink's driver reads it."""
+    from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
+
+    if not (target.get("dsn_env") or target.get("conn_id")):
+        raise ConfigurationError(
+            f"the PostgreSQL sink on {target.get('live')!r} names its database with dsn=..., which the shadow record "
+            "does not keep (it may hold a password): give the sink dsn_env= or conn_id= and start a new shadow")
+    return PostgresTarget(table=str(target["live"]), dsn_env=target.get("dsn_env"),
+                          conn_id=target.get("conn_id")).resolve_dsn()
+
+
+def _sink_cut(prov: EpochProvenance, sink: str) -> int:
+    cut = next((st.batch_id for st in prov.stages if st.stage == sink), None)
+    if cut is None:
+        raise ConfigurationError(f"epoch {prov.epoch} of pipeline {prov.pipeline_id!r} has no cut of sink {sink!r}")
+    return cut
+
+
+def _fork_cut(store: EpochStore, shadow: ShadowRecord, sink: str) -> int:
+    cut = next(((a.details or {}).get("batch_id") for a in store.acks(shadow.live_id, shadow.fork_epoch)
+                if a.stage == sink), None)
+    if not isinstance(cut, int):
+        raise ConfigurationError(f"the fork point, epoch {shadow.fork_epoch} of pipeline {shadow.live_id!r}, has no "
+                                 f"cut of sink {sink!r}")
+    return cut
+
+
+_Provenances = Mapping[int, "EpochProvenance"]
+
+
+def _postgres_diffs(store: EpochStore, shadow: ShadowRecord, sink: str, target: Mapping[str, Any],
+                    windows: Sequence[Window], prov: tuple[_Provenances, _Provenances], key: Sequence[str],
+                    dsn_of: Callable[[Mapping[str, Any]], str]) -> list[SinkDiff]:
+    """A PostgreSQL sink's diff per closed window: each side's batches from its cut before the window (the fork
+    point's for the first) through its cut at the window's last epoch, read from the sinks' journals."""
+    from airflow_arroyo.runtime.sinks import postgres as pg
+
+    closed = [w for w in windows if w.closed]
+    out = {w: SinkDiff(sink, w, None, "open: the other side has not reached this input yet")
+           for w in windows if not w.closed}
+    try:
+        if "mode" not in target:
+            raise ConfigurationError("the shadow was started before PostgreSQL sinks were compared (its record "
+                                     "lacks the sink's mode); start a new shadow to compare this sink")
+        base = _fork_cut(store, shadow, sink)
+        batches, last = [], (base, base)
+        for w in windows:
+            live_cut = _sink_cut(prov[0][w.live[-1]], sink) if w.live else last[0]
+            shadow_cut = _sink_cut(prov[1][w.shadow[-1]], sink) if w.shadow else last[1]
+            if w.closed:
+                batches.append(pg.BatchWindow(last[0], live_cut, last[1], shadow_cut))
+            last = (live_cut, shadow_cut)
+        dsn = dsn_of(target)
+        mode, sink_key = target["mode"], tuple(target.get("key") or ())
+        live = pg.TransactionalPostgresSink(shadow.live_id, sink, pg.PostgresTarget(
+            table=target["live"], dsn=dsn, mode=mode, key=sink_key))
+        shade = pg.TransactionalPostgresSink(shadow.shadow_id, sink, pg.PostgresTarget(
+            table=target["shadow"], dsn=dsn, mode=mode, key=sink_key, keep_journal=True))
+        rows = pg.shadow_window_rows(live, shade, base, batches)
+    except ArroyoError as exc:
+        out.update({w: SinkDiff(sink, w, None, str(exc)) for w in closed})
+        return [out[w] for w in windows]
+    for w, got in zip(closed, rows, strict=True):
+        out[w] = (SinkDiff(sink, w, None, "completed, not committed yet: compare again") if got is None
+                  else SinkDiff(sink, w, diff_rows(got[0], got[1], key)))
+    return [out[w] for w in windows]
+
+
 def compare_shadow(store: EpochStore, shadow_id: str, *, key: Mapping[str, Sequence[str]] | None = None,
-                   read_rows: RowReader = read_file_rows) -> dict[str, Any]:
+                   read_rows: RowReader = read_file_rows,
+                   pg_dsn: Callable[[Mapping[str, Any]], str] = sink_dsn) -> dict[str, Any]:
     """The comparison of a shadow with its live pipeline: windows of equal input and, per sink in both, per
     window, the :class:`RowDiff` of the rows each side committed. ``key``: per sink, its key columns (a
-    PostgreSQL sink's key by default)."""
+    PostgreSQL sink's key by default). ``pg_dsn``: a PostgreSQL shadow target's database (:func:`sink_dsn`: from the
+    environment; the UI resolves an Airflow connection)."""
     from airflow_arroyo.core.provenance import epoch_provenance
 
     shadow = store.get_shadow(shadow_id)
@@ -348,11 +428,11 @@ def compare_shadow(store: EpochStore, shadow_id: str, *, key: Mapping[str, Seque
         if sink not in live_sinks:
             continue
         sink_key = tuple((key or {}).get(sink, target.get("key") or ()))
+        if target["kind"] == "postgres":
+            result += _postgres_diffs(store, shadow, sink, target, windows, (live_prov, shadow_prov), sink_key,
+                                      pg_dsn)
+            continue
         for w in windows:
-            if target["kind"] != "files":
-                result.append(SinkDiff(sink, w, None, "PostgreSQL sinks are not compared per epoch yet (a table "
-                                                      "keeps no per-epoch rows): compare the shadow table by hand"))
-                continue
             if not w.closed:
                 result.append(SinkDiff(sink, w, None, "open: the other side has not reached this input yet"))
                 continue

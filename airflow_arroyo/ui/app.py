@@ -40,7 +40,7 @@ the Airflow UI frame the pages (``frame-ancestors 'self'``).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import datetime, timedelta
@@ -556,6 +556,25 @@ def _which_epoch(ui: _Ui, pipeline_id: str, file: str | None, sink: str | None,
     return None
 
 
+def _sink_dsn(target: Mapping[str, Any]) -> str:
+    """A PostgreSQL shadow target's database as the api-server reaches it: the sink's Airflow connection
+    (``conn_id``, wherever Airflow keeps it), else its ``dsn_env`` in the api-server's environment. The compare
+    reads it in a READ ONLY transaction."""
+    from airflow_arroyo.core.shadow import sink_dsn
+
+    if not target.get("conn_id"):
+        return sink_dsn(target)
+    from airflow.exceptions import AirflowNotFoundException
+
+    from airflow_arroyo.hooks.arroyo import ArroyoHook
+
+    try:
+        return ArroyoHook(str(target["conn_id"]), migrate=False).get_dsn()
+    except AirflowNotFoundException as exc:
+        raise ConfigurationError(f"the PostgreSQL sink on {target.get('live')!r} names Airflow connection "
+                                 f"{target['conn_id']!r}, which the api-server does not have; create it there") from exc
+
+
 def _shadows(ui: _Ui, pid: str) -> list[dict[str, Any]]:
     """The shadow runs of ``pid``, each with its comparison (or why there is none), read-only."""
     from airflow_arroyo.core.shadow import compare_shadow
@@ -566,7 +585,8 @@ def _shadows(ui: _Ui, pid: str) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"shadow": _json(shadow), "compare": None, "error": None}
         if shadow.state == "active":
             try:
-                entry["compare"] = compare_shadow(records, shadow.shadow_id)  # type: ignore[arg-type]
+                entry["compare"] = compare_shadow(records, shadow.shadow_id,  # type: ignore[arg-type]
+                                                  pg_dsn=_sink_dsn)
             except (ArroyoError, OSError) as exc:
                 entry["error"] = str(exc)
         out.append(entry)

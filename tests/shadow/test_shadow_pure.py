@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from airflow_arroyo.core.exceptions import ConfigurationError
-from airflow_arroyo.core.shadow import EpochInput, Window, align_windows, diff_rows, plan_shadow_sinks, shadow_pipeline
+from airflow_arroyo.core.shadow import (
+    EpochInput,
+    Window,
+    align_windows,
+    diff_rows,
+    plan_shadow_sinks,
+    shadow_pipeline,
+    sink_dsn,
+)
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.kafka import KafkaTarget
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
@@ -26,14 +34,26 @@ def test_plan_redirects_file_folders_and_postgres_tables_never_a_live_target() -
     assert plan == {
         "out": {"kind": "files", "format": "parquet", "live": "/data/out", "shadow": "/data/out.shadow-orders-v2"},
         "totals": {"kind": "postgres", "live": "public.totals", "shadow": "public.totals_shadow_orders_v2",
-                   "key": ["k"]},
+                   "key": ["k"], "mode": "upsert", "dsn_env": "PG"},
     }
     shadow = shadow_pipeline(_code(), "orders-v2")
     assert shadow.pipeline_id == "orders-v2"
     sinks = {s.name: s for s in shadow.stages}
     assert sinks["out"].sink_options["path"] == "/data/out.shadow-orders-v2"
     assert sinks["totals"].postgres is not None and sinks["totals"].postgres.table == "public.totals_shadow_orders_v2"
+    assert sinks["totals"].postgres.keep_journal, "the compare reads each epoch's rows from the shadow's journal"
+    assert not any(s.postgres.keep_journal for s in _code().stages if s.postgres is not None)
     shadow.validate()  # still a valid pipeline
+
+
+def test_a_literal_dsn_is_never_recorded_and_the_compare_says_how_to_reach_the_table() -> None:
+    p = Pipeline("orders")
+    src = p.source("src", lambda spark: spark.readStream.format("rate").load())
+    p.sink("t", [src], postgres=PostgresTarget(table="t", dsn="postgresql://u:secret@h/db"))
+    plan = plan_shadow_sinks(p.stages, "v2")
+    assert "secret" not in repr(plan) and set(plan["t"]) == {"kind", "live", "shadow", "key", "mode"}
+    with pytest.raises(ConfigurationError, match="give the sink dsn_env= or conn_id="):
+        sink_dsn(plan["t"])
 
 
 def test_plan_refuses_a_sink_it_cannot_redirect_by_name() -> None:
