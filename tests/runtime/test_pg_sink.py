@@ -138,6 +138,32 @@ def test_the_journal_answers_a_shadow_compare_until_a_trim_reaches_it(spark: Any
         shadow_window_rows(live, shadow, -1, [BatchWindow(-1, 0, -1, -1)])
 
 
+def test_an_upsert_window_gives_each_key_its_row_at_each_sides_cut(spark: Any, target_dsn: str) -> None:
+    """Per key either side wrote in a window: each table's row at its cut (a pre-image of a later batch, or the row
+    now); a key the shadow has not written since the fork: the live row at the fork point."""
+    sql(target_dsn, "CREATE TABLE totals_shadow (LIKE totals INCLUDING ALL)")
+    live = make(target_dsn, "totals", "upsert", ("key",), pipeline="live")
+    shadow = make(target_dsn, "totals_shadow", "upsert", ("key",), pipeline="shadow", keep_journal=True)
+    live_batches = {0: [(1, "a", 10), (2, "b", 20)], 1: [(3, "a", 11), (4, "c", 30)], 2: [(5, "a", 12), (6, "b", 21)]}
+    shadow_batches = {1: [(3, "a", 11), (4, "c", 31)], 2: [(5, "a", 13)]}  # batch 0 is the fork point's cut
+    for batches, sink in ((live_batches, live), (shadow_batches, shadow)):
+        for i, rows in batches.items():
+            sink.write_batch(batch(spark, rows, partitions=1), i)
+        sink.commit_through(2)
+
+    def table_at(batches: dict[int, list[tuple[int, str, int]]], cut: int) -> dict[str, tuple[int, str, int]]:
+        return {r[1]: r for i in sorted(batches) if i <= cut for r in batches[i]}
+
+    got = shadow_window_rows(live, shadow, 0, [BatchWindow(0, 1, 0, 1), BatchWindow(1, 2, 1, 2)])
+    for w, cut in enumerate((1, 2)):
+        keys = {r[1] for r in live_batches[cut] + shadow_batches[cut]}  # written in the window by either side
+        shadow_now = {**table_at(live_batches, 0), **table_at(shadow_batches, cut)}
+        window = got[w]
+        assert window is not None
+        assert {(r["id"], r["key"], r["amount"]) for r in window[0]} == {table_at(live_batches, cut)[k] for k in keys}
+        assert {(r["id"], r["key"], r["amount"]) for r in window[1]} == {shadow_now[k] for k in keys}
+
+
 @pytest.mark.parametrize("mode", ["append", "upsert"])
 def test_a_superseded_run_cannot_trim_the_journal_of_the_run_that_took_over(spark: Any, target_dsn: str,
                                                                            mode: str) -> None:
