@@ -28,10 +28,11 @@ Spark's rules for a checkpoint it restarts from
 refuse never completes, and one recorded before the check is refused by
 :class:`~airflow_arroyo.core.exceptions.UnrestorableEpochError` before anything changed.
 Restore rebuilds a checkpoint folder from an epoch's entries into a fresh folder, verifying every
-object's size and hash (:class:`~airflow_arroyo.core.exceptions.SnapshotError` names the epoch and the
-file; nothing is deleted), and only then points the stage at it by rewriting its checkpoint pointer
-(:meth:`~airflow_arroyo.runtime.layout.StorageLayout.switch_checkpoint`): no folder is renamed, so
-restore works the same on local disks, HDFS and object stores.
+object's size and hash in the one read that copies it (:class:`~airflow_arroyo.core.exceptions.SnapshotError`
+names the epoch and the file; nothing is deleted); where objects and checkpoints share a local file system
+each object is hard-linked instead of copied and read once to verify it. Only then it points the stage at
+it by rewriting its checkpoint pointer (:meth:`~airflow_arroyo.runtime.layout.StorageLayout.switch_checkpoint`):
+no folder is renamed, so restore works the same on local disks, HDFS and object stores.
 
 Objects live below the storage URI, checkpoints below the checkpoint URI (the same one unless given):
 capture reads the checkpoint and writes objects, restore reads objects and writes a checkpoint folder.
@@ -45,9 +46,11 @@ its state is :mod:`~airflow_arroyo.runtime.spark_checkpoint`'s business; where o
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -104,6 +107,8 @@ class PreparedRestore:
     folder: str  # rel to the checkpoint root: the rebuilt checkpoint, not yet live
     files: int
     bytes: int
+    linked: int = 0  # files hard-linked to their objects (the rest copied)
+    seconds: float = 0.0  # rebuilding and verifying
 
 
 class SnapshotStore:
@@ -131,6 +136,10 @@ class SnapshotStore:
         # objects a restore copies at once: on object storage each is a few requests whose latency dominates
         # (benchmarks/restore_s3.py); 1 copies one after the other
         self.restore_workers = RESTORE_WORKERS
+        # objects and checkpoints on one local file system: a restore hard-links each object into the new
+        # checkpoint instead of copying it (both names then share the file: nothing writes checkpoint files in
+        # place, see _link); False copies
+        self.link_objects = True
 
     # ------------------------------------------------------------------ capture
 
@@ -334,24 +343,28 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: its snapshot of stage {stage!r} is not a checkpoint Spark can "
                 f"restart from ({'; '.join(problems)}); nothing was changed", epoch=epoch, stage=stage,
                 problems=tuple(problems))
+        t0 = time.monotonic()
         try:
             self.checkpoint_fs.makedirs(folder)
-            self._restore_all(entries, epoch, stage, folder, storage, owner)
+            linked = self._restore_all(entries, epoch, stage, folder, storage, owner)
         except BaseException:
             self.checkpoint_fs.delete_tree(folder)  # our own half-built folder, never the live checkpoint
             raise
+        took = time.monotonic() - t0
+        log.info("pipeline=%s epoch=%s stage=%s: checkpoint rebuilt and verified in %.2fs: %d files (%d linked, "
+                 "%d copied), %d bytes", self.pipeline_id, epoch, stage, took, len(entries), linked,
+                 len(entries) - linked, sum(e.bytes for e in entries))
         return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries),
-                               bytes=sum(e.bytes for e in entries))
+                               bytes=sum(e.bytes for e in entries), linked=linked, seconds=took)
 
     def _restore_all(self, entries: Sequence[SnapshotEntry], epoch: int, stage: str, folder: str,
-                     storage: FileSystem, owner: str) -> None:
-        """Copy and verify every entry into ``folder``, up to :attr:`restore_workers` at once; the first failure is
-        raised once the copies under way have ended (the caller deletes the folder)."""
+                     storage: FileSystem, owner: str) -> int:
+        """Link or copy, and verify, every entry into ``folder``, up to :attr:`restore_workers` at once; returns how
+        many were linked. The first failure is raised once the copies under way have ended (the caller deletes the
+        folder)."""
         workers = max(1, min(self.restore_workers, len(entries)))
         if workers == 1:
-            for e in entries:
-                self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
-            return
+            return sum(self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner) for e in entries)
         with ThreadPoolExecutor(workers, thread_name_prefix=f"arroyo-restore-{stage}") as pool:
             futures = [pool.submit(self._restore_one, e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
                        for e in entries]
@@ -362,19 +375,51 @@ class SnapshotStore:
                     f.cancel()
                 wait(futures)  # no copy may still write into the folder the caller is about to delete
                 raise errors[0]
+            return sum(f.result() for f in futures)
+
+    def _link(self, storage: FileSystem, src: str, dest: str) -> bool:
+        """Hard-link the object ``src`` as the checkpoint file ``dest`` when both are on one local file system;
+        False where that cannot be (another file system or device, no hard links): the caller copies.
+
+        Safe because neither side writes a file in place: objects are immutable once published, and Spark replaces
+        a checkpoint file only by writing a new file and renaming it over the old name (its checkpoint file
+        managers' ``createAtomic``), deletes by unlinking, and RocksDB never writes into an SST file it has
+        closed; the provider's own rewrites of a rebuilt checkpoint (fusion, rescale) replace files the same way.
+        ``tests/runtime/test_snapshot.py`` checks the objects' bytes after a restored query ran."""
+        if not (self.link_objects and storage.is_local and self.checkpoint_fs.is_local):
+            return False
+        target = self.checkpoint_fs.arrow_path(dest)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(storage.arrow_path(src), target)
+        except OSError as exc:  # a missing object (ENOENT) is the caller's error to report
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            return False
+        return True
 
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,
-                     owner: str) -> None:
+                     owner: str) -> bool:
+        """Link (:meth:`_link`) or copy one object into the checkpoint and verify its size and SHA-256 in the same
+        read (a link is verified by reading the shared file once); True if linked."""
         src = object_path(owner, e.object_key)
         where = f"{e.rel_path} of stage {stage!r} (object {storage.uri_of(src)})"
+        linked = False
         try:
             h = hashlib.sha256()
             size = 0
-            with storage.open_input(src) as f, self.checkpoint_fs.open_output(dest) as out:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
+            linked = self._link(storage, src, dest)
+            if linked:
+                with storage.open_input(src) as f:
+                    while chunk := f.read(_CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+            else:
+                with storage.open_input(src) as f, self.checkpoint_fs.open_output(dest) as out:
+                    while chunk := f.read(_CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
         except FileNotFoundError:
             raise SnapshotError(
                 f"epoch {epoch} cannot be restored: file {where} is missing; nothing was changed, choose an "
@@ -392,6 +437,7 @@ class SnapshotStore:
                 "content does not match its SHA-256 name); nothing was changed, choose an earlier epoch",
                 epoch=epoch, path=src,
             )
+        return linked
 
     def commit_restore(self, prepared: PreparedRestore) -> str | None:
         """Make a prepared checkpoint live by rewriting the stage's checkpoint pointer (the commit point; no

@@ -7,7 +7,9 @@ computed in plain Python, for both state store providers.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ from airflow_arroyo.core.fs import FileSystem
 from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.core.scrub import verify_pipeline
 from airflow_arroyo.runtime.channel import Channel
-from airflow_arroyo.runtime.layout import object_path
+from airflow_arroyo.runtime.layout import object_digest, object_path
 from airflow_arroyo.runtime.pipeline import STATE_STORES
 from airflow_arroyo.runtime.snapshot import SnapshotStore
 from airflow_arroyo.runtime.sources import read_channel
@@ -281,24 +283,53 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
 
     epoch = new_epoch(store, pipeline)
     result = snaps.capture("agg", epoch, ckpt, 2)  # the checkpoint as of batch 2
+
+    def obj(e: Any) -> Path:
+        return tmp_path / object_path(pipeline, e.object_key)
+
     complete(store, pipeline, epoch, result)
     rels = {e.rel_path for e in result.entries}
     assert "offsets/2" in rels and "commits/2" in rels and "offsets/3" not in rels and "commits/3" not in rels
     assert "offsets/0" not in rels and "commits/0" not in rels  # only the cut batch and the one before it
     assert result.bytes_new == result.bytes_total > 0
 
+    snaps.link_objects = False  # copied: same files, none shares its object's inode
+    copied = snaps.prepare_restore("agg", epoch)
+    assert copied.linked == 0 and copied.files == len(result.entries)
+    assert all(os.stat(tmp_path / copied.folder / e.rel_path).st_ino != os.stat(obj(e)).st_ino
+               for e in result.entries)
+    snaps.discard([copied])
+    snaps.link_objects = True
     prepared = snaps.prepare_restore("agg", epoch)
+    # objects and checkpoint on one local disk: every file is its object, hard-linked
+    assert prepared.linked == prepared.files == len(result.entries)
+    assert all(os.stat(tmp_path / prepared.folder / e.rel_path).st_ino == os.stat(obj(e)).st_ino
+               for e in result.entries)
     previous = snaps.commit_restore(prepared)
     assert previous == ckpt and (tmp_path / ckpt / "commits" / "5").exists()  # the old one, kept as it was
     restored = snaps.layout.checkpoint("agg")
     assert restored == prepared.folder != ckpt
     assert (tmp_path / restored / "commits" / "2").exists() and not (tmp_path / restored / "commits" / "3").exists()
 
-    resumed = run_aggregation(spark, tmp_path / restored, provider)
+    # Spark runs on the linked files: it writes new versions, deletes old batch logs (minBatchesToRetain 1) and
+    # state files (maintenance every 200 ms in these tests); RocksDB loads its SSTs through the provider's file
+    # system, linked too
+    spark.conf.set("spark.sql.streaming.minBatchesToRetain", "1")
+    try:
+        resumed = run_aggregation(spark, tmp_path / restored, provider)
+    finally:
+        spark.conf.unset("spark.sql.streaming.minBatchesToRetain")
     assert min(resumed.batches) == 3  # Spark resumed after the snapshot's batch
     first_half = Collect()
     first_half.batches = {b: r for b, r in straight.batches.items() if b <= 2}
     assert first_half.totals(resumed) == expected
+    assert not (tmp_path / restored / "offsets" / "1").exists()  # Spark deleted a linked file
+    # every object is as it was published: its bytes still hash to its name
+    for e in result.entries:
+        data = obj(e).read_bytes()
+        assert len(data) == e.bytes and hashlib.sha256(data).hexdigest() == object_digest(e.object_key), e.rel_path
+    snaps.checkpoint_fs.delete_tree(restored)  # what cleanup does to an old checkpoint folder: objects stay
+    assert all(obj(e).stat().st_size == e.bytes for e in result.entries)
 
 
 @pytest.mark.spark
