@@ -298,6 +298,38 @@ def test_it_starts_no_process(spark: Any, tmp_path: Path) -> None:
     assert started(_fs(spark, True, ours=True)) < 50
 
 
+def test_rocksdb_sst_files_are_linked_into_the_local_folder_not_copied(spark: Any, tmp_path: Path) -> None:
+    """How Spark's RocksDB state store loads a checkpoint's SST files into its working folder (copyToLocalFile):
+    a hard link to the same file, its bytes untouched; any other file, and every file with the system property
+    off, a copy."""
+    jvm = spark.sparkContext._jvm
+    hadoop = jvm.org.apache.hadoop
+    fs = _fs(spark, raw=False, ours=True)
+    dfs = tmp_path / "checkpoint" / "SSTs"
+    dfs.mkdir(parents=True)
+    for name in ("000007-a.sst", "000008-b.log", "000009-c.sst"):
+        (dfs / name).write_bytes(name.encode() * 1000)
+    local = tmp_path / "working"
+
+    def load(name: str, as_name: str) -> Path:
+        fs.copyToLocalFile(hadoop.fs.Path(f"file://{dfs / name}"), hadoop.fs.Path((local / as_name).as_uri()))
+        return local / as_name
+
+    sst = load("000007-a.sst", "000007.sst")  # the parent folder is made as a copy would make it
+    assert os.path.samefile(sst, dfs / "000007-a.sst") and sst.read_bytes() == b"000007-a.sst" * 1000
+    log_file = load("000008-b.log", "000008.log")
+    assert not os.path.samefile(log_file, dfs / "000008-b.log") and log_file.read_bytes() == b"000008-b.log" * 1000
+    system = jvm.java.lang.System
+    system.setProperty("airflow.arroyo.linkSstFiles", "false")
+    try:
+        off = load("000009-c.sst", "000009.sst")
+    finally:
+        system.clearProperty("airflow.arroyo.linkSstFiles")
+    assert not os.path.samefile(off, dfs / "000009-c.sst") and off.read_bytes() == b"000009-c.sst" * 1000
+    sst.unlink()  # RocksDB deletes a compacted SST file: the checkpoint's stays
+    assert (dfs / "000007-a.sst").read_bytes() == b"000007-a.sst" * 1000
+
+
 def _processes_started() -> int:
     with open("/proc/stat") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("processes "))
