@@ -12,7 +12,15 @@ it (``PipelineDriver``, epochs every ``--interval`` s):
 2. **restore-to-first-output** against a **cold start**, alternating (``--rounds``): the filled pipeline restored
    from its latest epoch, and the same code started fresh elsewhere, each timed from ``run()`` to the first
    micro-batch with rows reaching the sink (the same number of new rows, ``--batch``, in both). Printed: each
-   median and their ratio (restore / cold; the target is <= 1).
+   median and their ratio (restore / cold; the target is <= 1), and the phases of each start side by side
+   (``airflow_arroyo.runtime.startup``: plan, check, rebuild, roll_forward, queries, first_batch; medians) with
+   the aggregation's first micro-batch as Spark timed it (where a restored state store loads its state).
+
+``--modes`` restores in each named way per round, side by side: ``link`` (as the product does: objects hard-linked
+into the rebuilt checkpoint where they share a local file system with it, RocksDB's SST files linked into its
+working folder by the provider's file system) and ``copy`` (every object copied into the checkpoint and every SST
+file copied into RocksDB's working folder, as before the links). The session is a local master's as the driver
+builds it (``airflow_arroyo.jvm.local_master_conf``: the provider's ``file:`` file system).
 
 Figures measured here are in benchmarks/results/state_scale.md.
 
@@ -31,6 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +50,15 @@ from _spark import conf_pair, local_session_builder
 
 from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
+from airflow_arroyo.jvm import local_master_conf
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.startup import PHASES, start_phases
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
 
 FIRST_OUTPUT: dict[str, float] = {}  # pipeline id -> when its sink first saw rows (monotonic)
+LINK_SST_FILES = "airflow.arroyo.linkSstFiles"  # the provider's file system: link RocksDB's SST files (default on)
 _LOCK = threading.Lock()
 
 
@@ -103,9 +115,12 @@ def fill(spark: Any, store: EpochStore, root: Path, args: argparse.Namespace, ke
         src = driver.layout.channel_uri("src")
         wait_for(lambda: thread.error or channel_row_count(src) >= keys, timeout=3600, interval=1.0,
                  what=f"{keys} rows read")
-        # the epoch after the one in flight now cuts the aggregation after those rows
+        # the epoch after the one in flight now cuts the aggregation after those rows (a small state is read before
+        # the first epoch starts: wait for one)
+        wait_for(lambda: thread.error or store.in_flight_epoch(pid) or store.latest_completed_epoch(pid),
+                 timeout=600, what="an epoch")
         started = store.in_flight_epoch(pid) or store.latest_completed_epoch(pid)
-        assert started is not None
+        assert started is not None, thread.error
         done = started
         def epochs_after() -> int:
             latest = store.latest_completed_epoch(pid)
@@ -132,19 +147,38 @@ def fill(spark: Any, store: EpochStore, root: Path, args: argparse.Namespace, ke
 
 
 def first_output(spark: Any, store: EpochStore, args: argparse.Namespace, pid: str, storage: str, keys: int,
-                 kind: str, restore: bool) -> float:
-    """Seconds from run() to the first rows at the sink; the run is then stopped at once."""
+                 kind: str, mode: str | None) -> dict[str, float]:
+    """Seconds from run() to the first rows at the sink (``output``), each start phase, and the aggregation's
+    first micro-batch as Spark timed it (``agg_batch``); the run is then stopped at once. ``mode``: how to restore
+    (``link``/``copy``), None for a cold start."""
     FIRST_OUTPUT.pop(pid, None)
     code = pipeline(pid, keys=keys, pad=args.pad, batch=args.batch, store=kind)
     driver = PipelineDriver(code, store, storage_uri=storage, spark=spark,
-                            restore_from="latest" if restore else None, takeover=True)
+                            restore_from="latest" if mode is not None else None, takeover=True)
+    driver.snapshots.link_objects = mode != "copy"
+    jvm = spark.sparkContext._jvm
+    jvm.java.lang.System.setProperty(LINK_SST_FILES, "false" if mode == "copy" else "true")
     t0 = time.monotonic()
+    wall0 = time.time()
     thread = DriverThread(driver).start()
     wait_for(lambda: thread.error or pid in FIRST_OUTPUT, timeout=1800, interval=0.05, what="the first output")
     took = FIRST_OUTPUT[pid] - t0
+    wait_for(lambda: thread.error or driver.started.is_set(), timeout=600, what="the start to end")
+    firsts = {}
+    for runner in driver.runners:
+        # each query's first micro-batch that ran (idle triggers report progress too, without addBatch): when it
+        # ended (seconds since run()) and how long Spark says it took
+        progress = runner.query.recentProgress if runner.query is not None else []
+        first = next((q for q in progress if "addBatch" in q["durationMs"]), None)
+        if first is not None:
+            took_ms = first["durationMs"].get("triggerExecution") or 0
+            began = datetime.fromisoformat(first["timestamp"].replace("Z", "+00:00")).timestamp()
+            firsts[f"{runner.name}_batch"] = took_ms / 1000
+            firsts[f"{runner.name}_done"] = began + took_ms / 1000 - wall0
     store.request_stop(pid, "immediate")
     thread.join(1200)
-    return took
+    jvm.java.lang.System.clearProperty(LINK_SST_FILES)
+    return {"output": took, **start_phases(driver.step_times), **firsts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between epochs")
     ap.add_argument("--epochs", type=int, default=3, help="epochs after the state is full")
     ap.add_argument("--rounds", type=int, default=2, help="restore / cold start pairs (order alternates)")
+    ap.add_argument("--modes", default="link", help="ways to restore, each per round: link (the product's), copy")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--conf", type=conf_pair, action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= {"link", "copy"}:
+        ap.error(f"--modes: link and/or copy, got {args.modes!r}")
     spark = local_session_builder("arroyo-state-scale", driver_memory=args.driver_memory,
-                                  confs=dict(args.conf)).getOrCreate()
+                                  confs={**local_master_conf(), **dict(args.conf)}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     rows = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-scale-") as tmp:
@@ -169,28 +207,41 @@ def main(argv: list[str] | None = None) -> int:
         for keys in (int(k) for k in args.keys.split(",")):
             for kind in args.store.split(","):
                 filled = fill(spark, store, Path(tmp), args, keys, kind)
-                restored, cold = [], []
+                runs: dict[str, list[dict[str, float]]] = {m: [] for m in [*modes, "cold"]}
                 for r in range(args.rounds):
-                    for restore in ((True, False) if r % 2 == 0 else (False, True)):
-                        if restore:
-                            restored.append(first_output(spark, store, args, filled["pid"], filled["storage"], keys,
-                                                         kind, True))
+                    order = [*modes, "cold"]
+                    for mode in (order if r % 2 == 0 else order[::-1]):
+                        if mode != "cold":
+                            runs[mode].append(first_output(spark, store, args, filled["pid"], filled["storage"],
+                                                           keys, kind, mode))
                         else:
                             cold_pid = f"cold-{uuid.uuid4().hex[:6]}"
-                            cold.append(first_output(spark, store, args, cold_pid, f"{tmp}/{cold_pid}", keys,
-                                                     kind, False))
+                            runs["cold"].append(first_output(spark, store, args, cold_pid, f"{tmp}/{cold_pid}",
+                                                             keys, kind, None))
                 shutil.rmtree(filled["storage"], ignore_errors=True)  # the next size needs the disk
                 for folder in Path(tmp).glob("cold-*"):
                     shutil.rmtree(folder, ignore_errors=True)
-                row = {**filled, "keys": keys, "store": kind, "restore_s": statistics.median(restored),
-                       "cold_s": statistics.median(cold), "restore_runs": restored, "cold_runs": cold}
+                cold_s = statistics.median(x["output"] for x in runs["cold"])
+                row = {**filled, "keys": keys, "store": kind, "cold_s": cold_s, "runs": runs}
                 rows.append(row)
                 print(f"{kind:>7} {keys:>9,} keys: state {row['state_bytes'] / 1e6:,.1f} MB, "
                       f"fill {row['fill_s']:.0f} s,"
                       f" epoch p50 {row['epoch_p50']:.2f} s p99 {row['epoch_p99']:.2f} s, bytes new p50 "
-                      f"{row['bytes_new_p50'] / 1e6:,.1f} MB; first output: restore {row['restore_s']:.1f} s "
-                      f"{[round(x, 1) for x in restored]}, cold {row['cold_s']:.1f} s {[round(x, 1) for x in cold]},"
-                      f" restore / cold {row['restore_s'] / row['cold_s']:.2f}", flush=True)
+                      f"{row['bytes_new_p50'] / 1e6:,.1f} MB; first output: "
+                      + "; ".join(f"{'cold start' if m == 'cold' else 'restore (' + m + ')'} "
+                                  f"{statistics.median(x['output'] for x in v):.1f} s "
+                                  f"{[round(x['output'], 1) for x in v]}"
+                                  + ("" if m == "cold" else
+                                     f", / cold {statistics.median(x['output'] for x in v) / cold_s:.2f}")
+                                  for m, v in runs.items()), flush=True)
+                # the start's phases, then each query's first micro-batch: how long Spark says it took, and when it
+                # ended (seconds since run()); "-" where a phase has no part in that start
+                columns = [*PHASES, *(f"{q}_{w}" for q in ("src", "agg", "out") for w in ("batch", "done")), "output"]
+                print("    median s          " + "".join(f"{m:>14}" for m in runs), flush=True)
+                for c in columns:
+                    print(f"    {c:<18}" + "".join(
+                        f"{statistics.median(xs):>14.2f}" if (xs := [x[c] for x in v if c in x]) else f"{'-':>14}"
+                        for v in runs.values()), flush=True)
         store.close()
     spark.stop()
     return 0

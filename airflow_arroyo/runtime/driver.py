@@ -95,6 +95,7 @@ from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
 from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
+from airflow_arroyo.runtime.startup import start_phases
 from airflow_arroyo.runtime.upgrade_evidence import StateSchemas, gather_state_schemas, snapshot_state_files
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
 
@@ -249,6 +250,9 @@ class PipelineDriver:
         # Test seam: called with the name of each step of a start (see _restore) before the next begins; a
         # test raises there (a failure) or blocks there (a kill: nothing after it happens).
         self.on_step: Callable[[str], None] | None = None
+        # when each step of this run's start ended, seconds since run() began (runtime/startup.py)
+        self.step_times: dict[str, float] = {}
+        self._run_began = time.monotonic()
 
     def _transactional_sinks(self) -> dict[str, TransactionalSink]:
         return {s.name: sink for s in self.graph.stages if s.output is None
@@ -314,6 +318,7 @@ class PipelineDriver:
         Raises :class:`PipelineFailedError` when a stage fails (the store records the cause), and
         :class:`SnapshotError` / :class:`ConfigurationError` when a restore is impossible.
         """
+        self._run_began = time.monotonic()
         self._plan_chains()  # which stages run fused; watermarks a channel drops (Spark's analyzer)
         plan = self._plan_restore()  # reads only: refuse bad input before writing anything
         self._upgrade = plan.upgrade
@@ -339,8 +344,9 @@ class PipelineDriver:
                                                 thread_name_prefix=f"arroyo-snapshot-{self.pipeline_id}")
             self._start_stages(spark)
             self.started.set()
-            log.info("pipeline=%s run=%s: running %d stages (restored from epoch %s)", self.pipeline_id,
-                     self.run_id, len(self.runners), self.restored_from_epoch)
+            log.info("pipeline=%s run=%s: running %d stages (restored from epoch %s); start phases: %s",
+                     self.pipeline_id, self.run_id, len(self.runners), self.restored_from_epoch,
+                     ", ".join(f"{k} {v:.2f}s" for k, v in start_phases(self.step_times).items()))
             return self._loop()
         except ConcurrencyConflict:
             self._stop_queries()
@@ -581,6 +587,7 @@ class PipelineDriver:
                 self.layout.checkpoint_fs.delete_tree(folder)
 
     def _step(self, name: str) -> None:
+        self.step_times[name] = time.monotonic() - self._run_began
         log.debug("pipeline=%s run=%s: step %s done", self.pipeline_id, self.run_id, name)
         if self.on_step is not None:
             self.on_step(name)
@@ -900,7 +907,9 @@ class PipelineDriver:
         self._start_queries(spark, [(r, df) for r, df in frames if r.kind is StageKind.SOURCE])
         for runner in self.runners:
             runner.open_gate()
+        self._step("queries-started")
         self._warm_up()
+        self._step("warm")
         self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
 
     def _warm_up(self) -> None:

@@ -441,7 +441,7 @@ def test_restore_from_a_middle_epoch_gives_the_same_output(ran: Ran, module_stor
 
     result = run_to_end(spark, module_store, pid, storage, restore_from="latest", epochs=False,
                         run_id="restored", on_step=watch)
-    assert seen == [*before, *after, "restored"]
+    assert seen == [*before, *after, "restored", "queries-started", "warm"]  # then the queries start and warm up
     assert result.restored_from_epoch == middle
     assert module_store.get_pipeline(pid).restored_from_epoch == middle
     # what the restore left: channels end right after barrier `middle`, pointers name its rebuilt checkpoints,
