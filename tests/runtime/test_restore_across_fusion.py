@@ -1,15 +1,17 @@
 """A restore across a change of fusion on real Spark (issue 32, deliverable 2), there and back: an epoch taken
 with the source, a stateful dedup and a sink fused as one query restores into the same code unfused (three
 queries, two new channels), and an epoch of the unfused run restores into the fused code again (one query merged
-from three, renumbered to one batch numbering); each restore is first killed after its split or merge, before its
-commit point, changing nothing. The dedup keeps its state throughout (no key emitted twice, though each run reads
-ids of keys an earlier one saw), and each run's source resumes at the previous run's cut (the unfused run's new
-channel holds exactly the ids between the two cuts; the merged query resumes at the unfused source's offset). A
-merge the renumbering does not carry (a member that was not its own query) is refused by name before anything is
-written."""
+from three, renumbered to one batch numbering). Each run before a restore is a driver process of its own,
+SIGKILLed (its JVM with it) at a random moment after it completed an epoch; each restore is first SIGKILLed as a
+process right after its split or merge, before its commit point, changing nothing, then retried. The dedup keeps
+its state throughout (no key emitted twice, though each run reads ids of keys an earlier one saw), and each run's
+source resumes at the previous run's cut (the unfused run's new channel holds exactly the ids between the two
+cuts; the merged query resumes at the unfused source's offset). A merge the renumbering does not carry (a member
+that was not its own query) is refused by name before anything is written."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -18,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from airflow_arroyo.core.epochs import EpochState, PipelineState
-from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
+from airflow_arroyo.core.epochs import PipelineState
+from airflow_arroyo.core.exceptions import ConfigurationError
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
@@ -27,7 +29,14 @@ from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.spark_checkpoint import checkpoint_offsets, latest_commit
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_rows, generator_source, wait_for
-from tests.runtime.pipeline_support import interrupted_restore
+from tests.runtime.pipeline_support import (
+    Driver,
+    current,
+    epoch_objects,
+    kill_at_random_after_an_epoch,
+    kill_seed,
+    restore_killed_at,
+)
 
 pytestmark = [pytest.mark.spark]
 
@@ -36,8 +45,8 @@ KEYS = 40
 FUSED = "src~dedup~out"
 
 
-def source(spark: Any) -> Any:
-    return generator_source(spark, total_rows=ROWS, rows_per_second=20, partitions=1).select("id")
+def source(spark: Any, rate: int = 20) -> Any:
+    return generator_source(spark, total_rows=ROWS, rows_per_second=rate, partitions=1).select("id")
 
 
 def dedup(df: Any) -> Any:
@@ -46,11 +55,13 @@ def dedup(df: Any) -> Any:
     return df.select("id", (F.col("id") % KEYS).alias("k")).dropDuplicates(["k"])  # state: every key seen
 
 
-def pipeline(pid: str, root: Path, *, chaining: bool, dedup_name: str = "dedup") -> Pipeline:
-    p = Pipeline(pid, chaining=chaining)
-    src = p.source("src", source)
+def pipeline(pipeline_id: str, root: str, chaining: bool, dedup_name: str = "dedup", rate: int = 20) -> Pipeline:
+    """The driver's ``--pipeline tests.runtime.test_restore_across_fusion:pipeline``; ``rate``: the source's rows
+    per second (a run's pace, not part of its state)."""
+    p = Pipeline(pipeline_id, chaining=chaining)
+    src = p.source("src", lambda spark: source(spark, rate))
     seen = p.stage(dedup_name, dedup, [src])
-    p.sink("out", [seen], format="json", options={"path": str(root / "out")})
+    p.sink("out", [seen], format="json", options={"path": f"{root}/out"})
     return p
 
 
@@ -65,67 +76,60 @@ def emitted(path: Path) -> list[dict[str, int]]:
 
 def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refused(
         spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
+    rng = kill_seed()
     pid = f"refuse-{uuid.uuid4().hex[:6]}"
-    storage = str(tmp_path / "storage")
-    layout = StorageLayout.at(storage, pid)
+    storage = tmp_path / "storage"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    layout = StorageLayout.at(str(storage), pid)
+    src_channel = layout.channel_uri("src")
 
-    def completed() -> int:
-        try:
-            return len(module_store.list_epochs(pid, states=[EpochState.COMPLETED]))
-        except UnknownPipelineError:  # not registered yet
-            return 0
+    def start(chaining: bool, rate: int = 20, *, run_id: str, kill_at_step: str | None = None) -> Driver:
+        return Driver(dsn=module_store.dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs,
+                      pipeline="tests.runtime.test_restore_across_fusion:pipeline",
+                      args={"root": str(tmp_path), "chaining": chaining, "rate": rate}, kill_at_step=kill_at_step)
 
-    fused = DriverThread(PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage,
-                                        spark=spark)).start()
+    def fused_cut() -> int:
+        """The id the fused query's source resumes at from the latest completed epoch (0: none read by then)."""
+        latest = module_store.latest_completed_epoch(pid)
+        batch = int({a.stage: a for a in module_store.acks(pid, latest.epoch)}[FUSED].details["batch_id"])
+        end = checkpoint_offsets(layout.checkpoint_uri(FUSED), batch)[0] if batch >= 0 else None
+        return int(end["id"]) if end else 0
+
+    def restored(run_id: str) -> int | None:
+        rec = current(module_store, pid)
+        if rec is None or rec.run_id != run_id or rec.state is not PipelineState.RUNNING:
+            return None
+        return rec.restored_from_epoch  # type: ignore[no-any-return]
+
     with CheckpointTicker(module_store, pid, interval=1.0):
-        wait_for(lambda: fused.error or completed() >= 2, timeout=240, what="two epochs of the fused query")
-    module_store.request_stop(pid, "graceful")
-    assert fused.join(240).state is PipelineState.STOPPED
-    assert module_store.get_pipeline(pid).stages == [FUSED]
-    final = module_store.latest_completed_epoch(pid)
-    assert final is not None
-    checkpoint = layout.checkpoint_uri(FUSED)
-    cut = checkpoint_offsets(checkpoint, latest_commit(layout.checkpoint_fs, layout.checkpoint(FUSED)))[0]
-    assert cut is not None and 0 < cut["id"] < ROWS
-    before = emitted(tmp_path / "out")
-    assert {r["k"] for r in before} == {i % KEYS for i in range(cut["id"])}  # the fused run's output, each key once
+        # the fused code runs as a process of its own, SIGKILLed at a random moment after an epoch cut after input
+        final = kill_at_random_after_an_epoch(start(True, run_id="fused"), module_store, pid, rng,
+                                              also=lambda: fused_cut() > 0)
+        assert module_store.get_pipeline(pid).stages == [FUSED]
+        cut = {"id": fused_cut()}
+        assert 0 < cut["id"] < ROWS
+        objects = epoch_objects(module_store, storage, pid, final.epoch)
+        before = emitted(tmp_path / "out")  # committed by epochs up to the cut: each key once, none after the cut
+        assert sorted(r["k"] for r in before) == sorted({r["k"] for r in before})
+        assert {r["k"] for r in before} <= {i % KEYS for i in range(cut["id"])}
 
-    unfused = {"src": "restored-across-fusion", "dedup": "restored-across-fusion", "out": "restored-across-fusion"}
-
-    # killed after the split of the last stage, before the commit point: nothing the store or the live checkpoints
-    # hold has changed, and the next restore starts again from the epoch
-    def look() -> None:
+        # the unfused code's first restore is SIGKILLed right after the split of the last stage, before the commit
+        # point: nothing the store or the live checkpoints hold has changed, and the next restore starts again
+        restore_killed_at("split:out", functools.partial(start, False), "unfused-killed")
         assert module_store.latest_completed_epoch(pid) == final
         assert layout.checkpoint_fs.exists(layout.checkpoint(FUSED))
         assert not layout.checkpoint_fs.list_dir(layout.checkpoint("dedup"))
 
-    def make(run_id: str, hook: Any) -> PipelineDriver:
-        driver = PipelineDriver(pipeline(pid, tmp_path, chaining=False), module_store, storage_uri=storage,
-                                spark=spark, restore_from="latest", run_id=run_id)
-        driver.on_step = hook
-        return driver
-
-    interrupted_restore(make, "split:out", "kill", look)
-
-    driver = PipelineDriver(pipeline(pid, tmp_path, chaining=False), module_store, storage_uri=storage, spark=spark,
-                            restore_from="latest")
-    done = completed()
-    second = DriverThread(driver).start()
-    src_channel = layout.channel_uri("src")
-    with CheckpointTicker(module_store, pid, interval=1.0):
-        wait_for(lambda: second.error or (driver.started.is_set()
-                                          and len(channel_rows(src_channel)) >= KEYS and completed() > done),
-                 timeout=240, what="the unfused run to read some input and complete an epoch")
-    assert driver._upgrade is not None
-    assert {r.stage: r.action.value for r in driver._upgrade.stages} == unfused
-    # at once, without a final epoch (one would come after the source read everything): the next restore takes
-    # the run's latest completed epoch, well before the end of the input
-    module_store.request_stop(pid, "immediate")
-    result = second.join(240)
-    assert result.state is PipelineState.STOPPED and result.restored_from_epoch == final.epoch
-    assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
-    unfused_final = module_store.latest_completed_epoch(pid)
-    assert unfused_final is not None
+        # the retry restores the epoch split, reads some input and is SIGKILLed at random after an epoch of its own
+        # (slowly: its first epoch may come long after its queries start on a loaded machine, and the merged run
+        # must still have input to read)
+        unfused = start(False, 5, run_id="unfused")
+        assert wait_for(lambda: restored("unfused") or not unfused.alive(), timeout=300,
+                        what="the unfused run to restore") == final.epoch, unfused.tail()
+        assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
+        unfused_final = kill_at_random_after_an_epoch(unfused, module_store, pid, rng,
+                                                      also=lambda: len(channel_rows(src_channel)) >= KEYS)
     channel = Channel.open(src_channel)
     barrier = channel.find_barrier(unfused_final.epoch)
     assert barrier is not None
@@ -134,33 +138,26 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
     assert ids and ids == list(range(cut["id"], ids[-1] + 1))
     second_cut = ids[-1] + 1
     assert second_cut < ROWS
-    # the dedup kept its state: every key exactly once over both runs (the unfused run read ids of keys seen before)
-    assert sorted(r["k"] for r in emitted(tmp_path / "out")) == list(range(KEYS))
+    assert epoch_objects(module_store, storage, pid, final.epoch) == objects
+    objects = epoch_objects(module_store, storage, pid, unfused_final.epoch)
 
     # a merge the renumbering does not carry is refused by name before anything is written
     tree = sorted(e.path for e in layout.checkpoint_fs.list_files(""))
     with pytest.raises(ConfigurationError, match=r"fusion changed: .*dedup2 did not run as its own query"):
-        PipelineDriver(pipeline(pid, tmp_path, chaining=True, dedup_name="dedup2"), module_store,
-                       storage_uri=storage, spark=spark, restore_from="latest").run()
+        PipelineDriver(pipeline(pid, str(tmp_path), True, dedup_name="dedup2"), module_store,
+                       storage_uri=str(storage), spark=spark, restore_from="latest", takeover=True).run()
     assert sorted(e.path for e in layout.checkpoint_fs.list_files("")) == tree
     assert module_store.latest_completed_epoch(pid) == unfused_final
     assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
 
-    # back to fused, killed after the merge first
-    def look_merged() -> None:
-        assert module_store.latest_completed_epoch(pid) == unfused_final
-        assert layout.checkpoint_fs.list_dir(layout.checkpoint("dedup"))
+    # back to fused: the first restore is SIGKILLed right after the merge, before the commit point
+    restore_killed_at(f"merged:{FUSED}", functools.partial(start, True), "merged-killed")
+    assert module_store.latest_completed_epoch(pid) == unfused_final
+    assert layout.checkpoint_fs.list_dir(layout.checkpoint("dedup"))
 
-    def make_fused(run_id: str, hook: Any) -> PipelineDriver:
-        driver = PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage,
-                                spark=spark, restore_from="latest", run_id=run_id)
-        driver.on_step = hook
-        return driver
-
-    interrupted_restore(make_fused, f"merged:{FUSED}", "kill", look_merged)
-
-    driver = PipelineDriver(pipeline(pid, tmp_path, chaining=True), module_store, storage_uri=storage, spark=spark,
-                            restore_from="latest")
+    # the retry, in this process, to the end of the input
+    driver = PipelineDriver(pipeline(pid, str(tmp_path), True, rate=50), module_store, storage_uri=str(storage),
+                            spark=spark, restore_from="latest", takeover=True)
     third = DriverThread(driver).start()
 
     def read_to() -> int:
@@ -182,5 +179,6 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
     folder = layout.checkpoint(FUSED)
     logged = sorted(int(e.name) for e in layout.checkpoint_fs.list_dir(f"{folder}/offsets") if e.name.isdigit())
     assert checkpoint_offsets(layout.checkpoint_uri(FUSED), logged[1])[0] == {"id": second_cut}
-    # the merged query kept the dedup's state: still every key exactly once
+    # the dedup kept its state across both restores: every key exactly once over the three runs
     assert sorted(r["k"] for r in emitted(tmp_path / "out")) == list(range(KEYS))
+    assert epoch_objects(module_store, storage, pid, unfused_final.epoch) == objects
