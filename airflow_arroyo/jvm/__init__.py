@@ -8,7 +8,10 @@ process from the JVM: one per checkpoint file, a cost a micro-batch pays on ever
 "Channel hops"; figures: benchmarks/results/hop_breakdown.md). ``airflow.arroyo.hadoop.NioLocalFileSystem``
 is Hadoop's ``LocalFileSystem`` (checksummed, as ``file:`` is by default) whose raw file system sets the same
 bits through ``java.nio``: the same files and modes, no process. Files with a setuid or setgid bit still go
-Hadoop's way (``chmod`` keeps a folder's setgid bit, ``java.nio`` clears it), as does the sticky bit. Spark's
+Hadoop's way (``chmod`` keeps a folder's setgid bit, ``java.nio`` clears it), as does the sticky bit. Its
+``copyToLocalFile``, which Spark's RocksDB state store loads a checkpoint's SST files with, hard-links an ``.sst``
+file where both folders are on one local file system instead of copying the whole state (docs/runtime.md,
+"Restore"; ``-Dairflow.arroyo.linkSstFiles=false`` copies). Spark's
 default checkpoint file manager writes through Hadoop's ``FileContext``, whose local file system is Hadoop's
 own: a stage's query switches to the ``FileSystem`` manager (``runtime/spark_checkpoint.py``); a user's own
 query on the session keeps its processes.
