@@ -122,7 +122,6 @@ def test_a_shadow_reports_exactly_the_rows_its_code_changes_and_discard_leaves_t
     sql(target, "CREATE TABLE totals_t (bucket bigint PRIMARY KEY, n bigint NOT NULL, total bigint NOT NULL)")
     live_storage, shadow_storage = tmp_path / "live-storage", tmp_path / "shadow-storage"
 
-
     def live_output(n: int) -> Callable[[], bool]:
         return lambda: len(_rows(tmp_path / "out")) >= n and sql(target, "SELECT count(*) FROM rows_t")[0][0] >= n
 
@@ -132,7 +131,8 @@ def test_a_shadow_reports_exactly_the_rows_its_code_changes_and_discard_leaves_t
                              spark=spark), module_store, live_output(HALF), what="the live output's first half",
               interval=1.0)
     fork_point = module_store.list_epochs(pid, limit=1, states=[EpochState.COMPLETED])[0].epoch
-    assert next_id(module_store, pid, fork_point) == HALF
+    fork_end = next_id(module_store, pid, fork_point)  # HALF, or less if the final epoch did not complete
+    assert fork_end <= HALF
     run_until(PipelineDriver(code(pid, tmp_path, calc_v1), module_store, storage_uri=str(live_storage), spark=spark,
                              restore_from="latest"), module_store, live_output(ROWS), what="the live output",
               interval=1.0)
@@ -141,7 +141,7 @@ def test_a_shadow_reports_exactly_the_rows_its_code_changes_and_discard_leaves_t
     before_fork = set() if through is None else {
         r["id"] for r in read_file_rows(str(tmp_path / "out"), committed_files(str(tmp_path / "out"), through), "json")}
     after = sorted(r["id"] for r in _rows(tmp_path / "out") if r["id"] not in before_fork)
-    assert after == list(range(HALF, ROWS)), "the file sink's output after the fork: the input's"
+    assert after == list(range(fork_end, ROWS)), "the file sink's output after the fork: the input's"
     live_before = module_store.get_pipeline(pid)
 
     record = start_shadow(module_store, pid, fork_point, sid, "tests.runtime.test_shadow_run:v2",
@@ -169,7 +169,6 @@ def test_a_shadow_reports_exactly_the_rows_its_code_changes_and_discard_leaves_t
 
     # PostgreSQL sinks, window by window: each window's input ids from the generator's offsets at its cuts
     counts = ("added", "removed", "changed", "live_rows", "shadow_rows")
-    fork_end = next_id(module_store, pid, fork_point)
     keyed = compare_shadow(module_store, sid, key={"rows_pg": ["id"]})
     for sink in ("rows_pg", "totals_pg"):
         got = [d for d in report["diffs"] if d["sink"] == sink]
