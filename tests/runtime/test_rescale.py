@@ -1,9 +1,12 @@
 """Rescale on restore (issue 32, deliverable 3) on real Spark: a RocksDB aggregation restored into 8 state
 partitions, then into 2, while input flows; the PostgreSQL table it upserts ends with exactly the counts plain
-Python gives (state lost or doubled by a rescale would show in them)."""
+Python gives (state lost or doubled by a rescale would show in them). The run on 8 partitions is a driver process of
+its own, SIGKILLed (its JVM with it) at a random moment after it completed an epoch; the restore into 2 is first
+SIGKILLed right after its rewrite, before the commit point, then retried."""
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 
 from airflow_arroyo.core.epochs import PipelineState
 from airflow_arroyo.core.exceptions import ConfigurationError
+from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -21,7 +25,14 @@ from airflow_arroyo.runtime.rescale import checkpoint_partitions
 from airflow_arroyo.runtime.sinks.postgres import PostgresTarget
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
-from tests.runtime.pipeline_support import interrupted_restore
+from tests.runtime.pipeline_support import (
+    SINK_DSN_ENV,
+    Driver,
+    epoch_objects,
+    kill_at_random_after_an_epoch,
+    kill_seed,
+    restore_killed_at,
+)
 
 pytestmark = [pytest.mark.spark]
 
@@ -35,19 +46,16 @@ def counts(df: Any) -> Any:
     return df.groupBy((F.col("id") % KEYS).alias("k")).agg(F.count(F.lit(1)).alias("n"))
 
 
-def pipeline(pid: str, dsn: str, table: str) -> Pipeline:
-    p = Pipeline(pid, chaining=False)
-    src = p.source("src", lambda spark: generator_source(spark, total_rows=ROWS, rows_per_second=60,
+def pipeline(pipeline_id: str, table: str, rate: int = 60) -> Pipeline:
+    """The driver's ``--pipeline tests.runtime.test_rescale:pipeline``; the sink's DSN is in ``SINK_DSN_ENV``;
+    ``rate``: the source's rows per second (a run's pace, not part of its state)."""
+    p = Pipeline(pipeline_id, chaining=False)
+    src = p.source("src", lambda spark: generator_source(spark, total_rows=ROWS, rows_per_second=rate,
                                                           partitions=1).select("id"))
     agg = p.stage("counts", counts, [src], output_mode="update", state_store="rocksdb",
                   spark_conf={"spark.sql.shuffle.partitions": "4"})
-    p.sink("out", [agg], postgres=PostgresTarget(table=table, dsn=dsn, mode="upsert", key=("k",)))
+    p.sink("out", [agg], postgres=PostgresTarget(table=table, dsn_env=SINK_DSN_ENV, mode="upsert", key=("k",)))
     return p
-
-
-def _hooked(driver: PipelineDriver, hook: Any) -> PipelineDriver:
-    driver.on_step = hook
-    return driver
 
 
 def table_counts(dsn: str, table: str) -> dict[int, int]:
@@ -69,52 +77,69 @@ def create_counts_table(dsn: str, table: str) -> None:
 
 
 def test_a_restore_rescales_an_aggregations_state_4_to_8_to_2_with_exact_counts(
-        spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
+        spark: Any, module_store: EpochStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = kill_seed()
     pid = f"rescale-{uuid.uuid4().hex[:6]}"
     table = f"counts_{uuid.uuid4().hex[:8]}"
     dsn = module_store.dsn
     create_counts_table(dsn, table)
-    storage = str(tmp_path / "storage")
-    layout = StorageLayout.at(storage, pid)
+    monkeypatch.setenv(SINK_DSN_ENV, dsn)  # the in-process runs' sink; the processes get it in their environment
+    storage = tmp_path / "storage"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    layout = StorageLayout.at(str(storage), pid)
     src = layout.channel_uri("src")
-
-    def run(rows: int, **kwargs: Any) -> Any:
-        driver = PipelineDriver(pipeline(pid, dsn, table), module_store, storage_uri=storage, spark=spark, **kwargs)
-        thread = DriverThread(driver).start()
-        with CheckpointTicker(module_store, pid, interval=1.0):
-            wait_for(lambda: thread.error or (driver.started.is_set() and channel_row_count(src) >= rows),
-                     timeout=240, what=f"{rows} rows read")
-        module_store.request_stop(pid, "graceful")  # a final epoch: the next run restores it
-        return thread.join(240)
 
     def partitions() -> int | None:
         return checkpoint_partitions(layout.checkpoint_fs, layout.checkpoint("counts")).partitions
 
-    assert run(ROWS // 3).state is PipelineState.STOPPED
+    def start(*options: str, run_id: str, kill_at_step: str | None = None) -> Driver:
+        # slower than the runs in this process: the generator's rows exist from its reader's start, which may come
+        # long before the first epoch on a loaded machine, and input must be left for the rescaled run after it
+        return Driver(dsn=dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs,
+                      pipeline="tests.runtime.test_rescale:pipeline", args={"table": table, "rate": 5},
+                      env={SINK_DSN_ENV: dsn}, options=options, kill_at_step=kill_at_step)
+
+    first = DriverThread(PipelineDriver(pipeline(pid, table), module_store, storage_uri=str(storage),
+                                        spark=spark)).start()
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        wait_for(lambda: first.error or (first.driver.started.is_set() and channel_row_count(src) >= ROWS // 3),
+                 timeout=240, what=f"{ROWS // 3} rows read")
+    module_store.request_stop(pid, "graceful")  # a final epoch: the next run restores it
+    assert first.join(240).state is PipelineState.STOPPED
     assert partitions() == 4
     # a stage the restore does not rebuild, or a restore that rebuilds nothing, is refused before anything is written
     with pytest.raises(ConfigurationError, match="rescale= names nope"):
-        PipelineDriver(pipeline(pid, dsn, table), module_store, storage_uri=storage, spark=spark,
+        PipelineDriver(pipeline(pid, table), module_store, storage_uri=str(storage), spark=spark,
                        restore_from="latest", rescale={"nope": 8}).run()
 
-    # a kill right after the rewrite, before the commit point: the live checkpoint and the store are as they were
-    latest = module_store.latest_completed_epoch(pid)
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        # 4 -> 8 in a process of its own, SIGKILLed at a random moment after it completed an epoch
+        cut = kill_at_random_after_an_epoch(start("--rescale", "counts=8", run_id="up"), module_store, pid, rng,
+                                            also=lambda: channel_row_count(src) >= ROWS // 3 + 20).epoch
+        assert partitions() == 8
+        barrier = Channel.open(src).find_barrier(cut)
+        assert barrier is not None and len(Channel.open(src).read_table(end=barrier)) < ROWS  # input is left
+        objects = epoch_objects(module_store, storage, pid, cut)
 
-    def look() -> None:
-        assert partitions() == 4
-        assert module_store.latest_completed_epoch(pid) == latest
+        # 8 -> 2: the first restore is SIGKILLed right after the rewrite, before the commit point: the live
+        # checkpoint and the store are as they were
+        restore_killed_at("rescaled:counts", functools.partial(start, "--rescale", "counts=2"), "down-killed")
+        assert partitions() == 8
+        assert module_store.latest_completed_epoch(pid).epoch == cut
 
-    interrupted_restore(lambda run_id, hook: _hooked(PipelineDriver(
-        pipeline(pid, dsn, table), module_store, storage_uri=storage, spark=spark, restore_from="latest",
-        rescale={"counts": 8}, run_id=run_id), hook), "rescaled:counts", "kill", look)
-
-    up = run(2 * ROWS // 3, restore_from="latest", rescale={"counts": 8})
-    assert up.state is PipelineState.STOPPED and up.restored_from_epoch is not None
-    assert partitions() == 8
-    down = run(ROWS, restore_from="latest", rescale={"counts": 2})
-    assert down.state is PipelineState.STOPPED
+        # the retry, in this process, to the end of the input
+        expected = dict(Counter(i % KEYS for i in range(ROWS)))
+        down = DriverThread(PipelineDriver(pipeline(pid, table), module_store, storage_uri=str(storage), spark=spark,
+                                           restore_from="latest", rescale={"counts": 2}, takeover=True)).start()
+        # running first: a stop asked before the run registers is not its own (registering clears it)
+        wait_for(lambda: down.error or (down.driver.started.is_set() and table_counts(dsn, table) == expected),
+                 timeout=240, what="every row counted")
+    module_store.request_stop(pid, "graceful")
+    result = down.join(240)
+    assert result.state is PipelineState.STOPPED and result.restored_from_epoch == cut
     assert partitions() == 2
     state = layout.checkpoint_fs.list_dir(f"{layout.checkpoint('counts')}/state/0")
     assert sorted(int(e.name) for e in state if e.is_dir and e.name.isdigit()) == [0, 1]  # none left of 8
-    expected = Counter(i % KEYS for i in range(ROWS))
-    assert table_counts(dsn, table) == dict(expected)  # the final epoch committed every count
+    assert table_counts(dsn, table) == expected  # the final epoch committed every count
+    assert epoch_objects(module_store, storage, pid, cut) == objects  # the restores only read the epoch's objects

@@ -45,7 +45,7 @@ from tests.runtime.test_upgrade_restore import evens, folder_values
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 900  # about 22 s of input at 40 rows/s: the upgrades and the rescale come while it flows
+ROWS = 1200  # the processes read at 10 rows/s, the last run at 60: the upgrades and the rescale come while it flows
 KEYS = 20
 
 
@@ -61,11 +61,12 @@ def filtered_counts(df: Any) -> Any:
     return counts(df.where(F.col("id") >= 0))
 
 
-def version(n: int, pipeline_id: str, table: str, root: str) -> Pipeline:
+def version(n: int, pipeline_id: str, table: str, root: str, rate: int = 40) -> Pipeline:
     """The code's version ``n`` (the driver's ``--pipeline tests.runtime.test_upgrade_story:version``); its
-    PostgreSQL sink reads the DSN from ``SINK_DSN_ENV``."""
+    PostgreSQL sink reads the DSN from ``SINK_DSN_ENV``; ``rate``: the source's rows per second (a run's pace,
+    not part of its state)."""
     p = Pipeline(pipeline_id, chaining=False)
-    src = p.source("src", lambda spark: generator_source(spark, total_rows=ROWS, rows_per_second=40,
+    src = p.source("src", lambda spark: generator_source(spark, total_rows=ROWS, rows_per_second=rate,
                                                           partitions=1).select("id"))
     name, code = {1: ("counts", counts), 2: ("counts_v2", counts), 3: ("counts_v2", filtered_counts)}[n]
     agg = p.stage(name, code, [src], output_mode="update", state_store="rocksdb", output="counts", uid="counts",
@@ -92,9 +93,11 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
     src = layout.channel_uri("src")
 
     def start(n: int, *options: str, run_id: str, kill_at_step: str | None = None) -> Driver:
+        # slower than the last run: the generator's rows exist from its reader's start, which may come long before
+        # a process's first epoch on a loaded machine, and input must be left for the runs after it
         return Driver(dsn=dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs,
                       pipeline="tests.runtime.test_upgrade_story:version",
-                      args={"n": n, "table": table, "root": str(tmp_path)}, env={SINK_DSN_ENV: dsn},
+                      args={"n": n, "table": table, "root": str(tmp_path), "rate": 10}, env={SINK_DSN_ENV: dsn},
                       options=options, kill_at_step=kill_at_step)
 
     def partitions() -> int | None:
@@ -110,7 +113,7 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
     with CheckpointTicker(module_store, pid, interval=1.0):
         # v1 runs as a process of its own, SIGKILLed at a random moment after it completed an epoch
         cut1 = kill_at_random_after_an_epoch(start(1, run_id="v1"), module_store, pid, rng,
-                                             also=lambda: channel_row_count(src) >= ROWS // 10).epoch
+                                             also=lambda: channel_row_count(src) >= 40).epoch
         objects1 = epoch_objects(module_store, storage, pid, cut1)
 
         # v2: the rename and the new branch; the first restore is SIGKILLed after the commit point, halfway
@@ -128,8 +131,10 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
         before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
         assert before_cut == set(range(len(before_cut))) and 0 < len(before_cut) < ROWS
         cut2 = kill_at_random_after_an_epoch(v2, module_store, pid, rng,
-                                             also=lambda: channel_row_count(src) >= 2 * ROWS // 5).epoch
+                                             also=lambda: channel_row_count(src) >= len(before_cut) + 40).epoch
         assert partitions() == 4
+        barrier2 = channel.find_barrier(cut2)
+        assert barrier2 is not None and len(channel.read_table(end=barrier2)) < ROWS  # input still flows for v3
         objects2 = epoch_objects(module_store, storage, pid, cut2)
 
         # v3 with 8 state partitions: the first restore is SIGKILLed right after the rewrite, before the commit
@@ -141,10 +146,11 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
         # the second runs to the end of the input (in this process: nothing kills it)
         expected = dict(Counter(i % KEYS for i in range(ROWS)))
         expected_evens = sorted(i for i in range(ROWS) if i % 2 == 0 and i not in before_cut)
-        d3 = PipelineDriver(version(3, pid, table, str(tmp_path)), module_store, storage_uri=str(storage),
+        d3 = PipelineDriver(version(3, pid, table, str(tmp_path), rate=60), module_store, storage_uri=str(storage),
                             spark=spark, restore_from="latest", rescale={"counts_v2": 8}, takeover=True)
         last = DriverThread(d3).start()
-        wait_for(lambda: last.error or (table_counts(dsn, table) == expected
+        # running first: a stop asked before the run registers is not its own (registering clears it)
+        wait_for(lambda: last.error or (d3.started.is_set() and table_counts(dsn, table) == expected
                                         and sorted(folder_values(tmp_path / "evens", "id")) == expected_evens),
                  timeout=300, what="v3's output of every row")
     module_store.request_stop(pid, "graceful")
