@@ -137,6 +137,13 @@ class Plain:
         rhs = right(read_source(spark, 2, mode, rate, batch))
         self.query = (report(join(lhs, rhs)).writeStream.foreachBatch(self.recorder)
                       .option("checkpointLocation", str(tmp / f"plain-{uuid.uuid4().hex[:6]}")).start())
+        # as the driver warms its queries up before it runs (its first batch pays for the Python workers, the
+        # state stores and code generation): the warm-up then starts from a query that ran, on both sides
+        deadline = time.monotonic() + 600
+        while self.query.lastProgress is None and time.monotonic() < deadline:
+            if self.query.exception() is not None:
+                raise SystemExit(f"the plain query failed: {self.query.exception()}")
+            time.sleep(0.1)
 
     def queries(self) -> list[StreamingQuery]:
         return [self.query]
