@@ -10,8 +10,8 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 
 * the driver JVM: heap in use after a full collection, metaspace, threads, open files, and the paths its
   delete-on-exit list holds;
-* this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, threads, open
-  files;
+* this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, glibc's heap in
+  use and the free memory it holds, pyarrow's default pool, threads, open files;
 * Spark's Python workers: processes and their resident memory;
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
   epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned;
@@ -30,6 +30,7 @@ months").
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import logging
 import os
@@ -44,6 +45,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pyarrow
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -72,6 +75,24 @@ def proc_status(pid: int, field: str) -> int:
 
 def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_bytes() -> tuple[int, int]:
+    """The C library's heap of this process: bytes in use (``uordblks`` + ``hblkhd``) and free bytes it holds
+    (``fordblks``), from ``mallinfo2``; (-1, -1) where the C library has none. Native memory the driver's RSS holds
+    that no Python object counts: what a rising RSS with flat live objects is made of."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return -1, -1
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
 
 
 def heap_after_gc(pid: int) -> tuple[int, int]:
@@ -254,6 +275,7 @@ class Soak:
         pruner = self.driver.socket_paths
         heap, metaspace = heap_after_gc(self.jvm_pid)
         references, unpruned = self.references()
+        in_use, held_free = malloc_bytes()
         return {
             "epochs completed": self.completed_epochs(),
             "JVM heap after full GC (MB)": heap / 1e6,
@@ -263,6 +285,9 @@ class Soak:
             "JVM delete-on-exit paths": pruner.registered() if pruner is not None else -1,
             "driver Python objects": len(gc.get_objects()),
             "driver Python RSS (MB)": proc_status(me, "VmRSS") / 1e3,
+            "driver malloc in use (MB)": in_use / 1e6,
+            "driver malloc free held (MB)": held_free / 1e6,
+            "driver pyarrow pool (MB)": pyarrow.total_allocated_bytes() / 1e6,
             "driver Python threads": threading.active_count(),
             "driver Python open files": open_files(me),
             "Python workers": workers,

@@ -1240,7 +1240,13 @@ class PipelineDriver:
             if q is None or q.isActive:
                 continue
             exc = q.exception()
-            detail = _cause(exc) if exc is not None else "the query stopped unexpectedly"
+            own = r.errors[-1] if r.errors else None  # what the stage's writer raised, in full
+            if own is not None and (exc is None or type(own).__name__ == "Py4JJavaError"):
+                detail = _cause(own)  # Spark got only its brief (stage.brief_java_error), or lost it
+            elif exc is not None:
+                detail = _cause(exc)
+            else:
+                detail = "the query stopped unexpectedly"
             self._raise_if_superseded(f"stage {r.name!r}")  # e.g. the new run's restore removed its files
             raise PipelineFailedError(self.pipeline_id, f"{self._stage_label(r.name)} failed: {detail}")
 

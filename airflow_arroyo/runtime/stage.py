@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.runtime.sinks.base import TransactionalSink
 
-__all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner"]
+__all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", "brief_java_error"]
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +344,8 @@ class StageRunner:
         except BaseException as exc:
             self.errors.append(exc)
             log.exception("pipeline=%s stage=%s: micro-batch %s failed", self.pipeline_id, self.name, batch_id)
+            if type(exc).__name__ == "Py4JJavaError":
+                raise ArroyoError(brief_java_error(exc)) from None
             raise
 
     def _write(self, df: DataFrame, batch_id: int) -> None:
@@ -559,6 +561,21 @@ class StageRunner:
         self._closing = True
         if self.query is not None and self.query.isActive:
             self.query.stop()
+
+
+def brief_java_error(exc: BaseException) -> str:
+    r"""A Java error raised through py4j, as Spark should see it come back from ``foreachBatch``: its lead lines
+    (``py4j.protocol.Py4JJavaError: An error occurred while calling ...`` and the Java exception), without stack
+    frames, at most 1,000 characters.
+
+    Spark decides whether a failed query was interrupted by its stop by matching ``StreamExecution.PROXY_ERROR``
+    (``...calling((.|\r\n|\r|\n)*)(java.lang.InterruptedException|...)``) against the Python traceback it
+    gets back. That expression recurses once per character: the whole Java stack of the error made the stream
+    thread die of ``StackOverflowError``, and the query ended with no exception at all. The full error stays in
+    the stage's ``errors`` and the log."""
+    lines = [ln for ln in f"py4j.protocol.Py4JJavaError: {exc}".splitlines()
+             if ln.strip() and not ln.startswith(("\tat ", "\t... ", "\tSuppressed: "))]
+    return "\n".join(lines)[:1000]
 
 
 def check_channels_have_barrier(channels: Mapping[str, Channel], epoch: int) -> dict[str, int]:

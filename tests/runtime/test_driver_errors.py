@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -19,6 +20,7 @@ from airflow_arroyo.core.epochs import PipelineState
 from airflow_arroyo.core.exceptions import ConcurrencyConflict, PipelineFailedError, SchemaMissingError, StageBuildError
 from airflow_arroyo.runtime.driver import CAUSE_LIMIT, PipelineDriver, _user_error_first, check_registrable
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.stage import brief_java_error
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import generator_source
 from tests.support import sql
@@ -259,3 +261,23 @@ def test_the_command_line_refuses_before_spark_starts(pg_dsn: str, tmp_path: Pat
         store.close()
     assert live.returncode == 1, live.stderr[-2000:]
     assert "pipeline 'orders' is registered (run 'alive'" in live.stderr and "--takeover" in live.stderr
+
+
+# Spark's StreamExecution.PROXY_ERROR: how it tells a foreachBatch failure caused by the query's own stop
+_SPARK_PROXY_ERROR = re.compile(
+    r"py4j.protocol.Py4JJavaError: An error occurred while calling((.|\r\n|\r|\n)*)"
+    r"(java.lang.InterruptedException|java.io.InterruptedIOException|java.nio.channels.ClosedByInterruptException)")
+
+
+def test_a_java_error_goes_back_to_spark_brief_and_still_reads_as_an_interruption() -> None:
+    stack = "".join(f"\tat org.apache.spark.Frame{i}.run(Frame.scala:{i})\n" for i in range(20_000))
+    interrupted = Exception(f"An error occurred while calling o219230.save.\n: java.lang.InterruptedException\n{stack}")
+    brief = brief_java_error(interrupted)
+    assert brief == ("py4j.protocol.Py4JJavaError: An error occurred while calling o219230.save.\n"
+                     ": java.lang.InterruptedException")
+    assert _SPARK_PROXY_ERROR.search(brief)
+    failed = Exception(f"An error occurred while calling z:java.lang.Long.parseLong.\n"
+                       f": java.lang.NumberFormatException: For input string: \"{'x' * 50_000}\"\n{stack}")
+    brief = brief_java_error(failed)
+    assert len(brief) == 1000 and "NumberFormatException" in brief and not _SPARK_PROXY_ERROR.search(brief)
+
