@@ -40,7 +40,7 @@ from tests.runtime.pipeline_support import (
 
 pytestmark = [pytest.mark.spark]
 
-ROWS = 500
+ROWS = 800  # a run's first batch reads what its source's pace made exist since its reader started
 KEYS = 40
 FUSED = "src~dedup~out"
 
@@ -104,7 +104,7 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
 
     with CheckpointTicker(module_store, pid, interval=1.0):
         # the fused code runs as a process of its own, SIGKILLed at a random moment after an epoch cut after input
-        final = kill_at_random_after_an_epoch(start(True, run_id="fused"), module_store, pid, rng,
+        final = kill_at_random_after_an_epoch(start(True, 10, run_id="fused"), module_store, pid, rng,
                                               also=lambda: fused_cut() > 0)
         assert module_store.get_pipeline(pid).stages == [FUSED]
         cut = {"id": fused_cut()}
@@ -156,7 +156,7 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
     assert layout.checkpoint_fs.list_dir(layout.checkpoint("dedup"))
 
     # the retry, in this process, to the end of the input
-    driver = PipelineDriver(pipeline(pid, str(tmp_path), True, rate=50), module_store, storage_uri=str(storage),
+    driver = PipelineDriver(pipeline(pid, str(tmp_path), True, rate=200), module_store, storage_uri=str(storage),
                             spark=spark, restore_from="latest", takeover=True)
     third = DriverThread(driver).start()
 
