@@ -30,8 +30,8 @@ ROWS = 600  # 15 s of input at 40 rows/s: the old code's two epochs come well be
 KEYS = 50
 
 
-def source(spark: Any) -> Any:
-    return generator_source(spark, total_rows=ROWS, rows_per_second=40, partitions=1).select("id")
+def source(spark: Any, rows: int = ROWS) -> Any:
+    return generator_source(spark, total_rows=rows, rows_per_second=40, partitions=1).select("id")
 
 
 def dedup(df: Any) -> Any:
@@ -62,6 +62,15 @@ def v2(pid: str, root: Path) -> Pipeline:
     p.sink("out", [seen], format="json", options={"path": str(root / "out")})
     even = p.stage("evens", evens, [src])
     p.sink("evens_out", [even], format="json", options={"path": str(root / "evens")})
+    return p
+
+
+def v3(pid: str, root: Path) -> Pipeline:
+    """v2 without its evens branch, and 300 more ids to read."""
+    p = Pipeline(pid, chaining=False)
+    src = p.source("src", lambda spark: source(spark, ROWS + 300))
+    seen = p.stage("dedup_v2", dedup, [src], output="dedup")
+    p.sink("out", [seen], format="json", options={"path": str(root / "out")})
     return p
 
 
@@ -133,3 +142,24 @@ def test_an_upgrade_in_one_step_renames_a_stateful_stage_and_adds_one_that_start
     # the renamed stage kept its state: every key once, though the new run read ids whose keys it saw before
     assert sorted(folder_values(tmp_path / "out", "k")) == list(range(KEYS))
     assert sorted(module_store.get_pipeline(pid).stages) == ["dedup_v2", "evens", "evens_out", "out", "src"]
+
+    # removed: v3 drops the evens branch, refused until named, then restored without it; the state it keeps
+    # (dedup_v2's) still knows every key, and the dropped branch's output stays as v2 committed it
+    latest = module_store.latest_completed_epoch(pid)
+    assert latest is not None
+    with pytest.raises(ConfigurationError, match=r"stage 'evens' removed: .*allow_dropped_state=\['evens'\]"):
+        PipelineDriver(v3(pid, tmp_path), module_store, storage_uri=storage, spark=spark,
+                       restore_from="latest").run()
+    evens_files = sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "evens").rglob("*") if f.is_file())
+    third = DriverThread(PipelineDriver(v3(pid, tmp_path), module_store, storage_uri=storage, spark=spark,
+                                        restore_from="latest", allow_dropped_state=["evens", "evens_out"])).start()
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        wait_for(lambda: third.error or channel_row_count(src_channel) >= ROWS + 300, timeout=300,
+                 what="v3 reading the 300 new ids")
+    module_store.request_stop(pid, "graceful")
+    result = third.join(240)
+    assert result.restored_from_epoch == latest.epoch
+    assert sorted(module_store.get_pipeline(pid).stages) == ["dedup_v2", "out", "src"]
+    assert sorted(folder_values(tmp_path / "out", "k")) == list(range(KEYS))  # no key again: its state was kept
+    assert sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "evens").rglob("*") if f.is_file()) == evens_files
+    assert sorted(folder_values(tmp_path / "evens", "id")) == expected_evens
