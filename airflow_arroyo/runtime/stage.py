@@ -563,6 +563,12 @@ class StageRunner:
             self.query.stop()
 
 
+_BRIEF_LIMIT = 1000
+# StreamExecution.IO_EXCEPTION_NAMES: the exceptions Spark reads as its query's own stop
+_INTERRUPTIONS = ("java.lang.InterruptedException", "java.io.InterruptedIOException",
+                  "java.nio.channels.ClosedByInterruptException")
+
+
 def brief_java_error(exc: BaseException) -> str:
     r"""A Java error raised through py4j, as Spark should see it come back from ``foreachBatch``: its lead lines
     (``py4j.protocol.Py4JJavaError: An error occurred while calling ...`` and the Java exception), without stack
@@ -575,7 +581,14 @@ def brief_java_error(exc: BaseException) -> str:
     the stage's ``errors`` and the log."""
     lines = [ln for ln in f"py4j.protocol.Py4JJavaError: {exc}".splitlines()
              if ln.strip() and not ln.startswith(("\tat ", "\t... ", "\tSuppressed: "))]
-    return "\n".join(lines)[:1000]
+    text = "\n".join(lines)
+    if len(text) <= _BRIEF_LIMIT:
+        return text
+    # an interruption deep in the causes must stay visible, or Spark takes its own stop for a failure
+    cause = next((ln[:300] for ln in lines[1:] if any(name in ln for name in _INTERRUPTIONS)), None)
+    if cause is None:
+        return text[:_BRIEF_LIMIT]
+    return text[:_BRIEF_LIMIT - len(cause) - 1] + "\n" + cause
 
 
 def check_channels_have_barrier(channels: Mapping[str, Channel], epoch: int) -> dict[str, int]:

@@ -280,4 +280,10 @@ def test_a_java_error_goes_back_to_spark_brief_and_still_reads_as_an_interruptio
                        f": java.lang.NumberFormatException: For input string: \"{'x' * 50_000}\"\n{stack}")
     brief = brief_java_error(failed)
     assert len(brief) == 1000 and "NumberFormatException" in brief and not _SPARK_PROXY_ERROR.search(brief)
+    # an interruption among the causes of a long error stays in the brief
+    deep = Exception(f"An error occurred while calling o7.save.\n: org.apache.spark.SparkException: {'y' * 5_000}\n"
+                     f"{stack}Caused by: java.io.InterruptedIOException: interrupted\n{stack}")
+    brief = brief_java_error(deep)
+    assert len(brief) <= 1000 and brief.endswith("Caused by: java.io.InterruptedIOException: interrupted")
+    assert _SPARK_PROXY_ERROR.search(brief)
 
