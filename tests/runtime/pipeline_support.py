@@ -279,7 +279,11 @@ def restore_killed_at(step: str, start: Callable[..., Driver], run_id: str) -> N
     """A restore in a driver process of its own (its own local Spark) that SIGKILLs its process group right after
     ``step`` (``rescaled:<stage>``, ``split:<stage>``...); ``start(run_id=, kill_at_step=)`` starts it."""
     driver = start(run_id=run_id, kill_at_step=step)
-    code = driver.wait(300)
+    try:
+        code = driver.wait(300)
+    except subprocess.TimeoutExpired:
+        driver.kill()  # never reached the step: no driver and JVM left behind
+        raise AssertionError(f"the restore did not reach {step} in 300 s:\n{driver.tail()}") from None
     assert code == -signal.SIGKILL and f"SIGKILL at step {step}" in driver.tail(), (code, driver.tail())
 
 

@@ -125,11 +125,14 @@ def test_an_epoch_taken_fused_restores_unfused_with_its_state_and_back_is_refuse
         # (slowly: its first epoch may come long after its queries start on a loaded machine, and the merged run
         # must still have input to read)
         unfused = start(False, 5, run_id="unfused")
-        assert wait_for(lambda: restored("unfused") or not unfused.alive(), timeout=300,
-                        what="the unfused run to restore") == final.epoch, unfused.tail()
-        assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
-        unfused_final = kill_at_random_after_an_epoch(unfused, module_store, pid, rng,
-                                                      also=lambda: len(channel_rows(src_channel)) >= KEYS)
+        try:  # killed at random below; on a failed assertion before that, killed here (no JVM left behind)
+            assert wait_for(lambda: restored("unfused") or not unfused.alive(), timeout=300,
+                            what="the unfused run to restore") == final.epoch, unfused.tail()
+            assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
+            unfused_final = kill_at_random_after_an_epoch(unfused, module_store, pid, rng,
+                                                          also=lambda: len(channel_rows(src_channel)) >= KEYS)
+        finally:
+            unfused.kill()
     channel = Channel.open(src_channel)
     barrier = channel.find_barrier(unfused_final.epoch)
     assert barrier is not None

@@ -122,16 +122,19 @@ def test_the_example_pipeline_upgraded_twice_and_rescaled_once_while_input_flows
         restore_killed_at("switched:counts_v2", functools.partial(start, 2, *rename), "v2-killed")
         assert module_store.latest_completed_epoch(pid).epoch == cut1
         v2 = start(2, *rename, run_id="v2")
-        assert wait_for(lambda: restored("v2") or not v2.alive(), timeout=300, what="v2 to restore") == cut1, \
-            v2.tail()
-        assert sorted(module_store.get_pipeline(pid).stages) == ["counts_v2", "evens", "evens_out", "out", "src"]
-        channel = Channel.open(src)
-        barrier = channel.find_barrier(cut1)
-        assert barrier is not None
-        before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
-        assert before_cut == set(range(len(before_cut))) and 0 < len(before_cut) < ROWS
-        cut2 = kill_at_random_after_an_epoch(v2, module_store, pid, rng,
-                                             also=lambda: channel_row_count(src) >= len(before_cut) + 40).epoch
+        try:  # killed at random below; on a failed assertion before that, killed here (no JVM left behind)
+            assert wait_for(lambda: restored("v2") or not v2.alive(), timeout=300, what="v2 to restore") == cut1, \
+                v2.tail()
+            assert sorted(module_store.get_pipeline(pid).stages) == ["counts_v2", "evens", "evens_out", "out", "src"]
+            channel = Channel.open(src)
+            barrier = channel.find_barrier(cut1)
+            assert barrier is not None
+            before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
+            assert before_cut == set(range(len(before_cut))) and 0 < len(before_cut) < ROWS
+            cut2 = kill_at_random_after_an_epoch(v2, module_store, pid, rng,
+                                                 also=lambda: channel_row_count(src) >= len(before_cut) + 40).epoch
+        finally:
+            v2.kill()
         assert partitions() == 4
         barrier2 = channel.find_barrier(cut2)
         assert barrier2 is not None and len(channel.read_table(end=barrier2)) < ROWS  # input still flows for v3
