@@ -366,3 +366,17 @@ def report_cut(driver: PipelineDriver, epoch: int) -> Counter[tuple[Any, ...]]:
     assert pos is not None
     return Counter(tuple(r.values()) for r in channel.read_table(end=pos).to_pylist())
 
+
+
+def test_a_table_in_a_mixed_case_schema_keeps_its_progress(spark: Any, target_dsn: str) -> None:
+    """The sink's own tables live in the target's schema, created under its exact (quoted) name; finding them
+    again must quote it too, or a schema such as "Sinks" reads as sinks and the sink forgets what it committed."""
+    sql(target_dsn, 'CREATE SCHEMA "Sinks"')
+    sql(target_dsn, 'CREATE TABLE "Sinks".events (id bigint NOT NULL, key text NOT NULL, amount bigint)')
+    sink = make(target_dsn, '"Sinks".events')
+    rows = [(j, f"k{j}", j) for j in range(3)]
+    sink.write_batch(batch(spark, rows), 0)
+    assert sink.commit_through(0).rows == 3
+    assert sink.committed_batch() == 0
+    assert Counter(sql(target_dsn, 'SELECT id, key, amount FROM "Sinks".events')) == Counter(rows)
+    assert make(target_dsn, '"Sinks".events').committed_batch() == 0  # a new claim finds the same progress

@@ -287,7 +287,7 @@ class TransactionalPostgresSink:
         return self._ident(self._table)
 
     def _owner_problem(self, cur: PgCursor) -> str | None:
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{self._schema}.{_PROGRESS}",))
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (self._ident(_PROGRESS).as_string(cur),))
         row = cur.fetchone()
         if not row or not row["present"]:
             return None
@@ -329,7 +329,7 @@ class TransactionalPostgresSink:
             # Added only when missing: an ALTER locks the table every sink of the schema shares
             cur.execute("SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) "
                         "AND attname = 'trimmed_batch' AND NOT attisdropped) AS present",
-                        (f"{self._schema}.{_PROGRESS}",))
+                        (self._ident(_PROGRESS).as_string(cur),))
             has_column = cur.fetchone()
             if not (has_column and has_column["present"]):
                 cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS trimmed_batch bigint")
@@ -340,7 +340,7 @@ class TransactionalPostgresSink:
             self._fence(cur, take=True, what="claiming the sink")
             # Copies of the target's columns without its constraints (a pre-image of a missing key is NULLs).
             for name, extra in ((self._pending_name, _PENDING_COLUMNS), (self._undo_name, _UNDO_COLUMNS)):
-                cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{self._schema}.{name}",))
+                cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (self._ident(name).as_string(cur),))
                 present = cur.fetchone()
                 if present and present["present"]:
                     continue
@@ -377,7 +377,7 @@ class TransactionalPostgresSink:
                 self._ident(_PROGRESS)), (self.generation, self.pipeline_id, self.stage))
 
     def _progress(self, cur: PgCursor, *, lock: bool) -> int | None:
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{self._schema}.{_PROGRESS}",))
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (self._ident(_PROGRESS).as_string(cur),))
         row = cur.fetchone()
         if not row or not row["present"]:
             return None
@@ -687,7 +687,7 @@ def shadow_window_rows(live: TransactionalPostgresSink, shadow: TransactionalPos
 
     def progress(cur: PgCursor, sink: TransactionalPostgresSink) -> dict[str, Any] | None:
         sink._describe(cur)
-        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (f"{sink._schema}.{_PROGRESS}",))
+        cur.execute("SELECT to_regclass(%s) IS NOT NULL AS present", (sink._ident(_PROGRESS).as_string(cur),))
         row = cur.fetchone()
         if not row or not row["present"]:
             return None
