@@ -326,8 +326,15 @@ def test_rocksdb_sst_files_are_linked_into_the_local_folder_not_copied(spark: An
     finally:
         system.clearProperty("airflow.arroyo.linkSstFiles")
     assert not os.path.samefile(off, dfs / "000009-c.sst") and off.read_bytes() == b"000009-c.sst" * 1000
+    assert load("000007-a.sst", "000007.sst") == sst and os.path.samefile(sst, dfs / "000007-a.sst")  # again: kept
     sst.unlink()  # RocksDB deletes a compacted SST file: the checkpoint's stays
     assert (dfs / "000007-a.sst").read_bytes() == b"000007-a.sst" * 1000
+    # a copy over a local file that is a link never writes through it: the linked file keeps its bytes
+    (dfs / "000010-d.log").write_bytes(b"d" * 5000)
+    os.link(dfs / "000010-d.log", local / "000010.log")
+    copied = load("000008-b.log", "000010.log")
+    assert copied.read_bytes() == b"000008-b.log" * 1000 and not os.path.samefile(copied, dfs / "000010-d.log")
+    assert (dfs / "000010-d.log").read_bytes() == b"d" * 5000
 
 
 def _processes_started() -> int:

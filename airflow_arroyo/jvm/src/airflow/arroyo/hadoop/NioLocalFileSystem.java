@@ -29,9 +29,21 @@ public class NioLocalFileSystem extends LocalFileSystem {
 
   @Override
   public void copyToLocalFile(Path src, Path dst) throws IOException {
-    if (!(src.getName().endsWith(".sst") && link(src, dst))) {
-      super.copyToLocalFile(src, dst);
+    if (src.getName().endsWith(".sst") && link(src, dst)) {
+      return;
     }
+    // Hadoop's copy opens an existing destination and truncates it in place: where that file is a link, the
+    // bytes of the file it shares (a checkpoint's, a snapshot object's) would change. Unlink it first.
+    java.nio.file.Path local = localPath(dst);
+    if (local != null && Files.isRegularFile(local, LinkOption.NOFOLLOW_LINKS)) {
+      Files.delete(local);
+    }
+    super.copyToLocalFile(src, dst);
+  }
+
+  private static java.nio.file.Path localPath(Path dst) {
+    String scheme = dst.toUri().getScheme();
+    return scheme == null || scheme.equals("file") ? new File(dst.toUri().getPath()).toPath() : null;
   }
 
   /** Hard-link the local file dst to src; false where that cannot be done (the caller copies). */
@@ -39,15 +51,20 @@ public class NioLocalFileSystem extends LocalFileSystem {
     if (!Boolean.parseBoolean(System.getProperty(LINK_SST_FILES, "true"))) {
       return false;
     }
-    String scheme = dst.toUri().getScheme();
-    if (scheme != null && !scheme.equals("file")) {
+    java.nio.file.Path to = localPath(dst);
+    if (to == null) {
       return false;
     }
     try {
       java.nio.file.Path from = pathToFile(makeQualified(src)).toPath();
-      java.nio.file.Path to = new File(dst.toUri().getPath()).toPath();
-      if (!Files.isRegularFile(from, LinkOption.NOFOLLOW_LINKS) || Files.exists(to, LinkOption.NOFOLLOW_LINKS)) {
+      if (!Files.isRegularFile(from, LinkOption.NOFOLLOW_LINKS)) {
         return false;
+      }
+      if (Files.exists(to, LinkOption.NOFOLLOW_LINKS)) {
+        if (Files.isSameFile(from, to)) {
+          return true;  // linked before: nothing to do
+        }
+        return false;  // the caller unlinks it and copies
       }
       java.nio.file.Path parent = to.getParent();
       if (parent != null) {
