@@ -11,7 +11,9 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 * the driver JVM: heap in use after a full collection, metaspace, threads, open files, and the paths its
   delete-on-exit list holds;
 * this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, glibc's heap in
-  use and the free memory it holds, pyarrow's default pool, threads, open files;
+  use and the free memory it holds, pyarrow's default pool, its resident memory by kind of mapping (glibc's
+  main heap, its other arenas, other anonymous memory, mapped files), the driver's releases of free memory
+  after each epoch and their total time (``--no-release`` turns them off), threads, open files;
 * Spark's Python workers: processes and their resident memory;
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
   epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned;
@@ -93,6 +95,39 @@ def malloc_bytes() -> tuple[int, int]:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return info.uordblks + info.hblkhd, info.fordblks
+
+
+_ARENA_ALIGN = 64 << 20  # glibc's non-main arenas are heaps of up to 64 MB, each aligned to its size
+
+
+def resident_by_mapping(pid: int) -> dict[str, int]:
+    """The process's resident bytes by kind of mapping, from ``/proc/<pid>/smaps``: glibc's main heap
+    (``[heap]``), its other arenas (anonymous mappings at 64 MB-aligned addresses), other anonymous memory
+    (thread stacks, large allocations glibc maps on their own, other allocators' pools) and mapped files."""
+    kinds = {"heap": 0, "arenas": 0, "other anonymous": 0, "files": 0}
+    kind = "files"
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return {k: -1 for k in kinds}
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            name = fields[5] if len(fields) > 5 else ""
+            start = int(fields[0].split("-")[0], 16)
+            if name == "[heap]":
+                kind = "heap"
+            elif not name and start % _ARENA_ALIGN == 0:
+                kind = "arenas"
+            elif not name or name.startswith("["):
+                kind = "other anonymous"
+            else:
+                kind = "files"
+        elif fields[0] == "Rss:":
+            kinds[kind] += int(fields[1]) * 1024
+    return kinds
 
 
 def heap_after_gc(pid: int) -> tuple[int, int]:
@@ -205,6 +240,8 @@ class Soak:
         self.pid = f"soak-{uuid.uuid4().hex[:6]}"
         pipeline = bounded_pipeline(self.pid, rate=args.rate, rows_per_batch=args.rows_per_batch, sink=str(sink))
         self.driver = PipelineDriver(pipeline, store, storage_uri=str(storage), spark=spark)
+        if args.no_release:
+            self.driver.release_memory = None
         self.failure: list[BaseException] = []
         self.stop = threading.Event()
         self.prunes = 0
@@ -276,6 +313,7 @@ class Soak:
         heap, metaspace = heap_after_gc(self.jvm_pid)
         references, unpruned = self.references()
         in_use, held_free = malloc_bytes()
+        resident = resident_by_mapping(me)
         return {
             "epochs completed": self.completed_epochs(),
             "JVM heap after full GC (MB)": heap / 1e6,
@@ -288,6 +326,9 @@ class Soak:
             "driver malloc in use (MB)": in_use / 1e6,
             "driver malloc free held (MB)": held_free / 1e6,
             "driver pyarrow pool (MB)": pyarrow.total_allocated_bytes() / 1e6,
+            **{f"driver RSS {kind} (MB)": size / 1e6 for kind, size in resident.items()},
+            "driver memory releases": self.driver.memory_releases,
+            "driver release time (ms)": self.driver.memory_release_seconds * 1e3,
             "driver Python threads": threading.active_count(),
             "driver Python open files": open_files(me),
             "Python workers": workers,
@@ -349,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prune-every", type=float, default=30.0, help="seconds between retention runs (default 30)")
     parser.add_argument("--rate", type=int, default=500, help="rows per second per source (default 500)")
     parser.add_argument("--rows-per-batch", type=int, default=500, help="generator rows per micro-batch")
+    parser.add_argument("--no-release", action="store_true",
+                        help="the driver keeps the C library's free memory (no malloc_trim after each epoch)")
     parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
                         help="a Spark setting, repeatable")
     args = parser.parse_args(argv)
@@ -361,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         store.migrate()
         print(f"bounded_pipeline, local[2], {args.rate} rows/s per source, epochs every {args.interval:g}s, retention "
               f"every {args.prune_every:g}s (keep 3); {args.duration:g}s sampled every {args.every:g}s after "
-              f"{args.warmup:g}s", flush=True)
+              f"{args.warmup:g}s; free memory released after each epoch: {not args.no_release}", flush=True)
         soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
         print(soak.driver.pipeline.explain(spark), flush=True)
         samples = soak.run()

@@ -57,6 +57,7 @@ from airflow_arroyo.core.exceptions import (
     UnknownPipelineError,
     UnrestorableEpochError,
 )
+from airflow_arroyo.core.memory import release_free_memory
 from airflow_arroyo.core.restores import read_restore_facts
 from airflow_arroyo.jvm import SocketPathPruner, master_conf
 from airflow_arroyo.runtime.channel import Channel
@@ -253,6 +254,11 @@ class PipelineDriver:
         # when each step of this run's start ended, seconds since run() began (runtime/startup.py)
         self.step_times: dict[str, float] = {}
         self._run_began = time.monotonic()
+        # called once an epoch has ended: the C library's free memory back to the OS (airflow_arroyo.core.memory);
+        # None turns it off (benchmarks/soak.py --no-release), a test counts the calls here
+        self.release_memory: Callable[[], object] | None = release_free_memory
+        self.memory_releases = 0  # how many, and their total seconds (benchmarks/soak.py reports the cost)
+        self.memory_release_seconds = 0.0
 
     def _transactional_sinks(self) -> dict[str, TransactionalSink]:
         return {s.name: sink for s in self.graph.stages if s.output is None
@@ -1081,6 +1087,8 @@ class PipelineDriver:
         current = in_flight.epoch if in_flight is not None else None
         if self.sinks and current != turn.previous_in_flight:
             self._commit_sinks()  # an epoch ended (completed or not): commit what completed
+        if turn.previous_in_flight is not None and current != turn.previous_in_flight:
+            self._release_memory()
         turn.previous_in_flight = current
         if in_flight is None or in_flight.epoch <= turn.last_seen or in_flight.run_id != self.run_id:
             return
@@ -1093,6 +1101,16 @@ class PipelineDriver:
                  in_flight.epoch, " (final)" if in_flight.is_final else "")
         for r in self.runners:
             r.request_epoch(in_flight.epoch)
+
+    def _release_memory(self) -> None:
+        """An epoch ended: give back the native memory the driver's threads freed during it. glibc keeps it in its
+        arenas otherwise, and the driver's RSS rises with nothing live in it."""
+        if self.release_memory is None:
+            return
+        began = time.monotonic()
+        self.release_memory()
+        self.memory_releases += 1
+        self.memory_release_seconds += time.monotonic() - began
 
     def _heartbeat_if_due(self, turn: _LoopState) -> None:
         """Heartbeat every ``heartbeat_interval``; the heartbeat's answer carries a stop asked through the store.
