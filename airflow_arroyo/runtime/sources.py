@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -180,8 +181,11 @@ def freeze_worker_heap() -> None:
     are still freed by reference counting; only cycles among them would stay, and import-time objects (modules,
     classes, functions) do not become garbage. No collection before the freeze: a worker Spark does not reuse runs
     one task, and a full walk there would cost what the freeze saves; what is garbage at a freeze stays, once per
-    import. A no-op outside the first call after an import."""
+    import. A no-op outside the first call after an import, and outside a Spark task: a ``read`` called directly
+    (a test, a driver-side tool) must not change the garbage collector of the process that called it."""
     global _frozen_modules
+    if TaskContext.get() is None:  # PySpark's worker sets the task's context around every task it runs
+        return
     loaded = len(sys.modules)
     if loaded == _frozen_modules:
         return

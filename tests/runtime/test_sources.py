@@ -565,18 +565,31 @@ def test_generator_reader_offsets_without_spark() -> None:
 
 _WORKER_READS = """
 import gc, json, sys
+from pyspark import TaskContext
 from airflow_arroyo.testing import GeneratorOptions, GeneratorPartition, GeneratorStreamReader
 
 reader = GeneratorStreamReader(GeneratorOptions.parse({"rows_per_batch": "10"}))
 
 
-def task(start):
+def read(start):
     rows = sum(b.num_rows for b in reader.read(GeneratorPartition(start, start + 10)))
     assert rows == 10
     return gc.get_freeze_count()
 
 
-counts = [task(0), task(10), task(20)]  # the first read imports more (pyarrow's pandas shim): the second freezes it
+def task(start):
+    # as pyspark/worker.py's main runs a task: the task's context set for it and cleared after it
+    TaskContext._setTaskContext(TaskContext.from_json({
+        "stageId": 1, "partitionId": 0, "attemptNumber": 0, "taskAttemptId": start, "cpus": 1, "resources": {},
+        "localProperties": {}}))
+    try:
+        return read(start)
+    finally:
+        TaskContext._setTaskContext(None)
+
+
+outside = read(0)  # a read called directly, outside any task (a test, a driver-side tool)
+counts = [outside, task(0), task(10), task(20)]  # the first read imports more (pyarrow's pandas shim)
 import xml.dom.minidom  # a new import, as a later task's code may bring
 counts.append(task(30))
 print(json.dumps(counts))
@@ -587,15 +600,43 @@ print(json.dumps(counts))
 def test_a_source_read_freezes_the_worker_heap_once_per_import(setting: str | None) -> None:
     """A reused Spark Python worker runs a full gc.collect() after every task; a source's read takes what the
     process has imported out of those passes, once, and again after new imports (in a process of its own: the
-    freeze is process-wide). ARROYO_FREEZE_WORKER_HEAP=false leaves the collector alone."""
+    freeze is process-wide). ARROYO_FREEZE_WORKER_HEAP=false leaves the collector alone. A read outside a Spark
+    task (called directly, as tests do) leaves the calling process's collector alone too."""
     env = {k: v for k, v in os.environ.items() if k != FREEZE_WORKER_HEAP_ENV}
     if setting is not None:
         env[FREEZE_WORKER_HEAP_ENV] = setting
     out = subprocess.run([sys.executable, "-c", _WORKER_READS], env=env, capture_output=True, text=True, check=True)
-    first, second, settled, after_import = json.loads(out.stdout.strip().splitlines()[-1])
+    outside, first, second, settled, after_import = json.loads(out.stdout.strip().splitlines()[-1])
+    assert outside == 0
     if setting == "false":
         assert (first, second, settled, after_import) == (0, 0, 0, 0)
     else:
-        assert first > 0  # the import-time heap is frozen by the first read
-        assert settled == second >= first  # nothing imported since: nothing more frozen
+        assert first > 0  # the import-time heap is frozen by the first read in a task
+        # nothing imported since: nothing more frozen (what was frozen may still be freed: the first task's context)
+        assert settled == second <= first
         assert after_import > settled  # the new module's objects too
+
+
+def _read_in_a_task(_: Iterator[int]) -> Iterator[tuple[int, int, bool]]:
+    import gc
+
+    from pyspark import TaskContext
+
+    from airflow_arroyo.testing import GeneratorOptions, GeneratorPartition, GeneratorStreamReader
+
+    reader = GeneratorStreamReader(GeneratorOptions.parse({"rows_per_batch": "10"}))
+    rows = sum(b.num_rows for b in reader.read(GeneratorPartition(0, 10)))
+    yield rows, gc.get_freeze_count(), TaskContext.get() is not None
+
+
+@pytest.mark.spark
+def test_a_source_read_in_a_real_spark_task_freezes_that_python_worker(spark: Any) -> None:
+    """The other side of the task check: in a Python worker Spark started, a read runs inside a task (PySpark's
+    worker.py sets the task context for RDD functions and a data source's read alike) and freezes the heap."""
+    if os.environ.get(FREEZE_WORKER_HEAP_ENV):
+        pytest.skip(f"{FREEZE_WORKER_HEAP_ENV} is set in this environment")
+    got = spark.sparkContext.parallelize([0], 1).mapPartitions(_read_in_a_task).collect()
+    assert len(got) == 1
+    rows, frozen, in_task = got[0]
+    assert (rows, in_task) == (10, True)
+    assert frozen > 0
