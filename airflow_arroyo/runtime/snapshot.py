@@ -343,6 +343,12 @@ class SnapshotStore:
                 f"epoch {epoch} cannot be restored: its snapshot of stage {stage!r} is not a checkpoint Spark can "
                 f"restart from ({'; '.join(problems)}); nothing was changed", epoch=epoch, stage=stage,
                 problems=tuple(problems))
+        if self.checkpoint_fs.list_dir(folder):  # a failed rebuild deletes its folder: never one with others' files
+            raise SnapshotError(
+                f"epoch {epoch} was not restored: the folder {self.checkpoint_fs.uri_of(folder)} for the rebuilt "
+                f"checkpoint of stage {stage!r} already holds files, and a rebuild only fills a new, empty folder; "
+                "nothing was changed: rebuild into a new folder (a restore names one itself), or delete this one if "
+                "nothing uses it", epoch=epoch, path=folder)
         t0 = time.monotonic()
         try:
             self.checkpoint_fs.makedirs(folder)
@@ -398,6 +404,16 @@ class SnapshotStore:
             return False
         return True
 
+    def _what_is_at(self, dest: str, storage: FileSystem, src: str) -> str:
+        """What a link found already at the checkpoint path ``dest`` (both sides are local files then)."""
+        target = self.checkpoint_fs.arrow_path(dest)
+        try:
+            if os.path.samefile(target, storage.arrow_path(src)):
+                return "a link to the same object"
+            return f"another file ({os.path.getsize(target)} bytes)"
+        except OSError:
+            return "a file"
+
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,
                      owner: str) -> bool:
         """Link (:meth:`_link`) or copy one object into the checkpoint and verify its size and SHA-256 in the same
@@ -424,6 +440,14 @@ class SnapshotStore:
             raise SnapshotError(
                 f"epoch {epoch} cannot be restored: file {where} is missing; nothing was changed, choose an "
                 "earlier epoch (restore_from=<n>)", epoch=epoch, path=src,
+            ) from None
+        except FileExistsError:  # only a link meets one: rebuild checked the folder was empty, so a writer is in it
+            raise SnapshotError(
+                f"epoch {epoch} was not restored: {self._what_is_at(dest, storage, src)} appeared at "
+                f"{self.checkpoint_fs.uri_of(dest)} while stage {stage!r}'s checkpoint was being rebuilt there, so "
+                "something else writes into that folder (another restore into the same folder?); the live "
+                "checkpoint was not changed and the epoch is not known to be damaged: make sure one process "
+                "restores this pipeline, then retry", epoch=epoch, path=dest,
             ) from None
         except OSError as exc:  # refused, timed out, denied: says nothing about the epoch itself
             raise SnapshotError(

@@ -705,3 +705,55 @@ def test_a_restore_from_unreachable_storage_says_retry_not_an_earlier_epoch(
     assert f"epoch {e1} could not be restored: storage was unreachable reading file " in message, message
     assert "retry" in message and "earlier epoch" not in message
     assert "Could not connect" in message or "NETWORK_CONNECTION" in message  # what the storage said
+
+
+def _one_epoch_of_a_small_checkpoint(store: Any, pipeline: str, tmp_path: Path) -> tuple[SnapshotStore, int]:
+    snaps = SnapshotStore(FileSystem.from_uri(str(tmp_path)), pipeline, store)
+    for rel, text in {"metadata": '{"id":"q"}', "offsets/0": "v1\n{}\n{\"pos\":1}", "commits/0": "v1\n{}"}.items():
+        (tmp_path / "ckpt" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ckpt" / rel).write_text(text)
+    epoch = new_epoch(store, pipeline)
+    complete(store, pipeline, epoch, snaps.capture("agg", epoch, "ckpt", 0))
+    return snaps, epoch
+
+
+def test_a_rebuild_into_a_folder_that_holds_files_is_refused_and_leaves_them(store: Any, pipeline: str,
+                                                                             tmp_path: Path) -> None:
+    """A file already where a rebuild links an object is not unreachable storage; and the folder is not the
+    rebuild's own to delete when it fails."""
+    snaps, e1 = _one_epoch_of_a_small_checkpoint(store, pipeline, tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metadata").write_text("someone else's")
+    with pytest.raises(SnapshotError) as info:
+        snaps.rebuild("agg", e1, "taken")
+    message = str(info.value)
+    assert f"epoch {e1} was not restored: the folder {snaps.checkpoint_fs.uri_of('taken')} " in message, message
+    assert "already holds files" in message and "nothing was changed" in message and "unreachable" not in message
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["metadata"]
+    assert (tmp_path / "taken" / "metadata").read_text() == "someone else's"
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_file_that_appears_where_a_restore_links_is_named_as_another_writer(
+        store: Any, pipeline: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool) -> None:
+    """A file that appears in the folder while it is rebuilt (another restore into the same folder: a link to the
+    same object, or any other file) is named, not reported as unreachable storage."""
+    snaps, e1 = _one_epoch_of_a_small_checkpoint(store, pipeline, tmp_path)
+    snaps.restore_workers = 1
+    metadata = next(e for e in store.snapshot_entries(pipeline, e1, "agg") if e.rel_path == "metadata")
+    made = snaps.checkpoint_fs.makedirs
+
+    def another_writer(path: str) -> None:  # after the rebuild found the folder empty
+        made(path)
+        if same:
+            os.link(tmp_path / object_path(pipeline, metadata.object_key), tmp_path / path / "metadata")
+        else:
+            (tmp_path / path / "metadata").write_text("xyz")
+
+    monkeypatch.setattr(snaps.checkpoint_fs, "makedirs", another_writer)
+    with pytest.raises(SnapshotError) as info:
+        snaps.prepare_restore("agg", e1)
+    message = str(info.value)
+    what = "a link to the same object" if same else "another file (3 bytes)"
+    assert f"epoch {e1} was not restored: {what} appeared at " in message, message
+    assert "something else writes into that folder" in message and "unreachable" not in message
