@@ -69,9 +69,8 @@ from airflow_arroyo.core.units import bytes_human
 if TYPE_CHECKING:
     from airflow_arroyo.core.epochs import RetentionPolicy
     from airflow_arroyo.core.gates import GateRecord
-    from airflow_arroyo.runtime.decisions import UpgradePlan
+    from airflow_arroyo.core.upgrades import Analysis
     from airflow_arroyo.runtime.graph import PipelineGraph
-    from airflow_arroyo.runtime.upgrade_evidence import StateSchemas
     from airflow_arroyo.store import EpochStore, RestartRecord
 
 __all__ = ["main"]
@@ -471,8 +470,9 @@ def _cmd_restore(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
 
 def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> int:
     """Dry run: the new code's stages (``--pipeline-module``) against an epoch of ``PIPELINE``, each restored, new,
-    removed or incompatible (:func:`~airflow_arroyo.runtime.decisions.plan_upgrade`). ``--check-state-schema``
-    also plans the new code's DataFrames in a local Spark session and compares their state schemas with the
+    removed or incompatible (:func:`~airflow_arroyo.core.upgrades.check_upgrade`), for the physical graph the driver
+    will run where it is known. ``--check-state-schema`` asks Spark's analyzer in a local session which stages hold
+    state, so it plans the driver's fusion exactly, and compares each restored query's state schemas with the
     epoch's snapshots (:mod:`airflow_arroyo.runtime.upgrade_evidence`). Touches nothing; exit 0 when the plan
     restores, 2 when it is refused."""
     from airflow_arroyo.core.restores import parse_restore_from
@@ -480,23 +480,29 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     from airflow_arroyo.runtime.driver import load_pipeline
 
     _require_schema(store)
-    renamed = _renames(args.rename)
-    graph = load_pipeline(args.pipeline_module).validate()
-    epoch = parse_restore_from(args.epoch)
-    options: dict[str, Any] = {"allow_dropped_state": args.allow_dropped_state or (), "renamed": renamed}
-    plan = check_upgrade(store, args.pipeline, graph, epoch, **options)  # every refusal of bad input before Spark
-    checked: list[str] | None = None
-    if args.check_state_schema:
-        evidence = _state_schemas(store, args.pipeline, graph)(plan)
-        plan = check_upgrade(store, args.pipeline, graph, plan.epoch, **options, state_schemas=evidence)
-        checked = [stage for stage, _ in evidence]
+    code = load_pipeline(args.pipeline_module)
+    graph = code.validate()
+    plan = check_upgrade(store, args.pipeline, graph, parse_restore_from(args.epoch),
+                         allow_dropped_state=args.allow_dropped_state or (), renamed=_renames(args.rename),
+                         chaining=code.chaining,
+                         analysis=_analysis(store, args.pipeline, graph) if args.check_state_schema else None)
+    checked = None if plan.state_schema_checked is None else list(plan.state_schema_checked)
     if args.json:
         json.dump({"pipeline": args.pipeline, "epoch": plan.epoch, "restores": plan.restores,
+                   "physical": plan.queries is not None, "fusion": plan.fusion,
+                   "queries": None if plan.queries is None else {q: list(m) for q, m in plan.queries},
                    "state_schema_checked": checked, "stages": [_jsonable(row) for row in plan.stages]}, out)
         out.write("\n")
     else:
         _table(["STAGE", "ACTION", "REASON"],
                [[r.stage, r.action.value + (" (refused)" if r.refused else ""), r.reason] for r in plan.stages], out)
+        if plan.queries is None:
+            out.write(f"planned against the logical stages, not the queries the driver will run: {plan.fusion}; "
+                      "--check-state-schema plans the driver's physical graph\n")
+        else:
+            fused = [f"{q} ({', '.join(m)})" for q, m in plan.queries if len(m) > 1]
+            out.write(f"planned against the queries the driver will run ({plan.fusion}): "
+                      f"{', '.join(fused) + ' fused' if fused else 'no stage fused'}\n")
         if checked is not None:
             out.write(f"state schemas checked: {', '.join(checked) or 'none'} (docs/upgrading.md, 'State schema "
                       "compatibility', says which stages are not)\n")
@@ -505,17 +511,13 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     return EXIT_OK if plan.restores else EXIT_BAD_INPUT
 
 
-def _state_schemas(store: EpochStore, pipeline_id: str,
-                   graph: PipelineGraph) -> Callable[[UpgradePlan], StateSchemas]:
-    """The state schema evidence of a plan of ``graph``, gathered in a local Spark session (``--check-state-schema``;
-    :mod:`airflow_arroyo.runtime.upgrade_evidence`)."""
-    from airflow_arroyo.runtime.upgrade_evidence import planning_session, upgrade_state_schemas
+def _analysis(store: EpochStore, pipeline_id: str,
+              graph: PipelineGraph) -> Callable[[], contextlib.AbstractContextManager[Analysis]]:
+    """Spark's analysis of ``graph`` in a local session (``--check-state-schema``;
+    :mod:`airflow_arroyo.runtime.upgrade_evidence`), opened when a plan asks for it."""
+    from airflow_arroyo.runtime.upgrade_evidence import spark_analysis
 
-    def gather(plan: UpgradePlan) -> StateSchemas:
-        with planning_session() as spark:
-            return upgrade_state_schemas(store, pipeline_id, graph, plan, spark)
-
-    return gather
+    return lambda: spark_analysis(store, pipeline_id, graph)
 
 
 def _renames(pairs: Sequence[str] | None) -> dict[str, str]:
@@ -538,11 +540,12 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
 
     _require_schema(store)
     wait = (parse_duration(args.wait, name="--wait") or timedelta(minutes=10)).total_seconds()
-    graph = load_pipeline(args.pipeline_module).validate()
+    code = load_pipeline(args.pipeline_module)
+    graph = code.validate()
     ready = prepare_upgrade(store, args.pipeline, graph, allow_dropped_state=args.allow_dropped_state or (),
                             renamed=_renames(args.rename), label=args.label, stop_timeout=wait,
-                            state_schemas=_state_schemas(store, args.pipeline, graph) if args.check_state_schema
-                            else None)
+                            chaining=code.chaining,
+                            analysis=_analysis(store, args.pipeline, graph) if args.check_state_schema else None)
     command = [sys.executable, *(["-m", "airflow_arroyo.runtime.driver"] if args.driver is None else [args.driver]),
                "--pipeline", args.pipeline_module, "--run-id", f"upgrade-{datetime.now():%Y%m%dT%H%M%S}",
                *ready.driver_args()]
@@ -1195,9 +1198,9 @@ def _build_parser() -> _Parser:
     upgrade.add_argument("--rename", action="append", metavar="OLD=NEW",
                          help="the epoch's stage OLD restores into the new stage NEW (repeatable)")
     upgrade.add_argument("--check-state-schema", action="store_true",
-                         help="also check that each restored stage's state keeps its shape, as the driver does: "
-                              "starts a local Spark session to plan the new code's DataFrames (nothing runs, "
-                              "nothing is written)")
+                         help="plan as the driver will: starts a local Spark session to plan the new code's "
+                              "DataFrames (nothing runs, nothing is written), so that the plan is of the queries "
+                              "the driver fuses and each restored query's state shape is checked")
     up = sub.add_parser("upgrade", parents=[common],
                         help="upgrade a running pipeline to new code: plan, stop with a final epoch, pin it, plan "
                              "again, then start the new code (--start) or print how")

@@ -490,6 +490,6 @@ def promote_shadow(store: EpochStore, shadow_id: str, **upgrade: Any) -> tuple[U
     if shadow.state != "active":
         raise StateConflictError(f"shadow {shadow_id!r} is {shadow.state}; only an active shadow is promoted")
     _check_stopped(store, shadow_id)
-    graph = load_pipeline(shadow.code).validate()
-    ready = prepare_upgrade(store, shadow.live_id, graph, **upgrade)
+    code = load_pipeline(shadow.code)
+    ready = prepare_upgrade(store, shadow.live_id, code.validate(), chaining=code.chaining, **upgrade)
     return ready, discard_shadow(store, shadow_id, force=True, end="promoted")

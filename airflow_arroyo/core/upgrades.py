@@ -18,22 +18,36 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
 from airflow_arroyo.core.restores import read_restore_facts
 from airflow_arroyo.core.stopping import StopAsked, check_stop, request_stop, wait_until_ended
 from airflow_arroyo.runtime.decisions import RestoreFrom, UpgradePlan, plan_stages
-from airflow_arroyo.runtime.graph import stage_identities
+from airflow_arroyo.runtime.graph import StageKind, stage_identities
+from airflow_arroyo.runtime.plan import decide_fusion
 
 if TYPE_CHECKING:
     from airflow_arroyo.runtime.graph import PipelineGraph
+    from airflow_arroyo.runtime.plan import PhysicalPlan
     from airflow_arroyo.runtime.upgrade_evidence import StateSchemas
     from airflow_arroyo.store import EpochStore
 
-__all__ = ["UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "prepare_upgrade"]
+__all__ = ["Analysis", "UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "prepare_upgrade"]
+
+
+class Analysis(Protocol):
+    """What Spark's analyzer says of the new code (:class:`airflow_arroyo.runtime.upgrade_evidence.SparkAnalysis`):
+    which of its logical stages hold state, and the state schema evidence of a plan of its physical graph."""
+
+    stateful: Mapping[str, bool | None]
+
+    def state_schemas(self, upgrade: UpgradePlan, physical: PhysicalPlan) -> StateSchemas:
+        """New stage -> (the stateful operators its snapshot holds, those the new code's query would write)."""
+        ...
 
 
 class UpgradeError(ArroyoError):
@@ -75,20 +89,53 @@ class UpgradeReady:
 
 def check_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, epoch: RestoreFrom = "latest", *,
                   allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None,
-                  state_schemas: StateSchemas = ()) -> UpgradePlan:
-    """The plan of a restore of ``epoch`` into the code of ``graph`` (its logical stages); reads only.
-    ``state_schemas``: the evidence of state compatibility where it was gathered (with Spark:
-    :func:`airflow_arroyo.runtime.upgrade_evidence.upgrade_state_schemas`); without it no stage's state shape is
-    checked."""
+                  chaining: bool | None = None,
+                  analysis: Callable[[], AbstractContextManager[Analysis]] | None = None) -> UpgradePlan:
+    """The plan of a restore of ``epoch`` into the code of ``graph`` (its logical stages, of a
+    ``Pipeline(chaining=chaining)``); reads only.
+
+    The plan is of the physical graph the driver will run (:func:`~airflow_arroyo.runtime.plan.decide_fusion`,
+    the driver's own decision): with ``analysis`` (where the caller has Spark, ``upgrade-plan
+    --check-state-schema``: :func:`airflow_arroyo.runtime.upgrade_evidence.spark_analysis`) from the stages Spark
+    finds stateful, and each restored query's state schemas are compared; without it only where the fusion does not
+    depend on which stages hold state (``chaining=False``, a restore of an epoch taken unfused, a graph with a
+    boundary at every channel), else of the logical stages, which the plan says (``queries`` None, ``fusion``)."""
     facts = read_restore_facts(store, pipeline_id, epoch, stages=None).facts
-    if facts.epoch is None:
+    held = facts.epoch
+    if held is None:
         raise ConfigurationError(f"pipeline {pipeline_id} has no epoch {epoch} to plan an upgrade from "
                                  f"(airflow-arroyo epochs {pipeline_id} lists them)")
-    new_code = dataclasses.replace(
-        facts, stages=tuple(graph.stage_names), identities=stage_identities(graph.stages),
-        allow_dropped_state=tuple(allow_dropped_state), renamed=tuple((renamed or {}).items()),
-        state_schemas=tuple(state_schemas))
-    return plan_stages(new_code, facts.epoch)
+    options = dataclasses.replace(
+        facts, allow_dropped_state=tuple(allow_dropped_state), renamed=tuple((renamed or {}).items()),
+        sources=tuple(s.name for s in graph.stages if s.kind is StageKind.SOURCE))
+
+    def plan(physical: PipelineGraph, state_schemas: StateSchemas = ()) -> UpgradePlan:
+        new_code = dataclasses.replace(options, stages=tuple(physical.stage_names),
+                                       identities=stage_identities(physical.stages), state_schemas=tuple(state_schemas))
+        return plan_stages(new_code, held)
+
+    def queries(physical: PhysicalPlan) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return tuple((g.name, g.stages) for g in physical.groups)
+
+    def restoring() -> tuple[int, tuple[str, ...]]:
+        return held.epoch, held.stages
+
+    static = decide_fusion(graph, None, chaining=chaining, restoring=restoring)
+    if static.plan is None and analysis is None:
+        return dataclasses.replace(plan(graph), fusion=static.why)
+    if static.plan is not None:  # the driver's plan without Spark: bad input is refused before a JVM starts
+        known = dataclasses.replace(plan(static.plan.graph), queries=queries(static.plan), fusion=static.why)
+        if analysis is None or not known.restores:
+            return known
+    assert analysis is not None  # both returns above cover its absence
+    with analysis() as spark:
+        fusion = decide_fusion(graph, spark.stateful, chaining=chaining, restoring=restoring)
+        assert fusion.plan is not None  # decided with Spark's facts
+        first = plan(fusion.plan.graph)
+        evidence = spark.state_schemas(first, fusion.plan)
+    upgrade = plan(fusion.plan.graph, evidence) if evidence else first
+    return dataclasses.replace(upgrade, queries=queries(fusion.plan), fusion=fusion.why,
+                               state_schema_checked=tuple(stage for stage, _ in evidence))
 
 
 def _refusal(plan: UpgradePlan) -> str:
@@ -98,26 +145,24 @@ def _refusal(plan: UpgradePlan) -> str:
 def prepare_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, *,
                     allow_dropped_state: Sequence[str] = (), renamed: Mapping[str, str] | None = None,
                     label: str | None = None, stop_timeout: float = 600.0, poll: float = 0.5,
-                    state_schemas: Callable[[UpgradePlan], StateSchemas] | None = None) -> UpgradeReady:
-    """Steps 1-4 of the module docstring; returns what the new code restores. ``state_schemas``: where the caller
-    has Spark, the evidence of state compatibility for a plan (``upgrade-plan --check-state-schema``'s, from
-    :mod:`airflow_arroyo.runtime.upgrade_evidence`); both plan steps then refuse a stage whose state changed shape,
-    the first one while the old code still runs."""
+                    chaining: bool | None = None,
+                    analysis: Callable[[], AbstractContextManager[Analysis]] | None = None) -> UpgradeReady:
+    """Steps 1-4 of the module docstring; returns what the new code restores. Each plan step is
+    :func:`check_upgrade` (``chaining``: the new code's ``Pipeline(chaining=...)``). ``analysis``: where the
+    caller has Spark (``upgrade --check-state-schema``), both plan steps plan the physical graph the driver will
+    run and refuse a stage whose state changed shape, the first one while the old code still runs."""
     label = label or f"upgrade {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
     check_stop("graceful", label)
 
     def plan(epoch: RestoreFrom, step: str, after: str) -> UpgradePlan:
-        first = check_upgrade(store, pipeline_id, graph, epoch, allow_dropped_state=allow_dropped_state,
-                              renamed=renamed)
-        if state_schemas is None:
-            return first
         try:
-            evidence = state_schemas(first)
+            return check_upgrade(store, pipeline_id, graph, epoch, allow_dropped_state=allow_dropped_state,
+                                 renamed=renamed, chaining=chaining, analysis=analysis)
+        except ConfigurationError:
+            raise
         except Exception as exc:  # Spark could not plan the new code, or a snapshot object is unreadable
             raise UpgradeError(pipeline_id, step, f"the state schema check could not run: {type(exc).__name__}: "
                                f"{exc}", after=after) from exc
-        return check_upgrade(store, pipeline_id, graph, first.epoch, allow_dropped_state=allow_dropped_state,
-                             renamed=renamed, state_schemas=evidence)
 
     before = plan("latest", "plan", "Nothing was changed: the old code still runs")
     if not before.restores:

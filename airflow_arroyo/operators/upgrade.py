@@ -159,7 +159,8 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
                       self.pipeline_id, self.pipeline, label)
         try:
             ready = prepare_upgrade(store, self.pipeline_id, graph, allow_dropped_state=self.allow_dropped_state,
-                                    renamed=self.renamed, label=label, stop_timeout=float(self.stop_timeout))
+                                    renamed=self.renamed, label=label, stop_timeout=float(self.stop_timeout),
+                                    chaining=new_code.chaining)
         except UpgradeError as exc:
             # no retry: a retry would plan against what this failure left and misreport it; a person decides
             raise AirflowFailException(str(exc)) from exc

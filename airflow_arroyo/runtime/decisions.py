@@ -251,6 +251,12 @@ class UpgradePlan:
 
     epoch: int
     stages: tuple[StageUpgrade, ...]
+    # what a dry run planned against (airflow_arroyo.core.upgrades.check_upgrade): the physical queries, name ->
+    # members (None: the logical stages, the driver decides the fusion when it starts), why, and the stages whose
+    # state schemas were compared (None: not checked)
+    queries: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    fusion: str = ""
+    state_schema_checked: tuple[str, ...] | None = None
 
     @property
     def refused(self) -> tuple[StageUpgrade, ...]:

@@ -86,6 +86,7 @@ from airflow_arroyo.runtime.pipeline import Pipeline, PipelineGraph, StageKind
 from airflow_arroyo.runtime.plan import (
     PhysicalPlan,
     compose_stages,
+    decide_fusion,
     plan_chains,
     stateful_stages,
     watermarks_not_crossing,
@@ -293,19 +294,23 @@ class PipelineDriver:
             log.warning("pipeline=%s: %s", self.pipeline_id, warning)
 
     def _fuse(self, stateful: Mapping[str, bool | None]) -> None:
-        """Fuse what the rules allow (:func:`~airflow_arroyo.runtime.plan.plan_chains`) and run that physical
-        graph from here on (its stage names are what the store records and a restore checks). When the graph
-        decides (``chaining=None``) and this run restores an epoch taken unfused, it runs unfused: that epoch
-        holds a snapshot per stage, not per fused query."""
-        fused = plan_chains(self.logical, stateful, chaining=True)
-        if self.pipeline.chaining is None and len(fused.groups) < len(self.logical.stages):
-            restoring = self._restore_facts().epoch
-            if restoring is not None and set(restoring.stages) == set(self.logical.stage_names):
-                log.info("pipeline=%s: epoch %d was taken with every stage its own query; this run restores it "
-                         "and runs unfused (a run that starts afresh fuses; Pipeline(chaining=True) refuses such "
-                         "a restore)", self.pipeline_id, restoring.epoch)
-                return
-        self.plan = fused
+        """Fuse as :func:`~airflow_arroyo.runtime.plan.decide_fusion` decides (the upgrade's dry runs decide there
+        too) and run that physical graph from here on (its stage names are what the store records and a restore
+        checks). When the graph decides (``chaining=None``) and this run restores an epoch taken unfused, it runs
+        unfused: that epoch holds a snapshot per stage, not per fused query."""
+
+        def restoring() -> tuple[int, tuple[str, ...]] | None:
+            epoch = self._restore_facts().epoch
+            return None if epoch is None else (epoch.epoch, epoch.stages)
+
+        fusion = decide_fusion(self.logical, stateful, chaining=self.pipeline.chaining, restoring=restoring)
+        if fusion.unfused_for_epoch is not None:
+            log.info("pipeline=%s: epoch %d was taken with every stage its own query; this run restores it "
+                     "and runs unfused (a run that starts afresh fuses; Pipeline(chaining=True) refuses such "
+                     "a restore)", self.pipeline_id, fusion.unfused_for_epoch)
+            return
+        assert fusion.plan is not None  # with Spark's facts the plan is always decided
+        self.plan = fusion.plan
         self.graph = self.plan.graph
         self.sinks = self._transactional_sinks()
         self.gates = self._gatekeeper()
@@ -411,9 +416,8 @@ class PipelineDriver:
         if plan.upgrade is None or plan.epoch is None or self._fork_source is not None:
             return ()
         epoch = plan.epoch
-        fused = {g.name: g.stages for g in self.plan.groups if len(g.stages) > 1}
         return gather_state_schemas(plan.upgrade, self.logical, self._frames, self._stateful, lambda snap: (
-            snapshot_state_files(self.store, self.snapshots.fs, self.pipeline_id, epoch, snap)), fused=fused)
+            snapshot_state_files(self.store, self.snapshots.fs, self.pipeline_id, epoch, snap)), physical=self.plan)
 
     def _check_rescale(self, plan: RestorePlan) -> None:
         """Refuse a rescale that names no stage this restore rebuilds, before anything is written."""

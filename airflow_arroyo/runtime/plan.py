@@ -51,8 +51,9 @@ from airflow_arroyo.runtime.graph import PipelineGraph, StageKind, StageSpec
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["WATERMARK_DELAY_KEY", "Boundary", "ChainedTransform", "ChannelEdge", "FusedGroup", "PhysicalPlan",
-           "compose_stages", "plan_chains", "stateful_stages", "watermarks_not_crossing"]
+__all__ = ["WATERMARK_DELAY_KEY", "Boundary", "ChainedTransform", "ChannelEdge", "FusedGroup", "Fusion",
+           "PhysicalPlan", "compose_stages", "decide_fusion", "plan_chains", "stateful_stages",
+           "watermarks_not_crossing"]
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +364,47 @@ def plan_chains(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None
     unread = tuple(ChannelEdge(c, graph.writers[c], ()) for c in graph.channels
                    if not graph.readers(c))
     return PhysicalPlan(graph.pipeline_id, chaining, built, channels + unread, facts)
+
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What :func:`decide_fusion` answers: the physical plan a run executes (None: it depends on which stages
+    hold state, and Spark was not asked), and how that was decided, in words for a user."""
+
+    plan: PhysicalPlan | None
+    why: str
+    unfused_for_epoch: int | None = None  # the epoch taken unfused that keeps this run unfused (chaining=None)
+
+
+def decide_fusion(graph: PipelineGraph, stateful: Mapping[str, bool | None] | None, *, chaining: bool | None,
+                  restoring: Callable[[], tuple[int, Sequence[str]] | None]) -> Fusion:
+    """The physical plan the driver runs for ``graph`` (the logical graph of ``Pipeline(chaining=chaining)``), the
+    one decision the driver and the upgrade's dry runs share (docs/upgrading.md, "Checking a plan").
+
+    ``stateful`` is what :func:`stateful_stages` found (None: Spark was not asked). ``restoring`` answers the epoch
+    the run restores and its stages (None: it restores none); it is called only when the answer depends on it.
+    ``chaining=False`` runs every stage as its own query. Otherwise the rules fuse (:func:`plan_chains`), except
+    that with ``chaining=None`` a restore of an epoch taken unfused (its stages are the graph's) runs unfused: that
+    epoch holds a snapshot per stage, not per fused query. Without ``stateful`` the plan is known only where no
+    two stages could fuse whatever Spark finds, or where that exception applies."""
+    if chaining is False:
+        return Fusion(plan_chains(graph, chaining=False), "chaining=False: every stage is its own query")
+    fused = plan_chains(graph, stateful, chaining=True) if stateful is not None else None
+    # without Spark: the most any statefulness could fuse (stateless stages meet the fewest boundaries)
+    if fused is None and len(plan_chains(graph, dict.fromkeys(graph.stage_names, False)).groups) == len(
+            graph.stages):
+        return Fusion(plan_chains(graph), "no two stages can fuse, whichever hold state (a boundary at every "
+                      "channel)")
+    if chaining is None and (fused is None or len(fused.groups) < len(graph.stages)):
+        epoch = restoring()
+        if epoch is not None and set(epoch[1]) == set(graph.stage_names):
+            return Fusion(plan_chains(graph), f"epoch {epoch[0]} was taken with every stage its own query: a "
+                          "restore of it runs unfused (chaining=None)", unfused_for_epoch=epoch[0])
+    if fused is None:
+        return Fusion(None, "which stages run fused depends on which hold state, which Spark's analyzer decides "
+                      "when the driver starts")
+    return Fusion(fused, "fused as Spark's analyzer found the stages' state (runtime/plan.py's rules)")
 
 
 # --------------------------------------------------------------------------- statefulness (asks Spark)

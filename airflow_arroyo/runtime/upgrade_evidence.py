@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow_arroyo.core.fs import FileSystem
@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.runtime.decisions import UpgradePlan
     from airflow_arroyo.runtime.pipeline import PipelineGraph
+    from airflow_arroyo.runtime.plan import PhysicalPlan
     from airflow_arroyo.store import EpochStore
 
-__all__ = ["StateSchemas", "gather_state_schemas", "planning_session", "snapshot_state_files",
-           "upgrade_state_schemas"]
+__all__ = ["SparkAnalysis", "StateSchemas", "gather_state_schemas", "planning_session", "snapshot_state_files",
+           "spark_analysis"]
 
 #: new stage -> (the stateful operators its snapshot holds, those the new code's query would write)
 StateSchemas = tuple[tuple[str, tuple[tuple[OperatorState, ...], tuple[OperatorState, ...]]], ...]
@@ -46,19 +47,20 @@ def snapshot_state_files(store: EpochStore, storage: FileSystem, pipeline_id: st
 def gather_state_schemas(upgrade: UpgradePlan, graph: PipelineGraph, frames: Mapping[str, Any],
                          stateful: Mapping[str, bool | None],
                          state_files: Callable[[str], Mapping[str, Callable[[], bytes]]], *,
-                         fused: Mapping[str, Sequence[str]] | None = None) -> StateSchemas:
+                         physical: PhysicalPlan | None = None) -> StateSchemas:
     """The evidence for each stage of ``upgrade`` restored from a snapshot of the same query form.
 
     ``graph`` is the new code's logical graph, ``frames`` its stages composed
     (:func:`~airflow_arroyo.runtime.plan.compose_stages`), ``stateful`` what
     :func:`~airflow_arroyo.runtime.plan.stateful_stages` found, ``state_files`` the epoch's stage -> its snapshot's
-    ``state/`` files (:func:`snapshot_state_files`), ``fused`` the new code's fused queries (their names -> their
-    members, head first) where it fuses. A fused query restored from the epoch's query of the same members is
-    checked as one query: Spark numbers its operators over the whole query, which is its last member's DataFrame
-    above the channels it reads. Not checked (left out): a stage split or merged across fusion, a query known
-    stateless, one with several input channels or one whose operators are not derived (joins, arbitrary state)."""
+    ``state/`` files (:func:`snapshot_state_files`), ``physical`` the plan the new code runs
+    (:func:`~airflow_arroyo.runtime.plan.decide_fusion`; None: every stage its own query). A fused query restored
+    from the epoch's query of the same members is checked as one query: Spark numbers its operators over the whole
+    query, which is its last member's DataFrame above the channels it reads. Not checked (left out): a stage split
+    or merged across fusion, a query known stateless, one with several input channels or one whose operators are not
+    derived (joins, arbitrary state)."""
     logical = {s.name: s for s in graph.stages}
-    groups = {name: tuple(members) for name, members in (fused or {}).items()}
+    groups = {g.name: g.stages for g in (physical.groups if physical is not None else ()) if len(g.stages) > 1}
     across = upgrade.across_fusion()
     out = []
     for stage, snap in upgrade.snapshot_of().items():
@@ -108,23 +110,39 @@ def planning_session() -> Iterator[SparkSession]:
         spark.stop()
 
 
-def upgrade_state_schemas(store: EpochStore, pipeline_id: str, graph: PipelineGraph, upgrade: UpgradePlan,
-                          spark: SparkSession) -> StateSchemas:
-    """:func:`gather_state_schemas` for a dry run of ``graph`` (the new code) restoring ``upgrade.epoch`` of
-    ``pipeline_id``: its stages composed in ``spark``, the snapshots read below the pipeline's registered storage.
-    A fork that has not restored its fork point yet is not checked (its snapshots are its source's), as in the
-    driver."""
-    from airflow_arroyo.runtime.plan import compose_stages, stateful_stages
+class SparkAnalysis:
+    """What Spark's analyzer says of new code, for a dry run that plans its upgrade as the driver will: its stages
+    composed in ``spark`` (no query started; the sources' read functions are called), which hold state
+    (:func:`~airflow_arroyo.runtime.plan.stateful_stages`), and the state schema evidence of a plan of its physical
+    graph (:meth:`state_schemas`). ``graph`` is the new code's logical graph."""
 
-    record = store.get_pipeline(pipeline_id)
-    source, point = record.forked_from_pipeline, record.forked_from_epoch
-    if not record.storage_uri or (source is not None and point is not None
-                                  and pipeline_id in store.waiting_forks(source, point)):
-        return ()
-    if not any(upgrade.snapshot_of().values()):
-        return ()
-    storage = FileSystem.from_uri(record.storage_uri)
-    frames = compose_stages(graph, spark)
-    stateful = stateful_stages(graph, spark, frames)
-    return gather_state_schemas(upgrade, graph, frames, stateful, lambda snap: snapshot_state_files(
-        store, storage, pipeline_id, upgrade.epoch, snap))
+    def __init__(self, store: EpochStore, pipeline_id: str, graph: PipelineGraph, spark: SparkSession) -> None:
+        from airflow_arroyo.runtime.plan import compose_stages, stateful_stages
+
+        self.store = store
+        self.pipeline_id = pipeline_id
+        self.graph = graph
+        self.frames = compose_stages(graph, spark)
+        self.stateful: Mapping[str, bool | None] = stateful_stages(graph, spark, self.frames)
+
+    def state_schemas(self, upgrade: UpgradePlan, physical: PhysicalPlan) -> StateSchemas:
+        """:func:`gather_state_schemas` for ``upgrade`` (a plan of ``physical``'s graph) restoring ``upgrade.epoch``:
+        the snapshots read below the pipeline's registered storage. A fork that has not restored its fork point
+        yet is not checked (its snapshots are its source's), as in the driver."""
+        record = self.store.get_pipeline(self.pipeline_id)
+        source, point = record.forked_from_pipeline, record.forked_from_epoch
+        if not record.storage_uri or (source is not None and point is not None
+                                      and self.pipeline_id in self.store.waiting_forks(source, point)):
+            return ()
+        if not any(upgrade.snapshot_of().values()):
+            return ()
+        storage = FileSystem.from_uri(record.storage_uri)
+        return gather_state_schemas(upgrade, self.graph, self.frames, self.stateful, lambda snap: snapshot_state_files(
+            self.store, storage, self.pipeline_id, upgrade.epoch, snap), physical=physical)
+
+
+@contextlib.contextmanager
+def spark_analysis(store: EpochStore, pipeline_id: str, graph: PipelineGraph) -> Iterator[SparkAnalysis]:
+    """:class:`SparkAnalysis` of ``graph`` in a :func:`planning_session` (``--check-state-schema``)."""
+    with planning_session() as spark:
+        yield SparkAnalysis(store, pipeline_id, graph, spark)

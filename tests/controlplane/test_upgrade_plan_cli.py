@@ -52,12 +52,40 @@ def test_added_stage_restores(store: EpochStore, capsys: pytest.CaptureFixture[s
     code, out, err = run(capsys, "--dsn", store.dsn, "upgrade-plan", "orders",
                          "--pipeline-module", f"{MODULE}:added_stage")
     assert (code, err) == (0, ""), err
-    rows = {line.split()[0]: line.split()[1] for line in out.strip().splitlines()[1:]}
+    *table, note = out.strip().splitlines()
+    rows = {line.split()[0]: line.split()[1] for line in table[1:]}
     assert rows == {"src": "restored", "audit": "new", "audit_out": "new"}
+    # the code's stages could fuse and nothing says which hold state without Spark: the plan says it is logical
+    assert note == ("planned against the logical stages, not the queries the driver will run: which stages run fused "
+                    "depends on which hold state, which Spark's analyzer decides when the driver starts; "
+                    "--check-state-schema plans the driver's physical graph")
     code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "upgrade-plan", "orders", "--epoch", "1",
                        "--pipeline-module", f"{MODULE}:added_stage")
     plan = json.loads(out)
     assert code == 0 and (plan["epoch"], plan["restores"]) == (1, True)
+    assert (plan["physical"], plan["queries"], plan["state_schema_checked"]) == (False, None, None)
+    assert "Spark's analyzer decides when the driver starts" in plan["fusion"]
+
+
+def unfused_added_stage() -> NewCode:
+    """``added_stage`` with chaining=False: every stage its own query, known without Spark."""
+    p = added_stage()
+    p.chaining = False
+    return p
+
+
+@pytest.mark.usefixtures("orders")
+def test_a_plan_whose_fusion_needs_no_spark_is_of_the_drivers_queries(store: EpochStore,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--dsn", store.dsn, "--json", "upgrade-plan", "orders",
+                       "--pipeline-module", f"{MODULE}:unfused_added_stage")
+    plan = json.loads(out)
+    assert (code, plan["physical"], plan["fusion"]) == (0, True, "chaining=False: every stage is its own query")
+    assert plan["queries"] == {"src": ["src"], "audit": ["audit"], "audit_out": ["audit_out"]}
+    code, out, _ = run(capsys, "--dsn", store.dsn, "upgrade-plan", "orders",
+                       "--pipeline-module", f"{MODULE}:unfused_added_stage")
+    assert out.strip().splitlines()[-1] == ("planned against the queries the driver will run (chaining=False: every "
+                                            "stage is its own query): no stage fused")
 
 
 @pytest.mark.usefixtures("orders")
