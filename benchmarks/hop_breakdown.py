@@ -47,7 +47,7 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pyarrow.parquet as pq
-from _spark import conf_pair, local_session_builder, product_confs
+from _spark import conf_pair, descendants, local_session_builder, processes, product_confs
 from latency import Product
 
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
@@ -243,26 +243,9 @@ def print_hops(runners: dict[str, StageRunner], progress: dict[str, list[dict[st
 
 def tree_cpu_seconds() -> float:
     """CPU seconds used so far by this process and its live descendants (the driver JVM, Python workers)."""
-    parent: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    mine, frontier = {os.getpid()}, [os.getpid()]
-    while frontier:
-        p = frontier.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in mine:
-                mine.add(child)
-                frontier.append(child)
-    return sum(ticks.get(p, 0) for p in mine) / os.sysconf("SC_CLK_TCK")
+    procs = processes()
+    me = os.getpid()
+    return sum(procs[p].own for p in {me} | descendants(procs, me) if p in procs)
 
 
 def processes_started() -> int:

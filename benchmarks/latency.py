@@ -49,7 +49,6 @@ import argparse
 import json
 import logging
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -66,9 +65,9 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from _spark import conf_pair, local_session_builder, product_confs
+from _spark import DrivenPipeline, conf_pair, local_session_builder, product_confs, run_in_process
 
-from airflow_arroyo.core.epochs import CheckpointPolicy, EpochState
+from airflow_arroyo.core.epochs import EpochState
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -240,37 +239,17 @@ def channel_hops(p: Pipeline) -> int:
     return max(depth(n) for n in specs)
 
 
-class Product:
+class Product(DrivenPipeline):
     """The logic as an airflow-arroyo pipeline, driven in a thread, with an epoch every ``interval``."""
 
     def __init__(self, spark: SparkSession, store: EpochStore, rate: int, tmp: Path, interval: float, *,
                  chaining: bool, boundary: bool = False) -> None:
         self.recorder = Recorder()
-        self.store = store
-        self.pid = f"latency-{uuid.uuid4().hex[:6]}"
-        p = pipeline(self.pid, rate, self.recorder, chaining=chaining, boundary=boundary)
+        pid = f"latency-{uuid.uuid4().hex[:6]}"
+        p = pipeline(pid, rate, self.recorder, chaining=chaining, boundary=boundary)
         if chaining:
             print("    " + p.explain(spark).replace("\n", "\n    "), flush=True)
-        self.driver = PipelineDriver(p, store, storage_uri=str(tmp / self.pid), spark=spark)
-        self.failure: list[BaseException] = []
-        self._stop = threading.Event()
-        self.policy = CheckpointPolicy(interval=interval, timeout=max(60.0, 6 * interval))
-        self._thread = threading.Thread(target=self._drive, daemon=True)
-        self._thread.start()
-        if not self.driver.started.wait(600) or self.failure:
-            raise SystemExit(f"the pipeline did not start: {self.failure}")
-        self._controller = threading.Thread(target=self._control, daemon=True)
-        self._controller.start()
-
-    def _drive(self) -> None:
-        try:
-            self.driver.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the constructor / stop()
-            self.failure.append(exc)
-
-    def _control(self) -> None:
-        while not self._stop.wait(0.5):
-            self.store.trigger_tick(self.pid, self.policy, triggered_by="benchmark")
+        super().__init__(PipelineDriver(p, store, storage_uri=str(tmp / pid), spark=spark), store, interval)
 
     def epochs(self, since: float) -> tuple[int, float]:
         """Epochs completed since wall time ``since`` and their duration p50."""
@@ -278,14 +257,6 @@ class Product:
                 if e.state is EpochState.COMPLETED and e.duration_s is not None
                 and e.triggered_at.timestamp() >= since]
         return len(done), (statistics.median(done) if done else float("nan"))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._controller.join()
-        self.store.request_stop(self.pid, "immediate")
-        self._thread.join(300)
-        if self.failure:
-            raise SystemExit(f"the pipeline failed: {self.failure[0]}")
 
 
 def run_one(make: Callable[[], Plain | SparkHop | Product], side: str, rate: int, warmup: float, duration: float,
@@ -422,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{' / '.join(args.masters)}, rates {args.rates} rows/s per source, {args.rounds} round(s), "
               f"warm-up {args.warmup:g} s, {args.duration:g} s measured, epochs every {args.interval:g} s (product); "
               "a process per run", flush=True)
-        ctx = mp.get_context("spawn")
         for rate in args.rates:
             sides = ["plain", "product", "fused"] if args.chaining else ["plain", "product"]
             if args.chaining and args.boundary:
@@ -432,15 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 for master in args.masters if i % 2 == 0 else args.masters[::-1]:
                     for side in sides if i % 2 == 0 else sides[::-1]:
-                        out = ctx.Queue()
-                        child = ctx.Process(target=run_in_child, args=(
-                            out, side, rate, pg.dsn, tmp, args.interval, args.warmup, args.duration,
-                            args.hadoop_local_fs, master, args.driver_memory, confs))
-                        child.start()
-                        got = out.get(timeout=args.warmup + args.duration + 900)
-                        child.join(120)
-                        if isinstance(got, str):
-                            raise SystemExit(f"the {side} run at {rate} rows/s on {master} failed: {got}")
+                        got = run_in_process(run_in_child, (
+                            side, rate, pg.dsn, tmp, args.interval, args.warmup, args.duration, args.hadoop_local_fs,
+                            master, args.driver_memory, confs), timeout=args.warmup + args.duration + 900,
+                            what=f"{side} run at {rate} rows/s on {master}")
                         results.append(Result(**got))
 
     print("\nproduct and fused / plain, per master and rate (median over rounds):")

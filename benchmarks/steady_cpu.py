@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -53,10 +51,17 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _spark import conf_pair, local_session_builder, product_confs
+from _spark import (
+    DrivenPipeline,
+    conf_pair,
+    descendants,
+    local_session_builder,
+    processes,
+    product_confs,
+    run_in_process,
+)
 from latency import Recorder, percentile
 
-from airflow_arroyo.core.epochs import CheckpointPolicy
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
@@ -155,89 +160,38 @@ class Plain:
             raise SystemExit(f"the plain query failed: {error}")
 
 
-class Fused:
+class Fused(DrivenPipeline):
     def __init__(self, spark: SparkSession, store: EpochStore, mode: str, rate: int, batch: int, tmp: Path,
                  interval: float, trigger: float | None = None) -> None:
         self.recorder = Recorder()
-        self.store = store
-        self.pid = f"steady-{uuid.uuid4().hex[:6]}"
-        p = Pipeline(self.pid, description="benchmark: the demo's shape with bounded state")
+        pid = f"steady-{uuid.uuid4().hex[:6]}"
+        p = Pipeline(pid, description="benchmark: the demo's shape with bounded state")
         t = trigger  # None: the stages' default
         lhs = p.source("left", lambda s: left(read_source(s, 1, mode, rate, batch)), trigger_interval=t)
         rhs = p.source("right", lambda s: right(read_source(s, 2, mode, rate, batch)), trigger_interval=t)
         joined = p.stage("joined", join, inputs=[lhs, rhs], trigger_interval=t)
         out = p.stage("report", report, inputs=[joined], trigger_interval=t)
         p.sink("sink", inputs=[out], foreach_batch=self.recorder, trigger_interval=t)
-        self.driver = PipelineDriver(p, store, storage_uri=str(tmp / self.pid), spark=spark)
-        self.failure: list[BaseException] = []
-        self._stop = threading.Event()
-        self.policy = CheckpointPolicy(interval=interval, timeout=max(60.0, 6 * interval))
-        self._thread = threading.Thread(target=self._drive, daemon=True)
-        self._thread.start()
-        if not self.driver.started.wait(600) or self.failure:
-            raise SystemExit(f"the pipeline did not start: {self.failure}")
+        super().__init__(PipelineDriver(p, store, storage_uri=str(tmp / pid), spark=spark), store, interval)
         if len(self.driver.runners) != 1:
             raise SystemExit(f"expected one fused query, got {[r.name for r in self.driver.runners]}")
-        self._controller = threading.Thread(target=self._control, daemon=True)
-        self._controller.start()
-
-    def _drive(self) -> None:
-        try:
-            self.driver.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the constructor / stop()
-            self.failure.append(exc)
-
-    def _control(self) -> None:
-        while not self._stop.wait(0.5):
-            self.store.trigger_tick(self.pid, self.policy, triggered_by="benchmark")
 
     def queries(self) -> list[StreamingQuery]:
         return [r.query for r in self.driver.runners if r.query is not None]
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._controller.join()
-        self.store.request_stop(self.pid, "immediate")
-        self._thread.join(300)
-        if self.failure:
-            raise SystemExit(f"the pipeline failed: {self.failure[0]}")
 
 
 # ------------------------------------------------------------------------------------------ measuring
 
 
-def _proc_cpu() -> dict[int, tuple[int, float, str]]:
-    """Every process: (parent, CPU seconds of itself and its reaped children, the program it runs)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[int, float, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")[0].decode(errors="replace")  # the program
-        except OSError:
-            continue
-        cpu = sum(int(fields[i]) for i in (11, 12, 13, 14)) / tick  # utime stime cutime cstime
-        out[int(entry)] = (int(fields[1]), cpu, cmd)
-    return out
-
-
 def cpu_by_part() -> dict[str, float]:
-    """CPU seconds so far of this process ("driver"), its JVM ("jvm") and Spark's Python processes ("python")."""
-    procs = _proc_cpu()
+    """CPU seconds so far of this process ("driver"), its JVM ("jvm") and Spark's Python processes ("python"),
+    each with its reaped children's (a Python worker that ended counts in the daemon that forked it)."""
+    procs = processes()
     me = os.getpid()
-    parts = {"driver": procs[me][1] if me in procs else 0.0, "jvm": 0.0, "python": 0.0}
-    mine, frontier = {me}, [me]
-    while frontier:
-        p = frontier.pop()
-        for child, (ppid, cpu, cmd) in procs.items():
-            if ppid == p and child not in mine:
-                mine.add(child)
-                frontier.append(child)
-                parts["python" if os.path.basename(cmd).startswith("python") else "jvm"] += cpu
+    parts = {"driver": procs[me].own + procs[me].reaped if me in procs else 0.0, "jvm": 0.0, "python": 0.0}
+    for child in descendants(procs, me):
+        c = procs[child]
+        parts["python" if os.path.basename(c.program).startswith("python") else "jvm"] += c.own + c.reaped
     return parts
 
 
@@ -388,21 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"local[2], steady {args.rate} rows/s per source, capacity {args.capacity_batch} rows per source per "
               f"batch; warm-up {args.warmup:g} s, {args.duration:g} s measured, epochs every {args.interval:g} s "
               "(fused); a process per run", flush=True)
-        ctx = mp.get_context("spawn")
         for mode in args.modes:
             runs = [(side, version) for version in args.versions for side in args.sides]
             runs += [(f"fused@{t:g}", args.versions[-1]) for t in args.fused_triggers]
             for i in range(args.rounds if mode == "steady" else args.capacity_rounds):
                 for side, version in runs if i % 2 == 0 else runs[::-1]:
-                    q = ctx.Queue()
-                    child = ctx.Process(target=run_in_child, args=(
-                        q, mode, side, version, i + 1, args.rate, args.capacity_batch, pg.dsn, tmp, args.interval,
-                        args.warmup, args.duration, dict(args.conf)))
-                    child.start()
-                    got = q.get(timeout=args.warmup + args.duration + 900)
-                    child.join(120)
-                    if isinstance(got, str):
-                        raise SystemExit(f"the {mode} {side} {version} run failed: {got}")
+                    got = run_in_process(run_in_child, (
+                        mode, side, version, i + 1, args.rate, args.capacity_batch, pg.dsn, tmp, args.interval,
+                        args.warmup, args.duration, dict(args.conf)), timeout=args.warmup + args.duration + 900,
+                        what=f"{mode} {side} {version} run")
                     results.append(Result(**got))
                     show(results[-1])
     print("\nmedians over rounds, and fused / plain per round (CPU per row: ms per 1,000 rows; latency: s):")
