@@ -1,0 +1,174 @@
+"""The upgrade's dry runs plan the queries the driver will run (issue 32), on real Spark.
+
+A default pipeline (``chaining=None``: ``src -> dedup -> out``, the ``dropDuplicates`` its one stateful stage) runs
+fused as one query ``src~dedup~out`` and takes its epochs that way. Against new code keying the ``dropDuplicates``
+by one more column, ``airflow-arroyo upgrade-plan --check-state-schema`` reports the fused query incompatible, naming
+it, the state operator and both key schemas, and writes nothing (the storage tree and the store's rows of the
+pipeline are the same before and after); the one-step upgrade with the check refuses at its first plan step while
+the old code runs. Without the option the dry run cannot know which stages fuse and says that its plan is of the
+logical stages. Against a compatible change (a filter upstream) the dry run's plan is the one the driver then
+decides when it restores the epoch (its rows, and the queries the driver registers in the store). One run of the
+old code serves every test (a module-scoped fixture)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_arroyo.core.epochs import EpochState, PipelineState
+from airflow_arroyo.core.exceptions import PipelineFailedError, UnknownPipelineError
+from airflow_arroyo.core.upgrades import UpgradeRefused, prepare_upgrade
+from airflow_arroyo.runtime.driver import PipelineDriver
+from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.upgrade_evidence import spark_analysis
+from airflow_arroyo.store import EpochStore
+from airflow_arroyo.testing import CheckpointTicker, DriverThread, wait_for
+from tests.controlplane.test_cli import run
+
+from .test_state_schema_restore import dedup_after_a_filter, dedup_by_two_keys, tree
+from .test_upgrade_plan_state_schema import store_rows
+from .test_upgrade_restore import dedup, source
+
+pytestmark = [pytest.mark.spark]
+
+MODULE = __name__
+FUSED = "src~dedup~out"
+_RUN: dict[str, Any] = {}  # the pipeline id and folder of this module's run: the new code below is built for them
+
+
+def default(pid: str, root: Path, code: Callable[[Any], Any]) -> Pipeline:
+    """The pipeline with the default chaining (the graph decides): Spark's analyzer fuses it into src~dedup~out."""
+    p = Pipeline(pid)
+    src = p.source("src", source)
+    seen = p.stage("dedup", code, [src])
+    p.sink("out", [seen], format="json", options={"path": str(root / "out")})
+    return p
+
+
+def refused_code() -> Pipeline:
+    return default(_RUN["pid"], _RUN["root"], dedup_by_two_keys)
+
+
+def compatible_code() -> Pipeline:
+    return default(_RUN["pid"], _RUN["root"], dedup_after_a_filter)
+
+
+@dataclass(frozen=True)
+class OldRun:
+    pid: str
+    root: Path
+    epoch: int  # the latest completed epoch, taken fused
+    upgrade_refusal: str  # what the one-step upgrade with the check said while the old code ran
+    state_while_refused: tuple[PipelineState, str | None]  # the pipeline's state and stop request right after
+
+
+@pytest.fixture(scope="module")
+def old_run(spark: Any, module_store: EpochStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OldRun]:
+    pid = f"plan-fused-{uuid.uuid4().hex[:6]}"
+    root = tmp_path_factory.mktemp("plan-fused")
+    _RUN.update(pid=pid, root=root)
+
+    def completed() -> list[int]:
+        try:
+            return [e.epoch for e in module_store.list_epochs(pid, states=[EpochState.COMPLETED])]
+        except UnknownPipelineError:
+            return []
+
+    old = DriverThread(PipelineDriver(default(pid, root, dedup), module_store, storage_uri=str(root / "storage"),
+                                      spark=spark)).start()
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        wait_for(lambda: old.error or len(completed()) >= 2, timeout=240, what="two epochs of the fused old code")
+        graph = refused_code().validate()
+        with pytest.raises(UpgradeRefused) as refused:
+            prepare_upgrade(module_store, pid, graph, chaining=None, stop_timeout=30,
+                            analysis=lambda: spark_analysis(module_store, pid, graph))
+        record = module_store.get_pipeline(pid)
+        state = (record.state, record.stop_requested)
+    module_store.request_stop(pid, "graceful")
+    assert old.join(240).state is PipelineState.STOPPED
+    yield OldRun(pid, root, max(completed()), str(refused.value), state)
+
+
+def test_the_dry_run_reports_a_changed_state_key_inside_a_fused_query_and_writes_nothing(
+        old_run: OldRun, module_store: EpochStore, capsys: pytest.CaptureFixture[str]) -> None:
+    pid, epoch = old_run.pid, old_run.epoch
+    assert module_store.get_epoch(pid, epoch).stages == [FUSED]  # taken fused: the driver's default
+    files, rows = tree(old_run.root / "storage"), store_rows(module_store.dsn, pid)
+    assert any("/state/" in f for f, _ in files)
+    base = ("--dsn", module_store.dsn, "upgrade-plan", pid, "--epoch", str(epoch), "--pipeline-module",
+            f"{MODULE}:refused_code")
+
+    code, out, err = run(capsys, *base, "--check-state-schema")
+    assert code == 2, (out, err)
+    row = next(line for line in out.splitlines() if line.startswith(f"{FUSED} "))
+    assert "incompatible (refused)" in row
+    assert (f"state changed shape since epoch {epoch}: state operator 0 (dedupe): key schema (k: long) in the "
+            "epoch, (k: long, j: long) in the new code") in row
+    assert (f"planned against the queries the driver will run (fused as Spark's analyzer found the stages' state "
+            f"(runtime/plan.py's rules)): {FUSED} (src, dedup, out) fused") in out
+    assert f"state schemas checked: {FUSED} " in out and f"refused: {FUSED} " in out
+
+    code, out, _ = run(capsys, *base, "--check-state-schema", "--json")
+    plan = json.loads(out)
+    assert (code, plan["restores"], plan["physical"], plan["state_schema_checked"]) == (2, False, True, [FUSED])
+    assert plan["queries"] == {FUSED: ["src", "dedup", "out"]}
+    (stage,) = plan["stages"]
+    assert (stage["stage"], stage["action"], stage["refused"], stage["snapshot"]) == (
+        FUSED, "incompatible", True, FUSED)
+    assert "state operator 0 (dedupe): key schema (k: long) in the epoch, (k: long, j: long)" in stage["reason"]
+
+    # without Spark nothing says which stages hold state, so which fuse: the plan says it is of the logical stages
+    code, out, _ = run(capsys, *base, "--json")
+    plan = json.loads(out)
+    assert (plan["physical"], plan["queries"], plan["state_schema_checked"]) == (False, None, None)
+    assert {r["stage"]: (r["action"], r["snapshot"]) for r in plan["stages"]} == {
+        s: ("restored-across-fusion", FUSED) for s in ("src", "dedup", "out")}
+    code, out, _ = run(capsys, *base)
+    assert out.strip().splitlines()[-1].startswith("planned against the logical stages, not the queries the driver "
+                                                   "will run: ")
+    assert out.strip().endswith("--check-state-schema plans the driver's physical graph")
+
+    assert tree(old_run.root / "storage") == files  # no checkpoint folder, channel or snapshot object written
+    assert store_rows(module_store.dsn, pid) == rows
+
+
+def test_the_one_step_upgrade_refuses_it_at_its_first_plan_step_while_the_old_code_runs(old_run: OldRun) -> None:
+    assert f"upgrade of pipeline {old_run.pid!r} stopped at step 'plan'" in old_run.upgrade_refusal
+    assert f"stage {FUSED!r} incompatible: state changed shape" in old_run.upgrade_refusal
+    assert "(k: long, j: long) in the new code" in old_run.upgrade_refusal
+    assert old_run.state_while_refused == (PipelineState.RUNNING, None)
+
+
+class _Registered(Exception):
+    """Raised at the driver's first step after its restore plan: the plan admitted the code."""
+
+
+def test_a_compatible_change_plans_in_the_dry_run_what_the_driver_decides(
+        old_run: OldRun, module_store: EpochStore, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pid, epoch = old_run.pid, old_run.epoch
+    code, out, err = run(capsys, "--dsn", module_store.dsn, "upgrade-plan", pid, "--epoch", str(epoch),
+                         "--pipeline-module", f"{MODULE}:compatible_code", "--check-state-schema", "--json")
+    assert code == 0, (out, err)
+    dry = json.loads(out)
+    assert (dry["restores"], dry["state_schema_checked"]) == (True, [FUSED])
+
+    def stop_at(step: str) -> None:
+        if step == "registered":
+            raise _Registered
+
+    driver = PipelineDriver(compatible_code(), module_store, storage_uri=str(old_run.root / "storage"), spark=spark,
+                            restore_from=epoch)
+    driver.on_step = stop_at
+    with pytest.raises(PipelineFailedError, match="_Registered"):  # planned, admitted, registered: then stopped
+        driver.run()
+    assert driver._upgrade is not None
+    assert dry["stages"] == [{**asdict(r), "action": r.action.value} for r in driver._upgrade.stages]
+    assert [r["action"] for r in dry["stages"]] == ["restored"]
+    registered = module_store.get_pipeline(pid).config["plan"]["queries"]
+    assert dry["queries"] == {q["name"]: q["stages"] for q in registered} == {FUSED: ["src", "dedup", "out"]}
