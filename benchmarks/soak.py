@@ -12,8 +12,8 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
   delete-on-exit list holds;
 * this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, glibc's heap in
   use and the free memory it holds, pyarrow's default pool, its resident memory by kind of mapping (glibc's
-  main heap, its other arenas, other anonymous memory, mapped files), the driver's releases of free memory
-  after each epoch and their total time (``--no-release`` turns them off), threads, open files;
+  main heap, its other arenas, pymalloc's arenas, other anonymous memory, mapped files), the driver's releases
+  of free memory after each epoch and their total time (``--no-release`` turns them off), threads, open files;
 * Spark's Python workers: processes and their resident memory;
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
   epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned;
@@ -98,13 +98,15 @@ def malloc_bytes() -> tuple[int, int]:
 
 
 _ARENA_ALIGN = 64 << 20  # glibc's non-main arenas are heaps of up to 64 MB, each aligned to its size
+_PYTHON_ARENA = 1 << 20  # pymalloc's arenas (CPython 3.10 and later on 64-bit), mapped one by one
 
 
 def resident_by_mapping(pid: int) -> dict[str, int]:
     """The process's resident bytes by kind of mapping, from ``/proc/<pid>/smaps``: glibc's main heap
-    (``[heap]``), its other arenas (anonymous mappings at 64 MB-aligned addresses), other anonymous memory
-    (thread stacks, large allocations glibc maps on their own, other allocators' pools) and mapped files."""
-    kinds = {"heap": 0, "arenas": 0, "other anonymous": 0, "files": 0}
+    (``[heap]``), its other arenas (anonymous mappings at 64 MB-aligned addresses), Python's small-object
+    allocator's arenas (anonymous mappings of exactly 1 MiB), other anonymous memory (thread stacks, large
+    allocations glibc maps on their own, other allocators' pools) and mapped files."""
+    kinds = {"heap": 0, "arenas": 0, "Python arenas": 0, "other anonymous": 0, "files": 0}
     kind = "files"
     try:
         lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
@@ -116,11 +118,13 @@ def resident_by_mapping(pid: int) -> dict[str, int]:
             continue
         if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
             name = fields[5] if len(fields) > 5 else ""
-            start = int(fields[0].split("-")[0], 16)
+            start, end = (int(a, 16) for a in fields[0].split("-"))
             if name == "[heap]":
                 kind = "heap"
             elif not name and start % _ARENA_ALIGN == 0:
                 kind = "arenas"
+            elif not name and end - start == _PYTHON_ARENA:
+                kind = "Python arenas"
             elif not name or name.startswith("["):
                 kind = "other anonymous"
             else:
