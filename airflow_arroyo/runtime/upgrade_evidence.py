@@ -2,12 +2,12 @@
 its restore writes anything, and ``airflow-arroyo upgrade-plan --check-state-schema``, a dry run
 (docs/upgrading.md, "State schema compatibility").
 
-For each query the plan restores in the epoch's form (a stage that runs as its own query, or a fused query of the
-same members as the epoch's) with at most one input channel: the stateful operators Spark recorded in the epoch's
-snapshot of it (its ``state/`` objects, read where the snapshot store keeps them; nothing is rebuilt) and those the
-new code's query would write (its DataFrame composed for Spark's analyzer, planned, not run:
-:mod:`airflow_arroyo.runtime.state_schema`). The pure planner (``runtime/decisions.py`` ``plan_upgrade``) decides
-with them. Reads only.
+For each query the plan restores whole from one of the epoch's snapshots (a stage that runs as its own query, or a
+fused query, from its own snapshot or the one a rename maps to it) with at most one input channel: the stateful
+operators Spark recorded in the epoch's snapshot of it (its ``state/`` objects, read where the snapshot store keeps
+them; nothing is rebuilt) and those the new code's query would write (its DataFrame composed for Spark's analyzer,
+planned, not run: :mod:`airflow_arroyo.runtime.state_schema`). The pure planner (``runtime/decisions.py``
+``plan_upgrade``) decides with them. Reads only.
 """
 
 from __future__ import annotations
@@ -55,18 +55,17 @@ def gather_state_schemas(upgrade: UpgradePlan, graph: PipelineGraph, frames: Map
     :func:`~airflow_arroyo.runtime.plan.stateful_stages` found, ``state_files`` the epoch's stage -> its snapshot's
     ``state/`` files (:func:`snapshot_state_files`), ``physical`` the plan the new code runs
     (:func:`~airflow_arroyo.runtime.plan.decide_fusion`; None: every stage its own query). A fused query restored
-    from the epoch's query of the same members is checked as one query: Spark numbers its operators over the whole
-    query, which is its last member's DataFrame above the channels it reads. Not checked (left out): a stage split
-    or merged across fusion, a query known stateless, one with several input channels or one whose operators are not
-    derived (joins, arbitrary state)."""
+    from the epoch's query of the same name (or of the name a rename maps to it) is checked as one query: Spark
+    numbers its operators over the whole query, which is its last member's DataFrame above the channels it reads.
+    Not checked (left out): a stage split or merged across fusion, a query known stateless, one with several input
+    channels or one whose operators are not derived (joins, arbitrary state)."""
     logical = {s.name: s for s in graph.stages}
     groups = {g.name: g.stages for g in (physical.groups if physical is not None else ()) if len(g.stages) > 1}
     across = upgrade.across_fusion()
     out = []
     for stage, snap in upgrade.snapshot_of().items():
-        # a fused query from the epoch's query of the same name only, so of the same members
-        alone = (stage,) if stage in logical else ()
-        members = alone if stage not in groups else groups[stage] if snap == stage else ()
+        # restored whole (its own snapshot, or the one a rename maps to it): Spark loads that state into this query
+        members = groups.get(stage, (stage,) if stage in logical else ())
         if not members or stage in across or all(stateful.get(m) is False for m in members):
             continue
         channels = [c for m in members for c in logical[m].all_inputs if graph.writers.get(c, c) not in members]

@@ -39,15 +39,19 @@ pytestmark = [pytest.mark.spark]
 
 MODULE = __name__
 FUSED = "src~dedup~out"
+RENAMED = "src~dedup_v2~out"  # the fused query of the code whose stateful stage is renamed dedup_v2
 _RUN: dict[str, Any] = {}  # the pipeline id and folder of this module's run: the new code below is built for them
 
 
-def default(pid: str, root: Path, code: Callable[[Any], Any]) -> Pipeline:
-    """The pipeline with the default chaining (the graph decides): Spark's analyzer fuses it into src~dedup~out."""
-    p = Pipeline(pid)
+def default(pid: str, root: Path, code: Callable[[Any], Any], *, name: str = "dedup",
+            chaining: bool | None = None) -> Pipeline:
+    """The pipeline with the default chaining (the graph decides): Spark's analyzer fuses it into src~dedup~out.
+    A renamed stateful stage renames the fused query, which then writes a folder of its own (the driver refuses a
+    folder another stage wrote: one folder, one writer)."""
+    p = Pipeline(pid, chaining=chaining)
     src = p.source("src", source)
-    seen = p.stage("dedup", code, [src])
-    p.sink("out", [seen], format="json", options={"path": str(root / "out")})
+    seen = p.stage(name, code, [src])
+    p.sink("out", [seen], format="json", options={"path": str(root / ("out" if name == "dedup" else f"out_{name}"))})
     return p
 
 
@@ -57,6 +61,19 @@ def refused_code() -> Pipeline:
 
 def compatible_code() -> Pipeline:
     return default(_RUN["pid"], _RUN["root"], dedup_after_a_filter)
+
+
+def renamed_refused_code() -> Pipeline:
+    return default(_RUN["pid"], _RUN["root"], dedup_by_two_keys, name="dedup_v2")
+
+
+def renamed_compatible_code() -> Pipeline:
+    return default(_RUN["pid"], _RUN["root"], dedup_after_a_filter, name="dedup_v2")
+
+
+def unfused_compatible_code() -> Pipeline:
+    """Every stage its own query: the epoch's fused query is split (restored-across-fusion)."""
+    return default(_RUN["pid"], _RUN["root"], dedup_after_a_filter, chaining=False)
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,20 @@ def test_the_dry_run_reports_a_changed_state_key_inside_a_fused_query_and_writes
                                                    "will run: ")
     assert out.strip().endswith("--check-state-schema plans the driver's physical graph")
 
+    # a rename of the epoch's fused query into the new code's (its stateful stage renamed): checked the same way
+    renamed = ("--dsn", module_store.dsn, "upgrade-plan", pid, "--epoch", str(epoch), "--pipeline-module",
+               f"{MODULE}:renamed_refused_code", "--rename", f"{FUSED}={RENAMED}")
+    code, out, _ = run(capsys, *renamed, "--check-state-schema", "--json")
+    plan = json.loads(out)
+    assert (code, plan["state_schema_checked"]) == (2, [RENAMED])
+    assert plan["queries"] == {RENAMED: ["src", "dedup_v2", "out"]}
+    (stage,) = plan["stages"]
+    assert (stage["stage"], stage["action"], stage["snapshot"]) == (RENAMED, "incompatible", FUSED)
+    assert "state operator 0 (dedupe): key schema (k: long) in the epoch, (k: long, j: long)" in stage["reason"]
+    # without Spark the fused name is unknown: refused by name, the option named in the docs (upgrading.md)
+    code, out, err = run(capsys, *renamed)
+    assert (code, out) == (2, "") and f"renamed maps {FUSED!r} to {RENAMED!r}, which is no stage" in err
+
     assert tree(old_run.root / "storage") == files  # no checkpoint folder, channel or snapshot object written
     assert store_rows(module_store.dsn, pid) == rows
 
@@ -149,26 +180,39 @@ class _Registered(Exception):
     """Raised at the driver's first step after its restore plan: the plan admitted the code."""
 
 
+@pytest.mark.parametrize(("new_code", "rename", "queries"), [
+    (compatible_code, {}, {FUSED: ["src", "dedup", "out"]}),
+    (renamed_compatible_code, {FUSED: RENAMED}, {RENAMED: ["src", "dedup_v2", "out"]}),
+    (unfused_compatible_code, {}, {"src": ["src"], "dedup": ["dedup"], "out": ["out"]}),
+], ids=["same-fusion", "renamed-fused-query", "split"])
 def test_a_compatible_change_plans_in_the_dry_run_what_the_driver_decides(
-        old_run: OldRun, module_store: EpochStore, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        old_run: OldRun, module_store: EpochStore, spark: Any, capsys: pytest.CaptureFixture[str],
+        new_code: Callable[[], Pipeline], rename: dict[str, str], queries: dict[str, list[str]]) -> None:
     pid, epoch = old_run.pid, old_run.epoch
     code, out, err = run(capsys, "--dsn", module_store.dsn, "upgrade-plan", pid, "--epoch", str(epoch),
-                         "--pipeline-module", f"{MODULE}:compatible_code", "--check-state-schema", "--json")
+                         "--pipeline-module", f"{MODULE}:{new_code.__name__}", "--check-state-schema", "--json",
+                         *(f"--rename={old}={new}" for old, new in rename.items()))
     assert code == 0, (out, err)
     dry = json.loads(out)
-    assert (dry["restores"], dry["state_schema_checked"]) == (True, [FUSED])
+    assert (dry["restores"], dry["physical"], dry["queries"]) == (True, True, queries)
 
     def stop_at(step: str) -> None:
         if step == "registered":
             raise _Registered
 
-    driver = PipelineDriver(compatible_code(), module_store, storage_uri=str(old_run.root / "storage"), spark=spark,
-                            restore_from=epoch)
+    driver = PipelineDriver(new_code(), module_store, storage_uri=str(old_run.root / "storage"), spark=spark,
+                            restore_from=epoch, renamed=rename)
     driver.on_step = stop_at
     with pytest.raises(PipelineFailedError, match="_Registered"):  # planned, admitted, registered: then stopped
         driver.run()
     assert driver._upgrade is not None
     assert dry["stages"] == [{**asdict(r), "action": r.action.value} for r in driver._upgrade.stages]
-    assert [r["action"] for r in dry["stages"]] == ["restored"]
     registered = module_store.get_pipeline(pid).config["plan"]["queries"]
-    assert dry["queries"] == {q["name"]: q["stages"] for q in registered} == {FUSED: ["src", "dedup", "out"]}
+    assert {q["name"]: q["stages"] for q in registered} == queries
+    if len(queries) == 1:  # restored whole: its state schemas compared (a split is not checked)
+        assert dry["state_schema_checked"] == list(queries)
+        assert [(r["stage"], r["action"], r["snapshot"]) for r in dry["stages"]] == [(*queries, "restored", FUSED)]
+    else:
+        assert dry["state_schema_checked"] == []
+        assert {r["stage"]: (r["action"], r["snapshot"]) for r in dry["stages"]} == {
+            s: ("restored-across-fusion", FUSED) for s in queries}
