@@ -143,7 +143,7 @@ def test_the_dry_run_reports_a_changed_state_key_inside_a_fused_query_and_writes
     # without Spark nothing says which stages hold state, so which fuse: the plan says it is of the logical stages
     code, out, _ = run(capsys, *base, "--json")
     plan = json.loads(out)
-    assert (plan["physical"], plan["queries"], plan["state_schema_checked"]) == (False, None, None)
+    assert (code, plan["physical"], plan["queries"], plan["state_schema_checked"]) == (0, False, None, None)
     assert {r["stage"]: (r["action"], r["snapshot"]) for r in plan["stages"]} == {
         s: ("restored-across-fusion", FUSED) for s in ("src", "dedup", "out")}
     code, out, _ = run(capsys, *base)
