@@ -476,7 +476,7 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     epoch's snapshots (:mod:`airflow_arroyo.runtime.upgrade_evidence`). Touches nothing; exit 0 when the plan
     restores, 2 when it is refused."""
     from airflow_arroyo.core.restores import parse_restore_from
-    from airflow_arroyo.core.upgrades import check_upgrade
+    from airflow_arroyo.core.upgrades import check_upgrade, fusion_note
     from airflow_arroyo.runtime.driver import load_pipeline
 
     _require_schema(store)
@@ -496,13 +496,7 @@ def _cmd_upgrade_plan(store: EpochStore, args: argparse.Namespace, out: IO[str])
     else:
         _table(["STAGE", "ACTION", "REASON"],
                [[r.stage, r.action.value + (" (refused)" if r.refused else ""), r.reason] for r in plan.stages], out)
-        if plan.queries is None:
-            out.write(f"planned against the logical stages, not the queries the driver will run: {plan.fusion}; "
-                      "--check-state-schema plans the driver's physical graph\n")
-        else:
-            fused = [f"{q} ({', '.join(m)})" for q, m in plan.queries if len(m) > 1]
-            out.write(f"planned against the queries the driver will run ({plan.fusion}): "
-                      f"{', '.join(fused) + ' fused' if fused else 'no stage fused'}\n")
+        out.write(fusion_note(plan) + "\n")
         if checked is not None:
             out.write(f"state schemas checked: {', '.join(checked) or 'none'} (docs/upgrading.md, 'State schema "
                       "compatibility', says which stages are not)\n")
@@ -535,7 +529,7 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
     graceful stop, pin the final epoch, plan again), then print how to start the new code, or with ``--start``
     start it as a local driver process and wait until it runs."""
     from airflow_arroyo.core.retention import parse_duration
-    from airflow_arroyo.core.upgrades import prepare_upgrade
+    from airflow_arroyo.core.upgrades import fusion_note, prepare_upgrade
     from airflow_arroyo.runtime.driver import load_pipeline
 
     _require_schema(store)
@@ -556,7 +550,9 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
     if args.master:
         command += ["--master", args.master]
     result: dict[str, Any] = {"pipeline_id": args.pipeline, "pinned_epoch": ready.epoch, "pin_label": ready.label,
-                              "stages": [_jsonable(r) for r in ready.plan.stages], "command": command}
+                              "stages": [_jsonable(r) for r in ready.plan.stages],
+                              "physical": ready.plan.queries is not None, "fusion": ready.plan.fusion,
+                              "command": command}
     if args.start:
         result.update(_start_driver(store, args.pipeline, command, args.log, wait))
     if args.json:
@@ -566,6 +562,7 @@ def _cmd_upgrade(store: EpochStore, args: argparse.Namespace, out: IO[str]) -> i
         out.write(f"pipeline {args.pipeline}: stopped with its final epoch {ready.epoch} pinned ({ready.label!r});"
                   " the new code restores it:\n")
         _table(["STAGE", "ACTION", "REASON"], [[r.stage, r.action.value, r.reason] for r in ready.plan.stages], out)
+        out.write(fusion_note(ready.plan) + "\n")
         if args.start:
             out.write(f"started run {result['run_id']} ({result['state']}); its log: {result['log']}\n")
         else:

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from airflow_arroyo.runtime.upgrade_evidence import StateSchemas
     from airflow_arroyo.store import EpochStore
 
-__all__ = ["Analysis", "UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "prepare_upgrade"]
+__all__ = ["Analysis", "UpgradeError", "UpgradeReady", "UpgradeRefused", "check_upgrade", "fusion_note",
+           "prepare_upgrade"]
 
 
 class Analysis(Protocol):
@@ -136,6 +137,17 @@ def check_upgrade(store: EpochStore, pipeline_id: str, graph: PipelineGraph, epo
     upgrade = plan(fusion.plan.graph, evidence) if evidence else first
     return dataclasses.replace(upgrade, queries=queries(fusion.plan), fusion=fusion.why,
                                state_schema_checked=tuple(stage for stage, _ in evidence))
+
+
+def fusion_note(plan: UpgradePlan, exact: str = "--check-state-schema") -> str:
+    """One line under a plan's table: which queries it was planned against, the driver's or the logical stages
+    (then naming ``exact``, what plans the driver's)."""
+    if plan.queries is None:
+        return (f"planned against the logical stages, not the queries the driver will run: {plan.fusion}; "
+                f"{exact} plans the driver's physical graph")
+    fused = [f"{q} ({', '.join(m)})" for q, m in plan.queries if len(m) > 1]
+    return (f"planned against the queries the driver will run ({plan.fusion}): "
+            f"{', '.join(fused) + ' fused' if fused else 'no stage fused'}")
 
 
 def _refusal(plan: UpgradePlan) -> str:

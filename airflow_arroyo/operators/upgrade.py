@@ -136,7 +136,7 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
     def execute(self, context: Context) -> Any:
         """Airflow: prepare the upgrade (plan, stop, pin, plan), then submit the new code restoring the pinned epoch.
         A retry that finds the run an earlier try started goes straight to the submit operator, which adopts it."""
-        from airflow_arroyo.core.upgrades import UpgradeError, prepare_upgrade
+        from airflow_arroyo.core.upgrades import UpgradeError, fusion_note, prepare_upgrade
         from airflow_arroyo.runtime.driver import load_pipeline
 
         self._validate()
@@ -165,8 +165,9 @@ class UpgradePipelineOperator(SubmitPipelineOperator):
             # no retry: a retry would plan against what this failure left and misreport it; a person decides
             raise AirflowFailException(str(exc)) from exc
         rows = _plan_rows(ready.plan)
-        self.log.info("Pipeline %s stopped with its final epoch %s pinned (%r); the new code restores it:\n%s",
-                      self.pipeline_id, ready.epoch, ready.label, _table(rows))
+        self.log.info("Pipeline %s stopped with its final epoch %s pinned (%r); the new code restores it:\n%s\n  %s",
+                      self.pipeline_id, ready.epoch, ready.label, _table(rows),
+                      fusion_note(ready.plan, "airflow-arroyo upgrade-plan --check-state-schema"))
         ti = context["ti"]
         ti.xcom_push(key="pinned_epoch", value=ready.epoch)
         ti.xcom_push(key="pin_label", value=ready.label)

@@ -68,6 +68,8 @@ def test_upgrade_stops_pins_and_starts_the_new_code_restoring_the_final_epoch(
     pinned = store.get_epoch("up_cli", result["pinned_epoch"])
     assert (pinned.is_final, pinned.pin_label, pinned.run_id) == (True, "v2", "old")
     assert {s["stage"]: s["action"] for s in result["stages"]} == {"source": "restored", "sink_v2": "restored"}
+    # chaining=False: the plan is of the queries the driver runs, known without Spark
+    assert (result["physical"], result["fusion"]) == (True, "chaining=False: every stage is its own query")
     assert result["command"][-6:] == ["--restore-from", str(pinned.epoch), "--rename", "sink=sink_v2",
                                       "--storage-uri", str(tmp_path / "storage")]
     assert store.dsn not in " ".join(result["command"])  # the DSN goes through the environment
