@@ -19,7 +19,9 @@ it (``PipelineDriver``, epochs every ``--interval`` s):
 ``--modes`` restores in each named way per round, side by side: ``link`` (as the product does: objects hard-linked
 into the rebuilt checkpoint where they share a local file system with it, RocksDB's SST files linked into its
 working folder by the provider's file system) and ``copy`` (every object copied into the checkpoint and every SST
-file copied into RocksDB's working folder, as before the links). The session is a local master's as the driver
+file copied into RocksDB's working folder, as before the links) and ``serial`` (linked, but without the batch of
+no rows a resumed channel reader offers at its start: each stage reading a channel then runs its first batch only
+once the stage before it writes, one after another, as before that batch). The session is a local master's as the driver
 builds it (``airflow_arroyo.jvm.local_master_conf``: the provider's ``file:`` file system).
 
 Figures measured here are in benchmarks/results/state_scale.md.
@@ -53,6 +55,7 @@ from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.jvm import local_master_conf
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.stage import StageRunner
 from airflow_arroyo.runtime.startup import PHASES, start_phases
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
@@ -150,12 +153,13 @@ def first_output(spark: Any, store: EpochStore, args: argparse.Namespace, pid: s
                  kind: str, mode: str | None) -> dict[str, float]:
     """Seconds from run() to the first rows at the sink (``output``), each start phase, and the aggregation's
     first micro-batch as Spark timed it (``agg_batch``); the run is then stopped at once. ``mode``: how to restore
-    (``link``/``copy``), None for a cold start."""
+    (``link``/``copy``/``serial``), None for a cold start."""
     FIRST_OUTPUT.pop(pid, None)
     code = pipeline(pid, keys=keys, pad=args.pad, batch=args.batch, store=kind)
     driver = PipelineDriver(code, store, storage_uri=storage, spark=spark,
                             restore_from="latest" if mode is not None else None, takeover=True)
     driver.snapshots.link_objects = mode != "copy"
+    StageRunner.warm_resumed_inputs = mode != "serial"
     jvm = spark.sparkContext._jvm
     jvm.java.lang.System.setProperty(LINK_SST_FILES, "false" if mode == "copy" else "true")
     t0 = time.monotonic()
@@ -178,6 +182,7 @@ def first_output(spark: Any, store: EpochStore, args: argparse.Namespace, pid: s
     store.request_stop(pid, "immediate")
     thread.join(1200)
     jvm.java.lang.System.clearProperty(LINK_SST_FILES)
+    StageRunner.warm_resumed_inputs = True
     return {"output": took, **start_phases(driver.step_times), **firsts}
 
 
@@ -190,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between epochs")
     ap.add_argument("--epochs", type=int, default=3, help="epochs after the state is full")
     ap.add_argument("--rounds", type=int, default=2, help="restore / cold start pairs (order alternates)")
-    ap.add_argument("--modes", default="link", help="ways to restore, each per round: link (the product's), copy")
+    ap.add_argument("--modes", default="link",
+                    help="ways to restore, each per round: link (the product's), copy, serial")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--conf", type=conf_pair, action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if not set(modes) <= {"link", "copy"}:
-        ap.error(f"--modes: link and/or copy, got {args.modes!r}")
+    if not set(modes) <= {"link", "copy", "serial"}:
+        ap.error(f"--modes: link, copy and/or serial, got {args.modes!r}")
     spark = local_session_builder("arroyo-state-scale", driver_memory=args.driver_memory,
                                   confs={**local_master_conf(), **dict(args.conf)}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

@@ -19,6 +19,7 @@ from pyspark.sql.streaming.datasource import ReadLimit
 from pyspark.sql.types import StructType
 
 from airflow_arroyo.runtime.sources import (
+    WARM_KEY,
     ChannelDataSource,
     ChannelStreamReader,
     register_data_source,
@@ -47,7 +48,10 @@ class StageInputDataSource(ChannelDataSource):
 class KeyedChannelReader(ChannelStreamReader):
     """A channel reader whose offsets name the input it reads (a stage reading two inputs tells them apart)."""
     def _keyed(self, offset: Mapping[str, Any]) -> dict[str, Any]:
-        return {"pos": int(offset["pos"]), "key": self.cap_key}
+        keyed: dict[str, Any] = {"pos": int(offset["pos"]), "key": self.cap_key}
+        if WARM_KEY in offset:
+            keyed[WARM_KEY] = int(offset[WARM_KEY])
+        return keyed
 
     def initialOffset(self) -> dict[str, Any]:
         """Spark: the channel's start position, with the key."""
@@ -63,9 +67,10 @@ class KeyedChannelReader(ChannelStreamReader):
 
 
 def read_stage_input(spark: SparkSession, uri: str, *, key: str, cap_path: str | None,
-                     stop_at_barriers: bool, start_pos: int | None = None) -> DataFrame:
+                     stop_at_barriers: bool, start_pos: int | None = None, warm_up: bool = False) -> DataFrame:
     """A streaming DataFrame over channel ``uri`` for the stage input named ``key`` (also its cap key);
-    ``start_pos``: where a query without a checkpoint starts (default: the channel's start)."""
+    ``start_pos``: where a query without a checkpoint starts (default: the channel's start); ``warm_up``: offer one
+    batch of no rows first when there is nothing to read (a query resuming from its checkpoint)."""
     register_data_sources(spark)
     register_data_source(spark, StageInputDataSource)
     reader = (spark.readStream.format(StageInputDataSource.name()).option("uri", uri).option("cap_key", key)
@@ -74,4 +79,6 @@ def read_stage_input(spark: SparkSession, uri: str, *, key: str, cap_path: str |
         reader = reader.option("cap_path", cap_path)
     if start_pos is not None:
         reader = reader.option("start_pos", str(start_pos))
+    if warm_up:
+        reader = reader.option("warm_up", "true")
     return reader.load()

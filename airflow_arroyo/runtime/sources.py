@@ -12,11 +12,19 @@ chooses ``end`` as the smallest of:
   entry.
 
 Offsets are ``{"pos": <int>}``. Barrier entries carry no rows; a batch may be barrier-only (no rows).
+
+With ``warm_up`` (the stage runner sets it on a query that resumes from a checkpoint), the reader's first
+``latestOffset`` offers one batch of no rows when it has nothing to read: the same position with a ``warm``
+count one higher than the start's (``{"pos": 7, "warm": 1}``). Spark only runs a batch whose offsets differ from
+the committed ones, so a resumed query with nothing to read would otherwise pay its first batch (planning, code
+generation, its state store's load, Python workers) only once the stage before it writes, after that stage paid
+its own. The count stays while the position stays, and goes with the first batch that reads.
 Planning methods run in a Python process on the driver and only read files; ``read`` runs on executors
 and reads one Parquet file per partition.
 
 Options: ``uri`` (required; ``path``, as ``load(path)`` sets it, is read too), ``cap_path``, ``cap_key``
-(default: ``uri``), ``stop_at_barriers`` (``true``/``false``), ``max_rows_per_batch``, ``max_files_per_batch``.
+(default: ``uri``), ``stop_at_barriers`` (``true``/``false``), ``max_rows_per_batch``, ``max_files_per_batch``,
+``warm_up`` (``true``/``false``, default false).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
+    "WARM_KEY",
     "ChannelDataSource",
     "ChannelPartition",
     "ChannelStreamReader",
@@ -64,6 +73,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: the offset's count of batches a resumed reader offered with no rows (see ``warm_up`` in the module docstring)
+WARM_KEY = "warm"
 
 
 # ---------------------------------------------------------------------- option parsing (pure)
@@ -253,6 +265,8 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         start = options.get("start_pos")
         self.start_pos = int(start) if start not in (None, "") else None
         self.schema_json: dict[str, Any] = schema.jsonValue()
+        # one batch of no rows before anything else, once per reader (so once per query start)
+        self._warm_up = parse_bool(options.get("warm_up"), option="warm_up", default=False)
         self._channel: Channel | None = None
         self._target: int | None = None
 
@@ -306,7 +320,17 @@ class ChannelStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         max_files = limit.max_files if isinstance(limit, ReadMaxFiles) else None
         entries = (self.channel.entry(i) for i in range(begin, available))
         end = plan_batch_end(begin, available, entries, self.stop_at_barriers, max_rows, max_files)
-        return {"pos": end}
+        out: dict[str, int] = {"pos": end}
+        if end == begin:
+            # A batch of no rows moves no position: no cut or alignment decision reads the count, and a
+            # replay plans the same empty range. Kept while nothing is read, so that no further batch runs.
+            warm = start.get(WARM_KEY)
+            if self._warm_up:
+                warm = int(warm or 0) + 1
+            if warm is not None:
+                out[WARM_KEY] = int(warm)
+        self._warm_up = False
+        return out
 
     def reportLatestOffset(self) -> dict[str, int]:
         """Spark: the channel's end position."""

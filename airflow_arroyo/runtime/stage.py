@@ -116,6 +116,11 @@ class _Pending:
 class StageRunner:
     """Runs one stage of a pipeline: its query, its writer and its part of every epoch."""
 
+    #: a query resuming from its checkpoint (a restore) reads its aligned channels with ``warm_up``: one batch of no
+    #: rows while the queries start, so that it pays its first batch (state store, Python workers, planning) then and
+    #: not after the stage before it writes; false only to measure a restore without it (benchmarks/state_scale.py)
+    warm_resumed_inputs = True
+
     def __init__(
         self,
         spec: StageSpec,
@@ -205,12 +210,14 @@ class StageRunner:
             df = spec.fn(spark)
         else:
             frames = []
+            resumed = self.warm_resumed_inputs and latest_commit(self.layout.checkpoint_fs, self.checkpoint) >= 0
             for channel in spec.all_inputs:
                 uri = self.layout.channel_uri(channel)  # what the executors' reader opens
                 self.inputs[channel] = Channel.open(self.layout.channel_fs(channel))
                 frames.append(read_stage_input(
                     spark, uri, key=channel, cap_path=self.caps_uri, stop_at_barriers=channel not in spec.feedback,
                     start_pos=self.channel_starts.get(channel),
+                    warm_up=resumed and channel not in spec.feedback,
                 ))
                 # a restored reader resumes right after barrier N, where the restore cut the channel
                 self.consumed[channel] = self.inputs[channel].end_position()

@@ -27,9 +27,11 @@ from airflow_arroyo.runtime.channel import (
     Entry,
     EntryKind,
 )
+from airflow_arroyo.runtime.inputs import KeyedChannelReader
 from airflow_arroyo.runtime.sources import (
     FREEZE_WORKER_HEAP_ENV,
     STREAM_RUNNER_ENV_KEYS,
+    WARM_KEY,
     ChannelDataSource,
     ChannelStreamReader,
     plan_batch_end,
@@ -535,6 +537,30 @@ def test_channel_reader_options_and_limits(tmp_path: Path) -> None:
     with pytest.raises(ChannelError, match="not valid JSON"):
         (tmp_path / "bad.json").write_text("{not json")
         read_cap(str(tmp_path / "bad.json"), uri)
+
+
+def test_a_resumed_reader_offers_one_batch_of_no_rows_and_moves_no_position(tmp_path: Path) -> None:
+    uri = str(tmp_path / "chan")
+    ch = Channel.create(uri, SCHEMA)
+    ch.append_table(rows(0, 4), 0, "up")  # 0
+    ch.append_barrier(1, "up")  # 1: a restore cut the channel here; the checkpoint resumes at 2
+    # with nothing to read: the same position, a count one higher (Spark runs a batch when an offset changes), once
+    reader = open_reader(uri, warm_up="true")
+    assert reader.latestOffset({"pos": 2}, ReadAllAvailable()) == {"pos": 2, WARM_KEY: 1}
+    assert reader.partitions({"pos": 2}, {"pos": 2, WARM_KEY: 1}) == []  # no rows
+    assert reader.latestOffset({"pos": 2, WARM_KEY: 1}, ReadAllAvailable()) == {"pos": 2, WARM_KEY: 1}  # no more
+    ch.append_table(rows(4, 4), 1, "up")  # 2
+    assert reader.latestOffset({"pos": 2, WARM_KEY: 1}, ReadAllAvailable()) == {"pos": 3}  # reading drops it
+    # resumed again where the count still stands: one higher; with something to read no batch of no rows
+    assert open_reader(uri, warm_up="true").latestOffset({"pos": 3, WARM_KEY: 1}, ReadAllAvailable()) == {
+        "pos": 3, WARM_KEY: 2}
+    assert open_reader(uri, warm_up="true").latestOffset({"pos": 2}, ReadAllAvailable()) == {"pos": 3}
+    assert open_reader(uri).latestOffset({"pos": 3}, ReadAllAvailable()) == {"pos": 3}  # off by default
+    # a stage input's offsets keep the count beside the input's key
+    keyed = KeyedChannelReader(uri, {"cap_key": "src", "warm_up": "true"}, ChannelDataSource({"uri": uri}).schema())
+    assert keyed.latestOffset({"pos": 3, "key": "src"}, ReadAllAvailable()) == {"pos": 3, "key": "src", WARM_KEY: 1}
+    with pytest.raises(ConfigurationError, match="warm_up"):
+        open_reader(uri, warm_up="maybe")
 
 
 def test_generator_reader_offsets_without_spark() -> None:
