@@ -96,7 +96,7 @@ from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
-from airflow_arroyo.runtime.stage import StageRunner, check_channels_have_barrier
+from airflow_arroyo.runtime.stage import QueryStillRunningError, StageRunner, check_channels_have_barrier
 from airflow_arroyo.runtime.startup import start_phases
 from airflow_arroyo.runtime.upgrade_evidence import StateSchemas, gather_state_schemas, snapshot_state_files
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
@@ -169,6 +169,8 @@ class PipelineDriver:
 
     # Flow control: entries a channel may hold that its slowest aligned reader has not read (0: no bound).
     DEFAULT_MAX_BACKLOG = 16
+    # How long a stop waits for a query's stream thread after Spark's own stop gave up on it (stopTimeout).
+    query_stop_grace: float = 120.0
 
     def __init__(
         self,
@@ -1031,13 +1033,19 @@ class PipelineDriver:
         schema = Channel.open(self.layout.channel_fs(first)).spark_schema
         Channel.create(folder, schema=schema)
 
-    def _stop_queries(self) -> None:
+    def _stop_queries(self) -> list[str]:
+        """Stop every query, the sinks' first; the causes of those whose stream thread still runs."""
+        lingering = []
         for r in reversed(self.runners):
             try:
-                r.stop()
+                r.stop(self.query_stop_grace)
+            except QueryStillRunningError as exc:
+                log.error("pipeline=%s: %s", self.pipeline_id, exc)
+                lingering.append(str(exc))
             except Exception as exc:  # a query that cannot stop cleanly must not hide the real outcome
                 log.warning("pipeline=%s stage=%s: stopping the query raised %s", self.pipeline_id, r.name, exc,
                             exc_info=True)
+        return lingering
 
     def _mark_failed(self, cause: str) -> None:
         try:
@@ -1279,7 +1287,9 @@ class PipelineDriver:
         return f"stage {name!r}{fused}"
 
     def _finish(self, final_epoch: int | None, cause: str | None = None) -> DriverResult:
-        self._stop_queries()
+        lingering = self._stop_queries()
+        if lingering:  # not stopped: a successor must not take over while a query may still write
+            raise PipelineFailedError(self.pipeline_id, "; ".join(lingering))
         record: PipelineRecord = self.store.set_pipeline_state(
             self.pipeline_id, PipelineState.STOPPED, run_id=self.run_id, failure_cause=cause)
         log.info("pipeline=%s run=%s: stopped (final epoch %s)", self.pipeline_id, self.run_id, final_epoch)

@@ -350,7 +350,11 @@ class StageRunner:
                     self._channel_cut(batch_id)
         except BaseException as exc:
             self.errors.append(exc)
-            log.exception("pipeline=%s stage=%s: micro-batch %s failed", self.pipeline_id, self.name, batch_id)
+            if self._closing:  # the stop cancelled its jobs: expected, not a failure to report with a trace
+                log.info("pipeline=%s stage=%s: micro-batch %s ended by the stop (%s)", self.pipeline_id, self.name,
+                         batch_id, _first_line(exc))
+            else:
+                log.exception("pipeline=%s stage=%s: micro-batch %s failed", self.pipeline_id, self.name, batch_id)
             if type(exc).__name__ == "Py4JJavaError":
                 raise ArroyoError(brief_java_error(exc)) from None
             raise
@@ -563,11 +567,48 @@ class StageRunner:
         """The refusal that told this stage its run was superseded, if one did."""
         return next((e for e in self.errors if isinstance(e, FencedError)), None)
 
-    def stop(self) -> None:
-        """Stop the stage's query."""
+    def stop(self, grace: float = 120.0) -> None:
+        """Stop the stage's query and make sure its stream thread has ended.
+
+        Spark's ``stop()`` waits ``spark.sql.streaming.stopTimeout`` for the thread, then raises and leaves it
+        running (a micro-batch blocked in Python cannot be interrupted), still able to write the checkpoint. Then
+        this waits ``grace`` seconds more and raises :class:`QueryStillRunningError` if the thread still runs."""
         self._closing = True
-        if self.query is not None and self.query.isActive:
-            self.query.stop()
+        query = self.query
+        if query is None or not query.isActive:
+            return
+        try:
+            query.stop()
+            return
+        except Exception as exc:  # noqa: BLE001 - whatever Spark said, the question is whether the thread ended
+            failure: Exception = exc
+        # awaitTermination cannot tell: it answers "not active", true from the moment stop() began; the stream
+        # thread itself can (StreamExecution.queryExecutionThread)
+        try:
+            thread = query._jsq.streamingQuery().queryExecutionThread()
+            thread.join(int(grace * 1000))
+            ended = not thread.isAlive()
+        except Exception:  # noqa: BLE001 - cannot tell (the session is gone): Spark's own error says most
+            raise failure from None
+        if not ended:
+            raise QueryStillRunningError(
+                f"stage {self.name!r}: its query's stream thread still ran {grace:g}s after Spark's stop gave up "
+                f"({_first_line(failure)}); it may still write the stage's checkpoint, so the run is not reported "
+                "stopped (a micro-batch blocked in user code? spark.sql.streaming.stopTimeout bounds Spark's wait)")
+        log.warning("pipeline=%s stage=%s: the query ended after Spark's stop gave up on it (%s)", self.pipeline_id,
+                    self.name, _first_line(failure))
+
+
+class QueryStillRunningError(ArroyoError):
+    """A stage's query did not end when stopped: its stream thread may still write."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The Java exception's line of a py4j error (``: java.util.concurrent.TimeoutException: ...``), else the
+    first line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    java = next((ln[2:] for ln in lines if ln.startswith(": ")), None)
+    return (java or (lines[0] if lines else type(exc).__name__))[:300]
 
 
 _BRIEF_LIMIT = 1000
