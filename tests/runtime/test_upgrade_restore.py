@@ -2,7 +2,8 @@
 its old state (renamed=), a stage new in the code starts empty and reads its input channel from the epoch's
 barrier, a dropped stage's state goes only when named. Output is compared with what the generator's ids give,
 computed apart: a lost state would emit a key twice, a new stage reading from anywhere but the cut would miss or
-repeat ids."""
+repeat ids. The dropped stage is also proven after a crash: the old code SIGKILLed (its JVM with it) at a random
+moment after an epoch, the new code's restore SIGKILLed at one of its steps, then retried."""
 
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.runtime.pipeline import Pipeline
+from airflow_arroyo.runtime.sinks.files import committed_files, committed_through
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, channel_row_count, generator_source, wait_for
+from tests.runtime.pipeline_support import (
+    Driver,
+    epoch_objects,
+    file_tree,
+    kill_at_random_after_an_epoch,
+    kill_seed,
+    restore_killed_at,
+    store_view,
+)
 
 pytestmark = [pytest.mark.spark]
 
@@ -163,3 +174,112 @@ def test_an_upgrade_in_one_step_renames_a_stateful_stage_and_adds_one_that_start
     assert sorted(folder_values(tmp_path / "out", "k")) == list(range(KEYS))  # no key again: its state was kept
     assert sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "evens").rglob("*") if f.is_file()) == evens_files
     assert sorted(folder_values(tmp_path / "evens", "id")) == expected_evens
+
+
+# The removed stage after a crash. Keys are the old input's ids, so that they keep coming while the old code runs
+# (a kill lands among first sightings) and the new input's ids repeat some of them: a lost state emits those twice.
+OLD_ROWS = 240
+NEW_ROWS = 60
+CRASH_KEYS = OLD_ROWS
+
+
+def branched(pipeline_id: str, root: str, branch: bool, rate: int = 10) -> Pipeline:
+    """The driver's ``--pipeline tests.runtime.test_upgrade_restore:branched``: with ``branch``, the old code (a
+    dedup and an evens branch); without it, the new code, which reads ``NEW_ROWS`` more ids. ``rate``: the
+    source's rows per second (a run's pace, not part of its state)."""
+    from pyspark.sql import functions as F
+
+    rows = OLD_ROWS if branch else OLD_ROWS + NEW_ROWS
+    p = Pipeline(pipeline_id, chaining=False)
+    src = p.source("src", lambda spark: generator_source(spark, total_rows=rows, rows_per_second=rate,
+                                                          partitions=1).select("id"))
+    seen = p.stage("dedup", lambda df: df.select((F.col("id") % CRASH_KEYS).alias("k")).dropDuplicates(["k"]),
+                   [src])
+    p.sink("out", [seen], format="json", options={"path": f"{root}/out"})
+    if branch:
+        even = p.stage("evens", evens, [src])
+        p.sink("evens_out", [even], format="json", options={"path": f"{root}/evens"})
+    return p
+
+
+def test_a_stage_removed_after_a_sigkill_keeps_the_rest_exact_and_leaves_its_output_as_committed(
+        spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
+    rng = kill_seed()
+    pid = f"dropkill-{uuid.uuid4().hex[:6]}"
+    dsn = module_store.dsn
+    storage = tmp_path / "storage"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    src = StorageLayout.at(str(storage), pid).channel_uri("src")
+    evens_uri = str(tmp_path / "evens")
+    drop = ["evens", "evens_out"]
+
+    def start(branch: bool, *options: str, run_id: str, kill_at_step: str | None = None) -> Driver:
+        return Driver(dsn=dsn, storage=storage, pipeline_id=pid, run_id=run_id, logs=logs,
+                      pipeline="tests.runtime.test_upgrade_restore:branched",
+                      args={"root": str(tmp_path), "branch": branch}, options=options, kill_at_step=kill_at_step)
+
+    # the old code as a process of its own, SIGKILLed at a random moment after it completed an epoch
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        cut = kill_at_random_after_an_epoch(start(True, run_id="old"), module_store, pid, rng,
+                                            also=lambda: channel_row_count(src) >= 40).epoch
+    channel = Channel.open(src)
+    barrier = channel.find_barrier(cut)
+    assert barrier is not None
+    before_cut = set(channel.read_table(channel.start_position(), barrier).column("id").to_pylist())
+    assert before_cut == set(range(len(before_cut))) and 0 < len(before_cut) <= OLD_ROWS
+    objects = epoch_objects(module_store, storage, pid, cut)
+    # what the dropped sink committed: through its cut of the restored epoch, or an earlier one's when the kill
+    # fell between the epoch's completion and the sink's commit (its pending output after that is dropped)
+    through = committed_through(evens_uri)
+    cuts = {e.epoch: a.details["batch_id"] for e in module_store.list_epochs(pid, states=[EpochState.COMPLETED])
+            for a in module_store.acks(pid, e.epoch) if a.stage == "evens_out"}
+    assert through <= cuts[cut], (through, cuts)
+    committed_epoch = max((e for e, b in cuts.items() if b == through and e <= cut), default=None)
+    assert committed_epoch is not None or through == -1, (through, cuts)
+    committed_ids: set[int] = set()
+    if committed_epoch is not None:
+        at = channel.find_barrier(committed_epoch)
+        assert at is not None
+        committed_ids = set(channel.read_table(channel.start_position(), at).column("id").to_pylist())
+    expected_evens = sorted(i for i in committed_ids if i % 2 == 0)
+
+    def evens_committed() -> list[int]:
+        return sorted(json.loads(line)["id"] for f in committed_files(evens_uri)
+                      for line in Path(evens_uri, f).read_text().splitlines() if line)
+
+    assert evens_committed() == expected_evens
+    evens_files = file_tree(tmp_path / "evens")
+
+    # the new code without the branch: refused until the dropped stages are named, before anything is written
+    view, files = store_view(module_store, pid), file_tree(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"stage 'evens' removed: .*allow_dropped_state=\['evens'\]"):
+        PipelineDriver(branched(pid, str(tmp_path), False), module_store, storage_uri=str(storage), spark=spark,
+                       restore_from="latest", takeover=True).run()
+    assert (store_view(module_store, pid), file_tree(tmp_path)) == (view, files)
+
+    # its restore SIGKILLed at a step, before or after its commit point; the retry restores the same epoch
+    allow = [o for name in drop for o in ("--allow-dropped-state", name)]
+    step = rng.choice(["prepared:dedup", "switched:dedup", "rolled-back:out"])
+    restore_killed_at(step, lambda **kw: start(False, *allow, **kw), "new-killed")
+    assert module_store.latest_completed_epoch(pid).epoch == cut
+
+    last = DriverThread(PipelineDriver(branched(pid, str(tmp_path), False, rate=200), module_store,
+                                       storage_uri=str(storage), spark=spark, restore_from="latest",
+                                       allow_dropped_state=drop, takeover=True)).start()
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        # running first: a stop asked before the run registers is not its own (registering clears it)
+        wait_for(lambda: last.error or (last.driver.started.is_set()
+                                        and channel_row_count(src) >= OLD_ROWS + NEW_ROWS),
+                 timeout=300, what="the new code reading every id")
+    module_store.request_stop(pid, "graceful")
+    result = last.join(240)
+    assert result.state is PipelineState.STOPPED and result.restored_from_epoch == cut
+    assert sorted(module_store.get_pipeline(pid).stages) == ["dedup", "out", "src"]
+    # every key once over the old and the new input: the kept state knew the old keys, the restore rolled the
+    # dedup's sink back to the cut, and the new ids repeating old keys emitted nothing
+    assert sorted(folder_values(tmp_path / "out", "k")) == list(range(CRASH_KEYS))
+    # the dropped branch's output is as the old code committed it, untouched by both restores
+    assert file_tree(tmp_path / "evens") == evens_files
+    assert evens_committed() == expected_evens
+    assert epoch_objects(module_store, storage, pid, cut) == objects  # the restores only read the epoch's objects
