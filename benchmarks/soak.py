@@ -10,9 +10,10 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 
 * the driver JVM: heap in use after a full collection, metaspace, threads, open files, and the paths its
   delete-on-exit list holds;
-* this Python process (the driver loop): live objects after ``gc.collect()``, resident memory, glibc's heap in
+* this Python process (the driver loop): live objects after ``gc.collect()`` and the blocks Python's small-object
+  allocator holds (strings, numbers and the other objects ``gc`` does not track), resident memory, glibc's heap in
   use and the free memory it holds, pyarrow's default pool, its resident memory by kind of mapping (glibc's
-  main heap, its other arenas, pymalloc's arenas, other anonymous memory, mapped files), the driver's releases
+  main heap, its other arenas, other anonymous memory, mapped files), the driver's releases
   of free memory after each epoch and their total time (``--no-release`` turns them off), threads, open files;
 * Spark's Python workers: processes and their resident memory;
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
@@ -98,15 +99,15 @@ def malloc_bytes() -> tuple[int, int]:
 
 
 _ARENA_ALIGN = 64 << 20  # glibc's non-main arenas are heaps of up to 64 MB, each aligned to its size
-_PYTHON_ARENA = 1 << 20  # pymalloc's arenas (CPython 3.10 and later on 64-bit), mapped one by one
 
 
 def resident_by_mapping(pid: int) -> dict[str, int]:
     """The process's resident bytes by kind of mapping, from ``/proc/<pid>/smaps``: glibc's main heap
-    (``[heap]``), its other arenas (anonymous mappings at 64 MB-aligned addresses), Python's small-object
-    allocator's arenas (anonymous mappings of exactly 1 MiB), other anonymous memory (thread stacks, large
-    allocations glibc maps on their own, other allocators' pools) and mapped files."""
-    kinds = {"heap": 0, "arenas": 0, "Python arenas": 0, "other anonymous": 0, "files": 0}
+    (``[heap]``), its other arenas (anonymous mappings at 64 MB-aligned addresses), other anonymous memory (Python's
+    small-object arenas, which the kernel merges into larger mappings when adjacent, thread stacks, large
+    allocations glibc maps on their own, other allocators' pools) and mapped files. By address, so approximate: a
+    merged mapping may start at an aligned address."""
+    kinds = {"heap": 0, "arenas": 0, "other anonymous": 0, "files": 0}
     kind = "files"
     try:
         lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
@@ -118,13 +119,11 @@ def resident_by_mapping(pid: int) -> dict[str, int]:
             continue
         if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
             name = fields[5] if len(fields) > 5 else ""
-            start, end = (int(a, 16) for a in fields[0].split("-"))
+            start = int(fields[0].split("-")[0], 16)
             if name == "[heap]":
                 kind = "heap"
             elif not name and start % _ARENA_ALIGN == 0:
                 kind = "arenas"
-            elif not name and end - start == _PYTHON_ARENA:
-                kind = "Python arenas"
             elif not name or name.startswith("["):
                 kind = "other anonymous"
             else:
@@ -249,7 +248,10 @@ class Soak:
         self.failure: list[BaseException] = []
         self.stop = threading.Event()
         self.prunes = 0
-        self.types: list[Counter[str]] = []  # the driver process's live objects by type, per sample
+        # the driver process's live objects by type at the latest sample and at the first of the second half: only
+        # these two are kept, since a history of them (one per sample) grew this very process's memory
+        self.types: Counter[str] = Counter()
+        self.types_half: Counter[str] | None = None
         self.jvm_pid = jvm_pid(spark)
 
     def _guard(self, body: Callable[[], object]) -> Callable[[], None]:
@@ -309,7 +311,7 @@ class Soak:
 
     def sample(self) -> dict[str, float]:
         gc.collect()
-        self.types.append(Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects()))
+        self.types = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
         me = os.getpid()
         workers, workers_rss = python_workers()
         files, size = tree(self.storage)
@@ -326,6 +328,7 @@ class Soak:
             "JVM open files": open_files(self.jvm_pid),
             "JVM delete-on-exit paths": pruner.registered() if pruner is not None else -1,
             "driver Python objects": len(gc.get_objects()),
+            "driver pymalloc blocks": sys.getallocatedblocks(),
             "driver Python RSS (MB)": proc_status(me, "VmRSS") / 1e3,
             "driver malloc in use (MB)": in_use / 1e6,
             "driver malloc free held (MB)": held_free / 1e6,
@@ -358,6 +361,8 @@ class Soak:
         start = time.monotonic()
         while True:
             samples.append((time.monotonic() - start, self.sample()))
+            if self.types_half is None and samples[-1][0] >= self.args.duration / 2:
+                self.types_half = self.types
             print(f"{samples[-1][0]:7.0f}s " + ", ".join(f"{k} {v:,.1f}" for k, v in samples[-1][1].items()),
                   flush=True)
             left = self.args.duration - (time.monotonic() - start)
@@ -413,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print(soak.driver.pipeline.explain(spark), flush=True)
         samples = soak.run()
         report(samples, soak.prunes)
-        grown = (soak.types[-1] - soak.types[len(soak.types) // 2]).most_common(8)
+        grown = (soak.types - (soak.types_half or Counter())).most_common(8)
         print("\nthe driver's live objects that grew most over the second half, by type:")
         for name, more in grown:
             print(f"  {name:70} +{more:,}")
