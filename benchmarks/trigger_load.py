@@ -35,6 +35,8 @@ interleave the modes):
 * ``new-3batches`` (not run by default): the new path with three batches of ticks in the database at once
   per triggerer, as before one was the default (``_coalesce.MAX_CONCURRENT``; ticks waiting for a lock still
   go alone beside them);
+* ``new-slot-report`` (not run by default): the new path with each batch's report read before the next batch
+  may enter the database, as before the report was read beside it (``_coalesce.REPORT_IN_SLOT``);
 * ``new-gc`` (not run by default): the new path without freezing the process's objects out of Python's
   cyclic garbage collector when the first trigger runs (``[arroyo] triggerer_freeze_gc``).
 
@@ -181,6 +183,7 @@ class Variant:
     follower_skips: int = 0  # FOLLOWER_SKIPS: HA followers skip ticks of the starts they heard (0: never)
     batches: int = 1  # _coalesce.MAX_CONCURRENT: batches of a triggerer in the database at once
     freeze_gc: bool = True  # [arroyo] triggerer_freeze_gc: gc.freeze() when the first trigger runs
+    report_in_slot: bool = False  # _coalesce.REPORT_IN_SLOT: the next batch waits for the report's read
 
 
 OLD = Variant("old", coalesce=False, listen=False, freeze_gc=False)  # as first shipped
@@ -188,7 +191,10 @@ NEW = Variant("new", coalesce=True, listen=True, follower_skips=4)  # the trigge
 NEW_TICKING = Variant("new-ticking", coalesce=True, listen=True)  # the new path, its HA followers ticking every epoch
 NEW_3BATCHES = Variant("new-3batches", coalesce=True, listen=True, follower_skips=4, batches=3)  # as before
 NEW_GC = Variant("new-gc", coalesce=True, listen=True, follower_skips=4, freeze_gc=False)  # full GC scans
-PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES, "new-gc": NEW_GC}
+NEW_SLOT_REPORT = Variant("new-slot-report", coalesce=True, listen=True, follower_skips=4,
+                          report_in_slot=True)  # as before the report was read beside the next batch
+PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES, "new-gc": NEW_GC,
+         "new-slot-report": NEW_SLOT_REPORT}
 
 
 @dataclass(frozen=True)
@@ -338,6 +344,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     trigger_module.WAKE_ON_NOTIFY = variant.listen
     trigger_module.FOLLOWER_SKIPS = variant.follower_skips
     _coalesce.MAX_CONCURRENT = variant.batches
+    _coalesce.REPORT_IN_SLOT = variant.report_in_slot
     os.environ["AIRFLOW__ARROYO__TRIGGERER_FREEZE_GC"] = str(variant.freeze_gc)
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
@@ -363,14 +370,16 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
             await asyncio.sleep(0.05)
             loop_lag.append(loop.time() - t0 - 0.05)
 
-    def figures_of(what: Any) -> tuple[int, int, int]:
-        batches = ticks = notes = 0
+    def figures_of(what: Any) -> tuple[int, int, int, int, int]:
+        batches = ticks = notes = skipped = waiting = 0
         for obj in list(admin._loop_helpers.values()):  # the coalescer and listener of this loop
             if isinstance(obj, what):
                 batches += getattr(obj, "batches", 0)
                 ticks += getattr(obj, "ticks", 0)
                 notes += getattr(obj, "notifications", 0)
-        return batches, ticks, notes
+                skipped += getattr(obj, "skipped", 0)
+                waiting += getattr(obj, "waiting_batches", 0)
+        return batches, ticks, notes, skipped, waiting
 
     spread = interval / len(pids) if stagger else 0.0
     tasks = [asyncio.create_task(drive(pid, i * spread)) for i, pid in enumerate(pids)]
@@ -397,18 +406,19 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     cpu0, wall0 = await reached("begin")
     if SAMPLER is not None:
         SAMPLER.start()
-    b0, t0, _ = figures_of(TickCoalescer)
+    b0, t0, _, s0, w0 = figures_of(TickCoalescer)
     n0 = figures_of(EpochListener)[2]
     lag_from = len(loop_lag)
     calls.clear()
     cpu1, wall1 = await reached("end")
-    b1, t1, _ = figures_of(TickCoalescer)
+    b1, t1, _, s1, w1 = figures_of(TickCoalescer)
     n1 = figures_of(EpochListener)[2]
     window_calls = {name: list(v) for name, v in calls.items()}
     prober.cancel()
     out.put(("window", os.getpid(), {"cpu": cpu1 - cpu0, "wall": wall1 - wall0,
                                      "loop_lag": loop_lag[lag_from:], "calls": window_calls,
-                                     "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0}))
+                                     "batches": b1 - b0, "batched_ticks": t1 - t0, "notifications": n1 - n0,
+                                     "skipped": s1 - s0, "waiting_batches": w1 - w0}))
     while not stop.is_set():  # the parent stops the pipelines: the triggers end
         await asyncio.sleep(0.05)
     events = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
@@ -515,10 +525,21 @@ def run_path(mode: Mode, pids: list[str], args: argparse.Namespace, dsn: str) ->
             "loop_lag": [x for w in windows for x in w["loop_lag"]], "statuses": statuses,
             "calls": {k: [x for w in windows for x in w["calls"].get(k, [])] for w in windows for k in w["calls"]},
             "batches": sum(w["batches"] for w in windows), "batched_ticks": sum(w["batched_ticks"] for w in windows),
+            "skipped": sum(w["skipped"] for w in windows),
+            "waiting_batches": sum(w["waiting_batches"] for w in windows),
             "notifications": sum(w["notifications"] for w in windows)}
 
 
 # --------------------------------------------------------------------------- figures
+
+
+def cpu_pressure() -> float:
+    """Microseconds so far in which some runnable task of the machine waited for a CPU (Linux PSI; 0 without it)."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return 0.0
+    return float(first.rsplit("total=", 1)[1])
 
 
 def pct(values: list[float], q: float) -> float:
@@ -574,6 +595,7 @@ def merge(into: dict[str, Any], run: dict[str, Any], f: dict[str, Any], expected
     for key, value in (("fired", f["fired"]), ("expected", expected), ("cpu", run["cpu"]), ("wall", run["wall"]),
                        ("ok", sum(s == "success" for s in run["statuses"])), ("events", len(run["statuses"])),
                        ("batches", run["batches"]), ("batched_ticks", run["batched_ticks"]),
+                       ("skipped", run["skipped"]), ("waiting_batches", run["waiting_batches"]),
                        ("notifications", run["notifications"])):
         into[key] = into.get(key, 0) + value
     for name, used in run["db_cpu"].items():
@@ -617,7 +639,8 @@ def report(mode: Mode, args: argparse.Namespace, t: dict[str, Any]) -> dict[str,
               f"   p99 {pct(ms, 99):7.1f} ms")
     if t["batches"]:
         print(f"  tick batches        {t['batches']} transactions for {t['batched_ticks']} ticks "
-              f"({t['batched_ticks'] / t['batches']:.1f} per batch)")
+              f"({t['batched_ticks'] / t['batches']:.1f} per batch); {t['skipped']} ticks found their row held "
+              f"and were asked for again, {t['waiting_batches']} batches of one waited for a lock")
     if t["notifications"]:
         print(f"  notifications       {t['notifications']} received ({t['notifications'] / max(t['fired'], 1):.2f} "
               "per epoch fired)")
@@ -656,7 +679,8 @@ def main() -> None:
 
     modes = [Mode(PATHS[name.strip()], int(n)) for n in args.triggerers.split(",") for name in args.paths.split(",")]
     totals: dict[str, dict[str, Any]] = {m.name: {} for m in modes}
-    windows: dict[str, list[tuple[float, float, float, int]]] = {}  # per mode: (p99 ms, fired, load, violations)
+    windows: dict[str, list[tuple[float, float, float, int, float, float, float, float]]] = {}
+    # per mode and window: (p99 ms, fired, load at the end, violations, p50 ms, max ms, load at the start, CPU pressure)
     with ThrowawayPostgres() as pg:
         args.pg_data_dir = pg.data_dir
         setup_pipelines("warm", 1, pg.dsn)  # migrate before the acker starts
@@ -674,17 +698,23 @@ def main() -> None:
                 for i, mode in enumerate(modes):
                     prefix = f"r{rnd}m{i}"
                     pids = setup_pipelines(prefix, args.pipelines, pg.dsn)
-                    run = run_path(mode, pids, args, pg.dsn)
+                    load0, pressure0, began = os.getloadavg()[0], cpu_pressure(), time.monotonic()
+                    run = run_path(mode, pids, args, pg.dsn)  # the pressure over the run (its warm-up too)
+                    pressure = (cpu_pressure() - pressure0) / 1e6 / (time.monotonic() - began)
                     window_s = (run["window"][1] - run["window"][0]).total_seconds()
                     f = figures(pg.dsn, prefix, args.interval, run["window"])
                     merge(totals[mode.name], run, f, args.pipelines * window_s / args.interval)
                     # each window on its own, with the machine's load over it: a busy machine's figure is a claim
                     # about every window, not about their pooled tail
                     fired = f["fired"] / (args.pipelines * window_s / args.interval)
+                    late = [v * 1000 for v in f["schedule"]]
                     windows.setdefault(mode.name, []).append(
-                        (pct([v * 1000 for v in f["schedule"]], 99), fired, os.getloadavg()[0], len(f["violations"])))
-                    print(f"  window {rnd + 1} [{mode.name}]: fired {100 * fired:.1f} %, lateness p99 "
-                          f"{windows[mode.name][-1][0]:.1f} ms, load average (1 min) {os.getloadavg()[0]:.2f}",
+                        (pct(late, 99), fired, os.getloadavg()[0], len(f["violations"]), pct(late, 50),
+                         max(late, default=float("nan")), load0, pressure))
+                    print(f"  window {rnd + 1} [{mode.name}]: fired {100 * fired:.1f} %, "
+                          f"lateness p50 {pct(late, 50):.1f}"
+                          f" / p99 {pct(late, 99):.1f} / max {max(late, default=float('nan')):.1f} ms, load average"
+                          f" (1 min) {load0:.1f} -> {os.getloadavg()[0]:.1f}, CPU pressure {100 * pressure:.0f} %",
                           flush=True)
         finally:
             stop.set()
@@ -701,13 +731,15 @@ def main() -> None:
         print(f"  {mode.name:<14} {100 * m['ratio']:6.1f}% {m['schedule_p50']:8.1f}ms {m['schedule_p99']:8.1f}ms "
               f"{m['cpu_ms']:8.2f}ms {m['violations']:>10} {100 * m['success']:7.1f}% {m['db_cpu_ms']:11.2f}ms")
     if args.rounds > 1:
-        print("per window (lateness p99, fired, 1-minute load average at its end, violations):")
+        print("per window (lateness p50 / p99 / max, fired, 1-minute load average before -> after, CPU pressure, "
+              "violations):")
         for mode in modes:
             rows = windows.get(mode.name, [])
             worst = max((w[0] for w in rows), default=float("nan"))
-            print(f"  {mode.name:<14} " + "  ".join(f"{p99:.1f} ms / {100 * fired:.1f} % / load {load:.1f} / {v}"
-                                                  for p99, fired, load, v in rows)
-                  + f"   worst p99 {worst:.1f} ms")
+            print(f"  {mode.name}   worst p99 {worst:.1f} ms")
+            for i, (p99, fired, load, v, p50, top, load0, pressure) in enumerate(rows, 1):
+                print(f"    {i}: {p50:.1f} / {p99:.1f} / {top:.1f} ms, {100 * fired:.1f} %, load {load0:.1f} -> "
+                      f"{load:.1f}, pressure {100 * pressure:.0f} %, {v}")
     by_name = dict((mode.name, m) for mode, m in summaries)
     for mode, m in summaries:
         base = by_name.get(Mode(OLD, mode.triggerers).name)

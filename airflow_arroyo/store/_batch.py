@@ -5,10 +5,11 @@ trigger then reports on the epochs its tick saw: a log line for an epoch in flig
 and per ended epoch the metrics (``airflow_arroyo.metrics``: the slowest stage's alignment, the
 driver's heartbeat age). Read one trigger at a time, those were two or three transactions and
 worker-thread hops per epoch, more than the tick itself, queueing in front of the next batches.
-:func:`tick_batch` reads them for the whole batch in one short read-only transaction right after
-the ticks commit, in the same worker thread (one statement, two when a tick saw an epoch in flight it
-did not watch; none when no tick saw anything to report), and hands each :class:`TickResult` its
-:class:`TickReport`.
+:func:`attach_reports` reads them for the whole batch in one short read-only transaction right after
+the ticks commit (:func:`decide_batch`), in a worker thread, while the coalescer's next batch may already
+decide (one statement, two when a tick saw an epoch in flight it did not watch; none when no tick saw
+anything to report), and hands each :class:`TickResult` its :class:`TickReport`; :func:`tick_batch` does
+both in one call.
 
 The report is read after the commit, outside the row locks: it never delays a decision, and it is
 what the controller reports, not what it decides on. If reading it fails, the results go back
@@ -31,7 +32,7 @@ from airflow_arroyo.store._db import dict_rows
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import EpochRecord, TickReport, TickRequest, TickResult, epoch_columns, from_row
 
-__all__ = ["read_reports", "tick_batch"]
+__all__ = ["attach_reports", "decide_batch", "read_reports", "tick_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,22 @@ _EPOCHS = (
 def tick_batch(store: EpochStore, requests: Sequence[TickRequest]) -> list[Outcome]:
     """``store.trigger_ticks(requests)``, each result with its :class:`TickReport` (blocking: run it
     in a worker thread)."""
-    results = store.trigger_ticks(requests)
+    return attach_reports(store, requests, decide_batch(store, requests))
+
+
+def decide_batch(store: EpochStore, requests: Sequence[TickRequest]) -> list[Outcome]:
+    """The batch's decisions alone (``store.trigger_ticks``): what holds its pipelines' row locks."""
+    return store.trigger_ticks(requests)
+
+
+def attach_reports(store: EpochStore, requests: Sequence[TickRequest], results: Sequence[Outcome]) -> list[Outcome]:
+    """:func:`read_reports` for results whose ticks committed; without their report if it cannot be read."""
     try:
         return read_reports(store, requests, results)
     except (psycopg2.Error, ArroyoError) as exc:  # the ticks committed: report them without their report
         log.warning("epoch store: could not read the report of %s ticks (%s); the triggers read it themselves",
                     len(requests), type(exc).__name__)
-        return results
+        return list(results)
 
 
 def read_reports(store: EpochStore, requests: Sequence[TickRequest], results: Sequence[Outcome]) -> list[Outcome]:

@@ -3,8 +3,9 @@
 Every :class:`~airflow_arroyo.triggers.checkpoint.CheckpointTrigger` of a triggerer asks for its tick
 through the loop's :class:`TickCoalescer`. The coalescer gathers the ticks asked for in the same turn
 of the event loop (and those asked for while the previous batch was in the database), and sends them as
-one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction, followed by one read of the
-batch's report (:mod:`airflow_arroyo.store._batch`), in a worker thread of its own. Under light
+one :meth:`~airflow_arroyo.store.EpochStore.trigger_ticks` transaction in a worker thread of its own; once it
+committed, the next batch may go, and another thread reads the batch's report
+(:mod:`airflow_arroyo.store._batch`) before the triggers get their results. Under light
 load a batch holds one tick and costs what a tick always cost; under heavy load the batches grow and
 the cost per tick falls, where one thread-pool call and one transaction per tick used to queue up.
 
@@ -40,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from airflow_arroyo.core.exceptions import ArroyoError, StoreError, TransientStoreError
-from airflow_arroyo.store._batch import tick_batch
+from airflow_arroyo.store._batch import attach_reports, decide_batch, tick_batch
 from airflow_arroyo.store._sync import EpochStore
 from airflow_arroyo.store.records import TickRequest, TickResult
 
@@ -50,6 +51,9 @@ RETRY_SKIPPED = 0.01  # seconds before a tick whose row was locked is asked for 
 SKIPS_BEFORE_WAITING = 3  # then it goes in a batch that waits for the lock
 MAX_CONCURRENT = 1  # batches of ticks that never wait for a lock, in the database at once
 MAX_WAITING = 2  # batches of one tick that waits for its row's lock, besides
+# The batch's slot is free again once its ticks committed; its report is read after, beside the next batch,
+# so the report's round trips are not in front of every next tick. True: the report is read in the slot.
+REPORT_IN_SLOT = False
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +92,12 @@ class TickCoalescer:
         # the batches' own threads: they never queue behind the loop's other blocking calls
         self._executor = ThreadPoolExecutor(self.max_concurrent + self.max_waiting,
                                             thread_name_prefix="arroyo-tick-batch")
+        # the reports, one at a time, in the order their batches committed (outside the batches' slots)
+        self._report_executor = ThreadPoolExecutor(1, thread_name_prefix="arroyo-tick-report")
         self.batches = 0  # figures for benchmarks and tests
         self.ticks = 0
+        self.skipped = 0  # ticks whose row another transaction held (asked for again)
+        self.waiting_batches = 0  # batches of one tick that waited for its row's lock
 
     @classmethod
     def for_store(cls, store: EpochStore) -> TickCoalescer:
@@ -108,6 +116,7 @@ class TickCoalescer:
     def close(self) -> None:
         """Let the worker threads end once their batches are done (pending batches end with their loop)."""
         self._executor.shutdown(wait=False)
+        self._report_executor.shutdown(wait=False)
 
     async def tick(self, request: TickRequest) -> TickResult:
         """The result of ``request``'s tick, decided in the next batch."""
@@ -157,7 +166,16 @@ class TickCoalescer:
 
     async def _run(self, batch: list[_Pending], waits: bool) -> None:
         try:
-            results = await self._send([p.request for p in batch])
+            try:
+                results = await self._send([p.request for p in batch])
+            finally:
+                self._running_in[waits] -= 1
+                self._schedule()  # a slot is free (after a failed batch too: the queued ticks go on)
+            decided = self._decided(batch, results, waits)
+            if decided and not REPORT_IN_SLOT:  # committed: read the report beside the next batch, not before it
+                reported = await self.loop.run_in_executor(self._report_executor, attach_reports, self.store,
+                                                           [p.request for p, _ in decided], [r for _, r in decided])
+                decided = list(zip([p for p, _ in decided], reported, strict=True))
         except BaseException as exc:  # not the store's (a bug, the loop closing): no trigger waits forever
             for pending in batch:
                 if pending.future.done():
@@ -167,28 +185,36 @@ class TickCoalescer:
                 else:
                     pending.future.set_exception(exc)
             raise
-        finally:
-            self._running_in[waits] -= 1
-            self._schedule()  # a slot is free (after a failed batch too: the queued ticks go on)
+        for pending, result in decided:
+            if pending.future.done():
+                continue
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            elif result is not None:  # a decided tick (skipped ones are asked for again by _decided)
+                pending.future.set_result(result)
+
+    def _decided(self, batch: list[_Pending], results: list[TickResult | ArroyoError | None], waits: bool
+                 ) -> list[tuple[_Pending, TickResult | ArroyoError | None]]:
+        """Count a batch that came back, ask again at once for the ticks whose rows were held, and return the
+        others with their results."""
         self.batches += 1
+        self.waiting_batches += waits
         retry: list[_Pending] = []
+        decided: list[tuple[_Pending, TickResult | ArroyoError | None]] = []
         for pending, result in zip(batch, results, strict=True):
             if result is None:  # its row was locked by another transaction: again in a moment
                 pending.skipped += 1
+                self.skipped += 1
                 if pending.skipped >= SKIPS_BEFORE_WAITING:
                     pending.request = replace(pending.request, skip_if_locked=False)
                 retry.append(pending)
                 continue
             self.ticks += 1
-            if pending.future.done():
-                continue
-            if isinstance(result, BaseException):
-                pending.future.set_exception(result)
-            else:
-                pending.future.set_result(result)
+            decided.append((pending, result))
         if retry:
             self.loop.call_later(RETRY_SKIPPED, self._requeue, retry)
         self._schedule()
+        return decided
 
     def _requeue(self, retry: list[_Pending]) -> None:
         for waits in (False, True):  # each at the head of its lane, in the order they were asked for
@@ -197,7 +223,8 @@ class TickCoalescer:
 
     async def _send(self, requests: list[TickRequest]) -> list[TickResult | ArroyoError | None]:
         try:
-            return await self.loop.run_in_executor(self._executor, tick_batch, self.store, requests)
+            work = tick_batch if REPORT_IN_SLOT else decide_batch
+            return await self.loop.run_in_executor(self._executor, work, self.store, requests)
         except TransientStoreError as exc:
             return [exc] * len(requests)
         except StoreError as exc:
@@ -210,7 +237,7 @@ class TickCoalescer:
         out: list[TickResult | ArroyoError | None] = []
         for request in requests:
             try:
-                out.extend(tick_batch(self.store, [request]))
+                out.extend((tick_batch if REPORT_IN_SLOT else decide_batch)(self.store, [request]))
             except ArroyoError as exc:
                 out.append(exc)
         return out

@@ -36,7 +36,7 @@ from airflow_arroyo.core.epochs import (
 )
 from airflow_arroyo.devtools.history import check_history
 from airflow_arroyo.metrics import slowest_alignment
-from airflow_arroyo.store import EpochRecord, EpochStore, TickReport, TickRequest, TickResult, _coalesce
+from airflow_arroyo.store import EpochRecord, EpochStore, TickReport, TickRequest, TickResult, _batch, _coalesce
 from airflow_arroyo.store._coalesce import TickCoalescer
 from airflow_arroyo.triggers import checkpoint as trigger_module
 from airflow_arroyo.triggers.checkpoint import CheckpointTrigger, _Controller, _Summary
@@ -50,13 +50,13 @@ POLICY = CheckpointPolicy(interval=3600, timeout=7200)
 def record_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The pipelines of every batch the coalescers send, in the order sent."""
     sent: list[list[str]] = []
-    real = _coalesce.tick_batch
+    real = _coalesce.decide_batch
 
     def spy(store: EpochStore, requests: list[TickRequest]) -> list[object]:
         sent.append([r.pipeline_id for r in requests])
         return real(store, requests)  # type: ignore[return-value]
 
-    monkeypatch.setattr(_coalesce, "tick_batch", spy)
+    monkeypatch.setattr(_coalesce, "decide_batch", spy)
     return sent
 
 
@@ -204,6 +204,42 @@ async def test_a_tick_waiting_for_a_held_row_holds_back_no_other_tick(store: Epo
         holder.rollback()
         holder.close()
     assert (await asyncio.wait_for(held, timeout=10)).started is not None
+
+
+async def test_a_batch_whose_report_is_being_read_holds_back_no_next_batch(store: EpochStore,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's slot is free once its ticks committed: while its report is read (after the commit, outside the
+    row locks), the next batch decides and commits; each trigger still gets its result with its report."""
+    running(store, "first", "second", stages=STAGES)
+    reading, release = threading.Event(), threading.Event()
+    real = _batch.read_reports
+
+    def slow(on: EpochStore, requests: list[TickRequest], results: list[object]) -> list[object]:
+        if any(r.pipeline_id == "first" for r in requests):
+            reading.set()
+            assert release.wait(30)
+        return real(on, requests, results)  # type: ignore[arg-type,return-value]
+
+    monkeypatch.setattr(_batch, "read_reports", slow)
+    coalescer = TickCoalescer(store, asyncio.get_running_loop(), max_concurrent=1)
+    first = asyncio.create_task(coalescer.tick(TickRequest("first", POLICY)))
+    try:
+        deadline = time.monotonic() + 10
+        while not reading.is_set():
+            assert time.monotonic() < deadline and not first.done()
+            await asyncio.sleep(0.01)
+        assert [e.epoch for e in store.list_epochs("first")] == [1]  # committed, its report not read yet
+        second = asyncio.create_task(coalescer.tick(TickRequest("second", POLICY)))
+        while not store.list_epochs("second"):
+            assert time.monotonic() < deadline, "the next batch waited for the previous batch's report"
+            await asyncio.sleep(0.01)
+        assert not first.done()
+    finally:
+        release.set()
+    done = await asyncio.wait_for(asyncio.gather(first, second), timeout=10)
+    assert all(r.started is not None and r.started.epoch == 1 and r.report is not None for r in done)
+    assert coalescer.batches == 2 and coalescer.ticks == 2
+    coalescer.close()
 
 
 def test_two_triggerers_coalescers_never_put_two_epochs_in_flight(store: EpochStore, migrated_dsn: str) -> None:
