@@ -6,8 +6,8 @@ the stage before it writes, and Spark runs no batch for it: its first batch (pla
 store's load of the restored version, Python workers) came only after the stage before it paid its own, one stage
 after another. The channel reader of a resumed query now offers one batch of no rows at its start (``warm_up``), so
 every stage is warm before the run goes ``running``. That batch moves no position, so it must not shift a cut: the
-SIGKILL test restores a counting pipeline with two channel hops again and again and compares what its exactly-once
-sink committed with a count in plain Python."""
+test restores a counting pipeline with two channel hops after SIGKILLs and compares what its exactly-once sink committed
+with a count in plain Python; one run, to keep it short, which then restores once more with no input left."""
 
 from __future__ import annotations
 
@@ -75,40 +75,63 @@ def check_exactly_once(rows: list[tuple[int, int]], expected: dict[int, int]) ->
     assert final == expected
 
 
-def run_to_the_end(spark: Any, store: EpochStore, pid: str, root: Path, rows: int, *, run_id: str,
-                   restore_from: str | None = None) -> Any:
-    """Run (or restore) in this process until the sink committed every count, then stop gracefully (a final epoch,
-    which the next restore takes)."""
-    expected = dict(Counter(i % KEYS for i in range(rows)))
-    driver = PipelineDriver(pipeline(pid, str(root), rows), store, storage_uri=str(root / "storage"), spark=spark,
-                            run_id=run_id, restore_from=restore_from, takeover=restore_from is not None)
+def run_in_process(spark: Any, store: EpochStore, pid: str, root: Path, rows: int, *, run_id: str, rate: int,
+                   until: Any, restore_from: str | None = None) -> Any:
+    """Run (or restore) in this process until ``until()``, then stop gracefully (a final epoch, which the next
+    restore takes)."""
+    driver = PipelineDriver(pipeline(pid, str(root), rows, rate), store, storage_uri=str(root / "storage"),
+                            spark=spark, run_id=run_id, restore_from=restore_from, takeover=restore_from is not None)
     thread = DriverThread(driver).start()
     with CheckpointTicker(store, pid, interval=1.0):
-        final = {}
-
-        def done() -> bool:
-            final.clear()
-            for k, n in emitted(root / "out"):
-                final[k] = max(final.get(k, 0), n)
-            return final == expected
-
-        wait_for(lambda: thread.error or (driver.started.is_set() and done()), timeout=240,
-                 what="every count committed", interval=0.2)
+        wait_for(lambda: thread.error or (driver.started.is_set() and until()), timeout=240,
+                 what=f"run {run_id} to read its input", interval=0.2)
     store.request_stop(pid, "graceful")
     result = thread.join(240)
     assert result.state is PipelineState.STOPPED
     return result
 
 
-def test_a_restored_stateful_stage_with_nothing_to_read_is_warm_before_running(
+def test_restored_after_sigkills_the_counts_are_exact_and_a_stage_with_nothing_to_read_is_warm_before_running(
         spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
-    rows = 240
+    rng = kill_seed()
+    rows = 2400  # a run's first batch reads what the source's pace made exist since its reader started: slow starts
+    expected = dict(Counter(i % KEYS for i in range(rows)))
     pid = f"warm-{uuid.uuid4().hex[:6]}"
-    run_to_the_end(spark, module_store, pid, tmp_path, rows, run_id="first")
-    before = sorted(emitted(tmp_path / "out"))
-    restored_epoch = module_store.latest_completed_epoch(pid).epoch
+    layout = StorageLayout.at(str(tmp_path / "storage"), pid)
+    logs = tmp_path / "logs"
+    logs.mkdir()
 
-    # the restore: the source has read all its input, so no stage has a row to read
+    def read() -> int:
+        return channel_row_count(layout.channel_uri("src"))
+
+    def counted() -> bool:
+        final: dict[int, int] = {}
+        for k, n in emitted(tmp_path / "out"):
+            final[k] = max(final.get(k, 0), n)
+        return final == expected
+
+    def start(run_id: str) -> Driver:
+        # slowly: input must be left for the run after each kill
+        return Driver(dsn=module_store.dsn, storage=tmp_path / "storage", pipeline_id=pid, run_id=run_id, logs=logs,
+                      pipeline="tests.runtime.test_restore_warm:pipeline",
+                      args={"root": str(tmp_path), "rows": rows, "rate": 8})
+
+    # a first run in this process, then a restore in a driver process of its own, SIGKILLed (its JVM with it) at a
+    # random moment after an epoch of its own, then a restore in this process to the end of the input
+    run_in_process(spark, module_store, pid, tmp_path, rows, run_id="first", rate=8, until=lambda: read() >= 60)
+    with CheckpointTicker(module_store, pid, interval=1.0):
+        for run in ("killed",):
+            before = read()
+            kill_at_random_after_an_epoch(start(run), module_store, pid, rng, also=lambda b=before: read() > b)
+            assert read() < rows  # input is left for the next run
+    last = run_in_process(spark, module_store, pid, tmp_path, rows, run_id="last", rate=300, until=counted,
+                          restore_from="latest")
+    assert last.restored_from_epoch is not None
+    committed = sorted(emitted(tmp_path / "out"))
+    check_exactly_once(committed, expected)
+
+    # a restore with no input left: no stage has a row to read, yet each stage reading a channel runs a batch
+    restored_epoch = module_store.latest_completed_epoch(pid).epoch
     driver = PipelineDriver(pipeline(pid, str(tmp_path), rows), module_store, storage_uri=str(tmp_path / "storage"),
                             spark=spark, run_id="restored", restore_from="latest", takeover=True)
     seen: dict[str, Any] = {}
@@ -136,32 +159,4 @@ def test_a_restored_stateful_stage_with_nothing_to_read_is_warm_before_running(
     assert first["numInputRows"] == 0
     assert sum(int(o["numRowsTotal"]) for o in first["stateOperators"]) == KEYS
     # the batch of no rows emitted nothing and the later epochs committed nothing again
-    assert sorted(emitted(tmp_path / "out")) == before
-    check_exactly_once(before, dict(Counter(i % KEYS for i in range(rows))))
-
-
-def test_restored_again_and_again_after_sigkills_the_counts_are_exact(
-        spark: Any, module_store: EpochStore, tmp_path: Path) -> None:
-    rng = kill_seed()
-    rows = 600
-    pid = f"warm-kill-{uuid.uuid4().hex[:6]}"
-    layout = StorageLayout.at(str(tmp_path / "storage"), pid)
-    logs = tmp_path / "logs"
-    logs.mkdir()
-
-    def start(run_id: str) -> Driver:
-        # slowly: input must be left for the runs after each kill
-        return Driver(dsn=module_store.dsn, storage=tmp_path / "storage", pipeline_id=pid, run_id=run_id, logs=logs,
-                      pipeline="tests.runtime.test_restore_warm:pipeline",
-                      args={"root": str(tmp_path), "rows": rows, "rate": 8})
-
-    with CheckpointTicker(module_store, pid, interval=1.0):
-        read = 0
-        for run in ("killed-0", "killed-1", "killed-2"):  # a fresh run, then restores, each SIGKILLed at random
-            kill_at_random_after_an_epoch(start(run), module_store, pid, rng,
-                                          also=lambda r=read: channel_row_count(layout.channel_uri("src")) > r)
-            read = channel_row_count(layout.channel_uri("src"))
-            assert read < rows  # input is left for the next run
-    result = run_to_the_end(spark, module_store, pid, tmp_path, rows, run_id="last", restore_from="latest")
-    assert result.restored_from_epoch is not None
-    check_exactly_once(emitted(tmp_path / "out"), dict(Counter(i % KEYS for i in range(rows))))
+    assert sorted(emitted(tmp_path / "out")) == committed
