@@ -319,6 +319,10 @@ def summarize(results: list[Result], master: str, rate: int, *, chaining: bool, 
 
     summary: list[dict[str, Any]] = []
     at = f"{master} rate {rate:>6}/s"
+    empty = sorted({r.side for r in results if r.rate == rate and r.master == master and not r.throughput})
+    if empty:  # a ratio to nothing: say so rather than divide by zero
+        raise SystemExit(f"{at}: no row reached the sink of {', '.join(empty)} in the measured window (a slow start on "
+                         "a busy machine); give the runs longer with --warmup and --duration")
     for side in ("product", "fused", *(("boundary",) if boundary else ())) if chaining else ("product",):
         row = {"master": master, "rate": rate, "side": side,
                "latency_p50_ratio": med(side, "p50") / med("plain", "p50"),
