@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -252,6 +253,8 @@ class Soak:
         # these two are kept, since a history of them (one per sample) grew this very process's memory
         self.types: Counter[str] = Counter()
         self.types_half: Counter[str] | None = None
+        self.traced_half: tracemalloc.Snapshot | None = None
+        self.traced_end: tracemalloc.Snapshot | None = None
         self.jvm_pid = jvm_pid(spark)
 
     def _guard(self, body: Callable[[], object]) -> Callable[[], None]:
@@ -357,23 +360,42 @@ class Soak:
             threads[-1].start()
         if self.stop.wait(self.args.warmup):
             raise SystemExit(f"failed during the warm-up: {self.failure}")
+        if self.args.tracemalloc:
+            tracemalloc.start(self.args.tracemalloc)
         samples: list[tuple[float, dict[str, float]]] = []
         start = time.monotonic()
         while True:
             samples.append((time.monotonic() - start, self.sample()))
             if self.types_half is None and samples[-1][0] >= self.args.duration / 2:
                 self.types_half = self.types
+                if tracemalloc.is_tracing():
+                    self.traced_half = tracemalloc.take_snapshot()
             print(f"{samples[-1][0]:7.0f}s " + ", ".join(f"{k} {v:,.1f}" for k, v in samples[-1][1].items()),
                   flush=True)
             left = self.args.duration - (time.monotonic() - start)
             if left <= 0 or self.stop.wait(min(self.args.every, left)):
                 break
+        if tracemalloc.is_tracing():
+            self.traced_end = tracemalloc.take_snapshot()
+            tracemalloc.stop()
         self.stop.set()
         self.store.request_stop(self.pid, "immediate")
         threads[0].join(300)
         if self.failure:
             raise SystemExit(f"the pipeline failed: {self.failure[0]}")
         return samples
+
+
+def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 12) -> None:
+    """Where the Python memory still allocated grew between two snapshots, by allocating traceback."""
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    stats = after.filter_traces(ignore).compare_to(before.filter_traces(ignore), "traceback")
+    print(f"\nPython memory still allocated that grew most over the second half (of "
+          f"{sum(s.size_diff for s in stats) / 1e6:+,.2f} MB in all), by where it was allocated:")
+    for stat in stats[:top]:
+        print(f"  {stat.size_diff / 1e3:+10,.1f} KB in {stat.count_diff:+,} blocks")
+        for line in stat.traceback.format(limit=6, most_recent_first=True):
+            print(f"      {line}")
 
 
 def report(samples: list[tuple[float, dict[str, float]]], prunes: int) -> None:
@@ -403,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the driver keeps the C library's free memory (no malloc_trim after each epoch)")
     parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
                         help="a Spark setting, repeatable")
+    parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                        help="trace the driver process's Python allocations after the warm-up (FRAMES frames each) "
+                             "and print where the memory still held grew over the second half (slows the driver)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -422,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe driver's live objects that grew most over the second half, by type:")
         for name, more in grown:
             print(f"  {name:70} +{more:,}")
+        if soak.traced_half is not None and soak.traced_end is not None:
+            print_traced_growth(soak.traced_half, soak.traced_end)
         print("\nthe epoch store's largest tables at the end (live rows, dead rows, MB):")
         for table, live, dead, size in soak.tables():
             print(f"  {table:40} {live:10,} {dead:10,} {size / 1e6:10.1f}")
