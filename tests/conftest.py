@@ -28,6 +28,7 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # A throwaway AIRFLOW_HOME for the whole test session. It must be set before anything imports
 # airflow (Airflow reads its configuration at import time), hence at conftest import.
+_airflow_home: str | None = None
 if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
     _airflow_home = tempfile.mkdtemp(prefix="arroyo-airflow-home-")
     os.environ["AIRFLOW_HOME"] = _airflow_home
@@ -43,6 +44,12 @@ if "ARROYO_TEST_KEEP_AIRFLOW_HOME" not in os.environ:
     os.environ["AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE"] = "True"
 # Put the venv's bin first: spark-submit's find-spark-home runs `python3` from PATH.
 os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Every session made its own home; left behind they piled up in /tmp (hundreds on a dev machine).
+    if _airflow_home is not None:
+        shutil.rmtree(_airflow_home, ignore_errors=True)
 
 
 def _pg_base_dir() -> Path:
