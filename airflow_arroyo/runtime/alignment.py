@@ -17,6 +17,15 @@ cut, and its part of epoch *n* completes once barrier *n* came back around the l
 
 Source stages have no channel inputs: they cut at the micro-batch boundary where the driver tells
 them an epoch is pending (:func:`source_cut`).
+
+**Unaligned cuts** (Flink's unaligned checkpoints, cheap here because channels are durable logs): once
+an epoch has been pending at a channel stage for ``alignment_timeout`` seconds, the stage stops waiting
+for its barrier and cuts like a source stage, at its last completed micro-batch
+(:func:`unaligned_cut`). Its cursor on each input is that batch's end there, at or before where the
+upstream put the barrier: the records in between stay in the upstream channel, which a restore keeps
+(it truncates right after the barrier) and the restored reader reads again from the cursor. The
+barrier arriving later on an input is old news. Iteration heads (stages with feedback inputs) always
+align.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from airflow_arroyo.core.exceptions import ArroyoError
+from airflow_arroyo.core.exceptions import ArroyoError, ConfigurationError
 
 __all__ = [
     "AlignmentAction",
@@ -35,6 +44,8 @@ __all__ = [
     "decide_alignment",
     "feedback_returned",
     "source_cut",
+    "unaligned_cut",
+    "validate_alignment_timeout",
 ]
 
 
@@ -130,3 +141,37 @@ def feedback_returned(barrier_positions: Mapping[str, int | None], ends: Mapping
         if pos is None or end <= pos:
             return False
     return True
+
+
+def validate_alignment_timeout(value: object) -> float | None:
+    """``alignment_timeout`` as the driver keeps it: None (always aligned) or seconds >= 0 (0: cut unaligned at
+    once); anything else is refused naming the fix."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value < 0 \
+            or value == float("inf"):
+        raise ConfigurationError(
+            f"alignment_timeout={value!r}: give the seconds an epoch may wait for its barriers at a channel stage "
+            "before the stage cuts unaligned (a number >= 0; 0 cuts unaligned at once), or None to always align"
+        )
+    return float(value)
+
+
+def unaligned_cut(pending: Mapping[int, float], last_cut_epoch: int, now: float, timeout: float | None, *,
+                  has_feedback: bool = False, has_batch: bool = True) -> tuple[int, ...]:
+    """The epochs a channel stage cuts unaligned now, at its last completed micro-batch, in order.
+
+    ``pending``: epoch -> when the stage learned it is in flight (monotonic seconds); ``last_cut_epoch``: the
+    newest epoch the stage cut. Nothing while ``timeout`` is None (always aligned), for an iteration head
+    (``has_feedback``: its feedback cursors follow FLIP-16), or before the stage completed any batch
+    (``has_batch``: no offsets say where its inputs stand). Once the oldest uncut epoch has waited ``timeout``,
+    every uncut pending epoch up to the newest due one is cut (barriers go out in epoch order, as a source's).
+    """
+    if timeout is None or has_feedback or not has_batch:
+        return ()
+    uncut = {e: since for e, since in pending.items() if e > last_cut_epoch}
+    due = [e for e, since in uncut.items() if now - since >= timeout]
+    if not due:
+        return ()
+    newest = max(due)
+    return tuple(sorted(e for e in uncut if e <= newest))

@@ -60,6 +60,7 @@ from airflow_arroyo.core.exceptions import (
 from airflow_arroyo.core.memory import release_free_memory
 from airflow_arroyo.core.restores import read_restore_facts
 from airflow_arroyo.jvm import SocketPathPruner, master_conf
+from airflow_arroyo.runtime.alignment import validate_alignment_timeout
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.decisions import (
     RestoreAction,
@@ -194,7 +195,11 @@ class PipelineDriver:
         allow_dropped_state: Sequence[str] = (),
         renamed: Mapping[str, str] | None = None,
         rescale: Mapping[str, int] | None = None,
+        alignment_timeout: float | None = None,
     ) -> None:
+        # seconds an epoch waits for its barriers at a channel stage before the stage cuts unaligned (None: always
+        # aligned; 0: at once), as Flink's execution.checkpointing.aligned-checkpoint-timeout
+        self.alignment_timeout = validate_alignment_timeout(alignment_timeout)
         self.logical: PipelineGraph = pipeline.validate()  # before Spark starts or anything is written
         # what runs: one stage per fused group (runtime/plan.py); the stages themselves until run() asks Spark
         # which are stateful (without that no two stages fuse)
@@ -901,7 +906,8 @@ class PipelineDriver:
             runner = StageRunner(spec, layout=self.layout, store=self.store, snapshots=self.snapshots,
                                  executor=self._executor, last_cut_epoch=last_cut, commit_timeout=self.commit_timeout,
                                  channel_starts=self._channel_starts.get(spec.name),
-                                 gated=True, sink=self.sinks.get(spec.name), token=self.token)
+                                 gated=True, sink=self.sinks.get(spec.name), token=self.token,
+                                 alignment_timeout=self.alignment_timeout)
             try:
                 df = runner.build(spark)  # runs the user's source read / transform
             except ArroyoError:

@@ -49,6 +49,7 @@ from airflow_arroyo.runtime.alignment import (
     decide_alignment,
     feedback_returned,
     source_cut,
+    unaligned_cut,
 )
 from airflow_arroyo.runtime.channel import Channel, ChannelError, EntryKind
 from airflow_arroyo.runtime.inputs import read_stage_input
@@ -99,6 +100,7 @@ class CutRecord:
     sync_ms: float
     output_barrier: int | None  # index of the barrier in the output channel
     at: float = field(default_factory=time.time)
+    unaligned: bool = False  # cut before its barrier reached every input (alignment_timeout)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class _Pending:
     alignment_ms: float
     sync_ms: float
     snapshot: Any = None  # Future of the snapshot
+    unaligned: bool = False
 
 
 class StageRunner:
@@ -135,8 +138,11 @@ class StageRunner:
         sink: TransactionalSink | None = None,
         token: FencingToken | None = None,
         channel_starts: Mapping[str, int] | None = None,
+        alignment_timeout: float | None = None,
     ) -> None:
         self.spec = spec
+        # a channel stage cuts unaligned once an epoch waited this long for its barriers (None: always aligned)
+        self.alignment_timeout = alignment_timeout
         # a stage new in an upgrade (empty checkpoint): where each input channel starts, right after the restored
         # epoch's barrier (a restored stage's checkpoint says where it resumes)
         self.channel_starts = dict(channel_starts or {})
@@ -168,6 +174,9 @@ class StageRunner:
         self._last_completed = -1  # last batch whose output is in the channel
         self._caps: dict[str, int] = {}
         self._aligning_since: dict[int, float] = {}
+        self._uncut: dict[int, float] = {}  # channel stages with alignment_timeout: epoch -> when it was requested
+        self._uncut_lock = threading.Lock()  # not the stage lock: a running batch holds that, the driver must not wait
+        self._last_ends: tuple[int, dict[str, int]] | None = None  # channel stages: (batch, its end on each input)
         self._deferred: list[_Pending] = []  # iteration head: acks waiting for the barrier to come back
         self._feedback_ends: dict[str, int] = {}
         # The driver starts the queries one by one and holds their first micro-batch at this gate until all
@@ -288,8 +297,14 @@ class StageRunner:
     # ------------------------------------------------------------------ epochs from the driver
 
     def request_epoch(self, epoch: int) -> None:
-        """A new epoch is in flight: a source stage injects it at its next batch boundary."""
+        """A new epoch is in flight: a source stage injects it at its next batch boundary; a channel stage with
+        an ``alignment_timeout`` starts counting how long the epoch waits for its barriers."""
         if self.kind is not StageKind.SOURCE:
+            if self._unaligned_allowed:
+                with self._uncut_lock:
+                    if epoch > self._last_cut_epoch:
+                        self._uncut.setdefault(epoch, time.monotonic())
+                self.cut_if_idle()
             return
         with self._lock:
             if epoch > self._last_cut_epoch:
@@ -298,16 +313,28 @@ class StageRunner:
         self.cut_if_idle()
 
     def cut_if_idle(self) -> None:
-        """Between batches: cut an idle source stage at its last completed batch (never blocks on a
-        running batch: that batch's writer makes the cut itself when it ends)."""
-        if self.kind is not StageKind.SOURCE or not self._pending:
+        """Between batches: cut an idle source stage at its last completed batch, or a channel stage whose
+        pending epoch waited ``alignment_timeout`` for its barriers (never blocks on a running batch: that
+        batch's writer makes the cut itself when it ends)."""
+        if self.kind is StageKind.SOURCE:
+            if not self._pending:
+                return
+        elif not self._uncut:
             return
         if not self._lock.acquire(blocking=False):
             return
         try:
-            self._source_cut(self._last_completed)
+            if self.kind is StageKind.SOURCE:
+                self._source_cut(self._last_completed)
+            else:
+                self._unaligned_cut(self._last_completed)
         finally:
             self._lock.release()
+
+    @property
+    def _unaligned_allowed(self) -> bool:
+        # an iteration head's feedback cursors follow FLIP-16 (its ack waits for the barrier to come back)
+        return self.alignment_timeout is not None and self.kind is not StageKind.SOURCE and not self.spec.feedback
 
     # ------------------------------------------------------------------ the writer
 
@@ -395,6 +422,7 @@ class StageRunner:
             ends.append(InputEnd(channel, end, self._barrier_before(channel, end)))
         for channel in spec.feedback:
             self._feedback_ends[channel] = offsets[channel]
+        self._last_ends = (batch_id, {e.channel: e.end for e in ends})
         decision = decide_alignment(ends, self._last_cut_epoch)
         if decision.action is AlignmentAction.ALIGNING:
             assert decision.epoch is not None
@@ -406,7 +434,35 @@ class StageRunner:
             self._write_caps(dict(decision.caps))
         elif decision.action is AlignmentAction.CUT:
             self._on_cut(decision, batch_id)
+        self._unaligned_cut(batch_id)
         self._release_feedback_acks()
+
+    def _unaligned_cut(self, batch_id: int) -> None:
+        """Under the lock: cut the epochs that waited ``alignment_timeout`` for their barriers at ``batch_id`` (the
+        last completed batch), with that batch's ends as cursors: each is at or before the barrier on its input
+        (a reader never crosses one), so what lies between stays in the channel for a restore to read again."""
+        if not self._uncut:
+            return
+        with self._uncut_lock:
+            for done in [e for e in self._uncut if e <= self._last_cut_epoch]:
+                del self._uncut[done]
+            uncut = dict(self._uncut)
+            epochs = unaligned_cut(uncut, self._last_cut_epoch, time.monotonic(), self.alignment_timeout,
+                                   has_feedback=bool(self.spec.feedback), has_batch=batch_id >= 0)
+            for epoch in epochs:
+                del self._uncut[epoch]
+        if not epochs:
+            return
+        if self._last_ends is not None and self._last_ends[0] == batch_id:
+            ends = dict(self._last_ends[1])
+        else:  # no batch of this run yet (a restored query): the checkpoint's offsets of that batch
+            offsets = self._input_offsets(batch_id)
+            ends = {c: offsets[c] for c in self.spec.inputs}
+        for epoch in epochs:
+            since = uncut[epoch]
+            self._aligning_since.pop(epoch, None)
+            self._cut(epoch, batch_id, cursors=dict(ends), alignment_ms=(time.monotonic() - since) * 1000,
+                      unaligned=True)
 
     def _on_cut(self, decision: AlignmentDecision, batch_id: int) -> None:
         assert decision.epoch is not None
@@ -417,7 +473,8 @@ class StageRunner:
             cursors[channel] = self._feedback_ends.get(channel, self.inputs[channel].start_position())
         self._cut(decision.epoch, batch_id, cursors=cursors, alignment_ms=alignment_ms)
 
-    def _cut(self, epoch: int, batch_id: int, *, cursors: dict[str, int], alignment_ms: float) -> None:
+    def _cut(self, epoch: int, batch_id: int, *, cursors: dict[str, int], alignment_ms: float,
+             unaligned: bool = False) -> None:
         """Under the lock: forward barrier ``epoch`` after ``batch_id``'s output, lift caps, snapshot."""
         t0 = time.monotonic()
         barrier = self.output.append_barrier(epoch, self.name) if self.output is not None else None
@@ -432,11 +489,12 @@ class StageRunner:
             if channel in cursors:
                 self.inputs[channel].forget_before(cursors[channel] - 1)
         sync_ms = (time.monotonic() - t0) * 1000
-        record = CutRecord(epoch, batch_id, dict(cursors), alignment_ms, sync_ms, barrier)
+        record = CutRecord(epoch, batch_id, dict(cursors), alignment_ms, sync_ms, barrier, unaligned=unaligned)
         self.cuts.append(record)
-        log.info("pipeline=%s epoch=%s stage=%s: cut at batch %s (barrier at %s, alignment %.0f ms)",
-                 self.pipeline_id, epoch, self.name, batch_id, barrier, alignment_ms)
-        pending = _Pending(epoch, batch_id, dict(cursors), alignment_ms, sync_ms)
+        log.info("pipeline=%s epoch=%s stage=%s: %scut at batch %s (barrier at %s, alignment %.0f ms)",
+                 self.pipeline_id, epoch, self.name, "unaligned " if unaligned else "", batch_id, barrier,
+                 alignment_ms)
+        pending = _Pending(epoch, batch_id, dict(cursors), alignment_ms, sync_ms, unaligned=unaligned)
         if self.spec.feedback:
             pending.snapshot = self.executor.submit(self._snapshot, epoch, batch_id)
             self._deferred.append(pending)
@@ -468,7 +526,7 @@ class StageRunner:
                 sync_ms=pending.sync_ms, async_ms=result.wait_ms + result.copy_ms,
                 bytes_new=result.bytes_new, bytes_total=result.bytes_total,
                 snapshot_uri=self.layout.fs.uri_of(self.layout.snapshots_dir),
-                details={"batch_id": pending.batch_id, "files": len(result.entries),
+                details={"batch_id": pending.batch_id, "unaligned": pending.unaligned, "files": len(result.entries),
                          "files_copied": result.files_copied, "commit_wait_ms": round(result.wait_ms, 1),
                          "copy_ms": round(result.copy_ms, 1),
                          "state_bytes": state_bytes((e.rel_path, e.object_key, e.bytes) for e in result.entries),
