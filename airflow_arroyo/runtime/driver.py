@@ -92,6 +92,7 @@ from airflow_arroyo.runtime.plan import (
     stateful_stages,
     watermarks_not_crossing,
 )
+from airflow_arroyo.runtime.read_limits import query_read_limits, unbounded_source_warning, unbounded_sources
 from airflow_arroyo.runtime.refusion import empty_delta_file, merge_checkpoint, split_checkpoint
 from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
@@ -927,6 +928,7 @@ class PipelineDriver:
             runner.open_gate()
         self._step("queries-started")
         self._warm_up()
+        self._warn_unbounded_sources()
         self._step("warm")
         self.store.set_pipeline_state(self.pipeline_id, PipelineState.RUNNING, run_id=self.run_id)
 
@@ -964,6 +966,16 @@ class PipelineDriver:
             self._stop.wait(0.05)
         log.info("pipeline=%s: queries warmed up in %.1fs%s", self.pipeline_id, time.monotonic() - t0,
                  f" ({', '.join(r.name for r in cold)} ran no micro-batch yet)" if cold else "")
+
+    def _warn_unbounded_sources(self) -> None:
+        """Warn, once a run, for each source stage whose sources read without a read limit: under sustained
+        overload its micro-batches, and the epochs that wait for them, would grow with the backlog."""
+        for runner in self.runners:
+            if runner.kind is not StageKind.SOURCE or runner.query is None:
+                continue
+            unbounded = unbounded_sources(query_read_limits(runner.query) or [])
+            if unbounded:
+                log.warning("%s", unbounded_source_warning(self.pipeline_id, runner.name, unbounded))
 
     def _wire_backpressure(self) -> None:
         """Bound each channel's unread backlog on aligned edges (never on a loop's feedback edge: a loop
