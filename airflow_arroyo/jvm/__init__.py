@@ -185,7 +185,11 @@ def s3a_conf(conf: Mapping[str, str] | None = None, environ: Mapping[str, str] |
 
     * ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` -> ``fs.s3a.endpoint``, with ``fs.s3a.path.style.access=true``
       (pyarrow addresses a server given by an endpoint by path, as MinIO, Ceph and moto expect) and
-      ``fs.s3a.connection.ssl.enabled`` from its scheme;
+      ``fs.s3a.connection.ssl.enabled`` from its scheme, and ``fs.s3a.optimized.copy.from.local.enabled=false``:
+      S3A's optimized upload of a local file goes through the AWS SDK's asynchronous (Netty) client, which takes
+      the ``100 Continue`` such servers answer its forced ``Expect: 100-continue`` with for the final status and
+      fails the upload (``S3Exception ... Status Code: 100``), and RocksDB's state store uploads every SST file
+      that way; the classic path streams it through S3A's block output stream;
     * ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` -> ``fs.s3a.endpoint.region``.
 
     Never credentials: they stay in the environment (or a profile, or an instance role), which S3A's default
@@ -201,6 +205,7 @@ def s3a_conf(conf: Mapping[str, str] | None = None, environ: Mapping[str, str] |
         scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
         if scheme in ("http", "https"):
             out["connection.ssl.enabled"] = "true" if scheme == "https" else "false"
+        out["optimized.copy.from.local.enabled"] = "false"
     region = next((env[k] for k in _REGION_ENV if env.get(k)), None)
     if region:
         out["endpoint.region"] = region

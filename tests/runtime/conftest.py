@@ -90,11 +90,15 @@ def bucket(s3_server: S3Server) -> str:
 def s3a_on(spark: Any, s3_server: S3Server, bucket: str) -> Iterator[Any]:
     """The shared session's S3A reaching ``bucket`` on the moto server (the bucket's own settings,
     ``fs.s3a.bucket.<name>.*``, removed afterwards: the session is shared); yields its Hadoop configuration."""
+    from airflow_arroyo.jvm import s3a_conf
+
     name = bucket.removeprefix("s3://")
     hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
-    settings = {"endpoint": s3_server.endpoint, "endpoint.region": s3_server.env["AWS_REGION"],
-                "path.style.access": "true", "connection.ssl.enabled": "false",
-                "access.key": s3_server.env["AWS_ACCESS_KEY_ID"], "secret.key": s3_server.env["AWS_SECRET_ACCESS_KEY"]}
+    # what the provider derives from the AWS SDK's environment, as the bucket's own settings; the credentials,
+    # which the provider leaves to S3A's credentials chain, given here because the session outlives the fixture
+    derived = s3a_conf(environ=s3_server.env)
+    settings = {key.removeprefix("spark.hadoop.fs.s3a."): value for key, value in derived.items()}
+    settings |= {"access.key": s3_server.env["AWS_ACCESS_KEY_ID"], "secret.key": s3_server.env["AWS_SECRET_ACCESS_KEY"]}
     for key, value in settings.items():
         hadoop_conf.set(f"fs.s3a.bucket.{name}.{key}", value)
     try:

@@ -426,7 +426,8 @@ def test_s3a_reaches_the_server_the_aws_environment_names_and_never_gets_credent
            "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret"}
     s3a = "spark.hadoop.fs.s3a."
     assert s3a_conf(environ=env) == {f"{s3a}endpoint": "http://127.0.0.1:9000", f"{s3a}path.style.access": "true",
-                                     f"{s3a}connection.ssl.enabled": "false", f"{s3a}endpoint.region": "eu-west-3"}
+                                     f"{s3a}connection.ssl.enabled": "false", f"{s3a}endpoint.region": "eu-west-3",
+                                     f"{s3a}optimized.copy.from.local.enabled": "false"}
     assert s3a_conf(environ={**env, "AWS_ENDPOINT_URL_S3": "https://s3.acme:443"})[f"{s3a}endpoint"] == (
         "https://s3.acme:443")
     assert s3a_conf({f"{s3a}path.style.access": "false"}, environ=env)[f"{s3a}endpoint"] == "http://127.0.0.1:9000"
