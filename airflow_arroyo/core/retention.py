@@ -462,8 +462,9 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
         if channel is None:
             log.warning("pipeline %s: channel %s does not exist any more; nothing to truncate", pipeline_id, uri)
             continue
-        # pos is where the oldest retained epoch resumes: right after its barrier, which a restore
-        # looks up to cut the channel there; keep that one entry
+        # pos is the oldest retained epoch's ack cursor, where its reader resumes: right after its barrier (which a
+        # restore looks up to cut the channel there: keep that entry), or before it after an unaligned cut, whose
+        # records in flight a restore reads again; the barriers of retained epochs all lie after pos
         start = max(0, pos - 1)
         channel_freed = channel.truncate_before(start)
         report.channel_bytes_freed += channel_freed
