@@ -24,10 +24,19 @@ no rows a resumed channel reader offers at its start: each stage reading a chann
 once the stage before it writes, one after another, as before that batch). The session is a local master's as the driver
 builds it (``airflow_arroyo.jvm.local_master_conf``: the provider's ``file:`` file system).
 
+``--placements`` runs each size where its state lives: ``local`` (channels, snapshots and Spark's checkpoints on the
+local disk), ``s3`` (all of them on a moto S3 server on 127.0.0.1 started by the benchmark: channels and
+snapshots through pyarrow, Spark's checkpoints through ``s3a://`` derived from the storage URI, as a user's
+``s3://`` storage URI gives them; the cold start's storage there too) and/or ``s3-objects`` (channels and snapshots
+on S3, Spark's checkpoints on the local disk: ``--checkpoint-uri``, Flink's split of durable snapshots and local
+working state). moto answers from memory on loopback: read
+the ``s3`` figures as "the S3 API through the network stack", not as a region's latencies.
+
 Figures measured here are in benchmarks/results/state_scale.md.
 
     python benchmarks/state_scale.py                                  # 2 sizes, rocksdb and hdfs, ~10 minutes
     python benchmarks/state_scale.py --keys 4000000 --store rocksdb   # about 1 GB of state
+    python benchmarks/state_scale.py --keys 200000 --pad 1000 --store rocksdb --placements local,s3,s3-objects
 """
 
 from __future__ import annotations
@@ -100,16 +109,53 @@ def pipeline(pid: str, *, keys: int, pad: int, batch: int, store: str, start: in
     return p
 
 
+class MotoS3:
+    """A moto S3 server on 127.0.0.1 with the AWS SDK's settings for it in this process's environment (pyarrow's
+    ``s3://`` and, through ``local_master_conf``, Spark's ``s3a://`` reach it)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a log line per request otherwise
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        os.environ.update({"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                           "AWS_EC2_METADATA_DISABLED": "true"})
+
+    def new_bucket(self) -> str:
+        import boto3
+
+        name = f"arroyo-scale-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=name)
+        return name
+
+    def drop_bucket(self, uri: str) -> None:
+        import boto3
+
+        bucket = boto3.resource("s3").Bucket(uri.removeprefix("s3://"))
+        bucket.objects.all().delete()
+        bucket.delete()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) >= 2 else (values[0] if values else 0.0)
 
 
-def fill(spark: Any, store: EpochStore, root: Path, args: argparse.Namespace, keys: int, kind: str) -> dict[str, Any]:
+def fill(spark: Any, store: EpochStore, root: str, args: argparse.Namespace, keys: int, kind: str,
+         checkpoints: str | None) -> dict[str, Any]:
     pid = f"scale-{kind}-{keys}-{uuid.uuid4().hex[:4]}"
-    storage = str(root / pid)
+    storage = f"{root}/{pid}"
     # one micro-batch per --batch rows: enough batches that every key is seen
     driver = PipelineDriver(pipeline(pid, keys=keys, pad=args.pad, batch=max(args.batch, keys // 4), store=kind),
-                            store, storage_uri=storage, spark=spark)
+                            store, storage_uri=storage, spark=spark,
+                            checkpoint_uri=f"{checkpoints}/{pid}" if checkpoints else None)
     thread = DriverThread(driver).start()
     t0 = time.monotonic()
     with CheckpointTicker(store, pid, interval=args.interval, timeout=600):
@@ -150,13 +196,14 @@ def fill(spark: Any, store: EpochStore, root: Path, args: argparse.Namespace, ke
 
 
 def first_output(spark: Any, store: EpochStore, args: argparse.Namespace, pid: str, storage: str, keys: int,
-                 kind: str, mode: str | None) -> dict[str, float]:
+                 kind: str, mode: str | None, checkpoints: str | None) -> dict[str, float]:
     """Seconds from run() to the first rows at the sink (``output``), each start phase, and the aggregation's
     first micro-batch as Spark timed it (``agg_batch``); the run is then stopped at once. ``mode``: how to restore
     (``link``/``copy``/``serial``), None for a cold start."""
     FIRST_OUTPUT.pop(pid, None)
     code = pipeline(pid, keys=keys, pad=args.pad, batch=args.batch, store=kind)
     driver = PipelineDriver(code, store, storage_uri=storage, spark=spark,
+                            checkpoint_uri=f"{checkpoints}/{pid}" if checkpoints else None,
                             restore_from="latest" if mode is not None else None, takeover=True)
     driver.snapshots.link_objects = mode != "copy"
     StageRunner.warm_resumed_inputs = mode != "serial"
@@ -197,12 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="restore / cold start pairs (order alternates)")
     ap.add_argument("--modes", default="link",
                     help="ways to restore, each per round: link (the product's), copy, serial")
+    ap.add_argument("--placements", default="local",
+                    help="where the state lives, comma-separated: local (disk), s3 (a moto server, s3a checkpoints), "
+                         "s3-objects (channels and snapshots on S3, Spark's checkpoints on the disk)")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--conf", type=conf_pair, action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if not set(modes) <= {"link", "copy", "serial"}:
         ap.error(f"--modes: link, copy and/or serial, got {args.modes!r}")
+    placements = args.placements.split(",")
+    if not set(placements) <= {"local", "s3", "s3-objects"}:
+        ap.error(f"--placements: local, s3 and/or s3-objects, got {args.placements!r}")
+    # before the session: its S3A settings come from the environment
+    s3 = MotoS3() if set(placements) - {"local"} else None
     spark = local_session_builder("arroyo-state-scale", driver_memory=args.driver_memory,
                                   confs={**local_master_conf(), **dict(args.conf)}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -210,46 +265,56 @@ def main(argv: list[str] | None = None) -> int:
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-scale-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()
-        for keys in (int(k) for k in args.keys.split(",")):
-            for kind in args.store.split(","):
-                filled = fill(spark, store, Path(tmp), args, keys, kind)
-                runs: dict[str, list[dict[str, float]]] = {m: [] for m in [*modes, "cold"]}
-                for r in range(args.rounds):
-                    order = [*modes, "cold"]
-                    for mode in (order if r % 2 == 0 else order[::-1]):
-                        if mode != "cold":
-                            runs[mode].append(first_output(spark, store, args, filled["pid"], filled["storage"],
-                                                           keys, kind, mode))
-                        else:
-                            cold_pid = f"cold-{uuid.uuid4().hex[:6]}"
-                            runs["cold"].append(first_output(spark, store, args, cold_pid, f"{tmp}/{cold_pid}",
-                                                             keys, kind, None))
-                shutil.rmtree(filled["storage"], ignore_errors=True)  # the next size needs the disk
+        for keys, kind, placement in ((int(k), kind, placement) for k in args.keys.split(",")
+                                      for kind in args.store.split(",") for placement in placements):
+            root = tmp if placement == "local" else f"s3://{s3.new_bucket()}"  # type: ignore[union-attr]
+            checkpoints = f"{tmp}/checkpoints" if placement == "s3-objects" else None
+            filled = fill(spark, store, root, args, keys, kind, checkpoints)
+            runs: dict[str, list[dict[str, float]]] = {m: [] for m in [*modes, "cold"]}
+            for r in range(args.rounds):
+                order = [*modes, "cold"]
+                for mode in (order if r % 2 == 0 else order[::-1]):
+                    if mode != "cold":
+                        runs[mode].append(first_output(spark, store, args, filled["pid"], filled["storage"],
+                                                       keys, kind, mode, checkpoints))
+                    else:
+                        cold_pid = f"cold-{uuid.uuid4().hex[:6]}"
+                        runs["cold"].append(first_output(spark, store, args, cold_pid, f"{root}/{cold_pid}",
+                                                         keys, kind, None, checkpoints))
+            # the next size needs the room (moto holds its objects in memory)
+            if checkpoints is not None:
+                shutil.rmtree(checkpoints, ignore_errors=True)
+            if s3 is not None and placement != "local":
+                s3.drop_bucket(root)
+            else:
+                shutil.rmtree(filled["storage"], ignore_errors=True)
                 for folder in Path(tmp).glob("cold-*"):
                     shutil.rmtree(folder, ignore_errors=True)
-                cold_s = statistics.median(x["output"] for x in runs["cold"])
-                row = {**filled, "keys": keys, "store": kind, "cold_s": cold_s, "runs": runs}
-                rows.append(row)
-                print(f"{kind:>7} {keys:>9,} keys: state {row['state_bytes'] / 1e6:,.1f} MB, "
-                      f"fill {row['fill_s']:.0f} s,"
-                      f" epoch p50 {row['epoch_p50']:.2f} s p99 {row['epoch_p99']:.2f} s, bytes new p50 "
-                      f"{row['bytes_new_p50'] / 1e6:,.1f} MB; first output: "
-                      + "; ".join(f"{'cold start' if m == 'cold' else 'restore (' + m + ')'} "
-                                  f"{statistics.median(x['output'] for x in v):.1f} s "
-                                  f"{[round(x['output'], 1) for x in v]}"
-                                  + ("" if m == "cold" else
-                                     f", / cold {statistics.median(x['output'] for x in v) / cold_s:.2f}")
-                                  for m, v in runs.items()), flush=True)
-                # the start's phases, then each query's first micro-batch: how long Spark says it took, and when it
-                # ended (seconds since run()); "-" where a phase has no part in that start
-                columns = [*PHASES, *(f"{q}_{w}" for q in ("src", "agg", "out") for w in ("batch", "done")), "output"]
-                print("    median s          " + "".join(f"{m:>14}" for m in runs), flush=True)
-                for c in columns:
-                    print(f"    {c:<18}" + "".join(
-                        f"{statistics.median(xs):>14.2f}" if (xs := [x[c] for x in v if c in x]) else f"{'-':>14}"
-                        for v in runs.values()), flush=True)
+            cold_s = statistics.median(x["output"] for x in runs["cold"])
+            row = {**filled, "keys": keys, "store": kind, "cold_s": cold_s, "runs": runs}
+            rows.append(row)
+            print(f"{kind:>7} {placement:>10} {keys:>9,} keys: state {row['state_bytes'] / 1e6:,.1f} MB, "
+                  f"fill {row['fill_s']:.0f} s,"
+                  f" epoch p50 {row['epoch_p50']:.2f} s p99 {row['epoch_p99']:.2f} s, bytes new p50 "
+                  f"{row['bytes_new_p50'] / 1e6:,.1f} MB; first output: "
+                  + "; ".join(f"{'cold start' if m == 'cold' else 'restore (' + m + ')'} "
+                              f"{statistics.median(x['output'] for x in v):.1f} s "
+                              f"{[round(x['output'], 1) for x in v]}"
+                              + ("" if m == "cold" else
+                                 f", / cold {statistics.median(x['output'] for x in v) / cold_s:.2f}")
+                              for m, v in runs.items()), flush=True)
+            # the start's phases, then each query's first micro-batch: how long Spark says it took, and when it
+            # ended (seconds since run()); "-" where a phase has no part in that start
+            columns = [*PHASES, *(f"{q}_{w}" for q in ("src", "agg", "out") for w in ("batch", "done")), "output"]
+            print("    median s          " + "".join(f"{m:>14}" for m in runs), flush=True)
+            for c in columns:
+                print(f"    {c:<18}" + "".join(
+                    f"{statistics.median(xs):>14.2f}" if (xs := [x[c] for x in v if c in x]) else f"{'-':>14}"
+                    for v in runs.values()), flush=True)
         store.close()
     spark.stop()
+    if s3 is not None:
+        s3.stop()
     return 0
 
 
