@@ -8,21 +8,27 @@ epoch every ``--interval`` seconds (the benchmark plays the Airflow trigger: ``t
 retention every ``--prune-every`` seconds (``prune_pipeline``, keep the last 3 completed epochs, as the
 retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 
-* the driver JVM: heap in use after a full collection, metaspace, threads, open files, and the paths its
-  delete-on-exit list holds;
+* the driver JVM: its live heap (what a full collection keeps, by class: ``GC.class_histogram``), Spark's status
+  store entries (SQL executions, jobs, stages: what ``spark.sql.ui.retainedExecutions``, ``spark.ui.retainedJobs``
+  and ``spark.ui.retainedStages`` bound), metaspace, threads (and by name), open files, the paths its
+  delete-on-exit list holds and the files in Spark's block manager folders;
 * this Python process (the driver loop): live objects after ``gc.collect()`` and the blocks Python's small-object
   allocator holds (strings, numbers and the other objects ``gc`` does not track), resident memory, glibc's heap in
   use and the free memory it holds, pyarrow's default pool, its resident memory by kind of mapping (glibc's
   main heap, its other arenas, other anonymous memory, mapped files), the driver's releases
   of free memory after each epoch and their total time (``--no-release`` turns them off), threads, open files;
-* Spark's Python workers: processes and their resident memory;
+* Spark's Python workers below the driver's JVM: processes and their resident memory;
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
-  epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned;
+  epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned and
+  those of the newest epoch;
 * the epochs completed (the rate the rest is read against).
 
-Prints, per quantity, the first and last sample and the least-squares slope per hour over the samples of
-the whole window and of its second half, side by side: a quantity that levels off has a second-half slope
-well below the whole window's; one that leaks keeps the same slope. Then the storage's fullest folders.
+Prints, per quantity, the first and last sample, the least-squares slope per hour over the samples of
+the whole window and of its second half, side by side (a quantity that levels off has a second-half slope
+well below the whole window's; one that leaks keeps the same slope), and the mean of each half (a bounded
+sawtooth, such as the snapshots' delta chains, has a slope over any short window but equal means). Then the
+driver JVM's threads by name and its live heap by class that grew over the second half, the store's tables
+and the storage's fullest folders with the files each gained over the second half.
 Figures measured here are in benchmarks/results/soak.md; what bounds each quantity, in docs/runtime.md ("Supervised for
 months").
 
@@ -65,7 +71,14 @@ from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import generator_source
 
-_HEAP_USED = re.compile(r"heap\s+total \d+K, used (\d+)K")
+_HISTOGRAM_ROW = re.compile(r"^\s*\d+:\s+(\d+)\s+(\d+)\s+(\S+)", re.M)
+_HISTOGRAM_TOTAL = re.compile(r"^Total\s+\d+\s+(\d+)", re.M)
+_THREAD_NAME = re.compile(r'^"(.*?)" ', re.M)
+# Spark's status store (kept with the UI off too): what spark.sql.ui.retainedExecutions, spark.ui.retainedJobs and
+# spark.ui.retainedStages bound
+_STATUS_CLASSES = {"executions": "org.apache.spark.sql.execution.ui.SQLExecutionUIData",
+                   "jobs": "org.apache.spark.status.JobDataWrapper",
+                   "stages": "org.apache.spark.status.StageDataWrapper"}
 _META_USED = re.compile(r"Metaspace\s+used (\d+)K")
 
 
@@ -134,30 +147,56 @@ def resident_by_mapping(pid: int) -> dict[str, int]:
     return kinds
 
 
-def heap_after_gc(pid: int) -> tuple[int, int]:
-    """Bytes of the JVM's heap in use after a full collection (``GC.run`` is ``System.gc()``, which waits for
-    one), and of its metaspace (classes: Spark generates code per query and per batch)."""
-    subprocess.run(["jcmd", str(pid), "GC.run"], capture_output=True, check=True)
-    out = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, check=True).stdout
-    heap, meta = _HEAP_USED.search(out), _META_USED.search(out)
-    if heap is None or meta is None:
-        raise RuntimeError(f"unexpected GC.heap_info: {out[-300:]}")
-    return int(heap.group(1)) * 1024, int(meta.group(1)) * 1024
+def heap_after_gc(pid: int) -> tuple[int, int, Counter[str], Counter[str]]:
+    """The JVM's live heap: bytes of the objects a full collection keeps, by class (``GC.class_histogram`` runs
+    one and counts what survived at that moment; ``GC.heap_info`` after ``GC.run`` would also count what the busy
+    driver allocated in between), and its metaspace (classes: Spark generates code per query and per batch).
+    Returns (live bytes, metaspace bytes, bytes by class, instances by class)."""
+    out = subprocess.run(["jcmd", str(pid), "GC.class_histogram"], capture_output=True, text=True,
+                         check=True).stdout
+    sizes: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for match in _HISTOGRAM_ROW.finditer(out):
+        counts[match.group(3)] += int(match.group(1))
+        sizes[match.group(3)] += int(match.group(2))
+    total = _HISTOGRAM_TOTAL.search(out)
+    info = subprocess.run(["jcmd", str(pid), "GC.heap_info"], capture_output=True, text=True, check=True).stdout
+    meta = _META_USED.search(info)
+    if total is None or meta is None:
+        raise RuntimeError(f"unexpected GC.class_histogram / GC.heap_info: {out[-300:]} {info[-300:]}")
+    return int(total.group(1)), int(meta.group(1)) * 1024, sizes, counts
 
 
-def python_workers() -> tuple[int, int]:
-    """Spark's Python worker processes (daemons and their forks) and their resident memory in kB."""
-    count = rss = 0
+def thread_groups(pid: int) -> Counter[str]:
+    """The JVM's threads by name with the numbers masked (``Thread-N``, ``Executor task launch worker for task
+    N.N ...``): which kind of thread a rising count is."""
+    out = subprocess.run(["jcmd", str(pid), "Thread.print"], capture_output=True, text=True, check=True).stdout
+    return Counter(re.sub(r"[0-9a-f]*[0-9][0-9a-f]*", "N", m.group(1)) for m in _THREAD_NAME.finditer(out))
+
+
+def python_workers(jvm: int) -> tuple[int, int]:
+    """Spark's Python worker processes (daemons and their forks) below the JVM ``jvm`` and their resident memory
+    in kB; other Spark applications' workers on the machine are not counted."""
+    parents: dict[int, int] = {}
+    workers: list[int] = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline:
-                count += 1
-                rss += proc_status(int(entry), "VmRSS")
-        except OSError:  # gone meanwhile
+        except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
+        if b"pyspark.daemon" in cmdline or b"pyspark.worker" in cmdline:
+            workers.append(int(entry))
+    count = rss = 0
+    for pid in workers:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, jvm):
+            ancestor = parents.get(ancestor)
+        if ancestor == jvm:
+            count += 1
+            rss += proc_status(pid, "VmRSS")
     return count, rss
 
 
@@ -253,9 +292,19 @@ class Soak:
         # these two are kept, since a history of them (one per sample) grew this very process's memory
         self.types: Counter[str] = Counter()
         self.types_half: Counter[str] | None = None
+        # the same for the JVM's threads by name and its live heap by class (bytes)
+        self.threads: Counter[str] = Counter()
+        self.threads_half: Counter[str] | None = None
+        self.classes: Counter[str] = Counter()
+        self.classes_half: Counter[str] | None = None
+        self.folders_half: dict[str, int] = {}
         self.traced_half: tracemalloc.Snapshot | None = None
         self.traced_end: tracemalloc.Snapshot | None = None
         self.jvm_pid = jvm_pid(spark)
+        # Spark's block manager folders (shuffle files: its ContextCleaner deletes them once their shuffle is
+        # collected, and the samples' full collections make that prompt)
+        local_dirs = spark._jvm.org.apache.spark.SparkEnv.get().blockManager().diskBlockManager().localDirs()
+        self.local_dirs = [Path(str(d.getPath())) for d in local_dirs]
 
     def _guard(self, body: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
@@ -289,17 +338,20 @@ class Soak:
         conn.close()
         return int(row[0]) if row else 0
 
-    def references(self) -> tuple[int, int]:
-        """(snapshot object references, epochs not pruned): the rows retention bounds, counted exactly."""
+    def references(self) -> tuple[int, int, int]:
+        """(snapshot object references, epochs not pruned, references of the newest epoch that has any): the rows
+        retention bounds, counted exactly, and what one epoch adds (it follows the delta chains' sawtooth)."""
         import psycopg2
 
         with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
             cur.execute("SELECT (SELECT count(*) FROM arroyo_epoch_objects WHERE pipeline_id = %(p)s),"
-                        " (SELECT count(*) FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state <> 'pruned')",
+                        " (SELECT count(*) FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state <> 'pruned'),"
+                        " (SELECT count(*) FROM arroyo_epoch_objects WHERE pipeline_id = %(p)s AND epoch ="
+                        "  (SELECT max(epoch) FROM arroyo_epoch_objects WHERE pipeline_id = %(p)s))",
                         {"p": self.pid})
             row = cur.fetchone()
         conn.close()
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
     def tables(self) -> list[tuple[str, int, int, int]]:
         """The epoch store's tables, largest first: (table, live rows, dead rows, bytes with indexes)."""
@@ -316,17 +368,19 @@ class Soak:
         gc.collect()
         self.types = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
         me = os.getpid()
-        workers, workers_rss = python_workers()
+        workers, workers_rss = python_workers(self.jvm_pid)
         files, size = tree(self.storage)
         pruner = self.driver.socket_paths
-        heap, metaspace = heap_after_gc(self.jvm_pid)
-        references, unpruned = self.references()
+        heap, metaspace, self.classes, instances = heap_after_gc(self.jvm_pid)
+        self.threads = thread_groups(self.jvm_pid)
+        references, unpruned, newest_references = self.references()
         in_use, held_free = malloc_bytes()
         resident = resident_by_mapping(me)
         return {
             "epochs completed": self.completed_epochs(),
             "JVM heap after full GC (MB)": heap / 1e6,
             "JVM metaspace (MB)": metaspace / 1e6,
+            **{f"JVM status store {kind}": instances[name] for kind, name in _STATUS_CLASSES.items()},
             "JVM threads": proc_status(self.jvm_pid, "Threads"),
             "JVM open files": open_files(self.jvm_pid),
             "JVM delete-on-exit paths": pruner.registered() if pruner is not None else -1,
@@ -343,10 +397,12 @@ class Soak:
             "driver Python open files": open_files(me),
             "Python workers": workers,
             "Python workers RSS (MB)": workers_rss / 1e3,
+            "Spark local dir files": sum(tree(d)[0] for d in self.local_dirs),
             "storage files": files,
             "storage (MB)": size / 1e6,
             "epoch store DB (MB)": self.db_size() / 1e6,
             "epoch object references": references,
+            "newest epoch's references": newest_references,
             "epochs not pruned": unpruned,
         }
 
@@ -367,7 +423,8 @@ class Soak:
         while True:
             samples.append((time.monotonic() - start, self.sample()))
             if self.types_half is None and samples[-1][0] >= self.args.duration / 2:
-                self.types_half = self.types
+                self.types_half, self.threads_half, self.classes_half = self.types, self.threads, self.classes
+                self.folders_half = {f: n for f, n, _ in largest_folders(self.storage, top=1_000_000)}
                 if tracemalloc.is_tracing():
                     self.traced_half = tracemalloc.take_snapshot()
             print(f"{samples[-1][0]:7.0f}s " + ", ".join(f"{k} {v:,.1f}" for k, v in samples[-1][1].items()),
@@ -403,13 +460,18 @@ def report(samples: list[tuple[float, dict[str, float]]], prunes: int) -> None:
     half = [s for s in samples if s[0] >= seconds / 2]
     print(f"\n{len(samples)} samples over {seconds / 60:.1f} min, {prunes} retention runs; slopes per hour "
           "(least squares), the whole window and its second half:")
-    print(f"{'quantity':28} {'first':>12} {'last':>12} {'per hour':>12} {'2nd half':>12} {'2nd / whole':>12}")
+    # a quantity that follows a sawtooth (the snapshots' delta chains, Spark's cleanup) has a slope over any window
+    # shorter than a few of its teeth, however bounded it is: the means of the two halves tell it from a leak
+    print(f"{'quantity':28} {'first':>12} {'last':>12} {'per hour':>12} {'2nd half':>12} {'2nd / whole':>12} "
+          f"{'1st mean':>12} {'2nd mean':>12}")
+    first_half = [s for s in samples if s[0] < seconds / 2]
     for key in samples[0][1]:
         whole = slope_per_hour([(t, v[key]) for t, v in samples])
         second = slope_per_hour([(t, v[key]) for t, v in half])
         ratio = second / whole if whole and abs(whole) > 1e-9 else float("nan")
+        means = [sum(v[key] for _, v in part) / len(part) if part else float("nan") for part in (first_half, half)]
         print(f"{key:28} {samples[0][1][key]:12,.1f} {samples[-1][1][key]:12,.1f} {whole:12,.1f} {second:12,.1f} "
-              f"{ratio:12.2f}")
+              f"{ratio:12.2f} {means[0]:12,.1f} {means[1]:12,.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
               f"every {args.prune_every:g}s (keep 3); {args.duration:g}s sampled every {args.every:g}s after "
               f"{args.warmup:g}s; free memory released after each epoch: {not args.no_release}", flush=True)
         soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
+        # where to look while it runs (psql, jstack, a listing): the cluster is trust-only on 127.0.0.1
+        print(f"epoch store {pg.dsn}, storage {tmp}/storage, driver JVM pid {soak.jvm_pid}", flush=True)
         print(soak.driver.pipeline.explain(spark), flush=True)
         samples = soak.run()
         report(samples, soak.prunes)
@@ -447,14 +511,24 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe driver's live objects that grew most over the second half, by type:")
         for name, more in grown:
             print(f"  {name:70} +{more:,}")
+        print("\nthe driver JVM's threads by name at the end, and their change over the second half:")
+        half_threads = soak.threads_half or Counter()
+        by_change = sorted(soak.threads.items(), key=lambda kv: (-abs(kv[1] - half_threads[kv[0]]), -kv[1]))
+        for name, count in by_change[:12]:
+            print(f"  {name[:90]:90} {count:5,} {count - half_threads[name]:+5,}")
+        half_classes = soak.classes_half or Counter()
+        print("\nthe driver JVM's live heap that grew most over the second half, by class (MB):")
+        grown_classes = sorted(((n, b - half_classes[n]) for n, b in soak.classes.items()), key=lambda kv: -kv[1])
+        for name, more in grown_classes[:10]:
+            print(f"  {name[:90]:90} {more / 1e6:+8.2f}")
         if soak.traced_half is not None and soak.traced_end is not None:
             print_traced_growth(soak.traced_half, soak.traced_end)
         print("\nthe epoch store's largest tables at the end (live rows, dead rows, MB):")
         for table, live, dead, size in soak.tables():
             print(f"  {table:40} {live:10,} {dead:10,} {size / 1e6:10.1f}")
-        print("\nthe storage's fullest folders at the end (files, MB):")
+        print("\nthe storage's fullest folders at the end (files, MB, files gained over the second half):")
         for folder, files, size in largest_folders(Path(tmp) / "storage"):
-            print(f"  {folder:70} {files:8,} {size / 1e6:10.1f}")
+            print(f"  {folder:70} {files:8,} {size / 1e6:10.1f} {files - soak.folders_half.get(folder, 0):+8,}")
         store.close()
     spark.stop()
     return 0
