@@ -489,6 +489,12 @@ class PipelineDriver:
         queries that ``stage`` now runs fused, refusing by name what the renumbering does not carry."""
         way = (f"restore with the epoch's fusion (chain=False between them), or drop their state with "
                f"allow_dropped_state=[{', '.join(repr(m) for m in members)}]")
+        in_flight = self._records_in_flight(members, epoch)
+        if in_flight:
+            raise ConfigurationError(
+                f"stage {stage!r}: epoch {epoch} cut {in_flight} unaligned, with records in flight in the channel the "
+                "merge removes (they would be lost); restore an epoch they were cut aligned in (a run with "
+                f"alignment_timeout=None takes only those), or {way}")
         source = next(m for m in members if self.logical.stage(m).kind is StageKind.SOURCE)
         holders = [m for m in members if self._stateful.get(m) is not False]
         if len(holders) > 1:
@@ -511,6 +517,21 @@ class PipelineDriver:
                                      f"under {members[-1]!r}'s name, and only a file sink's is carried across a "
                                      f"merge yet; {way}")
         return source, held
+
+    def _records_in_flight(self, stages: Sequence[str], epoch: int) -> str:
+        """Reads only: which of ``stages`` ``epoch`` cut unaligned with data entries between its cursor and the
+        barrier on an input (records a restore reads again from that channel), as ``"stage (channel), ..."``."""
+        found = []
+        for ack in self.store.acks(self.pipeline_id, epoch):
+            if ack.stage not in stages or not ack.details.get("unaligned"):
+                continue
+            for channel, cursor in sorted(ack.cursors.items()):
+                folder = self.layout.channel_fs(channel)
+                ch = Channel.open(folder) if Channel.exists(folder) else None
+                barrier = ch.find_barrier(epoch) if ch is not None else None
+                if ch is None or barrier is None or any(not e.is_barrier for e in ch.entries(cursor, barrier)):
+                    found.append(f"{ack.stage} ({channel})")
+        return ", ".join(found)
 
     def _restore_facts(self) -> RestoreFacts:
         """The facts :func:`plan_restore` needs for this run's ``restore_from`` (read as the CLI reads them)."""
@@ -1532,6 +1553,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds between heartbeats (default: $ARROYO_HEARTBEAT_INTERVAL, else 2)")
     parser.add_argument("--warmup-timeout", type=float, default=DEFAULT_WARMUP_TIMEOUT,
                         help="seconds to let every query run its first micro-batch before epochs may start")
+    parser.add_argument("--alignment-timeout", type=float, default=None, metavar="SECONDS",
+                        help="seconds an epoch waits for its barriers at a stage reading a channel before the stage "
+                             "cuts unaligned (0: at once; default: always aligned)")
     parser.add_argument("--allow-dropped-state", action="append", default=[], metavar="STAGE",
                         help="an upgrade: a stage of the restored epoch whose state this code drops (repeatable)")
     parser.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
@@ -1596,6 +1620,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pipeline = load_pipeline(args.pipeline, _kv(args.arg, "--arg"))
         pipeline.validate()
+        validate_alignment_timeout(args.alignment_timeout)
     except ConfigurationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -1629,7 +1654,8 @@ def main(argv: list[str] | None = None) -> int:
                             own_spark=True, warmup_timeout=args.warmup_timeout,
                             allow_dropped_state=args.allow_dropped_state,
                             renamed={k: str(v) for k, v in _kv(args.rename, "--rename").items()},
-                            rescale={k: int(v) for k, v in _kv(args.rescale, "--rescale").items()})
+                            rescale={k: int(v) for k, v in _kv(args.rescale, "--rescale").items()},
+                            alignment_timeout=args.alignment_timeout)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.warning("pipeline=%s: signal %s: stopping immediately", pipeline.pipeline_id, signum)

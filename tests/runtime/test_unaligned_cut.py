@@ -71,6 +71,11 @@ def _logs(epochs: int, gaps: list[list[int]]) -> list[list[object]]:
     return out
 
 
+def _barrier_at(log: list[object], index: int) -> int | None:
+    entry = log[index] if index >= 0 else None
+    return entry if isinstance(entry, int) else None
+
+
 def _retain(log: list[object], low: int) -> list[tuple[int, object]]:
     """What channel retention keeps of ``log`` for a low watermark ``low`` (core/retention.py: the entries from
     ``low - 1`` on)."""
@@ -102,8 +107,7 @@ def test_simulated_unaligned_cuts_keep_every_record_exactly_once(n_inputs: int, 
                     break  # the reader stops right after a barrier
             advanced |= end != pos[name]
             pos[name] = end
-        ends = [InputEnd(n, pos[n], log[pos[n] - 1] if pos[n] > 0 and isinstance(log[pos[n] - 1], int) else None)
-                for n, log in zip(names, logs, strict=True)]
+        ends = [InputEnd(n, pos[n], _barrier_at(log, pos[n] - 1)) for n, log in zip(names, logs, strict=True)]
         d = decide_alignment(ends, last_cut)  # never a protocol error, whatever was cut unaligned before
         if d.action is AlignmentAction.CUT:
             cuts.append((d.epoch or 0, dict(d.cursors), False))
@@ -136,3 +140,23 @@ def test_simulated_unaligned_cuts_keep_every_record_exactly_once(n_inputs: int, 
             assert all(i in kept for i in replayed) and barrier in kept
             before = [i for i in range(cursors[n]) if log[i] == "d"]
             assert sorted(before + replayed) == [i for i in range(barrier + 1) if log[i] == "d"]
+
+
+# ----------------------------------------------------------------------------- where users give it
+
+def test_the_driver_refuses_a_bad_timeout_before_anything(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from typing import Any, cast
+
+    from airflow_arroyo.runtime import driver
+    from airflow_arroyo.runtime.pipeline import Pipeline
+
+    with pytest.raises(ConfigurationError, match="alignment_timeout=-1"):
+        # no store, no Spark: refused before either is touched
+        driver.PipelineDriver(Pipeline("p"), cast(Any, None), storage_uri="/nowhere", alignment_timeout=-1)
+    monkeypatch.setenv("ARROYO_DSN", "postgresql://nobody@127.0.0.1:1/none")  # never connected to
+    code = driver.main(["--pipeline", "tests.runtime.test_unaligned_exactly_once:pipeline", "--arg", "pipeline_id=p",
+                        "--arg", "root=/nowhere", "--arg", "rows=1", "--arg", "rate=1", "--arg", "delay=0",
+                        "--storage-uri", "/nowhere", "--alignment-timeout", "-1"])
+    assert code == 2
+    assert "alignment_timeout=-1.0: give the seconds" in capsys.readouterr().err
