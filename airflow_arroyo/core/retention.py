@@ -464,7 +464,7 @@ def _prune_under_lease(store: EpochStore, lease: _Lease, policy: RetentionPolicy
             continue
         # pos is the oldest retained epoch's ack cursor, where its reader resumes: right after its barrier (which a
         # restore looks up to cut the channel there: keep that entry), or before it after an unaligned cut, whose
-        # records in flight a restore reads again; the barriers of retained epochs all lie after pos
+        # records in flight a restore reads again; no retained epoch's barrier lies before pos - 1
         start = max(0, pos - 1)
         channel_freed = channel.truncate_before(start)
         report.channel_bytes_freed += channel_freed
