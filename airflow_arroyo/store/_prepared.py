@@ -39,8 +39,9 @@ _lock = threading.Lock()
 _prepared: weakref.WeakKeyDictionary[PgConnection, set[str]] = weakref.WeakKeyDictionary()
 
 
-def execute_prepared(cur: PgRawCursor, statement: Prepared, params: Sequence[Any]) -> None:
-    """Execute ``statement`` with ``params`` on ``cur``'s connection, preparing it there the first time."""
+def execute_prepared(cur: PgRawCursor, statement: Prepared, params: Sequence[Any], *, prefix: str = "") -> None:
+    """Execute ``statement`` with ``params`` on ``cur``'s connection, preparing it there the first time.
+    ``prefix``: statements without parameters sent before it in the same round trip (``"BEGIN; "``)."""
     if len(params) != len(statement.types):
         raise ValueError(f"{statement.name}: {len(statement.types)} parameters expected, got {len(params)}")
     conn = cur.connection
@@ -50,4 +51,4 @@ def execute_prepared(cur: PgRawCursor, statement: Prepared, params: Sequence[Any
         cur.execute(f"PREPARE {statement.name}({', '.join(statement.types)}) AS {statement.sql}")
         names.add(statement.name)
     placeholders = ", ".join(["%s"] * len(params))
-    cur.execute(f"EXECUTE {statement.name}({placeholders})", tuple(params))
+    cur.execute(f"{prefix}EXECUTE {statement.name}({placeholders})", tuple(params))

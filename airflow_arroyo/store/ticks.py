@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from typing import Any
 
+import psycopg2
+import psycopg2.extras
 from psycopg2.extensions import cursor as PgRawCursor
 
 from airflow_arroyo.core.epochs import (
@@ -34,7 +37,7 @@ from airflow_arroyo.core.exceptions import (
 from airflow_arroyo.store._db import Concern, PgCursor, dict_rows
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
 from airflow_arroyo.store._transitions import transition
-from airflow_arroyo.store.records import EpochRecord, TickRequest, TickResult, epoch_columns, from_row
+from airflow_arroyo.store.records import EPOCH_COLUMNS, EpochRecord, TickRequest, TickResult, epoch_columns, from_row
 
 __all__ = ["Ticks"]
 
@@ -80,8 +83,20 @@ _START_EPOCHS = Prepared(
     "   WHERE p.pipeline_id = ins.pipeline_id AND p.pipeline_id = ANY($1))"
     " SELECT * FROM ins",
 )
+# The locks, the existence check, the facts and the ended watched epochs in one call (migration 0016).
+_TICK_LOCK_FACTS = Prepared(
+    "arroyo_tick_lock_facts", ("text[]", "text[]", "text[]", "int[]", "text[]", "bigint[]"),
+    "SELECT * FROM arroyo_tick_lock_facts($1, $2, $3, $4, $5, $6)",
+)
+# True: a batch's locks, facts and watched epochs are one round trip (arroyo_tick_lock_facts); False: four
+# statements, as before migration 0016 (kept for benchmarks/trigger_load.py's side-by-side comparison).
+ONE_CALL = True
 
-
+# locked pipeline rows, unknown pipelines, facts per locked pipeline, ended watched epochs, when they were read
+_Locked = tuple[dict[str, dict[str, Any]], set[str], dict[str, dict[str, Any]], dict[str, tuple[EpochRecord, ...]],
+                float]
+# an ended epoch's row of arroyo_tick_lock_facts: EpochRecord's fields in its e_ columns
+_ENDED_COLUMNS = tuple((name, f"e_{name}") for name in EPOCH_COLUMNS)
 
 
 class Ticks(Concern):
@@ -133,35 +148,48 @@ class Ticks(Concern):
             raise ConfigurationError("trigger_ticks: a pipeline may appear once per batch; tick it again after")
         if not requests:
             return []
+        if ONE_CALL:
+            return self._db.retried(lambda: self._one_call_tx(requests))
+
         def tx(cur: PgCursor) -> list[TickResult | ArroyoError | None]:
             with cur.connection.cursor() as raw:  # the batch's own statements: rows built by dict_rows
                 return self._ticks(cur, raw, requests)
 
         return self._db.tx(tx)
 
+    def _one_call_tx(self, requests: Sequence[TickRequest]) -> list[TickResult | ArroyoError | None]:
+        """The batch's transaction with BEGIN sent in the round trip of its first statement (psycopg2 would send
+        it alone): the connection is in autocommit and the transaction is the batch's own, BEGIN to COMMIT."""
+        with self._db.connection() as conn:
+            conn.autocommit = True
+            try:
+                with conn.cursor(cursor_factory=psycopg2.extras.RealDictCursor) as cur, conn.cursor() as raw:
+                    try:
+                        out = self._ticks(cur, raw, requests)
+                        raw.execute("COMMIT")
+                    except BaseException:
+                        if not conn.closed:  # not left open for the pool (which would close the connection)
+                            with suppress(psycopg2.Error):
+                                raw.execute("ROLLBACK")
+                        raise
+                return out
+            finally:
+                if not conn.closed:
+                    conn.autocommit = False
+
     def _ticks(self, cur: PgCursor, raw: PgRawCursor, requests: Sequence[TickRequest]
                ) -> list[TickResult | ArroyoError | None]:
         out: list[TickResult | ArroyoError | None] = [None] * len(requests)
-        wait = sorted(r.pipeline_id for r in requests if not r.skip_if_locked)
-        skip = sorted(r.pipeline_id for r in requests if r.skip_if_locked)
-        pipes: dict[str, dict[str, Any]] = {}
-        # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
-        # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
-        for ids, statement in ((wait, _TICK_LOCK), (skip, _TICK_LOCK_SKIP)):
-            if ids:
-                execute_prepared(raw, statement, (ids,))
-                pipes.update((row["pipeline_id"], row) for row in dict_rows(raw))
-        missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
-        if missing:
-            cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (missing,))
-            exist = {row["pipeline_id"] for row in cur.fetchall()}  # locked by another: skipped
-            for i, r in enumerate(requests):
-                if r.pipeline_id in missing and r.pipeline_id not in exist:
-                    out[i] = UnknownPipelineError(r.pipeline_id)
+        if ONE_CALL:
+            pipes, unknown, facts, watched, observed_at = self._lock_facts_one_call(raw, requests)
+        else:
+            pipes, unknown, facts, watched, observed_at = self._lock_facts_separately(cur, raw, requests)
+        for i, r in enumerate(requests):
+            if r.pipeline_id in unknown:
+                out[i] = UnknownPipelineError(r.pipeline_id)
         todo = [(i, r) for i, r in enumerate(requests) if r.pipeline_id in pipes]
         if not todo:
             return out
-        facts, watched, observed_at = self._tick_facts(raw, [r for _, r in todo])
         starts: list[tuple[int, TickRequest, TriggerDecision]] = []
         expires: list[tuple[int, TickRequest, TriggerDecision]] = []
         decided: dict[int, tuple[TriggerFacts, TriggerDecision]] = {}
@@ -213,6 +241,58 @@ class Ticks(Concern):
                                 last_epoch=decision.epoch if r.pipeline_id in started else tf.last_epoch,
                                 observed_at=observed_at)
         return out
+
+    @staticmethod
+    def _lock_facts_one_call(raw: PgRawCursor, requests: Sequence[TickRequest]) -> _Locked:
+        """The batch's row locks, which pipelines exist, and every locked pipeline's facts and ended watched
+        epochs in one round trip (``arroyo_tick_lock_facts``, migration 0016; the same statements as
+        :meth:`_lock_facts_separately`, each with a fresh snapshot)."""
+        pairs = sorted({(r.pipeline_id, int(e)) for r in requests for e in r.watch})
+        t0 = time.monotonic()
+        execute_prepared(raw, _TICK_LOCK_FACTS, (
+            sorted(r.pipeline_id for r in requests if not r.skip_if_locked),
+            sorted(r.pipeline_id for r in requests if r.skip_if_locked),
+            [r.pipeline_id for r in requests], [r.policy.tolerable_failures + 2 for r in requests],
+            [p for p, _ in pairs], [e for _, e in pairs]), prefix="BEGIN; ")
+        rows = dict_rows(raw)
+        observed_at = (t0 + time.monotonic()) / 2
+        pipes: dict[str, dict[str, Any]] = {}
+        unknown: set[str] = set()
+        watched: dict[str, tuple[EpochRecord, ...]] = {}
+        for row in rows:
+            pid = row["pipeline_id"]
+            if row["e_epoch"] is not None:  # a watched epoch that ended (in epoch order)
+                rec = EpochRecord(**{name: row[key] for name, key in _ENDED_COLUMNS})
+                watched[pid] = (*watched.get(pid, ()), rec)
+            elif not row["found"]:
+                unknown.add(pid)
+            elif row["locked"]:
+                pipes[pid] = row
+        return pipes, unknown, pipes, watched, observed_at
+
+    def _lock_facts_separately(self, cur: PgCursor, raw: PgRawCursor, requests: Sequence[TickRequest]) -> _Locked:
+        """:meth:`_lock_facts_one_call` as separate statements: the locks, the existence of the pipelines not
+        locked, the facts, the watched epochs (``ONE_CALL = False``: the path before migration 0016)."""
+        wait = sorted(r.pipeline_id for r in requests if not r.skip_if_locked)
+        skip = sorted(r.pipeline_id for r in requests if r.skip_if_locked)
+        pipes: dict[str, dict[str, Any]] = {}
+        # Blocking locks first, in id order, while holding no other: ordered locking cannot deadlock.
+        # Then the rest without waiting (SKIP LOCKED never waits, so it cannot deadlock either).
+        for ids, statement in ((wait, _TICK_LOCK), (skip, _TICK_LOCK_SKIP)):
+            if ids:
+                execute_prepared(raw, statement, (ids,))
+                pipes.update((row["pipeline_id"], row) for row in dict_rows(raw))
+        missing = [r.pipeline_id for r in requests if r.pipeline_id not in pipes]
+        unknown: set[str] = set()
+        if missing:
+            cur.execute("SELECT pipeline_id FROM arroyo_pipelines WHERE pipeline_id = ANY(%s)", (missing,))
+            exist = {row["pipeline_id"] for row in cur.fetchall()}  # locked by another: skipped
+            unknown = set(missing) - exist
+        locked = [r for r in requests if r.pipeline_id in pipes]
+        if not locked:
+            return pipes, unknown, {}, {}, 0.0
+        facts, watched, observed_at = Ticks._tick_facts(raw, locked)
+        return pipes, unknown, facts, watched, observed_at
 
     @staticmethod
     def _tick_facts(cur: PgRawCursor, requests: Sequence[TickRequest]

@@ -13,6 +13,8 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
 import pytest
 
 from airflow_arroyo.core.epochs import (
@@ -24,12 +26,23 @@ from airflow_arroyo.core.epochs import (
 )
 from airflow_arroyo.core.exceptions import ConfigurationError, UnknownPipelineError
 from airflow_arroyo.devtools.history import check_history
-from airflow_arroyo.store import EpochStore, TickRequest, TickResult
+from airflow_arroyo.store import EpochStore, TickRequest, TickResult, ticks
+from airflow_arroyo.store._db import Database
 from airflow_arroyo.store._prepared import Prepared, execute_prepared
+from airflow_arroyo.testing import wait_for
 from tests.support import running
 
 POLICY = CheckpointPolicy(interval=3600, timeout=7200, tolerable_failures=3)
 STAGES = ["source", "sink"]
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["one-call", "separate"])
+def lock_facts_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test on both ways a batch reads its locks and facts: one call of ``arroyo_tick_lock_facts``
+    (migration 0016) and the separate statements before it (``ticks.ONE_CALL = False``, the benchmark's
+    baseline): they must decide alike."""
+    monkeypatch.setattr(ticks, "ONE_CALL", request.param)
+    return bool(request.param)
 
 
 def shift_history(dsn: str, pid: str, seconds: float) -> None:
@@ -238,3 +251,104 @@ def test_a_statement_is_prepared_once_per_connection_and_outlives_a_rollback(mig
     finally:
         first.close()
         second.close()
+
+
+def test_a_tick_that_waited_for_a_lock_decides_on_what_the_holder_committed(store: EpochStore,
+                                                                          migrated_dsn: str) -> None:
+    """The facts are read after the lock is held (a fresh snapshot, in the one call as in separate statements):
+    a cleanup that took its lease while the tick waited for the row is seen, so no epoch starts during it."""
+    running(store, "p", stages=STAGES)
+    holder = psycopg2.connect(migrated_dsn)
+    try:
+        with holder.cursor() as cur:  # a cleanup in the middle of taking its lease under the row lock
+            cur.execute("SELECT 1 FROM arroyo_pipelines WHERE pipeline_id = 'p' FOR UPDATE")
+            cur.execute("INSERT INTO arroyo_cleanup_locks (pipeline_id, cleanup_run, holder, expires_at)"
+                        " VALUES ('p', 1, 'retention@w1', clock_timestamp() + interval '10 minutes')")
+        waited: list[object] = []
+        thread = threading.Thread(target=lambda: waited.extend(store.trigger_ticks([TickRequest("p", POLICY)])))
+        thread.start()
+        watcher = psycopg2.connect(migrated_dsn)
+        try:
+            with watcher.cursor() as cur:
+                def tick_waits_for_the_lock() -> bool:
+                    cur.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                                " AND pid <> pg_backend_pid() AND datname = current_database()")
+                    return bool(cur.fetchone()[0])  # type: ignore[index]
+                wait_for(tick_waits_for_the_lock, what="the tick waiting for the row lock")
+        finally:
+            watcher.close()
+        holder.commit()
+        thread.join(10)
+        (result,) = waited
+        assert isinstance(result, TickResult)
+        assert result.decision.action is TriggerAction.WAIT_CLEANUP and result.started is None
+    finally:
+        holder.close()
+    assert store.list_epochs("p") == []
+
+
+def test_a_steady_batch_is_three_round_trips(migrated_dsn: str, lock_facts_path: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each tick of a busy triggerer pays for is its batch's round trips: a batch that finds an epoch
+    ended, one skipped row and one unknown pipeline, and starts epochs, is three in one call (BEGIN with the
+    locks, existence, facts and ended epochs; the starts; COMMIT), seven as separate statements."""
+    sent: list[str] = []
+
+    def begins(cur: Any) -> None:  # psycopg2 sends BEGIN alone before a transaction's first statement
+        if not cur.connection.autocommit and cur.connection.status == psycopg2.extensions.STATUS_READY:
+            sent.append("BEGIN")
+
+    class Counting(psycopg2.extensions.cursor):
+        def execute(self, query: Any, vars: Any = None) -> None:
+            begins(self)
+            sent.append(str(query))
+            super().execute(query, vars)
+
+    class CountingDict(psycopg2.extras.RealDictCursor):
+        def execute(self, query: Any, vars: Any = None) -> None:
+            begins(self)
+            sent.append(str(query))
+            super().execute(query, vars)
+
+    class Connection(psycopg2.extensions.connection):
+        def commit(self) -> None:
+            if self.status != psycopg2.extensions.STATUS_READY:
+                sent.append("COMMIT")
+            super().commit()
+
+        def cursor(self, *args: Any, **kwargs: Any) -> Any:
+            factory = kwargs.pop("cursor_factory", None)
+            dict_rows = factory is not None and issubclass(factory, psycopg2.extras.RealDictCursor)
+            return super().cursor(*args, cursor_factory=CountingDict if dict_rows else Counting, **kwargs)
+
+    def connect(db: Database) -> Any:  # the store's connections, counting what their cursors send
+        return psycopg2.connect(db.dsn, connection_factory=Connection, application_name=db.application_name)
+
+    monkeypatch.setattr(Database, "connect", connect)
+    s = EpochStore(migrated_dsn, max_connections=1)
+    holder = psycopg2.connect(migrated_dsn)
+    try:
+        pids = [f"p{i}" for i in range(5)]
+        running(s, *pids, stages=STAGES)
+        policy = CheckpointPolicy(interval=0.001, timeout=60)
+        first = s.trigger_ticks([TickRequest(p, policy) for p in pids])  # prepares the statements
+        for p, r in zip(pids, first, strict=True):
+            assert isinstance(r, TickResult) and r.started is not None
+            for stage in STAGES:
+                s.ack_epoch(p, r.started.epoch, stage)
+        with holder.cursor() as cur:
+            cur.execute("SELECT 1 FROM arroyo_pipelines WHERE pipeline_id = 'p4' FOR UPDATE")
+        sent.clear()
+        results = s.trigger_ticks([TickRequest(p, policy, skip_if_locked=True, watch=(1,)) for p in pids]
+                                  + [TickRequest("nope", policy, skip_if_locked=True)])
+        statements = [q for q in sent if not q.startswith("PREPARE")]
+        assert len(statements) == (3 if lock_facts_path else 7), statements
+        assert results[4] is None and isinstance(results[5], UnknownPipelineError)
+        for r in results[:4]:
+            assert isinstance(r, TickResult) and r.started is not None and r.started.epoch == 2
+            assert [(e.epoch, e.state.value) for e in r.ended] == [(1, "completed")]
+            assert r.ended[0].ended_at is not None and r.ended[0].ended_at.tzinfo is not None
+    finally:
+        holder.close()
+        s.close()
+    check_history(migrated_dsn).assert_clean()
