@@ -49,7 +49,11 @@ __all__ = ["TickCoalescer"]
 
 RETRY_SKIPPED = 0.01  # seconds before a tick whose row was locked is asked for again
 SKIPS_BEFORE_WAITING = 3  # then it goes in a batch that waits for the lock
+MAX_BATCH = 128  # most ticks in one batch
 MAX_CONCURRENT = 1  # batches of ticks that never wait for a lock, in the database at once
+# more batches that never wait, besides, while at least a full batch of ticks waits in the queue (behind on the
+# schedule: the per-batch cost is then shared by full batches, and the next batch need not wait for the one before)
+LONG_QUEUE_BATCHES = 0
 MAX_WAITING = 2  # batches of one tick that waits for its row's lock, besides
 # The batch's slot is free again once its ticks committed; its report is read after, beside the next batch,
 # so the report's round trips are not in front of every next tick. True: the report is read in the slot.
@@ -68,18 +72,18 @@ class _Pending:
 class TickCoalescer:
     """Batches the ticks of one event loop against one store (get it with :meth:`for_store`).
 
-    :param max_batch: most ticks in one transaction.
+    :param max_batch: most ticks in one transaction. Default ``MAX_BATCH``.
     :param max_concurrent: batches of ticks that do not wait for locks in the database at once (each holds
         one pooled connection and one worker thread); a burst is split evenly over them. Default
         ``MAX_CONCURRENT``.
     :param max_waiting: batches of one tick waiting for its row's lock, besides. Default ``MAX_WAITING``.
     """
 
-    def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int = 128,
+    def __init__(self, store: EpochStore, loop: asyncio.AbstractEventLoop, *, max_batch: int | None = None,
                  max_concurrent: int | None = None, max_waiting: int | None = None) -> None:
         self.store = store
         self.loop = loop
-        self.max_batch = max_batch
+        self.max_batch = MAX_BATCH if max_batch is None else max_batch
         self.max_concurrent = MAX_CONCURRENT if max_concurrent is None else max_concurrent
         self.max_waiting = MAX_WAITING if max_waiting is None else max_waiting
         if self.max_concurrent < 1 or self.max_waiting < 1:
@@ -111,7 +115,9 @@ class TickCoalescer:
         return self._running_in[False] + self._running_in[True]
 
     def _limit(self, waits: bool) -> int:
-        return self.max_waiting if waits else self.max_concurrent
+        if waits:
+            return self.max_waiting
+        return self.max_concurrent + (LONG_QUEUE_BATCHES if len(self._queues[False]) >= self.max_batch else 0)
 
     def close(self) -> None:
         """Let the worker threads end once their batches are done (pending batches end with their loop)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import logging
 import select
@@ -48,6 +49,7 @@ RETRY_MIN, RETRY_MAX = 0.1, 2.0  # seconds between attempts to reconnect a liste
 STARTS_KEPT = 64  # epoch starts remembered per pipeline heard starting
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a listener recomputes its channels on every change of its subscriptions
 def channel_of(pipeline_id: str, *, starts: bool = False) -> str:
     """The pipeline's NOTIFY channel of epoch ends and pipeline changes, as the database's
     ``arroyo_channel()`` names it; with ``starts``, its channel of epoch starts."""

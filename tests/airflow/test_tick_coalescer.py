@@ -242,6 +242,59 @@ async def test_a_batch_whose_report_is_being_read_holds_back_no_next_batch(store
     coalescer.close()
 
 
+async def test_a_second_batch_goes_only_while_a_full_batch_of_ticks_waits(store: EpochStore,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LONG_QUEUE_BATCHES: behind the schedule (a full batch of ticks queued), more batches go beside the one in the
+    database; with fewer queued, they wait for it (one larger batch costs less than several small ones)."""
+    monkeypatch.setattr(_coalesce, "LONG_QUEUE_BATCHES", 1)
+    pids = [f"p{i:02d}" for i in range(9)]
+    running(store, *pids, stages=STAGES)
+    entered: list[list[str]] = []
+    inside, most = [0], [0]
+    first_in, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    real = _coalesce.decide_batch
+
+    def held(on: EpochStore, requests: list[TickRequest]) -> list[object]:
+        with lock:
+            entered.append([r.pipeline_id for r in requests])
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            if requests[0].pipeline_id == "p00":  # the first batch stays in the database until released
+                first_in.set()
+                assert release.wait(30)
+            return real(on, requests)  # type: ignore[return-value]
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(_coalesce, "decide_batch", held)
+    coalescer = TickCoalescer(store, asyncio.get_running_loop(), max_batch=4, max_concurrent=1)
+    try:
+        first = asyncio.create_task(coalescer.tick(TickRequest("p00", POLICY)))
+        deadline = time.monotonic() + 10
+        while not first_in.is_set():
+            assert time.monotonic() < deadline and not first.done()
+            await asyncio.sleep(0.01)
+        short = [asyncio.create_task(coalescer.tick(TickRequest(p, POLICY))) for p in pids[1:4]]
+        for _ in range(5):  # the turns of the loop in which a batch would be launched
+            await asyncio.sleep(0)
+        assert entered == [["p00"]], "a second batch went for a queue shorter than a batch"
+        long = [asyncio.create_task(coalescer.tick(TickRequest(p, POLICY))) for p in pids[4:]]
+        while len(entered) < 3:
+            assert time.monotonic() < deadline, f"no full batches went beside the held one: {entered}"
+            await asyncio.sleep(0.01)
+        assert entered[1:] == [pids[1:5], pids[5:9]] and not first.done()
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(first, *short, *long), timeout=10)
+    finally:
+        release.set()
+        coalescer.close()
+    assert all(r.started is not None and r.started.epoch == 1 for r in results)
+    assert most[0] == 2
+
+
 def test_two_triggerers_coalescers_never_put_two_epochs_in_flight(store: EpochStore, migrated_dsn: str) -> None:
     """Triggerer HA through the coalescers: two event loops (threads), each with its own store (as two
     triggerer processes have), tick the same pipelines as fast as the schedule allows while a fake
