@@ -37,6 +37,9 @@ interleave the modes):
   go alone beside them);
 * ``new-slot-report`` (not run by default): the new path with each batch's report read before the next batch
   may enter the database, as before the report was read beside it (``_coalesce.REPORT_IN_SLOT``);
+* ``new-separate`` (not run by default): the new path with a batch's row locks, the existence check, the
+  facts and the watched epochs as four statements, as before they were one call (``ticks.ONE_CALL``,
+  migration 0016);
 * ``new-gc`` (not run by default): the new path without freezing the process's objects out of Python's
   cyclic garbage collector when the first trigger runs (``[arroyo] triggerer_freeze_gc``).
 
@@ -184,6 +187,9 @@ class Variant:
     batches: int = 1  # _coalesce.MAX_CONCURRENT: batches of a triggerer in the database at once
     freeze_gc: bool = True  # [arroyo] triggerer_freeze_gc: gc.freeze() when the first trigger runs
     report_in_slot: bool = False  # _coalesce.REPORT_IN_SLOT: the next batch waits for the report's read
+    max_batch: int = 128  # _coalesce.MAX_BATCH: most ticks in one batch
+    long_queue_batches: int = 0  # _coalesce.LONG_QUEUE_BATCHES: more batches while a full batch waits
+    one_call: bool = True  # ticks.ONE_CALL: a batch's locks, facts and ended epochs in one call (migration 0016)
 
 
 OLD = Variant("old", coalesce=False, listen=False, freeze_gc=False)  # as first shipped
@@ -193,8 +199,12 @@ NEW_3BATCHES = Variant("new-3batches", coalesce=True, listen=True, follower_skip
 NEW_GC = Variant("new-gc", coalesce=True, listen=True, follower_skips=4, freeze_gc=False)  # full GC scans
 NEW_SLOT_REPORT = Variant("new-slot-report", coalesce=True, listen=True, follower_skips=4,
                           report_in_slot=True)  # as before the report was read beside the next batch
+NEW_SEPARATE = Variant("new-separate", coalesce=True, listen=True, follower_skips=4,
+                       one_call=False)  # as before migration 0016: locks, existence, facts, ended epochs apart
+NEW_512 = Variant("new-512", coalesce=True, listen=True, follower_skips=4, max_batch=512)  # larger batches
+NEW_LONG2 = Variant("new-long2", coalesce=True, listen=True, follower_skips=4, long_queue_batches=1)
 PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES, "new-gc": NEW_GC,
-         "new-slot-report": NEW_SLOT_REPORT}
+         "new-slot-report": NEW_SLOT_REPORT, "new-separate": NEW_SEPARATE, "new-512": NEW_512, "new-long2": NEW_LONG2}
 
 
 @dataclass(frozen=True)
@@ -333,6 +343,7 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
 
     from airflow_arroyo.hooks import arroyo as hook_module
     from airflow_arroyo.store import AsyncEpochStore, _coalesce
+    from airflow_arroyo.store import ticks as ticks_module
     from airflow_arroyo.store._coalesce import TickCoalescer
     from airflow_arroyo.store._listen import EpochListener
     from airflow_arroyo.triggers import checkpoint as trigger_module
@@ -345,6 +356,9 @@ async def run_triggers(variant: Variant, pids: list[str], interval: float, dsn: 
     trigger_module.FOLLOWER_SKIPS = variant.follower_skips
     _coalesce.MAX_CONCURRENT = variant.batches
     _coalesce.REPORT_IN_SLOT = variant.report_in_slot
+    ticks_module.ONE_CALL = variant.one_call
+    _coalesce.MAX_BATCH = variant.max_batch
+    _coalesce.LONG_QUEUE_BATCHES = variant.long_queue_batches
     os.environ["AIRFLOW__ARROYO__TRIGGERER_FREEZE_GC"] = str(variant.freeze_gc)
     ticked: set[str] = set()
     calls = instrument_store_calls(ticked)
