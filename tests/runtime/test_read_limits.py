@@ -46,23 +46,20 @@ def test_the_warning_names_the_stage_the_sources_and_the_options_to_set() -> Non
 def test_the_limit_spark_plans_a_source_with_is_read_from_the_running_query(spark: Any, tmp_path: Path) -> None:
     paced = generator_source(spark, seed=1, rows_per_second=50)
     capped = generator_source(spark, seed=2, rows_per_second=50, rows_per_batch=7)
-    queries = [df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / name))
-               .trigger(processingTime="100 milliseconds").start()
-               for name, df in (("paced", paced), ("capped", capped))]
+    # one query over both sources: one start, and Spark plans each source with its own limit
+    query = (paced.unionByName(capped).writeStream.format("noop").option("checkpointLocation", str(tmp_path))
+             .trigger(processingTime="100 milliseconds").start())
     try:
-        for q in queries:
-            def triggered(q: Any = q) -> bool:
-                return q.lastProgress is not None
-
-            wait_for(triggered, timeout=120, what="the query's first trigger")
-        got = [query_read_limits(q) for q in queries]
+        wait_for(lambda: query.lastProgress is not None, timeout=120, what="the query's first trigger")
+        got = query_read_limits(query)
     finally:
-        for q in queries:
-            q.stop()
-    assert got[0] is not None and got[1] is not None
-    assert [s.limits for s in got[0]] == [("ReadAllAvailable",)] and not got[0][0].bounded
-    assert [s.limits for s in got[1]] == [("ReadMaxRows",)] and got[1][0].bounded
-    assert "7" in got[1][0].text
+        query.stop()
+    assert got is not None
+    by_limit = {s.limits: s for s in got}
+    assert sorted(by_limit) == [("ReadAllAvailable",), ("ReadMaxRows",)]
+    assert not by_limit[("ReadAllAvailable",)].bounded
+    assert by_limit[("ReadMaxRows",)].bounded and "7" in by_limit[("ReadMaxRows",)].text
+    assert unbounded_sources(got) == [by_limit[("ReadAllAvailable",)].source]
 
 
 @pytest.mark.spark
