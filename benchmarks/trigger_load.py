@@ -112,9 +112,20 @@ def _heartbeat(conn: Any, last: float) -> float:
     return time.monotonic()
 
 
+def own_session() -> None:
+    """With ``--own-sessions``: this process starts a session of its own. On Linux with
+    ``sched_autogroup_enabled`` each session is one scheduling group with an equal share of the CPUs, as a
+    triggerer run as a service of its own (its own host, container or cgroup) would have; without it the
+    benchmark's triggerers and acker share one session's share."""
+    if os.environ.get("TRIGGER_LOAD_OWN_SESSIONS") == "1":
+        os.setsid()
+
+
 def acker_sql_main(dsn: str, stop: Any, ready: Any, _threads: int) -> None:  # the ackers' signature
     """Complete every in-flight epoch of every pipeline in one statement, every 5 ms."""
     import psycopg2
+
+    own_session()
     import psycopg2.errors
 
     conn = psycopg2.connect(dsn, application_name="acker")
@@ -135,6 +146,8 @@ def acker_sql_main(dsn: str, stop: Any, ready: Any, _threads: int) -> None:  # t
 def acker_store_main(dsn: str, stop: Any, ready: Any, threads: int) -> None:
     """Acknowledge every stage of every in-flight epoch through ``EpochStore.ack_epoch``."""
     import psycopg2
+
+    own_session()
 
     from airflow_arroyo.core.exceptions import ArroyoError
     from airflow_arroyo.store import EpochStore
@@ -188,7 +201,7 @@ class Variant:
     freeze_gc: bool = True  # [arroyo] triggerer_freeze_gc: gc.freeze() when the first trigger runs
     report_in_slot: bool = False  # _coalesce.REPORT_IN_SLOT: the next batch waits for the report's read
     max_batch: int = 128  # _coalesce.MAX_BATCH: most ticks in one batch
-    long_queue_batches: int = 0  # _coalesce.LONG_QUEUE_BATCHES: more batches while a full batch waits
+    long_queue_batches: int = 1  # _coalesce.LONG_QUEUE_BATCHES: more batches while a full batch waits
     one_call: bool = True  # ticks.ONE_CALL: a batch's locks, facts and ended epochs in one call (migration 0016)
 
 
@@ -200,11 +213,13 @@ NEW_GC = Variant("new-gc", coalesce=True, listen=True, follower_skips=4, freeze_
 NEW_SLOT_REPORT = Variant("new-slot-report", coalesce=True, listen=True, follower_skips=4,
                           report_in_slot=True)  # as before the report was read beside the next batch
 NEW_SEPARATE = Variant("new-separate", coalesce=True, listen=True, follower_skips=4,
-                       one_call=False)  # as before migration 0016: locks, existence, facts, ended epochs apart
+                       one_call=False, long_queue_batches=0)  # as before migration 0016 and LONG_QUEUE_BATCHES
 NEW_512 = Variant("new-512", coalesce=True, listen=True, follower_skips=4, max_batch=512)  # larger batches
-NEW_LONG2 = Variant("new-long2", coalesce=True, listen=True, follower_skips=4, long_queue_batches=1)
+NEW_ONE_BATCH = Variant("new-one-batch", coalesce=True, listen=True, follower_skips=4,
+                        long_queue_batches=0)  # never a second batch beside the one in the database
 PATHS = {"old": OLD, "new": NEW, "new-ticking": NEW_TICKING, "new-3batches": NEW_3BATCHES, "new-gc": NEW_GC,
-         "new-slot-report": NEW_SLOT_REPORT, "new-separate": NEW_SEPARATE, "new-512": NEW_512, "new-long2": NEW_LONG2}
+         "new-slot-report": NEW_SLOT_REPORT, "new-separate": NEW_SEPARATE, "new-512": NEW_512,
+         "new-one-batch": NEW_ONE_BATCH}
 
 
 @dataclass(frozen=True)
@@ -262,6 +277,8 @@ def triggerer_main(variant: Variant, pids: list[str], interval: float, dsn: str,
                    stagger: bool, tolerable: int) -> None:
     """One triggerer process: reports its window's figures, then (after ``stop``) its final events."""
     import logging
+
+    own_session()
 
     logging.getLogger("airflow_arroyo").setLevel(logging.WARNING)
     try:
@@ -687,7 +704,12 @@ def main() -> None:
     parser.add_argument("--stagger", action="store_true",
                         help="start the triggers spread over one interval (as tasks defer at different times), "
                              "not all at once")
+    parser.add_argument("--own-sessions", action="store_true",
+                        help="each triggerer process and the acker in a session of its own (a scheduling group of "
+                             "its own under Linux's autogroup, as separate triggerer services would be)")
     args = parser.parse_args()
+    if args.own_sessions:
+        os.environ["TRIGGER_LOAD_OWN_SESSIONS"] = "1"  # read by the spawned processes
 
     from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 

@@ -14,7 +14,9 @@ round trips, the server's and the client's work per statement), so on a busy mac
 batches in parallel cost more CPU than one larger one and made ticks later, not earlier
 (``benchmarks/trigger_load.py``, docs/controller.md "Load"). A tick that must wait for its row lock
 (after ``SKIPS_BEFORE_WAITING`` skips) goes in a batch of its own, alone, beside it (``MAX_WAITING`` of
-those), so that a row held for long holds back only the tick waiting for it.
+those), so that a row held for long holds back only the tick waiting for it. While a full batch of ticks or more
+is queued (the triggerer is behind its schedule), ``LONG_QUEUE_BATCHES`` more batches go beside the one in the
+database: then the next batch's work in this process overlaps the previous one's in the server.
 
 Safety is unchanged: each pipeline is still decided by the pure ``decide_trigger`` under its own row
 lock, and the partial unique index still admits one in-flight epoch per pipeline.
@@ -53,7 +55,7 @@ MAX_BATCH = 128  # most ticks in one batch
 MAX_CONCURRENT = 1  # batches of ticks that never wait for a lock, in the database at once
 # more batches that never wait, besides, while at least a full batch of ticks waits in the queue (behind on the
 # schedule: the per-batch cost is then shared by full batches, and the next batch need not wait for the one before)
-LONG_QUEUE_BATCHES = 0
+LONG_QUEUE_BATCHES = 1
 MAX_WAITING = 2  # batches of one tick that waits for its row's lock, besides
 # The batch's slot is free again once its ticks committed; its report is read after, beside the next batch,
 # so the report's round trips are not in front of every next tick. True: the report is read in the slot.

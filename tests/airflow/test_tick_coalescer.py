@@ -140,6 +140,7 @@ async def test_a_trigger_cancelled_while_its_row_is_locked_is_not_asked_for_agai
 async def test_ticks_are_served_in_the_order_asked_and_a_repeat_waits_for_the_next_batch(
         store: EpochStore, monkeypatch: pytest.MonkeyPatch) -> None:
     sent = record_batches(monkeypatch)
+    monkeypatch.setattr(_coalesce, "LONG_QUEUE_BATCHES", 0)  # the order of one slot's batches, one after the other
     pids = [f"p{i:02d}" for i in range(10)]
     running(store, *pids, stages=STAGES)
     coalescer = TickCoalescer(store, asyncio.get_running_loop(), max_batch=4, max_concurrent=1)
