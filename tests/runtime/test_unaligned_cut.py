@@ -19,6 +19,7 @@ from airflow_arroyo.runtime.alignment import (
     unaligned_cut,
     validate_alignment_timeout,
 )
+from tests.runtime.test_alignment import _build as _logs  # per input: data entries ("d") and barriers (ints)
 
 
 def test_no_timeout_means_always_aligned() -> None:
@@ -57,19 +58,6 @@ def test_good_timeouts_are_kept_as_seconds(value: object, kept: float | None) ->
 
 
 # ----------------------------------------------------------------------------- simulation
-
-def _logs(epochs: int, gaps: list[list[int]]) -> list[list[object]]:
-    """Per input: data entries ("d") and barriers (the epoch's int), every input carrying every barrier in order."""
-    out = []
-    for per_input in gaps:
-        log: list[object] = []
-        for e in range(1, epochs + 1):
-            log.extend(["d"] * per_input[e - 1])
-            log.append(e)
-        log.extend(["d"] * per_input[-1])
-        out.append(log)
-    return out
-
 
 def _barrier_at(log: list[object], index: int) -> int | None:
     entry = log[index] if index >= 0 else None
