@@ -67,11 +67,13 @@ from airflow_arroyo.core.epochs import CheckpointPolicy, RetentionPolicy
 from airflow_arroyo.core.retention import prune_pipeline
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.runtime import Pipeline
+from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import generator_source
 
 _HISTOGRAM_ROW = re.compile(r"^\s*\d+:\s+(\d+)\s+(\d+)\s+(\S+)", re.M)
+KEEP_LAST = 3  # completed epochs retention keeps
 _HISTOGRAM_TOTAL = re.compile(r"^Total\s+\d+\s+(\d+)", re.M)
 _THREAD_NAME = re.compile(r'^"(.*?)" ', re.M)
 # Spark's status store (kept with the UI off too): what spark.sql.ui.retainedExecutions, spark.ui.retainedJobs and
@@ -322,7 +324,7 @@ class Soak:
 
     def _retain(self) -> None:
         while not self.stop.wait(self.args.prune_every):
-            prune_pipeline(self.store, self.pid, RetentionPolicy(keep_last=3), holder="soak")
+            prune_pipeline(self.store, self.pid, RetentionPolicy(keep_last=KEEP_LAST), holder="soak")
             self.prunes += 1
 
     def completed_epochs(self) -> int:
@@ -352,6 +354,29 @@ class Soak:
             row = cur.fetchone()
         conn.close()
         return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+
+    def channel_entries(self) -> dict[str, float]:
+        """Per channel: the entries the epochs retention keeps need (from the oldest cursor the newest three
+        completed epochs resume at), and the entries before that, which the next retention run truncates. Both
+        bounded means the channel is: the first by the entries of three epochs, the second by a retention
+        interval's worth."""
+        import psycopg2
+
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT c.key, min((c.value)::text::bigint) FROM arroyo_acks a"
+                        " CROSS JOIN LATERAL jsonb_each(a.cursors) c WHERE a.pipeline_id = %(p)s AND a.epoch IN"
+                        " (SELECT epoch FROM arroyo_epochs WHERE pipeline_id = %(p)s AND state = 'completed'"
+                        "  ORDER BY epoch DESC LIMIT %(keep)s) GROUP BY c.key", {"p": self.pid, "keep": KEEP_LAST})
+            low = {str(r[0]): int(r[1]) for r in cur.fetchall()}
+        conn.close()
+        out: dict[str, float] = {}
+        for name, uri in sorted(self.store.get_pipeline(self.pid).channels.items()):
+            channel = Channel.open(uri)
+            start, end = channel.start_position(), channel.end_position()
+            kept_from = max(start, low.get(name, start) - 1)  # retention keeps the entry before the cursor
+            out[f"channel {name} entries kept epochs need"] = end - kept_from
+            out[f"channel {name} entries to truncate"] = kept_from - start
+        return out
 
     def tables(self) -> list[tuple[str, int, int, int]]:
         """The epoch store's tables, largest first: (table, live rows, dead rows, bytes with indexes)."""
@@ -404,6 +429,7 @@ class Soak:
             "epoch object references": references,
             "newest epoch's references": newest_references,
             "epochs not pruned": unpruned,
+            **self.channel_entries(),
         }
 
     def run(self) -> list[tuple[float, dict[str, float]]]:
@@ -499,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         store = EpochStore(pg.dsn)
         store.migrate()
         print(f"bounded_pipeline, local[2], {args.rate} rows/s per source, epochs every {args.interval:g}s, retention "
-              f"every {args.prune_every:g}s (keep 3); {args.duration:g}s sampled every {args.every:g}s after "
+              f"every {args.prune_every:g}s (keep {KEEP_LAST}); {args.duration:g}s sampled every {args.every:g}s after "
               f"{args.warmup:g}s; free memory released after each epoch: {not args.no_release}", flush=True)
         soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
         # where to look while it runs (psql, jstack, a listing): the cluster is trust-only on 127.0.0.1
