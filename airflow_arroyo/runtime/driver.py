@@ -383,6 +383,7 @@ class PipelineDriver:
                 self._epoch_watch.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=True, cancel_futures=True)
+            self._close_sinks()
             if self._own_spark and self._spark is not None:
                 self._spark.stop()
 
@@ -1071,6 +1072,14 @@ class PipelineDriver:
         first = self.graph.stage(head).inputs[0]
         schema = Channel.open(self.layout.channel_fs(first)).spark_schema
         Channel.create(folder, schema=schema)
+
+    def _close_sinks(self) -> None:
+        """Let the sinks go of their clients once the run ended (a failure to close must not hide how it ended)."""
+        for name, sink in self.sinks.items():
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - logged: the run's own outcome is what is raised
+                log.warning("pipeline=%s: sink %s did not close cleanly: %s", self.pipeline_id, name, _cause(exc))
 
     def _stop_queries(self) -> list[str]:
         """Stop every query, the sinks' first; the causes of those whose stream thread still runs."""

@@ -7,6 +7,7 @@ computed in plain Python from what the test produced."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -43,6 +44,15 @@ def produce_orders(kafka_broker: Any, topic: str, ids: range, *, partition: int 
         producer.produce(topic, key=key, value=value, partition=partition)
     assert producer.flush(30) == 0
     return sent
+
+
+def kafka_clients() -> int:
+    """The Kafka clients alive in this process: librdkafka names each one's main thread ``rdk:main``."""
+    alive = 0
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            alive += (task / "comm").read_text().strip() == "rdk:main"
+    return alive
 
 
 def output_ids(kafka_broker: Any, topic: str) -> Counter[int]:
@@ -175,6 +185,8 @@ def test_an_epoch_whose_kafka_offsets_retention_deleted_is_refused_by_name(
     assert store.latest_completed_epoch(pid).epoch == latest  # nothing changed
     # the latest epoch read partition 0 to its end: it still restores (stopped right after the restore)
     later = driver(restore_from="latest", run_id="later")
+    clients = kafka_clients()
     run_until(later, store, lambda: True, what="the restored run", epochs=False)
+    assert kafka_clients() == clients, "the run ended with its sink's Kafka producer still open"
     assert store.get_pipeline(pid).restored_from_epoch == latest
     assert output_ids(kafka_broker, out) == Counter(sorted(produced))  # the refused restores emitted nothing

@@ -80,6 +80,10 @@ class TransactionalSink(Protocol):
         """Read-only, before a restore's commit point: the newest batch after ``batch_id`` whose output readers
         have seen and a rollback cannot take back (None: a rollback to ``batch_id`` is possible)."""
 
+    def close(self) -> None:
+        """Let go of the clients it keeps between calls (the driver calls it when its run ends); a later call
+        opens them again."""
+
 
 def newest_generations(staged: Mapping[int, Iterable[int]], mine: int) -> dict[int, int]:
     """Per staged batch, the generation whose pre-commit counts: the highest not above this run's ``mine`` (a newer

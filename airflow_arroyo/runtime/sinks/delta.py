@@ -299,6 +299,9 @@ class TransactionalDeltaSink:
             if m is not None and int(m.group(1)) <= batch_id:
                 self.fs.delete(e.path)
 
+    def close(self) -> None:
+        """Nothing kept open between calls (the table is read through Spark's session)."""
+
     # ------------------------------------------------------------------ helpers
 
     def _checked(self, table: DeltaTable | None, what: str) -> int:

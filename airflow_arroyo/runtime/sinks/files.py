@@ -346,6 +346,9 @@ class TransactionalFileSink:
     def trim_through(self, batch_id: int) -> None:
         """Nothing to forget: committed files are the sink's output, and a rollback deletes by batch id."""
 
+    def close(self) -> None:
+        """Nothing kept open between calls."""
+
     # ------------------------------------------------------------------ listing
 
     def pending_batches(self) -> list[int]:

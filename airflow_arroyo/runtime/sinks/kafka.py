@@ -171,6 +171,13 @@ class TransactionalKafkaSink:
         committed = self._read_marker()
         return committed if committed > batch_id else None
 
+    def close(self) -> None:
+        """Let go of the transactional producer (its threads and broker connections). No transaction is open
+        between calls; a later use fences anew (``init_transactions``)."""
+        producer, self._producer, self._committed = self._producer, None, None
+        if producer is not None:
+            producer.close()
+
     # ------------------------------------------------------------------ phases
 
     def claim(self) -> None:

@@ -627,6 +627,9 @@ class TransactionalPostgresSink:
         """None: a rollback takes back whatever was committed after ``batch_id`` (readers see it go)."""
         return None
 
+    def close(self) -> None:
+        """Nothing kept open between calls: each one connects (a connection would not outlive an outage)."""
+
     def trim_through(self, batch_id: int) -> None:
         """Forget how to undo batches ``<= batch_id`` (no restore can go behind the epoch that cut there); a
         ``keep_journal`` sink (a shadow run's) forgets nothing."""
