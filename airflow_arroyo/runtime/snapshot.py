@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 #: Objects a restore copies at once (SnapshotStore.restore_workers).
 RESTORE_WORKERS = 8
+_LINKED, _REUSED, _COPIED = "linked", "reused", "copied"  # how a restore placed a file (_restore_one)
 _SPOOL_IN_MEMORY = 8 << 20  # objects up to this size are hashed in memory before an object-store put
 
 
@@ -107,7 +108,8 @@ class PreparedRestore:
     folder: str  # rel to the checkpoint root: the rebuilt checkpoint, not yet live
     files: int
     bytes: int
-    linked: int = 0  # files hard-linked to their objects (the rest copied)
+    linked: int = 0  # files hard-linked to their objects
+    reused: int = 0  # files the live checkpoint still held, hard-linked from there (the rest copied)
     seconds: float = 0.0  # rebuilding and verifying
 
 
@@ -140,6 +142,10 @@ class SnapshotStore:
         # checkpoint instead of copying it (both names then share the file: nothing writes checkpoint files in
         # place, see _link); False copies
         self.link_objects = True
+        # where objects would be copied (on S3, or link_objects off) and checkpoints are on a local disk, a restore
+        # takes each file the stage's live checkpoint still holds with the object's bytes from there instead
+        # (Flink's local recovery: a restart on the same machine downloads only what changed); False always copies
+        self.reuse_live_files = True
 
     # ------------------------------------------------------------------ capture
 
@@ -350,29 +356,34 @@ class SnapshotStore:
                 "nothing was changed: rebuild into a new folder (a restore names one itself), or delete this one if "
                 "nothing uses it", epoch=epoch, path=folder)
         t0 = time.monotonic()
+        copies = not (self.link_objects and storage.is_local and self.checkpoint_fs.is_local)
+        live = self.layout.checkpoint(stage) if copies and self.reuse_live_files and self.checkpoint_fs.is_local \
+            else None
         try:
             self.checkpoint_fs.makedirs(folder)
-            linked = self._restore_all(entries, epoch, stage, folder, storage, owner)
+            kinds = self._restore_all(entries, epoch, stage, folder, storage, owner, None if live == folder else live)
         except BaseException:
             self.checkpoint_fs.delete_tree(folder)  # our own half-built folder, never the live checkpoint
             raise
         took = time.monotonic() - t0
+        linked, reused = kinds.count(_LINKED), kinds.count(_REUSED)
         log.info("pipeline=%s epoch=%s stage=%s: checkpoint rebuilt and verified in %.2fs: %d files (%d linked, "
-                 "%d copied), %d bytes", self.pipeline_id, epoch, stage, took, len(entries), linked,
-                 len(entries) - linked, sum(e.bytes for e in entries))
+                 "%d reused from the live checkpoint, %d copied), %d bytes", self.pipeline_id, epoch, stage, took,
+                 len(entries), linked, reused, len(entries) - linked - reused, sum(e.bytes for e in entries))
         return PreparedRestore(stage=stage, epoch=epoch, folder=folder, files=len(entries),
-                               bytes=sum(e.bytes for e in entries), linked=linked, seconds=took)
+                               bytes=sum(e.bytes for e in entries), linked=linked, reused=reused, seconds=took)
 
     def _restore_all(self, entries: Sequence[SnapshotEntry], epoch: int, stage: str, folder: str,
-                     storage: FileSystem, owner: str) -> int:
-        """Link or copy, and verify, every entry into ``folder``, up to :attr:`restore_workers` at once; returns how
-        many were linked. The first failure is raised once the copies under way have ended (the caller deletes the
-        folder)."""
+                     storage: FileSystem, owner: str, live: str | None) -> list[str]:
+        """Link, reuse or copy, and verify, every entry into ``folder``, up to :attr:`restore_workers` at once;
+        returns how each was placed. The first failure is raised once the copies under way have ended (the caller
+        deletes the folder)."""
         workers = max(1, min(self.restore_workers, len(entries)))
         if workers == 1:
-            return sum(self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner) for e in entries)
+            return [self._restore_one(e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner, live)
+                    for e in entries]
         with ThreadPoolExecutor(workers, thread_name_prefix=f"arroyo-restore-{stage}") as pool:
-            futures = [pool.submit(self._restore_one, e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner)
+            futures = [pool.submit(self._restore_one, e, epoch, stage, f"{folder}/{e.rel_path}", storage, owner, live)
                        for e in entries]
             wait(futures, return_when=FIRST_EXCEPTION)
             errors = [exc for f in futures if f.done() and not f.cancelled() and (exc := f.exception()) is not None]
@@ -381,7 +392,7 @@ class SnapshotStore:
                     f.cancel()
                 wait(futures)  # no copy may still write into the folder the caller is about to delete
                 raise errors[0]
-            return sum(f.result() for f in futures)
+            return [f.result() for f in futures]
 
     def _link(self, storage: FileSystem, src: str, dest: str) -> bool:
         """Hard-link the object ``src`` as the checkpoint file ``dest`` when both are on one local file system;
@@ -414,14 +425,41 @@ class SnapshotStore:
         except OSError:
             return "a file"
 
+    def _reuse_live(self, e: SnapshotEntry, live: str, dest: str) -> bool:
+        """Hard-link the live checkpoint's file of ``e`` as ``dest`` when it holds the object's bytes, verified
+        through the link (which keeps the inode it named, whatever later replaces that name: nothing writes
+        checkpoint files in place, see :meth:`_link`); False leaves ``dest`` absent for a copy from storage."""
+        src = self.checkpoint_fs.arrow_path(f"{live}/{e.rel_path}")
+        target = self.checkpoint_fs.arrow_path(dest)
+        try:
+            if os.path.getsize(src) != e.bytes:
+                return False
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.link(src, target)
+        except FileExistsError:
+            raise  # rebuild checked the folder was empty: reported by the caller as a writer in the folder
+        except OSError:  # gone since (Spark's cleanup), or no hard links here: copied from storage
+            return False
+        h = hashlib.sha256()
+        with open(target, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        if h.hexdigest() == object_digest(e.object_key):
+            return True
+        os.unlink(target)
+        return False
+
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,
-                     owner: str) -> bool:
-        """Link (:meth:`_link`) or copy one object into the checkpoint and verify its size and SHA-256 in the same
-        read (a link is verified by reading the shared file once); True if linked."""
+                     owner: str, live: str | None) -> str:
+        """Reuse the live checkpoint's file (:meth:`_reuse_live`), link (:meth:`_link`) or copy one object into the
+        checkpoint and verify its size and SHA-256 in the same read (a link is verified by reading the shared file
+        once); returns which it did."""
         src = object_path(owner, e.object_key)
         where = f"{e.rel_path} of stage {stage!r} (object {storage.uri_of(src)})"
         linked = False
         try:
+            if live is not None and self._reuse_live(e, live, dest):
+                return _REUSED
             h = hashlib.sha256()
             size = 0
             linked = self._link(storage, src, dest)
@@ -461,7 +499,7 @@ class SnapshotStore:
                 "content does not match its SHA-256 name); nothing was changed, choose an earlier epoch",
                 epoch=epoch, path=src,
             )
-        return linked
+        return _LINKED if linked else _COPIED
 
     def commit_restore(self, prepared: PreparedRestore) -> str | None:
         """Make a prepared checkpoint live by rewriting the stage's checkpoint pointer (the commit point; no
