@@ -21,7 +21,9 @@ into the rebuilt checkpoint where they share a local file system with it, RocksD
 working folder by the provider's file system) and ``copy`` (every object copied into the checkpoint and every SST
 file copied into RocksDB's working folder, as before the links) and ``serial`` (linked, but without the batch of
 no rows a resumed channel reader offers at its start: each stage reading a channel then runs its first batch only
-once the stage before it writes, one after another, as before that batch). The session is a local master's as the driver
+once the stage before it writes, one after another, as before that batch) and ``download`` (linked, but every
+object read from the snapshots' storage even where the local live checkpoint still holds the file: with
+``s3-objects``, the restore before local recovery). The session is a local master's as the driver
 builds it (``airflow_arroyo.jvm.local_master_conf``: the provider's ``file:`` file system).
 
 ``--placements`` runs each size where its state lives: ``local`` (channels, snapshots and Spark's checkpoints on the
@@ -206,6 +208,7 @@ def first_output(spark: Any, store: EpochStore, args: argparse.Namespace, pid: s
                             checkpoint_uri=f"{checkpoints}/{pid}" if checkpoints else None,
                             restore_from="latest" if mode is not None else None, takeover=True)
     driver.snapshots.link_objects = mode != "copy"
+    driver.snapshots.reuse_live_files = mode not in ("copy", "download")
     StageRunner.warm_resumed_inputs = mode != "serial"
     jvm = spark.sparkContext._jvm
     jvm.java.lang.System.setProperty(LINK_SST_FILES, "false" if mode == "copy" else "true")
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3, help="epochs after the state is full")
     ap.add_argument("--rounds", type=int, default=2, help="restore / cold start pairs (order alternates)")
     ap.add_argument("--modes", default="link",
-                    help="ways to restore, each per round: link (the product's), copy, serial")
+                    help="ways to restore, each per round: link (the product's), copy, serial, download")
     ap.add_argument("--placements", default="local",
                     help="where the state lives, comma-separated: local (disk), s3 (a moto server, s3a checkpoints), "
                          "s3-objects (channels and snapshots on S3, Spark's checkpoints on the disk)")
@@ -251,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conf", type=conf_pair, action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if not set(modes) <= {"link", "copy", "serial"}:
-        ap.error(f"--modes: link, copy and/or serial, got {args.modes!r}")
+    if not set(modes) <= {"link", "copy", "serial", "download"}:
+        ap.error(f"--modes: link, copy, serial and/or download, got {args.modes!r}")
     placements = args.placements.split(",")
     if not set(placements) <= {"local", "s3", "s3-objects"}:
         ap.error(f"--placements: local, s3 and/or s3-objects, got {args.placements!r}")
