@@ -142,7 +142,7 @@ class SnapshotStore:
         # checkpoint instead of copying it (both names then share the file: nothing writes checkpoint files in
         # place, see _link); False copies
         self.link_objects = True
-        # where objects would be copied (on S3, or link_objects off) and checkpoints are on a local disk, a restore
+        # where objects are on remote storage (S3) and checkpoints on a local disk, a restore
         # takes each file the stage's live checkpoint still holds with the object's bytes from there instead
         # (Flink's local recovery: a restart on the same machine downloads only what changed); False always copies
         self.reuse_live_files = True
@@ -356,9 +356,8 @@ class SnapshotStore:
                 "nothing was changed: rebuild into a new folder (a restore names one itself), or delete this one if "
                 "nothing uses it", epoch=epoch, path=folder)
         t0 = time.monotonic()
-        copies = not (self.link_objects and storage.is_local and self.checkpoint_fs.is_local)
-        live = self.layout.checkpoint(stage) if copies and self.reuse_live_files and self.checkpoint_fs.is_local \
-            else None
+        live = self._live_folder(snapshot_stage or stage) if (
+            self.reuse_live_files and not storage.is_local and self.checkpoint_fs.is_local) else None
         try:
             self.checkpoint_fs.makedirs(folder)
             kinds = self._restore_all(entries, epoch, stage, folder, storage, owner, None if live == folder else live)
@@ -425,6 +424,16 @@ class SnapshotStore:
         except OSError:
             return "a file"
 
+    def _live_folder(self, stage: str) -> str | None:
+        """The stage's live checkpoint folder, or None where its pointer cannot be read (reuse is only a shortcut:
+        the restore then downloads, and the switch reports the pointer)."""
+        try:
+            return self.layout.checkpoint(stage)
+        except (ConfigurationError, ValueError, OSError) as exc:
+            log.info("pipeline=%s stage=%s: the live checkpoint's pointer was not read (%s); every object is read "
+                     "from storage", self.pipeline_id, stage, exc)
+            return None
+
     def _reuse_live(self, e: SnapshotEntry, live: str, dest: str) -> bool:
         """Hard-link the live checkpoint's file of ``e`` as ``dest`` when it holds the object's bytes, verified
         through the link (which keeps the inode it named, whatever later replaces that name: nothing writes
@@ -441,12 +450,17 @@ class SnapshotStore:
         except OSError:  # gone since (Spark's cleanup), or no hard links here: copied from storage
             return False
         h = hashlib.sha256()
-        with open(target, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        if h.hexdigest() == object_digest(e.object_key):
-            return True
-        os.unlink(target)
+        try:
+            with open(target, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+        except OSError:  # a bad block in the live file: the object is the copy to read
+            pass
+        else:
+            if h.hexdigest() == object_digest(e.object_key):
+                return True
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
         return False
 
     def _restore_one(self, e: SnapshotEntry, epoch: int, stage: str, dest: str, storage: FileSystem,

@@ -294,7 +294,6 @@ def test_restore_from_a_middle_batch_gives_the_same_result(spark: Any, store: An
     assert result.bytes_new == result.bytes_total > 0
 
     snaps.link_objects = False  # copied: same files, none shares its object's inode
-    snaps.reuse_live_files = False  # (else each would be linked from the live checkpoint, which holds them all)
     copied = snaps.prepare_restore("agg", epoch)
     assert copied.linked == 0 and copied.files == len(result.entries)
     assert all(os.stat(tmp_path / copied.folder / e.rel_path).st_ino != os.stat(obj(e)).st_ino
