@@ -44,6 +44,7 @@ Figures measured here are in benchmarks/results/state_scale.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -192,6 +193,7 @@ def fill(spark: Any, store: EpochStore, root: str, args: argparse.Namespace, key
     state = [a for a in store.acks(pid, latest.epoch) if a.stage == "agg"][0]
     return {"pid": pid, "storage": storage, "fill_s": fill_s,
             "state_bytes": int((state.details or {}).get("state_bytes") or 0),
+            "snapshot_bytes": latest.bytes_total or 0,
             "epoch_p50": pct(durations, 50), "epoch_p99": pct(durations, 99),
             "bytes_new_p50": statistics.median([e.bytes_new or 0 for e in epochs]) if epochs else 0,
             "epochs": len(epochs)}
@@ -264,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     spark = local_session_builder("arroyo-state-scale", driver_memory=args.driver_memory,
                                   confs={**local_master_conf(), **dict(args.conf)}).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    # each rebuild's line: files linked, reused from the live checkpoint and copied, and the time it took
+    rebuilt = logging.getLogger("airflow_arroyo.runtime.snapshot")
+    rebuilt.setLevel(logging.INFO)
+    rebuilt.addHandler(logging.StreamHandler(sys.stdout))
     rows = []
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-scale-") as tmp:
         store = EpochStore(pg.dsn)
@@ -299,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:>7} {placement:>10} {keys:>9,} keys: state {row['state_bytes'] / 1e6:,.1f} MB, "
                   f"fill {row['fill_s']:.0f} s,"
                   f" epoch p50 {row['epoch_p50']:.2f} s p99 {row['epoch_p99']:.2f} s, bytes new p50 "
-                  f"{row['bytes_new_p50'] / 1e6:,.1f} MB; first output: "
+                  f"{row['bytes_new_p50'] / 1e6:,.1f} MB, restored snapshot {row['snapshot_bytes'] / 1e6:,.1f} MB;"
+                  " first output: "
                   + "; ".join(f"{'cold start' if m == 'cold' else 'restore (' + m + ')'} "
                               f"{statistics.median(x['output'] for x in v):.1f} s "
                               f"{[round(x['output'], 1) for x in v]}"
