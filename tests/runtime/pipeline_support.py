@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -76,7 +77,8 @@ def store_view(store: Any, pipeline_id: str) -> dict[str, Any]:
     }
 
 
-_MAINTENANCE_SNAPSHOT = re.compile(r"\.?\d+\.snapshot(\.crc)?")
+# N.snapshot, its .crc, and the temporary names Spark writes them under first (.N.snapshot.<uuid>.tmp, ..crc)
+_MAINTENANCE_SNAPSHOT = re.compile(r"\.{0,2}\d+\.snapshot(\.[^/]*\.tmp)?(\.crc)?")
 
 
 def spark_maintenance_wrote(path: Path) -> bool:
@@ -86,11 +88,24 @@ def spark_maintenance_wrote(path: Path) -> bool:
     return "state" in path.parts and _MAINTENANCE_SNAPSHOT.fullmatch(path.name) is not None
 
 
+def settled_files(root: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every file below ``root`` with its stat, without what Spark's maintenance writes by itself
+    (:func:`spark_maintenance_wrote`) and without a file renamed or deleted between the listing and its stat."""
+    found = []
+    for p in root.rglob("*"):
+        if spark_maintenance_wrote(p):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            st = p.stat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((p, st))
+    return found
+
+
 def file_tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file below ``root``: size and mtime (a rewrite, even of the same bytes, shows); without what Spark's
-    maintenance writes by itself (:func:`spark_maintenance_wrote`)."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-            if p.is_file() and not spark_maintenance_wrote(p)}
+    """Every settled file below ``root`` (:func:`settled_files`): size and mtime (a rewrite, even of the same
+    bytes, shows)."""
+    return {str(p.relative_to(root)): (st.st_size, st.st_mtime_ns) for p, st in settled_files(root)}
 
 
 def fail_at(step: str) -> Callable[[str], None]:

@@ -45,7 +45,7 @@ from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.layout import StorageLayout
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, channel_row_count, channel_rows, committed_rows, wait_for
-from tests.runtime.pipeline_support import DEMO_ROWS, Driver, check_barriers_follow_cuts, current
+from tests.runtime.pipeline_support import DEMO_ROWS, Driver, check_barriers_follow_cuts, current, settled_files
 from tests.support import sql
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -338,8 +338,9 @@ def test_killed_right_after_an_epoch_cut_while_batch_0_ran_then_restored_from_la
             if latest is None or stage is None:
                 return None, None, None
             ack = {a.stage: a for a in store.acks(pid, latest.epoch)}.get(stage)
-            state = [p for p in (storage / layout.checkpoint(stage) / "state").rglob("*") if p.is_file()]
-            first_state = min((p.stat().st_mtime for p in state), default=None)
+            # settled: a temporary file Spark renamed between the listing and its stat is skipped
+            state = settled_files(storage / layout.checkpoint(stage) / "state")
+            first_state = min((st.st_mtime for _, st in state), default=None)
             return latest, (None if ack is None else ack.details.get("batch_id")), first_state
 
         def found() -> Any:

@@ -18,7 +18,7 @@ from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.store import EpochStore
 from airflow_arroyo.testing import CheckpointTicker, DriverThread, wait_for
 
-from .pipeline_support import spark_maintenance_wrote
+from .pipeline_support import settled_files
 from .test_upgrade_restore import KEYS, dedup, folder_values, source
 
 pytestmark = [pytest.mark.spark]
@@ -37,7 +37,7 @@ def dedup_after_a_filter(df: Any) -> Any:
 
 
 def tree(root: Path) -> list[tuple[str, int]]:
-    return sorted((str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file() and not spark_maintenance_wrote(p))
+    return sorted((str(p), st.st_size) for p, st in settled_files(root))
 
 
 def version(pid: str, root: Path, code: Any) -> Pipeline:
