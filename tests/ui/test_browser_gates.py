@@ -61,6 +61,7 @@ def approver_browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def test_a_person_rejects_and_approves_gates_with_the_pages_buttons(
         api_server: ApiServer, approver_browser: Any, store: EpochStore, gates: list[int]) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -84,7 +85,8 @@ def test_a_person_rejects_and_approves_gates_with_the_pages_buttons(
     row = d.find_element(By.CSS_SELECTOR, f"tr[data-epoch='{e2}']")
     row.find_element(By.CSS_SELECTOR, "input[name=reason]").send_keys("12 negative amounts")
     row.find_element(By.CSS_SELECTOR, "button.reject").click()
-    WebDriverWait(d, 30).until(
+    # the page reloads after the click: a row found just before the reload is stale, so look again
+    WebDriverWait(d, 30, ignored_exceptions=(StaleElementReferenceException,)).until(
         lambda drv: drv.find_element(By.CSS_SELECTOR, f"tr[data-epoch='{e2}']").get_attribute("data-state")
         == "failed")
     assert d.current_url == f"{page}#gates"
@@ -101,7 +103,7 @@ def test_a_person_rejects_and_approves_gates_with_the_pages_buttons(
     d.switch_to.frame(frame)
     _wait_for(d, "table#gate-table")
     d.find_element(By.CSS_SELECTOR, f"tr[data-epoch='{e3}'] button.approve").click()
-    WebDriverWait(d, 30).until(
+    WebDriverWait(d, 30, ignored_exceptions=(StaleElementReferenceException,)).until(
         lambda drv: drv.find_element(By.CSS_SELECTOR, f"tr[data-epoch='{e3}']").get_attribute("data-state")
         == "passed")
     assert not d.find_elements(By.CSS_SELECTOR, f"tr[data-epoch='{e3}'] button")
