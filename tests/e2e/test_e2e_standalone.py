@@ -191,7 +191,7 @@ def _run(airflow: EmbeddedAirflow, store: EpochStore, home: Path) -> None:
 
     # -- 3: retention during the run; the trigger defers while the cleanup lock is held
     cleanup_runs: list[str] = []
-    for _attempt in range(4):
+    for _attempt in range(10):  # each run holds the lock briefly; a tick must land inside one of them
         retention_run = airflow.trigger(RETENTION_DAG, {"keep_last": "2"})
         cleanup_runs.append(retention_run)
         final = airflow.wait_run(RETENTION_DAG, retention_run, timeout=300, on_poll=run_state)
