@@ -114,6 +114,28 @@ def malloc_bytes() -> tuple[int, int]:
     return info.uordblks + info.hblkhd, info.fordblks
 
 
+_STAT = re.compile(r"^# (bytes in allocated blocks|arenas allocated current)\s*=\s*([\d,]+)$", re.M)
+
+
+def pymalloc_bytes() -> tuple[int, int]:
+    """Python's small-object allocator (pymalloc) in this process: bytes in its blocks in use and its arenas'
+    count, from ``sys._debugmallocstats()`` (which writes to the C stderr: file descriptor 2 goes to a temporary
+    file for the call, and what another thread writes there meanwhile is lost). Live bytes rising with arenas
+    tells live small objects from fragmentation (arenas rising, bytes flat); (0, 0) without pymalloc."""
+    with tempfile.TemporaryFile() as out:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        found = {k: int(v.replace(",", "")) for k, v in _STAT.findall(out.read().decode(errors="replace"))}
+    return found.get("bytes in allocated blocks", 0), found.get("arenas allocated current", 0)
+
+
 _ARENA_ALIGN = 64 << 20  # glibc's non-main arenas are heaps of up to 64 MB, each aligned to its size
 
 
@@ -400,6 +422,7 @@ class Soak:
         self.threads = thread_groups(self.jvm_pid)
         references, unpruned, newest_references = self.references()
         in_use, held_free = malloc_bytes()
+        small_bytes, arenas = pymalloc_bytes()
         resident = resident_by_mapping(me)
         return {
             "epochs completed": self.completed_epochs(),
@@ -411,6 +434,8 @@ class Soak:
             "JVM delete-on-exit paths": pruner.registered() if pruner is not None else -1,
             "driver Python objects": len(gc.get_objects()),
             "driver pymalloc blocks": sys.getallocatedblocks(),
+            "driver pymalloc bytes in use (MB)": small_bytes / 1e6,
+            "driver pymalloc arenas": arenas,
             "driver Python RSS (MB)": proc_status(me, "VmRSS") / 1e3,
             "driver malloc in use (MB)": in_use / 1e6,
             "driver malloc free held (MB)": held_free / 1e6,
@@ -472,7 +497,12 @@ class Soak:
 def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 12) -> None:
     """Where the Python memory still allocated grew between two snapshots, by allocating traceback."""
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
-    stats = after.filter_traces(ignore).compare_to(before.filter_traces(ignore), "traceback")
+    after, before = after.filter_traces(ignore), before.filter_traces(ignore)
+    # a growth spread over many tracebacks shows first by the file that allocated it
+    print("\nPython memory still allocated over the second half, by the file that allocated it (largest changes):")
+    for stat in sorted(after.compare_to(before, "filename"), key=lambda s: -abs(s.size_diff))[:top]:
+        print(f"  {stat.size_diff / 1e3:+10,.1f} KB in {stat.count_diff:+,} blocks  {stat.traceback[0].filename}")
+    stats = after.compare_to(before, "traceback")
     print(f"\nPython memory still allocated that grew most over the second half (of "
           f"{sum(s.size_diff for s in stats) / 1e6:+,.2f} MB in all), by where it was allocated:")
     for stat in stats[:top]:
