@@ -51,7 +51,7 @@ import threading
 import time
 import tracemalloc
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -316,6 +316,7 @@ class Soak:
         # these two are kept, since a history of them (one per sample) grew this very process's memory
         self.types: Counter[str] = Counter()
         self.types_half: Counter[str] | None = None
+        self.containers_half: dict[int, tuple[type, int]] = {}
         # the same for the JVM's threads by name and its live heap by class (bytes)
         self.threads: Counter[str] = Counter()
         self.threads_half: Counter[str] | None = None
@@ -475,6 +476,7 @@ class Soak:
             samples.append((time.monotonic() - start, self.sample()))
             if self.types_half is None and samples[-1][0] >= self.args.duration / 2:
                 self.types_half, self.threads_half, self.classes_half = self.types, self.threads, self.classes
+                self.containers_half = container_lengths()
                 self.folders_half = {f: n for f, n, _ in largest_folders(self.storage, top=1_000_000)}
                 if tracemalloc.is_tracing():
                     self.traced_half = tracemalloc.take_snapshot()
@@ -486,12 +488,72 @@ class Soak:
         if tracemalloc.is_tracing():
             self.traced_end = tracemalloc.take_snapshot()
             tracemalloc.stop()
+        if self.containers_half:  # while the driver still holds what it holds
+            print_container_growth(self.containers_half)
         self.stop.set()
         self.store.request_stop(self.pid, "immediate")
         threads[0].join(300)
         if self.failure:
             raise SystemExit(f"the pipeline failed: {self.failure[0]}")
         return samples
+
+
+_CONTAINERS = (list, dict, set, deque)
+
+
+def _containers() -> dict[int, Any]:
+    """Every built-in container (lists, dicts, sets, deques) that ``gc`` tracks or that a tracked object holds: a
+    dict holding only strings and numbers is not tracked itself, so it is found through its holder."""
+    found: dict[int, Any] = {}
+    for o in gc.get_objects():
+        for x in (o, *gc.get_referents(o)):
+            if isinstance(x, _CONTAINERS):
+                found[id(x)] = x
+    return found
+
+
+def container_lengths() -> dict[int, tuple[type, int]]:
+    """The length of every built-in container, by id. What a container holds may be objects ``gc`` does not track
+    (floats, ints, strings, small tuples): a container that grows shows here while the count of tracked objects
+    stays flat."""
+    return {i: (type(o), len(o)) for i, o in _containers().items()}
+
+
+def owner_of(obj: object, ignore: set[int]) -> str:
+    """Who holds ``obj``: an attribute of an object, a module's global, a key of a dict, or the holder's type."""
+    holders = [r for r in gc.get_referrers(obj) if id(r) not in ignore]
+    for ref in holders:
+        if isinstance(ref, dict):
+            key = next((k for k, v in ref.items() if v is obj), None)
+            module = next((m.__name__ for m in list(sys.modules.values()) if getattr(m, "__dict__", None) is ref),
+                          None)
+            if module is not None:
+                return f"{module}.{key}"
+            holder = next((h for h in gc.get_referrers(ref) if getattr(h, "__dict__", None) is ref), None)
+            if holder is not None:
+                return f"{type(holder).__module__}.{type(holder).__qualname__}.{key}"
+            return f"a dict's item {str(key)[:60]!r}"
+        attrs = getattr(ref, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(ref, type):
+            key = next((k for k, v in attrs.items() if v is obj), None)
+            if key is not None:
+                return f"{type(ref).__module__}.{type(ref).__qualname__}.{key}"
+    kinds = sorted({type(r).__qualname__ for r in holders})
+    return "held by " + ", ".join(kinds[:4]) if kinds else "held from C"
+
+
+def print_container_growth(half: dict[int, tuple[type, int]], top: int = 10) -> None:
+    """The containers that grew most since ``half`` (same id and type: an id reused by a new container of the
+    same type can show as growth), with who holds them."""
+    now = _containers()
+    lengths = {i: len(o) for i, o in now.items()}
+    grown = sorted(((lengths[i] - half[i][1], i) for i, o in now.items()
+                    if i in half and half[i][0] is type(o) and lengths[i] > half[i][1]), reverse=True)[:top]
+    ignore = {id(now), id(half)}
+    print("\nthe built-in containers that grew most over the second half (items gained, items at the end, holder):")
+    for more, i in grown:
+        obj = now[i]
+        print(f"  {more:+8,} {len(obj):9,}  {type(obj).__qualname__:10} {owner_of(obj, ignore)[:100]}")
 
 
 def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 12) -> None:
