@@ -180,8 +180,8 @@ def prove(base: Path, rows: int, rows_per_batch: int, nm_memory_mb: int) -> dict
 
     import airflow_arroyo.runtime.driver as driver_module
     import airflow_arroyo.triggers.settle as settle
-    from airflow_arroyo.devtools.postgres import ThrowawayPostgres
     from airflow_arroyo.core.epochs import PipelineState
+    from airflow_arroyo.devtools.postgres import ThrowawayPostgres
     from airflow_arroyo.examples import OUTPUT_CHANNEL, expected_report
     from airflow_arroyo.operators.pipeline import SubmitPipelineOperator
     from airflow_arroyo.runtime.layout import StorageLayout
