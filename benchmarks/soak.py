@@ -552,8 +552,7 @@ def print_container_growth(half: dict[int, tuple[type, int]], top: int = 10) -> 
     ignore = {id(now), id(half)}
     print("\nthe built-in containers that grew most over the second half (items gained, items at the end, holder):")
     for more, i in grown:
-        obj = now[i]
-        print(f"  {more:+8,} {len(obj):9,}  {type(obj).__qualname__:10} {owner_of(obj, ignore)[:100]}")
+        print(f"  {more:+8,} {lengths[i]:9,}  {type(now[i]).__qualname__:10} {owner_of(now[i], ignore)[:100]}")
 
 
 def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 12) -> None:

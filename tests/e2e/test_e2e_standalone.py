@@ -365,17 +365,21 @@ def _ui_page(airflow: EmbeddedAirflow, path: str) -> str:
     return resp.text
 
 
-def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
-    """What each successful run of the report DAG read (its XCom)."""
+def _report_dag_runs(airflow: EmbeddedAirflow, **params: str) -> list[dict[str, Any]]:
+    """Every run of the report DAG the API lists with ``params``, page by page: a pipeline commits more often than
+    one page holds."""
     runs: list[dict[str, Any]] = []
-    while True:  # every page: a run commits more often than the API's default page (50 runs) holds
-        page = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns",
-                           params={"state": "success", "limit": 100, "offset": len(runs)})
+    while True:
+        page = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns", params={**params, "limit": 100, "offset": len(runs)})
         runs += page["dag_runs"]
         if not page["dag_runs"] or len(runs) >= page["total_entries"]:
-            break
+            return runs
+
+
+def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
+    """What each successful run of the report DAG read (its XCom)."""
     out = []
-    for run in runs:
+    for run in _report_dag_runs(airflow, state="success"):
         entry = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns/{run['dag_run_id']}/taskInstances/"
                                    "read_committed_report/xcomEntries/return_value", params={"deserialize": True})
         value = entry["value"]
@@ -386,7 +390,7 @@ def _report_runs(airflow: EmbeddedAirflow) -> list[dict[str, Any]]:
 def _report_run_states(airflow: EmbeddedAirflow) -> str:
     """Every run of the report DAG, whatever its state, with its task's state (for a failure's diagnosis)."""
     try:
-        runs = airflow.api("GET", f"/dags/{REPORT_DAG}/dagRuns", params={"limit": 100})["dag_runs"]
+        runs = _report_dag_runs(airflow)
         return "\n".join(f"{r['dag_run_id']}: {r['state']} {airflow.task_instances(REPORT_DAG, r['dag_run_id'])}"
                          for r in runs)
     except Exception as exc:  # noqa: BLE001 - a diagnosis must not hide the failure it explains
