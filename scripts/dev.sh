@@ -84,6 +84,10 @@ case "$cmd" in
     # import's CPU). Keep the caches in the venv even where PYTHONDONTWRITEBYTECODE is set.
     unset PYTHONDONTWRITEBYTECODE
     export PYTHONPYCACHEPREFIX="$ROOT/.venv/pycache"
+    # The suite starts dozens of short-lived JVMs (Spark drivers killed and restored, Kafka, a standalone
+    # cluster), each doing little work: C2's compilations and G1's threads cost them more CPU than they give
+    # back. Tests only (the java launcher reads this); a pipeline run outside them keeps the JVM's defaults.
+    export JDK_JAVA_OPTIONS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC${JDK_JAVA_OPTIONS:+ $JDK_JAVA_OPTIONS}"
     log "ruff"; .venv/bin/ruff check airflow_arroyo dags plugins tests benchmarks
     log "mypy"; .venv/bin/mypy
     log "pytest"; exec .venv/bin/python -m pytest -p no:cacheprovider "$@" ;;
