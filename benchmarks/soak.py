@@ -325,6 +325,7 @@ class Soak:
         self.folders_half: dict[str, int] = {}
         self.traced_half: tracemalloc.Snapshot | None = None
         self.traced_end: tracemalloc.Snapshot | None = None
+        self.traced_thirds: list[tracemalloc.Snapshot] = []  # at a third and two thirds of the window
         self.jvm_pid = jvm_pid(spark)
         # Spark's block manager folders (shuffle files: its ContextCleaner deletes them once their shuffle is
         # collected, and the samples' full collections make that prompt)
@@ -474,6 +475,9 @@ class Soak:
         start = time.monotonic()
         while True:
             samples.append((time.monotonic() - start, self.sample()))
+            thirds = len(self.traced_thirds)
+            if tracemalloc.is_tracing() and thirds < 2 and samples[-1][0] >= self.args.duration * (thirds + 1) / 3:
+                self.traced_thirds.append(tracemalloc.take_snapshot())
             if self.types_half is None and samples[-1][0] >= self.args.duration / 2:
                 self.types_half, self.threads_half, self.classes_half = self.types, self.threads, self.classes
                 self.containers_half = container_lengths()
@@ -572,6 +576,23 @@ def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapsho
             print(f"      {line}")
 
 
+def print_steady_growth(snapshots: list[tracemalloc.Snapshot], top: int = 12) -> None:
+    """Where the Python memory still allocated grew in every interval between the snapshots: work in flight at
+    one snapshot shows as growth in one interval only; a holder that keeps gathering grows in each."""
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    snaps = [s.filter_traces(ignore) for s in snapshots]
+    steps = [{st.traceback: st.size_diff for st in after.compare_to(before, "traceback")}
+             for before, after in zip(snaps, snaps[1:], strict=False)]
+    steady = sorted(((sum(step[tb] for step in steps), tb) for tb in steps[0]
+                     if all(step.get(tb, 0) > 0 for step in steps)), key=lambda kv: -kv[0])
+    print(f"\nPython memory still allocated that grew in each of {len(steps)} intervals "
+          f"({sum(n for n, _ in steady) / 1e6:+,.2f} MB in all), by where it was allocated:")
+    for size, tb in steady[:top]:
+        print(f"  {size / 1e3:+10,.1f} KB ({', '.join(f'{step[tb] / 1e3:+,.1f}' for step in steps)})")
+        for line in tb.format(limit=8, most_recent_first=True):
+            print(f"      {line}")
+
+
 def report(samples: list[tuple[float, dict[str, float]]], prunes: int) -> None:
     seconds = samples[-1][0]
     half = [s for s in samples if s[0] >= seconds / 2]
@@ -640,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name[:90]:90} {more / 1e6:+8.2f}")
         if soak.traced_half is not None and soak.traced_end is not None:
             print_traced_growth(soak.traced_half, soak.traced_end)
+            if soak.traced_thirds:
+                print_steady_growth([*soak.traced_thirds, soak.traced_end])
         print("\nthe epoch store's largest tables at the end (live rows, dead rows, MB):")
         for table, live, dead, size in soak.tables():
             print(f"  {table:40} {live:10,} {dead:10,} {size / 1e6:10.1f}")
