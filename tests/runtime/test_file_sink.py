@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.pipeline import Pipeline
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
+from airflow_arroyo.store import FencingToken
 
 pytestmark = [pytest.mark.spark]
 
@@ -90,6 +92,41 @@ def test_start_over_removes_everything_it_wrote(spark: Any, sink: TransactionalF
     sink.write_batch(batch(spark, 10, 20), 1)
     sink.rollback_to(-1)
     assert visible_ids(tmp_path / "out") == [] and sink.pending_batches() == [] and not sink.has_state()
+
+
+def test_a_commit_reads_no_manifest_of_earlier_batches(spark: Any, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fenced run's commit looks for files a superseded run slipped in after every commit: it used to read the
+    manifest of every batch the sink ever committed, so a sink running for months paid for its whole history on
+    each epoch. It reads none while no such file exists, and still removes one that does."""
+    sink = TransactionalFileSink("p1", "out", "parquet", {"path": str(tmp_path / "out")})
+    sink.token = FencingToken("p1", "r2", 2)
+    sink.claim()
+    reads: list[str] = []
+    read_json = sink.fs.read_json
+
+    def counted(path: str) -> Any:
+        reads.append(path)
+        return read_json(path)
+
+    monkeypatch.setattr(sink.fs, "read_json", counted)
+    per_commit = []
+    for b in range(5):
+        sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
+        reads.clear()
+        sink.commit_through(b)
+        per_commit.append(len([r for r in reads if "/committed/" in r]))
+    assert per_commit == [0] * 5, per_commit
+    assert visible_ids(tmp_path / "out") == list(range(50))
+    # a file of generation 1 in a batch after this generation's base, named by no manifest: removed
+    stray = tmp_path / "out" / f"{4:012d}-g1-part-00000.parquet"
+    shutil.copy(next((tmp_path / "out").glob(f"{4:012d}-g2-*.parquet")), stray)
+    reads.clear()
+    sink.write_batch(batch(spark, 50, 60), 5)
+    sink.commit_through(5)
+    assert not stray.exists()
+    assert [r.rsplit("/", 1)[-1] for r in reads if "/committed/" in r] == [f"{4:012d}-g2.json"]  # its batch's only
+    assert visible_ids(tmp_path / "out") == list(range(60))
 
 
 @pytest.mark.usefixtures("sink")

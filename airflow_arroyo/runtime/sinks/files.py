@@ -61,7 +61,7 @@ import logging
 import posixpath
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
@@ -305,9 +305,13 @@ class TransactionalFileSink:
         if "base" not in mine:
             return
         base = int(mine["base"])
-        named = set(_trusted_files(self.fs))
-        stray = [path for b, path in self._committed_files()
-                 if b > base and _final_generation(path) < self.generation and path not in named]
+        # this runs after every commit: read the manifests of the suspect batches only, not the sink's history
+        suspects = [(b, path) for b, path in self._committed_files()
+                    if b > base and _final_generation(path) < self.generation]
+        if not suspects:
+            return
+        named = set(_trusted_files(self.fs, batches={b for b, _ in suspects}))
+        stray = [path for _, path in suspects if path not in named]
         for path in stray:
             self.fs.delete(path)
         if stray:
@@ -449,13 +453,17 @@ def committed_files(uri: str | FileSystem, through: int | None = None) -> list[s
     return _trusted_files(FileSystem.of(uri), through)
 
 
-def _trusted_files(fs: FileSystem, limit: int | None = None) -> list[str]:
+def _trusted_files(fs: FileSystem, limit: int | None = None, *, batches: Collection[int] | None = None) -> list[str]:
+    """``batches``: only those (a manifest is read per batch: a caller that asks about a few batches must not pay
+    for the sink's whole history)."""
     through, generation = _commit_point(fs)
     if limit is not None:
         through = min(through, limit)
     chosen: dict[int, tuple[int, str]] = {}
     for b, path in _manifests(fs):
         gen = _manifest_generation(path)
+        if batches is not None and b not in batches:
+            continue
         if b <= through and gen <= generation and gen >= chosen.get(b, (-1, ""))[0]:
             chosen[b] = (gen, path)
     out: list[str] = []
