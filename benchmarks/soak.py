@@ -559,9 +559,14 @@ def print_container_growth(half: dict[int, tuple[type, int]], top: int = 10) -> 
         print(f"  {more:+8,} {lengths[i]:9,}  {type(now[i]).__qualname__:10} {owner_of(now[i], ignore)[:100]}")
 
 
+def _untraced() -> list[tracemalloc.Filter]:
+    """The allocations of tracemalloc itself and of this benchmark, left out of what the driver grew."""
+    return [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+
+
 def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int = 12) -> None:
     """Where the Python memory still allocated grew between two snapshots, by allocating traceback."""
-    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    ignore = _untraced()
     after, before = after.filter_traces(ignore), before.filter_traces(ignore)
     # a growth spread over many tracebacks shows first by the file that allocated it
     print("\nPython memory still allocated over the second half, by the file that allocated it (largest changes):")
@@ -579,7 +584,7 @@ def print_traced_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapsho
 def print_steady_growth(snapshots: list[tracemalloc.Snapshot], top: int = 12) -> None:
     """Where the Python memory still allocated grew in every interval between the snapshots: work in flight at
     one snapshot shows as growth in one interval only; a holder that keeps gathering grows in each."""
-    ignore = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__)]
+    ignore = _untraced()
     snaps = [s.filter_traces(ignore) for s in snapshots]
     steps = [{st.traceback: st.size_diff for st in after.compare_to(before, "traceback")}
              for before, after in zip(snaps, snaps[1:], strict=False)]
