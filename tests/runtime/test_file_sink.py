@@ -11,7 +11,7 @@ import pytest
 
 from airflow_arroyo.core.exceptions import ConfigurationError, PipelineGraphError
 from airflow_arroyo.runtime.pipeline import Pipeline
-from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
+from airflow_arroyo.runtime.sinks.files import TransactionalFileSink, committed_files
 from airflow_arroyo.store import FencingToken
 
 pytestmark = [pytest.mark.spark]
@@ -73,17 +73,32 @@ def test_rollback_keeps_exactly_the_batches_of_the_restored_cut(spark: Any, sink
 
 
 def test_rollback_finishes_the_commit_of_the_restored_epoch(spark: Any, sink: TransactionalFileSink,
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Killed after epoch N completed but before (or while) its batches were committed."""
     for b in range(3):
         sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
-    # a commit cut short: one file of batch 1 already moved, the other not
-    folder = tmp_path / "out" / "_arroyo_sink" / "pending" / "1"
-    first = sorted(p for p in folder.iterdir() if p.name.startswith("part-"))[0]
-    first.rename(tmp_path / "out" / f"{1:012d}-{first.name}")
-    sink.rollback_to(1)
+    # a commit cut short: batch 0 and one file of batch 1 moved, the other not, no manifest of either written
+    move, moves = sink.fs.move, [0]
+
+    def dies_at_the_fourth(src: str, dst: str) -> None:
+        moves[0] += 1
+        if moves[0] == 4:
+            raise KeyboardInterrupt  # stands for the process's death: nothing after it runs
+        move(src, dst)
+
+    monkeypatch.setattr(sink.fs, "move", dies_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        sink.commit_through(1)
+    monkeypatch.setattr(sink.fs, "move", move)
+    assert len(list((tmp_path / "out").glob(f"{1:012d}-*.parquet"))) == 1
+    assert not list((tmp_path / "out" / "_arroyo_sink" / "committed").glob("*.json"))
+    restarted = TransactionalFileSink("p1", "out", "parquet", {"path": str(tmp_path / "out")})
+    restarted.rollback_to(1)
     assert visible_ids(tmp_path / "out") == list(range(20))
-    assert sink.pending_batches() == []
+    assert restarted.pending_batches() == []
+    # the manifests name every file of both batches, those the first attempt moved too
+    assert sorted(committed_files(str(tmp_path / "out"))) == sorted(
+        p.name for p in (tmp_path / "out").glob("*.parquet"))
 
 
 def test_start_over_removes_everything_it_wrote(spark: Any, sink: TransactionalFileSink, tmp_path: Path) -> None:
@@ -94,39 +109,60 @@ def test_start_over_removes_everything_it_wrote(spark: Any, sink: TransactionalF
     assert visible_ids(tmp_path / "out") == [] and sink.pending_batches() == [] and not sink.has_state()
 
 
-def test_a_commit_reads_no_manifest_of_earlier_batches(spark: Any, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fenced run's commit looks for files a superseded run slipped in after every commit: it used to read the
-    manifest of every batch the sink ever committed, so a sink running for months paid for its whole history on
-    each epoch. It reads none while no such file exists, and still removes one that does."""
-    sink = TransactionalFileSink("p1", "out", "parquet", {"path": str(tmp_path / "out")})
+def test_a_commit_reads_neither_the_folder_nor_the_manifests_of_earlier_batches(
+        spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fenced run's commit looked for files a superseded run slipped in after every commit, reading the manifest
+    of every batch the sink ever committed, and listed the whole folder twice (for that search and to name the
+    batch's files in its manifest): a sink running for months paid for its whole output on each epoch. Now the
+    folder is listed at the first commit only, while no older generation's pending folder exists, and a file such a
+    folder's run slips in is still removed."""
+    out = tmp_path / "out"
+    sink = TransactionalFileSink("p1", "out", "parquet", {"path": str(out)})
     sink.token = FencingToken("p1", "r2", 2)
     sink.claim()
     reads: list[str] = []
-    read_json = sink.fs.read_json
+    listings: list[str] = []
+    read_json, list_files = sink.fs.read_json, sink.fs.list_files
 
-    def counted(path: str) -> Any:
+    def counted_read(path: str) -> Any:
         reads.append(path)
         return read_json(path)
 
-    monkeypatch.setattr(sink.fs, "read_json", counted)
+    def counted_list(path: str = "") -> Any:
+        listings.append(path)
+        return list_files(path)
+
+    monkeypatch.setattr(sink.fs, "read_json", counted_read)
+    monkeypatch.setattr(sink.fs, "list_files", counted_list)
     per_commit = []
     for b in range(5):
         sink.write_batch(batch(spark, b * 10, b * 10 + 10), b)
         reads.clear()
+        listings.clear()
         sink.commit_through(b)
-        per_commit.append(len([r for r in reads if "/committed/" in r]))
-    assert per_commit == [0] * 5, per_commit
-    assert visible_ids(tmp_path / "out") == list(range(50))
-    # a file of generation 1 in a batch after this generation's base, named by no manifest: removed
-    stray = tmp_path / "out" / f"{4:012d}-g1-part-00000.parquet"
-    shutil.copy(next((tmp_path / "out").glob(f"{4:012d}-g2-*.parquet")), stray)
+        per_commit.append((len([r for r in reads if "/committed/" in r]), listings.count("")))
+    assert per_commit == [(0, 1)] + [(0, 0)] * 4, per_commit
+    assert visible_ids(out) == list(range(50))
+    assert sorted(committed_files(str(out))) == sorted(p.name for p in out.glob("*.parquet"))
+    # A superseded run (generation 1) whose write and commit raced the takeover: its pending batch 5 is there and
+    # one of its files moved in, named by no manifest readers trust. The next commit searches and removes it.
+    pending = out / "_arroyo_sink" / "pending" / "5-g1"
+    pending.mkdir(parents=True)
+    for i, f in enumerate(sorted(out.glob(f"{4:012d}-g2-*.parquet"))):
+        shutil.copy(f, pending / f"part-0000{i}.parquet")
+    stray = out / f"{5:012d}-g1-part-00000.parquet"
+    (pending / "part-00000.parquet").rename(stray)
     reads.clear()
     sink.write_batch(batch(spark, 50, 60), 5)
     sink.commit_through(5)
     assert not stray.exists()
-    assert [r.rsplit("/", 1)[-1] for r in reads if "/committed/" in r] == [f"{4:012d}-g2.json"]  # its batch's only
-    assert visible_ids(tmp_path / "out") == list(range(60))
+    assert visible_ids(out) == list(range(60))
+    # its manifest of batch 5 is the only one read, and the search goes on while the superseded run's folder is there
+    assert [r.rsplit("/", 1)[-1] for r in reads if "/committed/" in r] == [f"{5:012d}-g2.json"]
+    listings.clear()
+    sink.write_batch(batch(spark, 60, 70), 6)
+    sink.commit_through(6)
+    assert listings.count("") == 1
 
 
 @pytest.mark.usefixtures("sink")

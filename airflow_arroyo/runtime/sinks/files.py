@@ -10,7 +10,8 @@ Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.core.fs.FileSy
 
     <path>/<batch:012d>-<part file>                committed data files (what readers read)
     <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
-    <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it
+    <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it,
+                                                   and _arroyo_batch.json: {"rows": n, "moved": false}
     <path>/_arroyo_sink/committed/<batch:012d>.json  the batch's manifest: {"batch": b, "files": [...]}
     <path>/_arroyo_sink/committed.json             {"through": c}: the newest committed batch (the commit point)
 
@@ -22,8 +23,10 @@ invisible to readers of ``<path>``.
 * **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
   every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
   *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
-  is renamed), then the batch's manifest (naming every file of *b* moved so far, also by an earlier,
-  interrupted attempt of the commit) is written and ``pending/b`` removed; last, ``committed.json``
+  is renamed; before the first, the batch's ``_arroyo_batch.json`` is marked ``"moved": true``), then the
+  batch's manifest (naming every file of *b* moved so far: those this commit moved or, for a batch already
+  marked, every file of *b* found by listing the folder, so also those an earlier, interrupted attempt of the
+  commit moved) is written and ``pending/b`` removed; last, ``committed.json``
   is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
   finished by the next one, and a final name is written only from its one pending file, so no file
   ever appears under two names.
@@ -42,7 +45,8 @@ readers trust is the one of the highest generation; a manifest counts if its gen
 rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
 refused (:class:`~airflow_arroyo.core.exceptions.FencedError`), and whatever it still moves in a race is named
 by no manifest readers trust; the newer generation's next commit deletes such files (batches after
-``base`` with an older generation's name that no trusted manifest names). A commit the older generation
+``base`` with an older generation's name that no trusted manifest names; searched at its first commit, then
+while an older generation's pending folder after the base exists). A commit the older generation
 left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
 newer one's rollback, whose manifest names the files the older one moved.
 
@@ -83,7 +87,8 @@ _META = SINK_META
 _MANIFESTS = f"{_META}/committed"
 _THROUGH = f"{_META}/committed.json"
 _BATCH_DIGITS = 12
-_BATCH_MANIFEST = "_arroyo_batch.json"  # in pending/<batch>/: {"rows": n}, written at pre-commit
+# in pending/<batch>/: {"rows": n, "moved": false}, written at pre-commit; a commit sets "moved" before its first move
+_BATCH_MANIFEST = "_arroyo_batch.json"
 _PENDING_NAME = re.compile(r"^(\d+)(?:-g(\d+))?$")  # pending/<batch>[-g<generation>]
 _COMMIT_POINT = re.compile(r"^committed(?:-g(\d+))?\.json$")  # _arroyo_sink/committed[-g<generation>].json
 _FINAL_GEN = re.compile(r"^g(\d+)-")  # <batch>-g<generation>-<part file>
@@ -125,6 +130,8 @@ class TransactionalFileSink:
         # the stage that wrote the folder before a restore across a change of fusion (the fused query's name):
         # this sink takes the folder over, its batch ids continuing the fused query's
         self.previous_stage: str | None = None
+        # set once a commit's search found no file an older generation slipped in and nothing it could still move
+        self._fence_swept = False
 
     @property
     def generation(self) -> int:
@@ -209,7 +216,7 @@ class TransactionalFileSink:
         observed.write.format(self.format).options(**self.options).mode("overwrite").save(target)
         rows = observation.get.get("rows")
         self.fs.write_json_atomic(f"{self._pending(batch_id)}/{_BATCH_MANIFEST}",
-                                  {"rows": int(rows) if rows is not None else None})
+                                  {"rows": int(rows) if rows is not None else None, "moved": False})
 
     def commit_through(self, batch_id: int, *, any_generation: bool = False) -> SinkCommit:
         """Make every pending batch ``<= batch_id`` of this generation visible (``any_generation``: of any,
@@ -221,28 +228,32 @@ class TransactionalFileSink:
         pending = sorted({p.batch for p in chosen})
         moved = size = 0
         rows: int | None = 0
+        finals: dict[int, list[str]] = {b: [] for b in pending}
+        resumed: set[int] = set()  # batches whose files an earlier commit may have moved in part
         for p in sorted(chosen):
             self._check_fence(f"the commit of micro-batch {p.batch}")
-            counted = self._manifest_rows(p.path)
-            rows = rows + counted if rows is not None and counted is not None else None
-            for e in self.fs.list_files(p.path):
+            # listed before the batch's row count is read: a superseded run that marks the folder and moves a
+            # file after this listing fails one of the two moves of that file, or is seen as a mark here
+            entries = self.fs.list_files(p.path)
+            info = self._batch_info(p.path)
+            counted = info.get("rows")
+            rows = rows + int(counted) if rows is not None and counted is not None else None
+            if info.get("moved") is not False:  # marked, or pre-committed before the mark existed
+                resumed.add(p.batch)
+            else:
+                self.fs.write_json_atomic(f"{p.path}/{_BATCH_MANIFEST}", {**info, "moved": True})
+            for e in entries:
                 rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
                 if any(_hidden(part) for part in rel.split("/")):
                     continue  # _SUCCESS, .crc files, an unfinished _temporary, the batch's row count
-                self.fs.move(e.path, self._committed_name(p.batch, rel, self.generation))
+                final = self._committed_name(p.batch, rel, self.generation)
+                self.fs.move(e.path, final)
+                finals[p.batch].append(final)
                 moved += 1
                 size += e.size
+        if resumed:
+            finals.update(self._moved_files(chosen, resumed))
         if chosen:
-            # A batch's manifest names its files of this generation and of the generation whose pending
-            # folder is committed: files an interrupted commit moved (this run's, or a superseded run's that
-            # stalled between its moves and its manifest) are listed after all moves, so none is missed.
-            owners: dict[int, set[int]] = {}
-            for p in chosen:
-                owners.setdefault(p.batch, {self.generation}).add(p.generation)
-            finals: dict[int, list[str]] = {}
-            for b, path in self._committed_files():
-                if _final_generation(path) in owners.get(b, ()):
-                    finals.setdefault(b, []).append(path)
             for b in pending:
                 self.fs.write_json_atomic(self._manifest(b, self.generation),
                                           {"batch": b, "files": sorted(finals.get(b, ()))})
@@ -296,18 +307,41 @@ class TransactionalFileSink:
                     self.pipeline_id, self.stage, batch_id, moved, size, dest.uri)
         return SinkCommit(files=moved, bytes=size, rows=None, batches=tuple(sorted({p.batch for p in chosen})))
 
+    def _moved_files(self, chosen: list[_Pending], resumed: set[int]) -> dict[int, list[str]]:
+        """The committed files of the ``resumed`` batches, listed after all moves. A batch's manifest names its files
+        of this generation and of the generation whose pending folder is committed: files an interrupted commit
+        moved (this run's, or a superseded run's that stalled between its moves and its manifest) are among them.
+        Only for those batches: the folder holds the sink's whole output, and a commit must not cost more each epoch."""
+        owners: dict[int, set[int]] = {}
+        for p in chosen:
+            owners.setdefault(p.batch, {self.generation}).add(p.generation)
+        found: dict[int, list[str]] = {b: [] for b in resumed}
+        for b, path in self._committed_files():
+            if b in resumed and _final_generation(path) in owners[b]:
+                found[b].append(path)
+        return found
+
     def _remove_fenced_files(self) -> None:
         """Delete files an older generation moved in after this one took over (a race the fence check
         cannot close on storage without conditional writes): batches after this generation's base named
         by an older generation and named by no manifest readers trust (never a newer one's: a superseded run
-        that raced its check deletes nothing of the run that took over); plain folder readers stop seeing them."""
+        that raced its check deletes nothing of the run that took over); plain folder readers stop seeing them.
+
+        An older generation moves files only out of its own pending folders, and a claim or rollback leaves none
+        after the base (a rollback deletes them; an older commit checks the fence before each batch). So the
+        folder is searched at this sink's first commit and then only while such a pending folder exists (a
+        superseded run's write raced the fence): not the sink's whole output on every commit."""
         mine = _read_commit_point(self.fs, self.generation)
         if "base" not in mine:
             return
         base = int(mine["base"])
-        # this runs after every commit: read the manifests of the suspect batches only, not the sink's history
+        older = [p for p in self._pending_dirs() if p.generation < self.generation and p.batch > base]
+        if self._fence_swept and not older:
+            return
+        # read the manifests of the suspect batches only, not the sink's history
         suspects = [(b, path) for b, path in self._committed_files()
                     if b > base and _final_generation(path) < self.generation]
+        self._fence_swept = not older
         if not suspects:
             return
         named = set(_trusted_files(self.fs, batches={b for b, _ in suspects}))
@@ -319,11 +353,15 @@ class TransactionalFileSink:
                         self.pipeline_id, self.stage, len(stray))
 
     def _manifest_rows(self, folder: str) -> int | None:
-        path = f"{folder}/{_BATCH_MANIFEST}"
-        if not self.fs.exists(path):
-            return None  # pre-committed by an older version, or the count was lost
-        rows = (self.fs.read_json(path) or {}).get("rows")
+        rows = self._batch_info(folder).get("rows")
         return int(rows) if rows is not None else None
+
+    def _batch_info(self, folder: str) -> dict[str, Any]:
+        """What the pre-commit wrote about a pending batch; {} when it wrote nothing (an older version)."""
+        try:
+            return dict(self.fs.read_json(f"{folder}/{_BATCH_MANIFEST}") or {})
+        except FileNotFoundError:
+            return {}
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
@@ -340,6 +378,7 @@ class TransactionalFileSink:
             if b > batch_id:
                 self.fs.delete(path)
                 dropped += 1
+        self._fence_swept = False  # the new base: the next commit searches once more
         log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
                  self.pipeline_id, self.stage, batch_id, dropped)
 
