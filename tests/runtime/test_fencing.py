@@ -255,6 +255,66 @@ def test_a_takeover_finishes_the_commit_a_stalled_run_had_half_done(tmp_path: Pa
     assert committed_files(str(out)) == files
 
 
+def pre_committed(root: Path, name: str, start: int, files: int = 2) -> Path:
+    """A pending batch as the sink's pre-commit leaves it: part files and its ``_arroyo_batch.json``."""
+    folder = root / "_arroyo_sink" / "pending" / name
+    folder.mkdir(parents=True)
+    for i in range(files):
+        pq.write_table(rows(start + 2 * i, 2), folder / f"part-0000{i}.parquet")
+    (folder / "_arroyo_batch.json").write_text(json.dumps({"rows": 2 * files, "moved": False}))
+    return folder
+
+
+def test_a_rollback_that_died_midway_is_finished_by_the_next_generation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generation 2's rollback commits generation 1's batch 5 and dies after one move; generation 3 (every run has
+    its own) finishes it: its manifest names the file generation 2 moved, which it finds by the mark generation 2
+    left on the batch (the pending folder's generation and its own are not enough)."""
+    out = tmp_path / "out"
+    file_sink(out, 1).claim()
+    pre_committed(out, "5-g1", 0)
+    second = file_sink(out, 2)
+    second.claim()
+    move = second.fs.move
+
+    def dies_after_one(src: str, dst: str) -> None:
+        move(src, dst)
+        raise KeyboardInterrupt  # stands for the process's death
+
+    monkeypatch.setattr(second.fs, "move", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        second.rollback_to(5)
+    assert [p.name for p in out.glob("*.parquet")] == ["000000000005-g2-part-00000.parquet"]
+    third = file_sink(out, 3)
+    third.claim()
+    third.rollback_to(5)
+    files = committed_files(str(out))
+    assert files == ["000000000005-g2-part-00000.parquet", "000000000005-g3-part-00001.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == files
+    assert sorted(i for f in files for i in pq.read_table(out / f).column("id").to_pylist()) == [0, 1, 2, 3]
+
+
+def test_a_superseded_runs_pending_batch_after_the_base_is_removed_and_never_committed(tmp_path: Path) -> None:
+    """Generation 1's pre-commit of batch 8 raced the takeover: its pending folder stays after generation 2 claimed
+    the folder. Generation 2's next commit removes it (generation 1 can no longer commit it); otherwise a later
+    rollback of generation 3 to a cut at or after 8 would commit those stale rows for batch 8 in place of generation
+    2's."""
+    out = tmp_path / "out"
+    first = file_sink(out, 1)
+    first.claim()
+    pre_committed(out, "7-g1", 0)
+    first.commit_through(7)
+    second = file_sink(out, 2)
+    second.claim()  # base 7
+    stale = pre_committed(out, "8-g1", 100)
+    pre_committed(out, "8-g2", 20)
+    second.commit_through(8)
+    assert not stale.exists()
+    file_sink(out, 3).rollback_to(8)
+    ids_read = sorted(i for f in committed_files(str(out)) for i in pq.read_table(out / f).column("id").to_pylist())
+    assert ids_read == [0, 1, 2, 3, 20, 21, 22, 23]
+
+
 @pytest.fixture
 def target_dsn(pg_server: Any) -> str:
     dsn = pg_server.create_database(f"fence_{uuid.uuid4().hex[:10]}")

@@ -12,6 +12,7 @@ Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.core.fs.FileSy
     <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
     <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it,
                                                    and _arroyo_batch.json: {"rows": n, "moved": false}
+                                                   ("moved": true, "movers": [G, ...] once a commit began)
     <path>/_arroyo_sink/committed/<batch:012d>.json  the batch's manifest: {"batch": b, "files": [...]}
     <path>/_arroyo_sink/committed.json             {"through": c}: the newest committed batch (the commit point)
 
@@ -23,10 +24,11 @@ invisible to readers of ``<path>``.
 * **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
   every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
   *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
-  is renamed; before the first, the batch's ``_arroyo_batch.json`` is marked ``"moved": true``), then the
-  batch's manifest (naming every file of *b* moved so far: those this commit moved or, for a batch already
-  marked, every file of *b* found by listing the folder, so also those an earlier, interrupted attempt of the
-  commit moved) is written and ``pending/b`` removed; last, ``committed.json``
+  is renamed; before the first, the batch's ``_arroyo_batch.json`` is marked ``"moved": true`` with the
+  committing generation among its ``movers``), then the batch's manifest (naming every file of *b* moved so
+  far: those this commit moved or, for a batch already marked, every file of *b* of the movers' generations
+  found by listing the folder, so also those an earlier, interrupted attempt of the commit moved) is written and
+  ``pending/b`` removed; last, ``committed.json``
   is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
   finished by the next one, and a final name is written only from its one pending file, so no file
   ever appears under two names.
@@ -45,8 +47,9 @@ readers trust is the one of the highest generation; a manifest counts if its gen
 rolls it back (``base`` = the batch it starts from): from then on an older generation's commit is
 refused (:class:`~airflow_arroyo.core.exceptions.FencedError`), and whatever it still moves in a race is named
 by no manifest readers trust; the newer generation's next commit deletes such files (batches after
-``base`` with an older generation's name that no trusted manifest names; searched at its first commit, then
-while an older generation's pending folder after the base exists). A commit the older generation
+``base`` with an older generation's name that no trusted manifest names; an older generation's pending folders
+after the base are deleted first; searched at its first two commits and after any that found something). A
+commit the older generation
 left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
 newer one's rollback, whose manifest names the files the older one moved.
 
@@ -130,8 +133,8 @@ class TransactionalFileSink:
         # the stage that wrote the folder before a restore across a change of fusion (the fused query's name):
         # this sink takes the folder over, its batch ids continuing the fused query's
         self.previous_stage: str | None = None
-        # set once a commit's search found no file an older generation slipped in and nothing it could still move
-        self._fence_swept = False
+        # searches in a row that found no file an older generation slipped in and nothing it could still move
+        self._clean_searches = 0
 
     @property
     def generation(self) -> int:
@@ -230,6 +233,7 @@ class TransactionalFileSink:
         rows: int | None = 0
         finals: dict[int, list[str]] = {b: [] for b in pending}
         resumed: set[int] = set()  # batches whose files an earlier commit may have moved in part
+        movers: dict[int, set[int]] = {}  # of those: the generations that marked them
         for p in sorted(chosen):
             self._check_fence(f"the commit of micro-batch {p.batch}")
             # listed before the batch's row count is read: a superseded run that marks the folder and moves a
@@ -240,8 +244,12 @@ class TransactionalFileSink:
             rows = rows + int(counted) if rows is not None and counted is not None else None
             if info.get("moved") is not False:  # marked, or pre-committed before the mark existed
                 resumed.add(p.batch)
-            else:
-                self.fs.write_json_atomic(f"{p.path}/{_BATCH_MANIFEST}", {**info, "moved": True})
+                movers.setdefault(p.batch, set()).update(int(g) for g in info.get("movers", ()))
+            if self.generation not in info.get("movers", ()):
+                # the generations that moved files of this folder: their final names are this batch's too
+                self.fs.write_json_atomic(f"{p.path}/{_BATCH_MANIFEST}",
+                                          {**info, "moved": True,
+                                           "movers": sorted({*info.get("movers", ()), self.generation})})
             for e in entries:
                 rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
                 if any(_hidden(part) for part in rel.split("/")):
@@ -252,7 +260,7 @@ class TransactionalFileSink:
                 moved += 1
                 size += e.size
         if resumed:
-            finals.update(self._moved_files(chosen, resumed))
+            finals.update(self._moved_files(chosen, resumed, movers))
         if chosen:
             for b in pending:
                 self.fs.write_json_atomic(self._manifest(b, self.generation),
@@ -307,14 +315,17 @@ class TransactionalFileSink:
                     self.pipeline_id, self.stage, batch_id, moved, size, dest.uri)
         return SinkCommit(files=moved, bytes=size, rows=None, batches=tuple(sorted({p.batch for p in chosen})))
 
-    def _moved_files(self, chosen: list[_Pending], resumed: set[int]) -> dict[int, list[str]]:
+    def _moved_files(self, chosen: list[_Pending], resumed: set[int],
+                     movers: Mapping[int, set[int]]) -> dict[int, list[str]]:
         """The committed files of the ``resumed`` batches, listed after all moves. A batch's manifest names its files
-        of this generation and of the generation whose pending folder is committed: files an interrupted commit
-        moved (this run's, or a superseded run's that stalled between its moves and its manifest) are among them.
-        Only for those batches: the folder holds the sink's whole output, and a commit must not cost more each epoch."""
+        of this generation, of the generation whose pending folder is committed and of every generation that marked
+        it: files an interrupted commit moved (this run's, an earlier run's that died in its rollback, or a
+        superseded run's that stalled between its moves and its manifest) are among them. Only for those batches:
+        the folder holds the sink's whole output, and a commit must not cost more each epoch."""
         owners: dict[int, set[int]] = {}
         for p in chosen:
             owners.setdefault(p.batch, {self.generation}).add(p.generation)
+            owners[p.batch].update(movers.get(p.batch, ()))
         found: dict[int, list[str]] = {b: [] for b in resumed}
         for b, path in self._committed_files():
             if b in resumed and _final_generation(path) in owners[b]:
@@ -327,21 +338,28 @@ class TransactionalFileSink:
         by an older generation and named by no manifest readers trust (never a newer one's: a superseded run
         that raced its check deletes nothing of the run that took over); plain folder readers stop seeing them.
 
-        An older generation moves files only out of its own pending folders, and a claim or rollback leaves none
-        after the base (a rollback deletes them; an older commit checks the fence before each batch). So the
-        folder is searched at this sink's first commit and then only while such a pending folder exists (a
-        superseded run's write raced the fence): not the sink's whole output on every commit."""
+        An older generation moves files only out of its own pending folders. Those after the base are never
+        committed (an older commit checks the fence before each batch; a later rollback would take one for the
+        batch this generation committed), so they are deleted here first (a rollback deletes them too), and then
+        nothing more can arrive but a move already under way. So the folder is searched at this sink's first two
+        commits (two: an object store's copy that was under way at the first lands before the second) and after
+        any that found an older generation's pending folder or file: not the sink's whole output on every commit."""
         mine = _read_commit_point(self.fs, self.generation)
         if "base" not in mine:
             return
         base = int(mine["base"])
         older = [p for p in self._pending_dirs() if p.generation < self.generation and p.batch > base]
-        if self._fence_swept and not older:
+        if self._clean_searches >= 2 and not older:
             return
+        for p in older:
+            self.fs.delete_tree(p.path)
         # read the manifests of the suspect batches only, not the sink's history
         suspects = [(b, path) for b, path in self._committed_files()
                     if b > base and _final_generation(path) < self.generation]
-        self._fence_swept = not older
+        self._clean_searches = 0 if older or suspects else self._clean_searches + 1
+        if older:
+            log.warning("pipeline=%s sink=%s: removed %d pending batches a superseded run wrote after the takeover",
+                        self.pipeline_id, self.stage, len(older))
         if not suspects:
             return
         named = set(_trusted_files(self.fs, batches={b for b, _ in suspects}))
@@ -378,7 +396,7 @@ class TransactionalFileSink:
             if b > batch_id:
                 self.fs.delete(path)
                 dropped += 1
-        self._fence_swept = False  # the new base: the next commit searches once more
+        self._clean_searches = 0  # the new base: the next commits search again
         log.info("pipeline=%s sink=%s: rolled back to batch %s (%d committed files of later batches removed)",
                  self.pipeline_id, self.stage, batch_id, dropped)
 
