@@ -242,14 +242,14 @@ class TransactionalFileSink:
             info = self._batch_info(p.path)
             counted = info.get("rows")
             rows = rows + int(counted) if rows is not None and counted is not None else None
+            # the generations that moved files of this folder: their final names are this batch's too
+            marked = {int(g) for g in info.get("movers", ())}
             if info.get("moved") is not False:  # marked, or pre-committed before the mark existed
                 resumed.add(p.batch)
-                movers.setdefault(p.batch, set()).update(int(g) for g in info.get("movers", ()))
-            if self.generation not in info.get("movers", ()):
-                # the generations that moved files of this folder: their final names are this batch's too
+                movers.setdefault(p.batch, set()).update(marked)
+            if self.generation not in marked:
                 self.fs.write_json_atomic(f"{p.path}/{_BATCH_MANIFEST}",
-                                          {**info, "moved": True,
-                                           "movers": sorted({*info.get("movers", ()), self.generation})})
+                                          {**info, "moved": True, "movers": sorted(marked | {self.generation})})
             for e in entries:
                 rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
                 if any(_hidden(part) for part in rel.split("/")):
