@@ -88,6 +88,11 @@ case "$cmd" in
     # cluster), each doing little work: C2's compilations and G1's threads cost them more CPU than they give
     # back. Tests only (the java launcher reads this); a pipeline run outside them keeps the JVM's defaults.
     export JDK_JAVA_OPTIONS="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC${JDK_JAVA_OPTIONS:+ $JDK_JAVA_OPTIONS}"
+    # And they start from a class-data-sharing archive of the classes a driver loads, trained once per JVM, jars
+    # and options (airflow_arroyo/devtools/jvm_archive.py); without one when training fails.
+    log "JVM class-data-sharing archive"
+    cds=$(.venv/bin/python -m airflow_arroyo.devtools.jvm_archive ensure) || cds=""
+    [ -z "$cds" ] || export JDK_JAVA_OPTIONS="$JDK_JAVA_OPTIONS $cds"
     log "ruff"; .venv/bin/ruff check airflow_arroyo dags plugins tests benchmarks
     log "mypy"; .venv/bin/mypy
     log "pytest"; exec .venv/bin/python -m pytest -p no:cacheprovider "$@" ;;
