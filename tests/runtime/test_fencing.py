@@ -255,6 +255,41 @@ def test_a_takeover_finishes_the_commit_a_stalled_run_had_half_done(tmp_path: Pa
     assert committed_files(str(out)) == files
 
 
+def test_a_superseded_commit_whose_pending_folder_the_takeover_committed_is_refused_as_superseded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old run listed its pending batch and stalled there (a SIGSTOP right after its epoch completed, as in the
+    live takeover test); the new run took over and its rollback committed and removed that folder. Woken up, the old
+    run's commit finds its folder gone: it is refused as superseded (FencedError, naming the new generation), not
+    failed on a missing file, and it changes nothing readers see."""
+    out = tmp_path / "out"
+    old = file_sink(out, 1)
+    old.claim()
+    pre_committed(out, "0-g1", 0)
+    new = file_sink(out, 2)
+    list_files = old.fs.list_files
+
+    def takeover_after_listing(path: str = "") -> Any:
+        listed = list_files(path)
+        if path.endswith("pending/0-g1") and new.owner() is not None and not new.committed_batches():
+            new.claim()
+            new.rollback_to(0)  # the takeover restores the epoch whose cut is batch 0
+        return listed
+
+    monkeypatch.setattr(old.fs, "list_files", takeover_after_listing)
+    with pytest.raises(FencedError, match=r"\(generation 2\); the commit through micro-batch 0 "):
+        old.commit_through(0)
+    files = committed_files(str(out))
+    assert files == ["000000000000-g2-part-00000.parquet", "000000000000-g2-part-00001.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == files
+    # Its mark may have outlived the folder (a write re-creates it on a local disk; an object store has no folders):
+    # a later run's rollback must still commit batch 0 as the new run did, not as that mark says.
+    third = file_sink(out, 3)
+    third.claim()
+    third.rollback_to(0)
+    assert committed_files(str(out)) == files
+    assert not list((out / "_arroyo_sink" / "pending").iterdir())
+
+
 def pre_committed(root: Path, name: str, start: int, files: int = 2) -> Path:
     """A pending batch as the sink's pre-commit leaves it: part files and its ``_arroyo_batch.json``."""
     folder = root / "_arroyo_sink" / "pending" / name

@@ -225,7 +225,17 @@ class TransactionalFileSink:
         """Make every pending batch ``<= batch_id`` of this generation visible (``any_generation``: of any,
         what a restore finishes for the run that completed the epoch); says what it moved. The commit point
         (written last) is this generation's; a commit cut short is finished by the next call."""
-        self._check_fence(f"the commit through micro-batch {batch_id}")
+        what = f"the commit through micro-batch {batch_id}"
+        self._check_fence(what)
+        try:
+            return self._commit_through(batch_id, any_generation=any_generation)
+        except FileNotFoundError:
+            # a run that took over while this one was between its checks finished and removed the pending folders
+            # this commit had listed: it is refused as superseded, not failed on a missing file
+            self._check_fence(what)
+            raise
+
+    def _commit_through(self, batch_id: int, *, any_generation: bool) -> SinkCommit:
         chosen = [p for p in self._pending_dirs()
                   if p.batch <= batch_id and (any_generation or p.generation == self.generation)]
         pending = sorted({p.batch for p in chosen})
@@ -320,16 +330,30 @@ class TransactionalFileSink:
         """The committed files of the ``resumed`` batches, listed after all moves. A batch's manifest names its files
         of this generation, of the generation whose pending folder is committed and of every generation that marked
         it: files an interrupted commit moved (this run's, an earlier run's that died in its rollback, or a
-        superseded run's that stalled between its moves and its manifest) are among them. Only for those batches:
-        the folder holds the sink's whole output, and a commit must not cost more each epoch."""
+        superseded run's that stalled between its moves and its manifest) are among them. And the files its newest
+        manifest of a generation from the pending folder's to this one names: a superseded run whose folder the run
+        that took over had already committed and removed can leave its mark behind (a write re-creates the folder on
+        a local disk; an object store has no folders), naming only itself. Only for those batches: the folder holds
+        the sink's whole output, and a commit must not cost more each epoch."""
         owners: dict[int, set[int]] = {}
         for p in chosen:
             owners.setdefault(p.batch, {self.generation}).add(p.generation)
             owners[p.batch].update(movers.get(p.batch, ()))
+        oldest = {b: min(p.generation for p in chosen if p.batch == b) for b in resumed}
+        newest: dict[int, tuple[int, str]] = {}
+        for b, manifest in _manifests(self.fs):
+            gen = _manifest_generation(manifest)
+            if b in resumed and oldest[b] <= gen <= self.generation and gen >= newest.get(b, (-1, ""))[0]:
+                newest[b] = (gen, manifest)
         found: dict[int, list[str]] = {b: [] for b in resumed}
+        present: set[str] = set()
         for b, path in self._committed_files():
+            present.add(path)
             if b in resumed and _final_generation(path) in owners[b]:
                 found[b].append(path)
+        for b, (_, manifest) in newest.items():
+            named = set(self.fs.read_json(manifest)["files"])
+            found[b].extend(sorted((named & present) - set(found[b])))
         return found
 
     def _remove_fenced_files(self) -> None:
