@@ -27,7 +27,8 @@ invisible to readers of ``<path>``.
   is renamed; before the first, the batch's ``_arroyo_batch.json`` is marked ``"moved": true`` with the
   committing generation among its ``movers``), then the batch's manifest (naming every file of *b* moved so
   far: those this commit moved or, for a batch already marked, every file of *b* of the movers' generations
-  found by listing the folder, so also those an earlier, interrupted attempt of the commit moved) is written and
+  found by listing the folder, so also those an earlier, interrupted attempt of the commit moved, and those the
+  batch's newest manifest from the pending folder's generation up names) is written and
   ``pending/b`` removed; last, ``committed.json``
   is rewritten with ``through = c``. Every step is idempotent: a commit cut short by a crash is
   finished by the next one, and a final name is written only from its one pending file, so no file
@@ -51,7 +52,9 @@ by no manifest readers trust; the newer generation's next commit deletes such fi
 after the base are deleted first; searched at its first two commits and after any that found something). A
 commit the older generation
 left half done (files moved, its manifest not yet written: it stalled in between) is finished by the
-newer one's rollback, whose manifest names the files the older one moved.
+newer one's rollback, whose manifest names the files the older one moved. A commit the older generation had
+listed when the newer one's rollback committed and removed its folder meets a missing file: it checks the fence
+and is refused; the mark it may leave behind does not make a later rollback forget the batch's files (above).
 
 What readers see. :func:`committed_files` lists exactly the files of the batches ``<= through``
 (from their manifests): whole epochs only, on every backend, even while a commit runs or after a
