@@ -255,39 +255,79 @@ def test_a_takeover_finishes_the_commit_a_stalled_run_had_half_done(tmp_path: Pa
     assert committed_files(str(out)) == files
 
 
+@pytest.mark.parametrize("stalled", ["after listing", "before marking"])
 def test_a_superseded_commit_whose_pending_folder_the_takeover_committed_is_refused_as_superseded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The old run listed its pending batch and stalled there (a SIGSTOP right after its epoch completed, as in the
-    live takeover test); the new run took over and its rollback committed and removed that folder. Woken up, the old
-    run's commit finds its folder gone: it is refused as superseded (FencedError, naming the new generation), not
-    failed on a missing file, and it changes nothing readers see."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stalled: str) -> None:
+    """The old run stalled in its commit (a SIGSTOP right after its epoch completed, as in the live takeover test):
+    after listing its pending batch, or after its last fence check before marking it. The new run took over and its
+    rollback committed and removed that folder. Woken up, the old run is refused as superseded (FencedError, naming
+    the new generation), not failed on a missing file, and changes nothing readers see; the mark it may leave behind
+    (writing it re-creates the folder) does not make a third run's rollback forget the batch's files."""
     out = tmp_path / "out"
     old = file_sink(out, 1)
     old.claim()
     pre_committed(out, "0-g1", 0)
     new = file_sink(out, 2)
-    list_files = old.fs.list_files
 
-    def takeover_after_listing(path: str = "") -> Any:
-        listed = list_files(path)
-        if path.endswith("pending/0-g1") and new.owner() is not None and not new.committed_batches():
+    def take_over() -> None:
+        if not new.committed_batches():
+            new.rollback_to(0)  # the takeover restores the epoch whose cut is batch 0 (the driver claims after)
             new.claim()
-            new.rollback_to(0)  # the takeover restores the epoch whose cut is batch 0
+
+    list_files, write = old.fs.list_files, old.fs.write_bytes_atomic
+
+    def listing(path: str = "") -> Any:
+        listed = list_files(path)
+        if stalled == "after listing" and path.endswith("pending/0-g1"):
+            take_over()
         return listed
 
-    monkeypatch.setattr(old.fs, "list_files", takeover_after_listing)
-    with pytest.raises(FencedError, match=r"\(generation 2\); the commit through micro-batch 0 "):
+    def marking(path: str, data: bytes) -> None:
+        if stalled == "before marking" and path.endswith("pending/0-g1/_moved-g1"):
+            take_over()
+        write(path, data)
+
+    monkeypatch.setattr(old.fs, "list_files", listing)
+    monkeypatch.setattr(old.fs, "write_bytes_atomic", marking)
+    with pytest.raises(FencedError, match=r"\(generation 2\); the commit "):
         old.commit_through(0)
     files = committed_files(str(out))
     assert files == ["000000000000-g2-part-00000.parquet", "000000000000-g2-part-00001.parquet"]
     assert sorted(p.name for p in out.glob("*.parquet")) == files
-    # Its mark may have outlived the folder (a write re-creates it on a local disk; an object store has no folders):
-    # a later run's rollback must still commit batch 0 as the new run did, not as that mark says.
+    leftover = out / "_arroyo_sink" / "pending" / "0-g1"
+    assert leftover.exists() == (stalled == "before marking")
     third = file_sink(out, 3)
-    third.claim()
     third.rollback_to(0)
     assert committed_files(str(out)) == files
     assert not list((out / "_arroyo_sink" / "pending").iterdir())
+
+
+def test_a_rollback_fences_older_generations_out_before_it_moves_their_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver rolls a sink back before it claims it: the rollback writes the new generation's commit point
+    first, so an old run still committing the same batch in between the rollback's moves is refused, instead of
+    moving the rest under its own name and failing on the file the rollback took."""
+    out = tmp_path / "out"
+    old = file_sink(out, 1)
+    old.claim()
+    pre_committed(out, "0-g1", 0)
+    new = file_sink(out, 2)
+    move = new.fs.move
+    raced: list[BaseException] = []
+
+    def old_commits_in_between(src: str, dst: str) -> None:
+        move(src, dst)
+        if not raced:
+            with pytest.raises(FencedError) as refused:
+                old.commit_through(0)
+            raced.append(refused.value)
+
+    monkeypatch.setattr(new.fs, "move", old_commits_in_between)
+    new.rollback_to(0)
+    assert raced and "(generation 2)" in str(raced[0])
+    files = committed_files(str(out))
+    assert files == ["000000000000-g2-part-00000.parquet", "000000000000-g2-part-00001.parquet"]
+    assert sorted(p.name for p in out.glob("*.parquet")) == files
 
 
 def pre_committed(root: Path, name: str, start: int, files: int = 2) -> Path:

@@ -12,7 +12,7 @@ Layout under the sink's ``path`` (any URI :class:`~airflow_arroyo.core.fs.FileSy
     <path>/_arroyo_sink/owner.json                 {"pipeline": ..., "stage": ..., "format": ...}
     <path>/_arroyo_sink/pending/<batch>/           a pre-committed micro-batch, as Spark's batch writer left it,
                                                    and _arroyo_batch.json: {"rows": n, "moved": false}
-                                                   ("moved": true, "movers": [G, ...] once a commit began)
+                                                   (and _moved-g<G>, empty, once generation G's commit began)
     <path>/_arroyo_sink/committed/<batch:012d>.json  the batch's manifest: {"batch": b, "files": [...]}
     <path>/_arroyo_sink/committed.json             {"through": c}: the newest committed batch (the commit point)
 
@@ -24,9 +24,10 @@ invisible to readers of ``<path>``.
 * **Commit** (the driver, when epoch *n* completes, with *c* = the sink stage's cut batch of *n*):
   every file of every ``pending/b`` with ``b <= c`` is moved into ``<path>`` under a name prefixed by
   *b* (one file at a time: a rename on a local disk, a copy and a delete on an object store; no folder
-  is renamed; before the first, the batch's ``_arroyo_batch.json`` is marked ``"moved": true`` with the
-  committing generation among its ``movers``), then the batch's manifest (naming every file of *b* moved so
-  far: those this commit moved or, for a batch already marked, every file of *b* of the movers' generations
+  is renamed; before the first, the committing generation marks the batch with a file of its own,
+  ``_moved-g<G>``: two runs that mark one batch never overwrite each other's mark), then the batch's manifest
+  (naming every file of *b* moved so far: those this commit moved or, for a batch already marked, every file of
+  *b* of the marking generations
   found by listing the folder, so also those an earlier, interrupted attempt of the commit moved, and those the
   batch's newest manifest from the pending folder's generation up names) is written and
   ``pending/b`` removed; last, ``committed.json``
@@ -71,7 +72,8 @@ import logging
 import posixpath
 import re
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_arroyo.core.exceptions import ConfigurationError, FencedError
@@ -93,8 +95,11 @@ _META = SINK_META
 _MANIFESTS = f"{_META}/committed"
 _THROUGH = f"{_META}/committed.json"
 _BATCH_DIGITS = 12
-# in pending/<batch>/: {"rows": n, "moved": false}, written at pre-commit; a commit sets "moved" before its first move
+# in pending/<batch>/: {"rows": n, "moved": false}, written at pre-commit (earlier builds of this release marked a
+# commit's start in it: "moved": true, "movers": [G, ...]; still read)
 _BATCH_MANIFEST = "_arroyo_batch.json"
+# in pending/<batch>/: _moved-g<G>, written by a commit of generation G before its first move of the batch's files
+_MOVER = re.compile(r"^_moved-g(\d+)$")
 _PENDING_NAME = re.compile(r"^(\d+)(?:-g(\d+))?$")  # pending/<batch>[-g<generation>]
 _COMMIT_POINT = re.compile(r"^committed(?:-g(\d+))?\.json$")  # _arroyo_sink/committed[-g<generation>].json
 _FINAL_GEN = re.compile(r"^g(\d+)-")  # <batch>-g<generation>-<part file>
@@ -230,11 +235,17 @@ class TransactionalFileSink:
         (written last) is this generation's; a commit cut short is finished by the next call."""
         what = f"the commit through micro-batch {batch_id}"
         self._check_fence(what)
-        try:
+        with self._refused_if_superseded(what):
             return self._commit_through(batch_id, any_generation=any_generation)
-        except FileNotFoundError:
-            # a run that took over while this one was between its checks finished and removed the pending folders
-            # this commit had listed: it is refused as superseded, not failed on a missing file
+
+    @contextmanager
+    def _refused_if_superseded(self, what: str) -> Iterator[None]:
+        """A write that fails because a run that took over meanwhile committed or removed what it had listed (a
+        missing file: ``FileNotFoundError`` on a local disk, an ``OSError`` naming ``NO_SUCH_KEY`` on S3) is refused
+        as superseded (``FencedError``), not failed on that file; any other failure is raised as it is."""
+        try:
+            yield
+        except Exception:
             self._check_fence(what)
             raise
 
@@ -249,20 +260,25 @@ class TransactionalFileSink:
         movers: dict[int, set[int]] = {}  # of those: the generations that marked them
         for p in sorted(chosen):
             self._check_fence(f"the commit of micro-batch {p.batch}")
-            # listed before the batch's row count is read: a superseded run that marks the folder and moves a
-            # file after this listing fails one of the two moves of that file, or is seen as a mark here
+            # listed before anything is read: a superseded run that marks the folder and moves a file after this
+            # listing fails one of the two moves of that file, or is seen as a mark here
             entries = self.fs.list_files(p.path)
-            info = self._batch_info(p.path)
+            tops = {e.path[len(p.path) + 1:] for e in entries if e.path.startswith(p.path + "/")}
+            # listed but gone: a run that took over committed the folder meanwhile (FileNotFoundError: the fence)
+            info = dict(self.fs.read_json(f"{p.path}/{_BATCH_MANIFEST}") or {}) if _BATCH_MANIFEST in tops else {}
             counted = info.get("rows")
             rows = rows + int(counted) if rows is not None and counted is not None else None
-            # the generations that moved files of this folder: their final names are this batch's too
-            marked = {int(g) for g in info.get("movers", ())}
-            if info.get("moved") is not False:  # marked, or pre-committed before the mark existed
+            # the generations that moved files of this folder (a mark file each; earlier builds of this release
+            # listed them in the batch's json): their final names are this batch's too
+            marked = {int(m.group(1)) for t in tops if (m := _MOVER.match(t))}
+            marked |= {int(g) for g in info.get("movers", ())}
+            if marked or info.get("moved") is not False:  # marked, or pre-committed before the mark existed
                 resumed.add(p.batch)
                 movers.setdefault(p.batch, set()).update(marked)
             if self.generation not in marked:
-                self.fs.write_json_atomic(f"{p.path}/{_BATCH_MANIFEST}",
-                                          {**info, "moved": True, "movers": sorted(marked | {self.generation})})
+                # a file of its own per generation: two runs that mark one batch never overwrite each other's mark
+                self._check_fence(f"the commit of micro-batch {p.batch}")
+                self.fs.write_bytes_atomic(f"{p.path}/{_mover(self.generation)}", b"")
             for e in entries:
                 rel = e.path[len(p.path) + 1:] if e.path.startswith(p.path + "/") else e.path
                 if any(_hidden(part) for part in rel.split("/")):
@@ -307,7 +323,12 @@ class TransactionalFileSink:
         """A gate's failed output goes to ``target`` instead of the sink's folder: this generation's pending batches
         ``<= batch_id`` are copied there (named as a commit names them), then removed, and the commit point moves
         past them, so readers of the sink never see them and a later commit does not pick them up."""
-        self._check_fence(f"the quarantine through micro-batch {batch_id}")
+        what = f"the quarantine through micro-batch {batch_id}"
+        self._check_fence(what)
+        with self._refused_if_superseded(what):
+            return self._quarantine_through(batch_id, target)
+
+    def _quarantine_through(self, batch_id: int, target: str) -> SinkCommit:
         dest = FileSystem.of(target)
         chosen = sorted(p for p in self._pending_dirs() if p.batch <= batch_id and p.generation == self.generation)
         moved = size = 0
@@ -410,6 +431,11 @@ class TransactionalFileSink:
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
+        if self.generation and _commit_point(self.fs)[1] != self.generation:
+            # older generations are fenced out before any of their pending files is moved (the driver rolls back
+            # before it claims): a superseded run still committing is refused from here on
+            through = self._through()
+            self._write_commit_point(through, base=through)
         self.commit_through(batch_id, any_generation=True)
         self._write_commit_point(batch_id, base=batch_id)  # readers stop seeing later batches first
         for b, path in _manifests(self.fs):
@@ -480,6 +506,10 @@ class TransactionalFileSink:
         folder, name = posixpath.split(rel)  # partitioned writes keep their key=value folders
         tag = f"g{generation}-" if generation else ""
         return posixpath.join(folder, f"{batch_id:0{_BATCH_DIGITS}d}-{tag}{name}")
+
+
+def _mover(generation: int) -> str:
+    return f"_moved-g{generation}"
 
 
 def _final_generation(path: str) -> int:
