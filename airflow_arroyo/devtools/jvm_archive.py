@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from airflow_arroyo.jvm import JAR, artifacts
+from airflow_arroyo.jvm import JAR, artifacts, spark_home
 
 __all__ = ["archive_key", "archive_path", "ensure", "train", "use_options"]
 
@@ -41,9 +41,7 @@ _MODULE = "airflow_arroyo.devtools.jvm_archive"
 
 
 def _spark_jars() -> list[Path]:
-    import pyspark
-
-    return sorted((Path(pyspark.__file__).parent / "jars").glob("*.jar"))
+    return sorted((spark_home() / "jars").glob("*.jar"))
 
 
 def archive_key(java_options: str) -> str:

@@ -14,8 +14,8 @@ from airflow_arroyo.runtime.driver import EPOCHS_SEEN_KEPT, PipelineDriver, _Loo
 from airflow_arroyo.runtime.sinks.base import SinkCommit
 from airflow_arroyo.store import EpochStore
 
-# No heartbeat timeout: the test drives the driver's epoch step, not its heartbeat, and on a slow machine its 768
-# epochs take longer than the default 30 s, after which the store starts no epoch for a driver that never beat.
+# No heartbeat timeout: the test drives the driver's epoch step, not its heartbeat, and on a slow machine its epochs
+# outlast the default timeout, after which the store starts no epoch for a driver that never beat.
 TICK = CheckpointPolicy(interval=3600, heartbeat_timeout=None)
 
 

@@ -185,8 +185,7 @@ class TransactionalFileSink:
         if owner is None or owner.get("stage") != self.stage:  # new, or taken over from the fused query
             self.fs.write_json_atomic(f"{_META}/owner.json",
                                       {"pipeline": self.pipeline_id, "stage": self.stage, "format": self.format})
-        if self.generation and _commit_point(self.fs)[1] != self.generation:
-            self._write_commit_point(self._through(), base=self._through())
+        self._fence_older_generations()
 
     # ------------------------------------------------------------------ fencing
 
@@ -197,6 +196,13 @@ class TransactionalFileSink:
             token = self.token
             raise FencedError(self.pipeline_id, token.run_id if token else None, self.generation,
                               by_generation=newest, what=f"{what} of sink {self.stage!r} ({self.uri})")
+
+    def _fence_older_generations(self) -> None:
+        """Write this generation's commit point, unchanged ``through`` as its base, unless it has one: from then on
+        an older generation's writes are refused."""
+        if self.generation and _commit_point(self.fs)[1] != self.generation:
+            through = self._through()
+            self._write_commit_point(through, base=through)
 
     def _write_commit_point(self, through: int, *, base: int | None = None) -> None:
         """Write this generation's commit point (the legacy ``committed.json`` without a token)."""
@@ -431,11 +437,9 @@ class TransactionalFileSink:
 
     def rollback_to(self, batch_id: int) -> None:
         """Restore: keep exactly the batches ``<= batch_id`` (``-1``: nothing), all of them committed."""
-        if self.generation and _commit_point(self.fs)[1] != self.generation:
-            # older generations are fenced out before any of their pending files is moved (the driver rolls back
-            # before it claims): a superseded run still committing is refused from here on
-            through = self._through()
-            self._write_commit_point(through, base=through)
+        # before any of an older generation's pending files is moved (the driver rolls back before it claims): a
+        # superseded run still committing is refused from here on
+        self._fence_older_generations()
         self.commit_through(batch_id, any_generation=True)
         self._write_commit_point(batch_id, base=batch_id)  # readers stop seeing later batches first
         for b, path in _manifests(self.fs):
