@@ -336,12 +336,34 @@ class KafkaBroker:
         _wait(lambda: name not in admin.list_topics(timeout=5.0).topics, timeout, f"topic {name} to go")
 
     def _wait_partitions(self, admin: Any, name: str, partitions: int, timeout: float) -> None:
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        not_yet = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                   KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TIMED_OUT}
+
         def ready() -> bool:
             topic = admin.list_topics(topic=name, timeout=5.0).topics.get(name)
             return (topic is not None and topic.error is None and len(topic.partitions) == partitions
                     and all(p.leader >= 0 for p in topic.partitions.values()))
 
+        def served() -> bool:
+            # a KRaft broker updates the metadata it serves before its replica manager takes the partition on:
+            # in between, a client asking that leader gets NOT_LEADER_FOR_PARTITION (seen on a loaded machine)
+            try:
+                for p in range(partitions):
+                    consumer.get_watermark_offsets(TopicPartition(name, p), timeout=5.0)
+            except KafkaException as e:
+                if e.args and isinstance(e.args[0], KafkaError) and e.args[0].code() in not_yet:
+                    return False
+                raise
+            return True
+
         _wait(ready, timeout, f"topic {name}'s {partitions} partitions to have a leader")
+        consumer = self.consumer()
+        try:
+            _wait(served, timeout, f"topic {name}'s {partitions} partitions to be served by their leader")
+        finally:
+            consumer.close()
 
     def partitions(self, topic: str) -> list[int]:
         """The topic's partition numbers, sorted."""
