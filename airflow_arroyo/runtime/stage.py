@@ -76,9 +76,10 @@ __all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", 
 
 log = logging.getLogger(__name__)
 
-# Seconds between micro-batch starts when a stage sets none: an idle query then asks its sources for
-# new data 10 times a second instead of Spark's 100 (each ask is a call into a Python process).
-DEFAULT_TRIGGER_INTERVAL = 0.1
+# Seconds between micro-batch starts when a stage sets none. Most of a small batch's cost is per batch, not per
+# row, so at low steady rates a shorter cadence buys latency with CPU (docs/runtime.md, "CPU per row at a steady
+# rate"); a query whose batch overruns it starts the next one at once, so it costs no throughput under load.
+DEFAULT_TRIGGER_INTERVAL = 0.5
 
 
 # --------------------------------------------------------------------------- the runner
