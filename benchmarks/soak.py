@@ -21,7 +21,8 @@ retention DAG does). Every ``--every`` seconds it samples, after a warm-up:
 * the pipeline's storage (checkpoints, channels, snapshots: what retention bounds) in files and bytes, the
   epoch store's database size, and its snapshot object references (rows) against the epochs not yet pruned and
   those of the newest epoch;
-* the epochs completed (the rate the rest is read against).
+* the epochs completed and the micro-batches the queries ran (the rates the rest is read against: a quantity kept
+  per batch grows with the second, which ``--trigger-interval`` changes).
 
 Prints, per quantity, the first and last sample, the least-squares slope per hour over the samples of
 the whole window and of its second half, side by side (a quantity that levels off has a second-half slope
@@ -53,6 +54,7 @@ import tracemalloc
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +66,10 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 from _spark import conf_pair, jvm_pid, local_session_builder, product_confs
 
 from airflow_arroyo.core.epochs import CheckpointPolicy, RetentionPolicy
-from airflow_arroyo.core.retention import prune_pipeline
+from airflow_arroyo.core.retention import DEFAULT_COMPACT_AFTER, prune_pipeline
 from airflow_arroyo.devtools.postgres import ThrowawayPostgres
 from airflow_arroyo.runtime import Pipeline
+from airflow_arroyo.runtime import stage as stage_mod
 from airflow_arroyo.runtime.channel import Channel
 from airflow_arroyo.runtime.driver import PipelineDriver
 from airflow_arroyo.store import EpochStore
@@ -299,12 +302,18 @@ def bounded_pipeline(pipeline_id: str, *, rate: int, rows_per_batch: int, sink: 
     return p
 
 
+def soak_compact_after(args: argparse.Namespace) -> str:
+    return "the product's default" if args.compact_after is None else f"{args.compact_after:g}s"
+
+
 class Soak:
     """The pipeline, its controller and retention threads, and the sampler."""
 
     def __init__(self, spark: Any, store: EpochStore, dsn: str, storage: Path, sink: Path, args: argparse.Namespace):
         self.spark, self.store, self.dsn, self.storage, self.args = spark, store, dsn, storage, args
         self.pid = f"soak-{uuid.uuid4().hex[:6]}"
+        self.compact_after = (DEFAULT_COMPACT_AFTER if args.compact_after is None
+                              else timedelta(seconds=args.compact_after))
         pipeline = bounded_pipeline(self.pid, rate=args.rate, rows_per_batch=args.rows_per_batch, sink=str(sink))
         self.driver = PipelineDriver(pipeline, store, storage_uri=str(storage), spark=spark)
         if args.no_release:
@@ -348,7 +357,8 @@ class Soak:
 
     def _retain(self) -> None:
         while not self.stop.wait(self.args.prune_every):
-            prune_pipeline(self.store, self.pid, RetentionPolicy(keep_last=KEEP_LAST), holder="soak")
+            prune_pipeline(self.store, self.pid, RetentionPolicy(keep_last=KEEP_LAST), holder="soak",
+                           compact_after=self.compact_after)
             self.prunes += 1
 
     def completed_epochs(self) -> int:
@@ -402,6 +412,11 @@ class Soak:
             out[f"channel {name} entries to truncate"] = kept_from - start
         return out
 
+    def micro_batches(self) -> int:
+        """Micro-batches every query of the pipeline has run (Spark's batch ids, from their latest progress): what
+        a quantity kept per batch rather than per epoch grows with."""
+        return sum(int(q.lastProgress["batchId"]) + 1 for q in self.spark.streams.active if q.lastProgress)
+
     def tables(self) -> list[tuple[str, int, int, int]]:
         """The epoch store's tables, largest first: (table, live rows, dead rows, bytes with indexes)."""
         import psycopg2
@@ -428,6 +443,7 @@ class Soak:
         resident = resident_by_mapping(me)
         return {
             "epochs completed": self.completed_epochs(),
+            "micro-batches run": self.micro_batches(),
             "JVM heap after full GC (MB)": heap / 1e6,
             "JVM metaspace (MB)": metaspace / 1e6,
             **{f"JVM status store {kind}": instances[name] for kind, name in _STATUS_CLASSES.items()},
@@ -624,8 +640,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples (default 30)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between epochs (default 5)")
     parser.add_argument("--prune-every", type=float, default=30.0, help="seconds between retention runs (default 30)")
+    parser.add_argument("--compact-after", type=float, default=None, metavar="SECONDS",
+                        help="retention compacts the store's rows it released longer ago than this (default: the "
+                             "product's, 7 days: none within a soak)")
     parser.add_argument("--rate", type=int, default=500, help="rows per second per source (default 500)")
     parser.add_argument("--rows-per-batch", type=int, default=500, help="generator rows per micro-batch")
+    parser.add_argument("--trigger-interval", type=float, default=None, metavar="SECONDS",
+                        help="every stage's seconds between micro-batch starts (default: the product's, "
+                             f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g})")
     parser.add_argument("--no-release", action="store_true",
                         help="the driver keeps the C library's free memory (no malloc_trim after each epoch)")
     parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
@@ -635,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and print where the memory still held grew over the second half (slows the driver)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.trigger_interval is not None:
+        stage_mod.DEFAULT_TRIGGER_INTERVAL = args.trigger_interval
 
     spark = local_session_builder("arroyo-soak", confs=product_confs(dict(args.conf))).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -643,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
         store.migrate()
         print(f"bounded_pipeline, local[2], {args.rate} rows/s per source, epochs every {args.interval:g}s, retention "
               f"every {args.prune_every:g}s (keep {KEEP_LAST}); {args.duration:g}s sampled every {args.every:g}s after "
-              f"{args.warmup:g}s; free memory released after each epoch: {not args.no_release}", flush=True)
+              f"{args.warmup:g}s; compaction after {soak_compact_after(args)}; micro-batches every "
+              f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g}s at most; free memory released after each epoch: "
+              f"{not args.no_release}", flush=True)
         soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
         # where to look while it runs (psql, jstack, a listing): the cluster is trust-only on 127.0.0.1
         print(f"epoch store {pg.dsn}, storage {tmp}/storage, driver JVM pid {soak.jvm_pid}", flush=True)
