@@ -98,7 +98,12 @@ from airflow_arroyo.runtime.rescale import rescale_checkpoint
 from airflow_arroyo.runtime.sinks import TransactionalSink, transactional_sink
 from airflow_arroyo.runtime.sinks.files import TransactionalFileSink
 from airflow_arroyo.runtime.snapshot import PreparedRestore, SnapshotStore
-from airflow_arroyo.runtime.stage import QueryStillRunningError, StageRunner, check_channels_have_barrier
+from airflow_arroyo.runtime.stage import (
+    QueryStillRunningError,
+    StageRunner,
+    check_channels_have_barrier,
+    trigger_interval,
+)
 from airflow_arroyo.runtime.startup import start_phases
 from airflow_arroyo.runtime.upgrade_evidence import StateSchemas, gather_state_schemas, snapshot_state_files
 from airflow_arroyo.store import EpochRecord, EpochStore, EpochWatch, FencingToken, PipelineRecord, redact_dsn
@@ -959,8 +964,9 @@ class PipelineDriver:
         run, for at most ``warmup_timeout`` seconds. A query's first batch pays for planning and code generation,
         its state store and Python workers: seconds per stage, tens of seconds for a restored stateful stage, which
         the first epoch's barrier would otherwise wait for stage after stage. A stage with nothing to read (its
-        upstream stages are warm, or it has none, and its query has had no data for a second) does not hold the
-        others up: an idle input may never give it a batch. A stop asked through the store ends the wait."""
+        upstream stages are warm, or it has none, and its query has had no data for a second, or for two of its
+        triggers where they are slower) does not hold the others up: an idle input may never give it a batch. A stop
+        asked through the store ends the wait."""
         t0 = time.monotonic()
         deadline = t0 + self.warmup_timeout
         beat = t0
@@ -984,7 +990,9 @@ class PipelineDriver:
                     idle_since.setdefault(r.name, now)
                 else:
                     idle_since.pop(r.name, None)
-            cold = [r for r in cold if not r.warm and now - idle_since.get(r.name, now) < 1.0]
+            # idle for a second, or two of its triggers where they are slower: a trigger that found no data yet
+            cold = [r for r in cold if not r.warm
+                    and now - idle_since.get(r.name, now) < max(1.0, 2 * trigger_interval(r.spec))]
             self._stop.wait(0.05)
         log.info("pipeline=%s: queries warmed up in %.1fs%s", self.pipeline_id, time.monotonic() - t0,
                  f" ({', '.join(r.name for r in cold)} ran no micro-batch yet)" if cold else "")

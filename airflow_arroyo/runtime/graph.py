@@ -71,7 +71,7 @@ class StageSpec:
     output: str | None = None  # channel written (None for sinks)
     output_mode: str = "append"
     state_store: str | None = None  # "hdfs" | "rocksdb" | None (the session's default)
-    trigger_interval: float | None = None  # seconds between micro-batch starts (None: as fast as possible)
+    trigger_interval: float | None = None  # seconds between micro-batch starts (None: stage.trigger_interval's default)
     foreach_batch: ForeachBatchFn | None = None  # sinks
     sink_format: str | None = None  # sinks: a batch writer format, e.g. "parquet"
     sink_options: Mapping[str, str] = field(default_factory=dict)

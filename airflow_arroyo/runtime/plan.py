@@ -237,14 +237,18 @@ def _marked(name: str, stateful: Mapping[str, bool | None]) -> str:
     return f"{name}*" if _is_stateful(stateful, name) else name
 
 
+def _cadence(s: StageSpec) -> str:
+    # fusion compares the values the stages set, not what they run at: plans stay as they were when the default moves
+    return "at the default cadence" if s.trigger_interval is None else f"every {s.trigger_interval:g}s"
+
+
 def _merge_reason(upstream: Sequence[_Building], s: StageSpec,
                   stateful: Mapping[str, bool | None]) -> tuple[Boundary, str] | None:
     """Why ``s`` cannot join the ``upstream`` groups (whose tails write its inputs), or None when it can."""
     members = [*(m for g in upstream for m in g.members), s]
     other = next((m for m in members if m.trigger_interval != s.trigger_interval), None)
     if other is not None:
-        return Boundary.TRIGGER, (f"{other.name!r} triggers every {other.trigger_interval}s, {s.name!r} every "
-                                  f"{s.trigger_interval}s")
+        return Boundary.TRIGGER, (f"{other.name!r} triggers {_cadence(other)}, {s.name!r} {_cadence(s)}")
     unknown = [m.name for m in members if stateful.get(m.name) is None]
     if unknown:  # not analyzed (no session, on or below a loop) or its read/transform raised: it runs alone, so
         # that what it does (an error while it is built included) is its own and names it

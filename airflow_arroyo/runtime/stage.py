@@ -72,14 +72,24 @@ if TYPE_CHECKING:
 
     from airflow_arroyo.runtime.sinks.base import TransactionalSink
 
-__all__ = ["CUTS_KEPT", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner", "brief_java_error"]
+__all__ = ["CUTS_KEPT", "DEFAULT_CHANNEL_TRIGGER_INTERVAL", "DEFAULT_TRIGGER_INTERVAL", "CutRecord", "StageRunner",
+           "brief_java_error", "trigger_interval"]
 
 log = logging.getLogger(__name__)
 
-# Seconds between micro-batch starts when a stage sets none. Most of a small batch's cost is per batch, not per
-# row, so at low steady rates a shorter cadence buys latency with CPU (docs/runtime.md, "CPU per row at a steady
-# rate"); a query whose batch overruns it starts the next one at once, so it costs no throughput under load.
+# Seconds between micro-batch starts when a stage sets none (docs/runtime.md, "CPU per row at a steady rate").
+# A query reading Spark sources: most of a small batch's cost is per batch, so a short cadence buys its rows'
+# latency with CPU, and an epoch's cut never waits for it (a source cuts at its last completed batch).
 DEFAULT_TRIGGER_INTERVAL = 0.5
+# A query reading channels: its cadence is also how long each hop holds its rows and an epoch's barrier.
+DEFAULT_CHANNEL_TRIGGER_INTERVAL = 0.1
+
+
+def trigger_interval(spec: StageSpec) -> float:
+    """The seconds between the micro-batch starts of ``spec``'s query."""
+    if spec.trigger_interval is not None:
+        return spec.trigger_interval
+    return DEFAULT_TRIGGER_INTERVAL if spec.kind is StageKind.SOURCE else DEFAULT_CHANNEL_TRIGGER_INTERVAL
 
 
 # --------------------------------------------------------------------------- the runner
@@ -271,7 +281,7 @@ class StageRunner:
             writer = (df.writeStream.queryName(f"{self.pipeline_id}.{self.name}")
                       .outputMode(spec.output_mode).foreachBatch(self._foreach_batch)
                       .option("checkpointLocation", self.checkpoint_uri))
-            interval = DEFAULT_TRIGGER_INTERVAL if spec.trigger_interval is None else spec.trigger_interval
+            interval = trigger_interval(spec)
             if interval > 0:
                 writer = writer.trigger(processingTime=f"{int(interval * 1000)} milliseconds")
             self.query = writer.start()

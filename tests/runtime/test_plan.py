@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from airflow_arroyo.examples import OUTPUT_CHANNEL, SINK_STAGE, demo
+from airflow_arroyo.runtime import stage
 from airflow_arroyo.runtime.pipeline import Pipeline, StageKind
 from airflow_arroyo.runtime.plan import Boundary, ChainedTransform, PhysicalPlan, plan_chains, plan_nodes
 
@@ -186,6 +187,26 @@ def test_per_stage_options_that_apply_to_a_whole_query_keep_a_boundary(change: d
     else:
         assert groups(plan) == [("src", "a", "b"), ("out",)]
         assert reasons(plan) == {("b", "out"): boundary}
+
+
+def test_a_stage_set_to_the_default_cadence_keeps_its_boundary_with_an_unset_one_and_says_so() -> None:
+    # fusion compares what the stages set, so a plan does not change when the default cadence does
+    plan = plan_chains(linear(trigger_interval=stage.DEFAULT_TRIGGER_INTERVAL).validate(), STATELESS)
+    assert groups(plan) == [("src", "a", "b"), ("out",)]
+    ((reader, why, detail),) = plan.channels[0].readers
+    assert (reader, why) == ("out", Boundary.TRIGGER)
+    assert detail == f"'src' triggers at the default cadence, 'out' every {stage.DEFAULT_TRIGGER_INTERVAL:g}s", detail
+
+
+def test_a_query_that_reads_spark_sources_and_one_that_reads_channels_default_to_their_own_cadences() -> None:
+    plan = plan_chains(linear(chain=False).validate(), STATELESS)
+    fused, sink = (g.spec for g in plan.groups)
+    assert fused.kind is StageKind.SOURCE and sink.kind is StageKind.SINK
+    assert stage.trigger_interval(fused) == stage.DEFAULT_TRIGGER_INTERVAL
+    assert stage.trigger_interval(sink) == stage.DEFAULT_CHANNEL_TRIGGER_INTERVAL
+    assert stage.DEFAULT_CHANNEL_TRIGGER_INTERVAL < stage.DEFAULT_TRIGGER_INTERVAL
+    set_one = plan_chains(linear(chain=False, trigger_interval=2.0).validate(), STATELESS)
+    assert stage.trigger_interval(set_one.groups[-1].spec) == 2.0
 
 
 def test_output_modes_and_state_stores_that_differ_keep_a_boundary() -> None:

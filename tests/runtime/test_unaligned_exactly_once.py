@@ -58,10 +58,12 @@ def pipeline(pipeline_id: str, root: str, rows: int, rate: int, delay: float, ch
 
         return df.mapInArrow(slow, df.schema)
 
+    # a source writes an entry per micro-batch: at 0.1 s (not a source's default 0.5 s) it outruns the slowed reader,
+    # so a backlog builds; both stages set it, as stages with different cadences do not fuse
     p = Pipeline(pipeline_id, chaining=chaining)
     src = p.source("src", lambda spark: generator_source(spark, total_rows=rows, rows_per_second=rate,
-                                                          partitions=1).select("id"))
-    p.sink("out", [src], transform=slowed, format="json", options={"path": f"{root}/out"})
+                                                          partitions=1).select("id"), trigger_interval=0.1)
+    p.sink("out", [src], transform=slowed, format="json", options={"path": f"{root}/out"}, trigger_interval=0.1)
     return p
 
 
