@@ -268,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between epochs")
     parser.add_argument("--conf", action="append", default=[], type=conf_pair, help="extra Spark conf k=v")
     parser.add_argument("--trigger-interval", type=float, default=None,
-                        help="seconds between micro-batch starts of every stage (default: the stages' default, "
-                             f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g} s; 0 = as fast as possible)")
+                        help="seconds between micro-batch starts of every stage (default: the stages' defaults, "
+                             f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g} s reading Spark sources, "
+                             f"{stage_mod.DEFAULT_CHANNEL_TRIGGER_INTERVAL:g} s reading channels; 0 = as fast as "
+                             "possible)")
     parser.add_argument("--boundary", action="store_true",
                         help="the latency benchmark's boundary form instead: the pipeline fused, one channel left "
                              "before the sink (two queries)")
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     spark.sparkContext.setLogLevel("ERROR")
     instrument()
     if args.trigger_interval is not None:
-        stage_mod.DEFAULT_TRIGGER_INTERVAL = args.trigger_interval
+        stage_mod.DEFAULT_TRIGGER_INTERVAL = stage_mod.DEFAULT_CHANNEL_TRIGGER_INTERVAL = args.trigger_interval
     with ThrowawayPostgres() as pg, tempfile.TemporaryDirectory(prefix="arroyo-hops-") as tmp:
         store = EpochStore(pg.dsn)
         store.migrate()

@@ -646,8 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=500, help="rows per second per source (default 500)")
     parser.add_argument("--rows-per-batch", type=int, default=500, help="generator rows per micro-batch")
     parser.add_argument("--trigger-interval", type=float, default=None, metavar="SECONDS",
-                        help="every stage's seconds between micro-batch starts (default: the product's, "
-                             f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g})")
+                        help="seconds between micro-batch starts of the query that reads the sources (default: "
+                             f"the product's, {stage_mod.DEFAULT_TRIGGER_INTERVAL:g}; the channel's reader keeps "
+                             f"its {stage_mod.DEFAULT_CHANNEL_TRIGGER_INTERVAL:g})")
     parser.add_argument("--no-release", action="store_true",
                         help="the driver keeps the C library's free memory (no malloc_trim after each epoch)")
     parser.add_argument("--conf", action="append", default=[], type=conf_pair, metavar="KEY=VALUE",
@@ -668,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bounded_pipeline, local[2], {args.rate} rows/s per source, epochs every {args.interval:g}s, retention "
               f"every {args.prune_every:g}s (keep {KEEP_LAST}); {args.duration:g}s sampled every {args.every:g}s after "
               f"{args.warmup:g}s; compaction after {soak_compact_after(args)}; micro-batches every "
-              f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g}s at most; free memory released after each epoch: "
+              f"{stage_mod.DEFAULT_TRIGGER_INTERVAL:g}s at most (sources; channels "
+              f"{stage_mod.DEFAULT_CHANNEL_TRIGGER_INTERVAL:g}s); free memory released after each epoch: "
               f"{not args.no_release}", flush=True)
         soak = Soak(spark, store, pg.dsn, Path(tmp) / "storage", Path(tmp) / "sink", args)
         # where to look while it runs (psql, jstack, a listing): the cluster is trust-only on 127.0.0.1
