@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from airflow_arroyo.runtime.driver import PipelineDriver
     from airflow_arroyo.store import EpochStore
 
+# the JVM options `scripts/dev.sh test` runs the suite's JVMs with
+SUITE_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
 
 def conf_pair(text: str) -> tuple[str, str]:
     """``--conf`` values: ``KEY=VALUE`` (argparse names a bad one)."""

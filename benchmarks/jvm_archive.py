@@ -19,9 +19,10 @@ import statistics
 import subprocess
 import sys
 
+from _spark import SUITE_JAVA_OPTIONS
+
 from airflow_arroyo.devtools import jvm_archive
 
-SUITE_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 _CHILD = """
 import json, time
 t0 = time.perf_counter()
@@ -49,7 +50,7 @@ def start_once(java_options: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--java-options", default=SUITE_OPTIONS)
+    parser.add_argument("--java-options", default=SUITE_JAVA_OPTIONS)
     args = parser.parse_args()
     archive = jvm_archive.ensure(args.java_options)
     if archive is None:

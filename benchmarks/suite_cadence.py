@@ -21,8 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _spark import SUITE_JAVA_OPTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
-SUITE_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 TESTS = [
     "tests/runtime/test_exactly_once.py::test_sigkill_with_everything_on_s3_is_exactly_once",
     "tests/runtime/test_fencing_takeover.py::test_a_live_superseded_driver_cannot_write_and_the_output_stays_exact",
@@ -46,7 +47,7 @@ def copy_with_cadence(target: Path, cadence: float) -> None:
 def run_tests(copy: Path, tests: list[str]) -> dict[str, float]:
     """The call duration pytest reports per test id, run from ``copy``."""
     env = {**os.environ, "PYTHONPATH": str(copy), "PYSPARK_PYTHON": sys.executable,
-           "PYSPARK_DRIVER_PYTHON": sys.executable, "JDK_JAVA_OPTIONS": SUITE_OPTIONS,
+           "PYSPARK_DRIVER_PYTHON": sys.executable, "JDK_JAVA_OPTIONS": SUITE_JAVA_OPTIONS,
            "ARROYO_JVM_CACHE": os.environ.get("ARROYO_JVM_CACHE", str(ROOT / ".cache" / "jvm"))}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--durations=0",
                            "--durations-min=1", *tests], cwd=copy, env=env, capture_output=True, text=True)

@@ -348,7 +348,7 @@ class KafkaBroker:
 
         def served() -> bool:
             # a KRaft broker updates the metadata it serves before its replica manager takes the partition on:
-            # in between, a client asking that leader gets NOT_LEADER_FOR_PARTITION (seen on a loaded machine)
+            # in between, a client asking that leader gets NOT_LEADER_FOR_PARTITION
             try:
                 for p in range(partitions):
                     consumer.get_watermark_offsets(TopicPartition(name, p), timeout=5.0)
